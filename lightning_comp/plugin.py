@@ -1,0 +1,250 @@
+"""``CoMPPrecision``: a Lightning precision plugin that trains with an operator-wise precision plan."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Callable, Generator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.plugins.precision.amp import _optimizer_handles_unscaling
+from lightning.fabric.utilities.types import Optimizable
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.utilities import GradClipAlgorithmType
+from torch import Tensor, nn
+from torch.optim import LBFGS, Optimizer
+from typing_extensions import override
+
+from lightning_comp.casting import PlanExecutor, StepKind
+from lightning_comp.dtypes import Precision as Dtype
+from lightning_comp.dtypes import device_supports_fast
+from lightning_comp.errors import PlanError, UnsupportedSetupError
+from lightning_comp.operators import module_device_type
+from lightning_comp.plan import PrecisionPlan, plan_from_any
+
+__all__ = ["CoMPPrecision"]
+
+_STATE_VERSION = 1
+PlanLike = PrecisionPlan | Mapping[str, Any] | str | os.PathLike[str] | None
+
+
+class CoMPPrecision(Precision):
+    """Train with a per-operator precision plan: FP32 master weights, each operator in its own precision.
+
+    Pass it to the Trainer as ``Trainer(plugins=[CoMPPrecision(plan)])`` and leave the Trainer's ``precision``
+    unset. The plan is put into effect with forward hooks when the Trainer sets the model up, so the model's code
+    is unchanged. Parameters, gradients and optimizer state stay FP32. A plan that uses FP16 anywhere turns on
+    dynamic loss scaling (``torch.amp.GradScaler``); BF16-only plans need none.
+
+    Args:
+        plan: a :class:`PrecisionPlan`, a ``{selector: precision}`` mapping, a path to a plan saved with
+            :meth:`PrecisionPlan.save`, or ``None`` for all-FP32 until a :class:`~lightning_comp.CoMPSearch` sets one.
+        allow_slow_fp16: FP16 entries on a device without fast FP16 (e.g. a CPU without AMX-FP16, where FP16
+            convolution backward runs a reference kernel ~100x slower than FP32) are replaced by FP32 with a
+            warning, unless this is ``True``.
+        scaler: a ``torch.amp.GradScaler`` to use for FP16 plans instead of a default one.
+
+    Raises:
+        PlanError: if ``plan`` cannot be read.
+    """
+
+    precision = "32-true"  # master weights and everything outside the plan's operators; keeps Lightning's literal
+
+    def __init__(
+        self, plan: PlanLike = None, *, allow_slow_fp16: bool = False, scaler: torch.amp.GradScaler | None = None
+    ) -> None:
+        super().__init__()
+        self._requested: PrecisionPlan = plan_from_any(plan)
+        self._plan: PrecisionPlan = self._requested
+        self.allow_slow_fp16 = bool(allow_slow_fp16)
+        self.scaler: torch.amp.GradScaler | None = scaler
+        self._user_scaler = scaler is not None
+        self._executor = PlanExecutor()
+        self._model: nn.Module | None = None
+        self._device_type: str | None = None
+        self.skipped_steps = 0
+        self.optimizer_steps = 0
+
+    # -------------------------------------------------------------------------------------------- the plan
+    @property
+    def plan(self) -> PrecisionPlan:
+        """The plan in force (bound to the model once the Trainer has set it up)."""
+        return self._plan
+
+    @property
+    def executor(self) -> PlanExecutor:
+        """The hook engine (for inspection)."""
+        return self._executor
+
+    def set_plan(self, plan: PlanLike) -> PrecisionPlan:
+        """Replace the plan; re-hooks the model at once if it is known (idempotent, no stale or double hooks).
+
+        Returns:
+            The plan now in force.
+
+        Raises:
+            PlanMismatchError: if the plan does not fit the model.
+        """
+        self._requested = plan_from_any(plan)
+        if self._model is not None:
+            self._apply()
+        else:
+            self._plan = self._requested
+        return self._plan
+
+    def _apply(self) -> None:
+        assert self._model is not None
+        device_type = self._device_type or module_device_type(self._model)
+        plan = self._decline_slow_fp16(self._requested, device_type)
+        self._plan = self._executor.apply(self._model, plan, device_type)
+        self._sync_scaler(device_type)
+
+    def _decline_slow_fp16(self, plan: PrecisionPlan, device_type: str) -> PrecisionPlan:
+        if self.allow_slow_fp16 or not plan.uses(Dtype.FP16) or device_supports_fast(Dtype.FP16, device_type):
+            return plan
+        warnings.warn(
+            f"The plan assigns fp16 but this {device_type!r} device has no fast fp16 (on CPUs without AMX-FP16, fp16"
+            " matmuls run at ~1x fp32 and fp16 convolution backward ~100x slower): those entries run in fp32."
+            " Use 'bf16', or pass CoMPPrecision(allow_slow_fp16=True) to insist.",
+            UserWarning,
+            stacklevel=3,
+        )
+        entries = {s: ("fp32" if p is Dtype.FP16 else p.value) for s, p in plan.entries}
+        default = Dtype.FP32 if plan.default is Dtype.FP16 else plan.default
+        declined = PrecisionPlan.from_dict(entries, default=default)
+        return declined.with_provenance(**plan.provenance, declined_fp16=True)
+
+    def _sync_scaler(self, device_type: str) -> None:
+        if self._plan.uses(Dtype.FP16):
+            if self.scaler is None:
+                self.scaler = torch.amp.GradScaler(device=device_type)
+        elif not self._user_scaler:
+            self.scaler = None
+
+    # ------------------------------------------------------------------------------------------ Lightning hooks
+    @override
+    def convert_module(self, module: nn.Module) -> nn.Module:
+        """Hook ``module`` in place with the plan (DDP ignores the return value, so nothing is wrapped)."""
+        self._model = module
+        self._device_type = module_device_type(module)
+        self._apply()
+        return module
+
+    @override
+    def connect(self, model: Any, optimizers: Any, lr_schedulers: Any) -> Any:
+        if type(model).__name__ == "DeepSpeedEngine":
+            raise UnsupportedSetupError(
+                "CoMPPrecision cannot drive a DeepSpeed engine (backward and step must go through DeepSpeed's own"
+                " precision plugin). Use strategy='ddp' or 'auto' with CoMPPrecision, or DeepSpeed without it."
+            )
+        return super().connect(model, optimizers, lr_schedulers)
+
+    @contextmanager
+    def _step(self, kind: StepKind) -> Generator[None, None, None]:
+        with self._executor.step(kind):
+            yield
+
+    @override
+    @contextmanager
+    def train_step_context(self) -> Generator[None, None, None]:
+        with self._step(StepKind.TRAIN):
+            yield
+
+    @override
+    @contextmanager
+    def val_step_context(self) -> Generator[None, None, None]:
+        with self._step(StepKind.VALIDATION):
+            yield
+
+    @override
+    @contextmanager
+    def test_step_context(self) -> Generator[None, None, None]:
+        with self._step(StepKind.TEST):
+            yield
+
+    @override
+    @contextmanager
+    def predict_step_context(self) -> Generator[None, None, None]:
+        with self._step(StepKind.PREDICT):
+            yield
+
+    @override
+    def pre_backward(self, tensor: Tensor, module: pl.LightningModule) -> Tensor:  # type: ignore[override]
+        if self.scaler is not None:
+            tensor = self.scaler.scale(tensor)
+        return super().pre_backward(tensor, module)
+
+    @override
+    def optimizer_step(  # type: ignore[override]
+        self, optimizer: Optimizable, model: pl.LightningModule, closure: Callable[[], Any], **kwargs: Any
+    ) -> Any:
+        self.optimizer_steps += 1
+        if self.scaler is None:
+            return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
+        if isinstance(optimizer, LBFGS):
+            raise UnsupportedSetupError("Loss scaling for fp16 plans is not compatible with the LBFGS optimizer.")
+        closure_result = closure()
+        skip_unscaling = closure_result is None and model.automatic_optimization
+        if not _optimizer_handles_unscaling(optimizer) and not skip_unscaling:
+            self.scaler.unscale_(optimizer)  # type: ignore[arg-type]
+        self._after_closure(model, optimizer)
+        if skip_unscaling:
+            return closure_result
+        scale_before = self.scaler.get_scale()
+        step_output = self.scaler.step(optimizer, **kwargs)  # type: ignore[arg-type]
+        self.scaler.update()
+        if self.scaler.get_scale() < scale_before:
+            self.skipped_steps += 1
+        return step_output
+
+    @override
+    def clip_gradients(
+        self,
+        optimizer: Optimizer,
+        clip_val: int | float = 0.0,
+        gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
+    ) -> None:
+        if clip_val > 0 and self.scaler is not None and _optimizer_handles_unscaling(optimizer):
+            raise UnsupportedSetupError(
+                f"{type(optimizer).__qualname__} unscales gradients internally (a 'fused' optimizer), so gradients"
+                " cannot be clipped under an fp16 plan. Use a non-fused optimizer or a bf16 plan."
+            )
+        super().clip_gradients(optimizer=optimizer, clip_val=clip_val, gradient_clip_algorithm=gradient_clip_algorithm)
+
+    # ------------------------------------------------------------------------------------------------ state
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        """The plan (plain Python types, loadable with ``weights_only=True``), scaler state and step counters."""
+        return {
+            "version": _STATE_VERSION,
+            "plan": self._plan.to_dict(),
+            "scaler": None if self.scaler is None else self.scaler.state_dict(),
+            "skipped_steps": self.skipped_steps,
+            "optimizer_steps": self.optimizer_steps,
+        }
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore the plan and re-apply it to the model, then restore the scaler.
+
+        Raises:
+            PlanError: if the state is malformed.
+            PlanMismatchError: if the stored plan was made for a different model.
+        """
+        if not isinstance(state_dict, Mapping) or "plan" not in state_dict:
+            raise PlanError(f"Malformed CoMPPrecision state {state_dict!r}: expected a mapping with a 'plan' key.")
+        self.set_plan(PrecisionPlan.from_dict(state_dict["plan"]))
+        scaler_state = state_dict.get("scaler")
+        if scaler_state:
+            if self.scaler is None:
+                self.scaler = torch.amp.GradScaler(device=self._device_type or "cpu")
+            self.scaler.load_state_dict(scaler_state)
+        self.skipped_steps = int(state_dict.get("skipped_steps", 0))
+        self.optimizer_steps = int(state_dict.get("optimizer_steps", 0))
+
+    def remove_hooks(self) -> None:
+        """Take the plan off the model (it then computes in FP32 everywhere); :meth:`set_plan` puts one back."""
+        self._executor.remove()
