@@ -1,0 +1,138 @@
+"""Finding the operators that are unsafe in low precision with few convergence trials (adaptive group testing).
+
+The search starts with every candidate lowered at once. A group that converges is safe as a whole; a group that
+does not is split in two and each half is tried alone, down to single operators, which are then marked unsafe. With
+``u`` unsafe operators among ``n`` candidates this needs about ``1 + 2u log2(n/u)`` trials: the cost grows with the
+number of unsafe operators, not with the number of operators. Operators that are safe one group at a time may still
+fail together, so when the safe set was never tried as a whole, a confirming trial tries it; if that fails, the best
+group that did pass is used.
+
+The class is a small explicit state machine with ``state_dict``/``load_state_dict`` so a search interrupted by a
+crash resumes where it was.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["GroupSearch"]
+
+
+@dataclass
+class GroupSearch:
+    """Adaptive group testing over candidate operators.
+
+    Attributes:
+        candidates: the operators that may be lowered, in execution order.
+        gains: estimated benefit of lowering each operator (used to rank fallbacks).
+        max_trials: most trials to run; when reached the best passing group so far is taken.
+    """
+
+    candidates: tuple[str, ...]
+    gains: Mapping[str, float] = field(default_factory=dict)
+    max_trials: int = 16
+    queue: list[tuple[str, ...]] = field(default_factory=list)
+    safe: list[str] = field(default_factory=list)
+    unsafe: list[str] = field(default_factory=list)
+    passed: list[tuple[str, ...]] = field(default_factory=list)
+    trials: int = 0
+    confirming: tuple[str, ...] | None = None
+    result: tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        self.candidates = tuple(self.candidates)
+        if not self.queue and self.result is None and self.confirming is None and self.trials == 0:
+            self.queue = [self.candidates] if self.candidates else []
+            if not self.candidates:
+                self.result = ()
+
+    @property
+    def done(self) -> bool:
+        """Whether the search has reached a result."""
+        return self.result is not None
+
+    def next_group(self) -> tuple[str, ...] | None:
+        """The group of operators to lower (alone) in the next trial, or ``None`` when done."""
+        if self.done:
+            return None
+        if self.confirming is not None:
+            return self.confirming
+        return self.queue[0] if self.queue else None
+
+    def report(self, group: Sequence[str], passed: bool) -> None:
+        """Record the verdict of the trial of ``group``.
+
+        Raises:
+            ValueError: if ``group`` is not the group :meth:`next_group` asked for.
+        """
+        group = tuple(group)
+        expected = self.next_group()
+        if group != expected:
+            raise ValueError(f"Verdict for group {group!r}, but the search is waiting for {expected!r}.")
+        self.trials += 1
+        if self.confirming is not None:
+            self.result = group if passed else self._best_passed()
+            if passed:
+                self.passed.append(group)
+            self.confirming = None
+            return
+        self.queue.pop(0)
+        if passed:
+            self.safe.extend(group)
+            self.passed.append(group)
+        elif len(group) == 1:
+            self.unsafe.extend(group)
+        else:
+            half = len(group) // 2
+            self.queue[0:0] = [group[:half], group[half:]]
+        if self.trials >= self.max_trials and self.queue:
+            self.unsafe.extend(op for g in self.queue for op in g if op not in self.unsafe)
+            self.queue.clear()
+            self.result = self._best_passed()
+            return
+        if not self.queue:
+            union = tuple(op for op in self.candidates if op in self.safe)
+            if not union or union in self.passed:
+                self.result = union
+            elif self.trials >= self.max_trials:
+                self.result = self._best_passed()
+            else:
+                self.confirming = union
+
+    def _best_passed(self) -> tuple[str, ...]:
+        if not self.passed:
+            return ()
+        return max(self.passed, key=lambda g: (sum(self.gains.get(op, 0.0) for op in g), len(g)))
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain-typed state."""
+        return {
+            "candidates": list(self.candidates),
+            "gains": dict(self.gains),
+            "max_trials": self.max_trials,
+            "queue": [list(g) for g in self.queue],
+            "safe": list(self.safe),
+            "unsafe": list(self.unsafe),
+            "passed": [list(g) for g in self.passed],
+            "trials": self.trials,
+            "confirming": None if self.confirming is None else list(self.confirming),
+            "result": None if self.result is None else list(self.result),
+        }
+
+    @classmethod
+    def from_state(cls, state: Mapping[str, Any]) -> GroupSearch:
+        """Rebuild a search from :meth:`state_dict`."""
+        return cls(
+            candidates=tuple(state["candidates"]),
+            gains=dict(state["gains"]),
+            max_trials=int(state["max_trials"]),
+            queue=[tuple(g) for g in state["queue"]],
+            safe=list(state["safe"]),
+            unsafe=list(state["unsafe"]),
+            passed=[tuple(g) for g in state["passed"]],
+            trials=int(state["trials"]),
+            confirming=None if state["confirming"] is None else tuple(state["confirming"]),
+            result=None if state["result"] is None else tuple(state["result"]),
+        )

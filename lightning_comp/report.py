@@ -1,0 +1,63 @@
+"""Readable tables of a search's decision record."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["format_table", "format_record"]
+
+
+def format_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """Left-aligned plain-text table."""
+    cells = [[str(c) for c in header]] + [["" if c is None else str(c) for c in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(cells[0], widths)).rstrip(), "  ".join("-" * w for w in widths)]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells[1:]]
+    return "\n".join(lines)
+
+
+def _ms(value: Any) -> str:
+    return "" if value is None else f"{float(value):.3f}"
+
+
+def format_record(record: dict[str, Any]) -> str:
+    """The decision record of a :class:`~lightning_comp.CoMPSearch` as text: trials, operators, cost."""
+    low = record.get("low_precision") or "low"
+    out = [
+        f"CoMPSearch: chose '{record.get('chosen_trial')}' ({record.get('finish_reason')}):"
+        f" {len(record.get('lowered_operators', []))} of {record.get('num_operators', 0)} operators in {low}",
+        "",
+        "Convergence trials (monitor {m}, mode {mo}, tolerance {t} {tm}):".format(
+            m=record["monitor"], mo=record["mode"], t=record["tolerance"], tm=record["tolerance_mode"]),
+        format_table(
+            ("trial", "low ops", "metric", "verdict", "why", "step ms", "seconds", "kept"),
+            [
+                (t["label"], len(t["low_operators"]), "" if t["metric"] is None else f"{t['metric']:.6g}",
+                 t["verdict"], t["reason"], _ms(t["median_step_ms"]), _ms(t["seconds"]), "yes" if t["kept"] else "")
+                for t in record.get("trials", [])
+            ],
+        ),
+    ]
+    operators = record.get("operators") or {}
+    if operators:
+        rows = []
+        for name, op in operators.items():
+            fp32, lowm = op.get("fp32", {}), op.get("low", {})
+            rows.append((name or "<root>", op["type"], _ms(fp32.get("total_ms")), _ms(lowm.get("total_ms")),
+                         fp32.get("saved_bytes", ""), lowm.get("saved_bytes", ""), op["decision"], op["reason"]))
+        out += ["", f"Batch stage (fwd+bwd ms per step, bytes saved for backward; fp32 vs {low}):",
+                format_table(("operator", "type", "fp32 ms", f"{low} ms", "fp32 B", f"{low} B", "decision", "why"),
+                             rows)]
+    step_ms = record.get("step_ms") or {}
+    if step_ms:
+        out.append("Whole step (min ms over rounds): " + ", ".join(f"{k} {v:.3f}" for k, v in step_ms.items()))
+    cost = record.get("cost") or {}
+    share = cost.get("share_of_fit")
+    out.append(
+        f"Search cost: {cost.get('search_seconds', 0.0):.2f} s (profiling {cost.get('profiling_seconds', 0.0):.2f} s,"
+        f" rejected trials {cost.get('rejected_trial_seconds', 0.0):.2f} s)"
+        + ("" if share is None else f", {share:.1%} of the fit")
+        + f"; max_epochs extended by {record.get('extension_epochs', 0)}"
+    )
+    return "\n".join(out)
