@@ -13,24 +13,30 @@ from lightning_comp.errors import (
 from lightning_comp.operators import Lowering, OperatorInfo, OperatorKind, discover_operators, register_atomic
 from lightning_comp.plan import OperatorFingerprint, PrecisionPlan
 from lightning_comp.plugin import CoMPPrecision
+from lightning_comp.search import CoMPSearch, Objective, SearchConfig
+from lightning_comp.snapshot import TrainingSnapshot
 
 __version__ = "0.1.0.dev0"
 
 __all__ = [
     "CoMPError",
     "CoMPPrecision",
+    "CoMPSearch",
     "Lowering",
     "OperatorFingerprint",
     "OperatorInfo",
     "OperatorKind",
+    "Objective",
     "PlanError",
     "PlanExecutor",
     "PlanFileError",
     "PlanMismatchError",
     "Precision",
     "PrecisionPlan",
+    "SearchConfig",
     "SearchConfigError",
     "StepKind",
+    "TrainingSnapshot",
     "UnsupportedSetupError",
     "discover_operators",
     "parse_precision",
