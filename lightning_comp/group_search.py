@@ -4,8 +4,8 @@ The search starts with every candidate lowered at once. A group that converges i
 does not is split in two and each half is tried alone, down to single operators, which are then marked unsafe. With
 ``u`` unsafe operators among ``n`` candidates this needs about ``1 + 2u log2(n/u)`` trials: the cost grows with the
 number of unsafe operators, not with the number of operators. Operators that are safe one group at a time may still
-fail together, so when the safe set was never tried as a whole, a confirming trial tries it; if that fails, the best
-group that did pass is used.
+fail together, so when the safe set was never tried as a whole, a confirming trial tries it; if that fails (or the
+safe set is a group that already failed), the passing group with the largest estimated gain is used.
 
 The class is a small explicit state machine with ``state_dict``/``load_state_dict`` so a search interrupted by a
 crash resumes where it was.
@@ -37,6 +37,7 @@ class GroupSearch:
     safe: list[str] = field(default_factory=list)
     unsafe: list[str] = field(default_factory=list)
     passed: list[tuple[str, ...]] = field(default_factory=list)
+    failed: list[tuple[str, ...]] = field(default_factory=list)
     trials: int = 0
     confirming: tuple[str, ...] | None = None
     result: tuple[str, ...] | None = None
@@ -83,8 +84,10 @@ class GroupSearch:
             self.safe.extend(group)
             self.passed.append(group)
         elif len(group) == 1:
+            self.failed.append(group)
             self.unsafe.extend(group)
         else:
+            self.failed.append(group)
             half = len(group) // 2
             self.queue[0:0] = [group[:half], group[half:]]
         if self.trials >= self.max_trials and self.queue:
@@ -96,7 +99,7 @@ class GroupSearch:
             union = tuple(op for op in self.candidates if op in self.safe)
             if not union or union in self.passed:
                 self.result = union
-            elif self.trials >= self.max_trials:
+            elif union in self.failed or self.trials >= self.max_trials:
                 self.result = self._best_passed()
             else:
                 self.confirming = union
@@ -116,6 +119,7 @@ class GroupSearch:
             "safe": list(self.safe),
             "unsafe": list(self.unsafe),
             "passed": [list(g) for g in self.passed],
+            "failed": [list(g) for g in self.failed],
             "trials": self.trials,
             "confirming": None if self.confirming is None else list(self.confirming),
             "result": None if self.result is None else list(self.result),
@@ -132,6 +136,7 @@ class GroupSearch:
             safe=list(state["safe"]),
             unsafe=list(state["unsafe"]),
             passed=[tuple(g) for g in state["passed"]],
+            failed=[tuple(g) for g in state.get("failed", [])],
             trials=int(state["trials"]),
             confirming=None if state["confirming"] is None else tuple(state["confirming"]),
             result=None if state["result"] is None else tuple(state["result"]),

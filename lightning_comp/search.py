@@ -26,7 +26,7 @@ import json
 import math
 import statistics
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
@@ -41,7 +41,7 @@ from typing_extensions import override
 
 from lightning_comp.casting import StepKind
 from lightning_comp.dtypes import Precision, device_supports_fast, parse_precision
-from lightning_comp.errors import SearchConfigError, UnsupportedSetupError
+from lightning_comp.errors import PlanError, SearchConfigError, UnsupportedSetupError
 from lightning_comp.group_search import GroupSearch
 from lightning_comp.operators import Lowering, OperatorKind, classify, iter_operators, lowering_for, module_device_type
 from lightning_comp.plan import PrecisionPlan
@@ -84,6 +84,8 @@ class SearchConfig:
     max_trials: int = 12
     max_skipped_fraction: float = 0.05
     max_memory_slowdown: float = 1.5
+    include: tuple[str, ...] = ()
+    exclude: tuple[str, ...] = ()
     record_dir: str | None = None
     verbose: bool = True
 
@@ -116,6 +118,15 @@ class SearchConfig:
                 fail(name, "it must be a number >= 0")
         if not self.max_memory_slowdown >= 1:
             fail("max_memory_slowdown", "it must be >= 1 (the slowdown accepted for memory)")
+        for name in ("include", "exclude"):
+            value = getattr(self, name)
+            if isinstance(value, str) or not all(isinstance(v, str) for v in value):
+                fail(name, "it must be a list of plan selectors (operator names, globs or 'type:ClassName')")
+            object.__setattr__(self, name, tuple(value))
+            try:
+                PrecisionPlan.from_dict({selector: "bf16" for selector in value})
+            except PlanError as err:
+                raise SearchConfigError(f"CoMPSearch({name}=...): {err}") from None
 
     def resolve_low_precision(self, device_type: str) -> Precision | None:
         """The 16-bit precision to search with on ``device_type`` (``None`` when nothing pays there)."""
@@ -152,6 +163,9 @@ class CoMPSearch(Callback):
         max_trials: budget of candidate trials (the reference trial not counted).
         max_skipped_fraction: FP16 trials whose loss scaler skips more than this fraction of steps are rejected.
         max_memory_slowdown: with ``objective="memory"``, the largest slowdown accepted for an operator.
+        include: plan selectors (names, globs, ``"type:Linear"``) of operators to trial in low precision whatever
+            the batch stage measures (convergence still decides).
+        exclude: plan selectors of operators never to lower (kept FP32 without trials), e.g. a sensitive head.
         record_dir: where to write ``comp_search.json`` and ``comp_plan.json`` (default: the Trainer's log dir).
         verbose: print the decision table on rank 0.
 
@@ -176,6 +190,8 @@ class CoMPSearch(Callback):
         max_trials: int = 12,
         max_skipped_fraction: float = 0.05,
         max_memory_slowdown: float = 1.5,
+        include: Sequence[str] = (),
+        exclude: Sequence[str] = (),
         record_dir: str | None = None,
         verbose: bool = True,
     ) -> None:
@@ -195,6 +211,8 @@ class CoMPSearch(Callback):
             max_trials=max_trials,
             max_skipped_fraction=max_skipped_fraction,
             max_memory_slowdown=max_memory_slowdown,
+            include=tuple(include) if not isinstance(include, str) else include,  # type: ignore[arg-type]
+            exclude=tuple(exclude) if not isinstance(exclude, str) else exclude,  # type: ignore[arg-type]
             record_dir=None if record_dir is None else str(record_dir),
             verbose=verbose,
         )
@@ -204,6 +222,7 @@ class CoMPSearch(Callback):
         self._user_max_steps: int | None = None
         self._batch_started: float | None = None
         self._fit_started: float | None = None
+        self._monitor_checked = False
         self._state = self._fresh_state()
 
     @staticmethod
@@ -362,11 +381,17 @@ class CoMPSearch(Callback):
 
     @override
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not self._monitor_checked:  # fail on the sanity check already, before any epoch is spent
+            self._check_monitor(trainer)
         if trainer.sanity_checking or self._state["phase"] != "searching":
             return
         current = self._current_trial()
         if current is None:
             return
+        self._check_monitor(trainer)
+        current["metrics"][str(trainer.current_epoch)] = float(trainer.callback_metrics[self.config.monitor])
+
+    def _check_monitor(self, trainer: pl.Trainer) -> None:
         metrics = trainer.callback_metrics
         if self.config.monitor not in metrics:
             available = sorted(k for k in metrics)
@@ -375,8 +400,7 @@ class CoMPSearch(Callback):
                 f" {available or '(none)'}. Log it in validation_step with self.log({self.config.monitor!r}, ...)"
                 " or set monitor= to one of those."
             )
-        value = float(metrics[self.config.monitor])
-        current["metrics"][str(trainer.current_epoch)] = value
+        self._monitor_checked = True
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -601,11 +625,12 @@ class CoMPSearch(Callback):
                 memory = {k: sum(m.saved_bytes for m in r.operators.values()) for k, r in results.items()}
                 if not self._plan_pays(step_ms, memory):
                     for name in candidates:
-                        decisions[name]["decision"] = "fp32"
-                        decisions[name]["reason"] = (
-                            f"candidate plan as a whole not better than fp32 ({step_ms['candidates']:.3f} ms vs"
-                            f" {step_ms['fp32']:.3f} ms per step)")
-                    candidates = ()
+                        if not decisions[name].get("forced"):
+                            decisions[name]["decision"] = "fp32"
+                            decisions[name]["reason"] = (
+                                f"candidate plan as a whole not better than fp32 ({step_ms['candidates']:.3f} ms vs"
+                                f" {step_ms['fp32']:.3f} ms per step)")
+                    candidates = tuple(n for n in candidates if decisions[n].get("forced"))
         finally:
             TrainingSnapshot.from_state(self._state["snapshot"]).restore(trainer, pl_module, self._scaler(), rng=False)
             restore_rng(rng)
@@ -647,6 +672,8 @@ class CoMPSearch(Callback):
         fp32, low = results["fp32"].operators, results["low"].operators
         decisions: dict[str, dict[str, Any]] = {}
         fillable: set[str] = set()
+        include = PrecisionPlan.from_dict({s: "bf16" for s in config.include})
+        exclude = PrecisionPlan.from_dict({s: "bf16" for s in config.exclude})
         for name, module in modules.items():
             kind = classify(module)
             entry: dict[str, Any] = {"type": type(module).__name__, "kind": kind.value,
@@ -660,6 +687,11 @@ class CoMPSearch(Callback):
             if name not in lowerable:
                 entry.update(decision="fp32", reason="shape-only" if kind is OperatorKind.SHAPE
                              else f"no {self._low} kernel on this device")
+            elif exclude._match(name, type(module)) is not None:
+                entry.update(decision="fp32", reason="excluded by CoMPSearch(exclude=...)")
+            elif include._match(name, type(module)) is not None:
+                entry.update(decision="candidate", reason="included by CoMPSearch(include=...)", forced=True,
+                             gain_ms=(a.total_ms - b.total_ms) if a is not None and b is not None else 0.0)
             elif a is None or b is None:
                 entry.update(decision="fp32", reason="not run in the training step")
             elif kind in _HEAVY_KINDS:

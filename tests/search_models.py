@@ -1,0 +1,116 @@
+"""Small Lightning models and data for the search tests (importable by subprocess scripts too)."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+OFFSET = 4096.0  # bf16 spacing at 4096 is 32: an input of this offset loses its O(1) signal entirely
+
+
+def teacher_data(n: int, seed: int, features: int = 64, classes: int = 10) -> TensorDataset:
+    """Inputs ~ N(0, 1) labelled by a fixed random linear teacher (the same teacher for every seed)."""
+    x = torch.randn(n, features, generator=torch.Generator().manual_seed(seed))
+    w = torch.randn(features, classes, generator=torch.Generator().manual_seed(1234))
+    return TensorDataset(x, (x @ w).argmax(1))
+
+
+def loaders(n_train: int = 2048, n_val: int = 512, batch_size: int = 256) -> tuple[DataLoader, DataLoader]:
+    train = DataLoader(teacher_data(n_train, 1), batch_size=batch_size, shuffle=True)
+    val = DataLoader(teacher_data(n_val, 2), batch_size=batch_size)
+    return train, val
+
+
+class Classifier(pl.LightningModule):
+    """Logs ``train_loss``, ``val_loss`` and ``val_acc``; subclasses define ``forward``."""
+
+    lr = 1e-3
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = nn.functional.cross_entropy(self(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        x, y = batch
+        logits = self(x)
+        self.log("val_loss", nn.functional.cross_entropy(logits, y), sync_dist=True)
+        self.log("val_acc", (logits.argmax(1) == y).float().mean(), sync_dist=True)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters(), lr=self.lr)
+
+
+class WideMLP(Classifier):
+    """Large Linear layers (bf16 pays on AMX CPUs); with ``offset=True`` layer ``l3`` is unsafe in bf16.
+
+    ``l3`` receives ``h + OFFSET`` and its response to the constant is subtracted again, so in FP32 the layer
+    computes ``W h + b`` exactly, while in BF16 the rounding of ``h + OFFSET`` (spacing 32) erases ``h``.
+    """
+
+    def __init__(self, width: int = 1024, offset: bool = True) -> None:
+        super().__init__()
+        self.offset = offset
+        self.l1 = nn.Linear(64, width)
+        self.a1 = nn.ReLU()
+        self.l2 = nn.Linear(width, width)
+        self.a2 = nn.ReLU()
+        self.l3 = nn.Linear(width, width)
+        self.a3 = nn.ReLU()
+        self.l4 = nn.Linear(width, width)
+        self.a4 = nn.ReLU()
+        self.head = nn.Linear(width, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a2(self.l2(self.a1(self.l1(x))))
+        if self.offset:
+            h = self.l3(h + OFFSET) - OFFSET * self.l3.weight.sum(1)
+        else:
+            h = self.l3(h)
+        h = self.a4(self.l4(self.a3(h)))
+        return self.head(h)
+
+
+class TinyOps(Classifier):
+    """Many tiny operators: low precision cannot pay for its casts and hooks."""
+
+    def __init__(self, depth: int = 12, width: int = 16) -> None:
+        super().__init__()
+        layers: list[nn.Module] = [nn.Linear(64, width), nn.Tanh()]
+        for _ in range(depth):
+            layers += [nn.Linear(width, width), nn.Tanh()]
+        layers.append(nn.Linear(width, 10))
+        self.net = nn.Sequential(*layers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+class Fragile(nn.Linear):
+    """A Linear that overflows (returns NaN/Inf) whenever it runs in 16-bit precision, like an fp16 overflow."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)
+        if out.dtype != torch.float32:
+            out = out * float("nan")
+        return out
+
+
+class FragileMLP(Classifier):
+    """Large layers of which ``bad`` produces NaN in low precision."""
+
+    def __init__(self, width: int = 1024) -> None:
+        super().__init__()
+        self.l1 = nn.Linear(64, width)
+        self.a1 = nn.ReLU()
+        self.l2 = nn.Linear(width, width)
+        self.a2 = nn.ReLU()
+        self.bad = Fragile(width, width)
+        self.a3 = nn.ReLU()
+        self.head = nn.Linear(width, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.a3(self.bad(self.a2(self.l2(self.a1(self.l1(x)))))))
