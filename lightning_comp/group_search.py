@@ -1,11 +1,13 @@
 """Finding the operators that are unsafe in low precision with few convergence trials (adaptive group testing).
 
 The search starts with every candidate lowered at once. A group that converges is safe as a whole; a group that
-does not is split in two and each half is tried alone, down to single operators, which are then marked unsafe. With
-``u`` unsafe operators among ``n`` candidates this needs about ``1 + 2u log2(n/u)`` trials: the cost grows with the
-number of unsafe operators, not with the number of operators. Operators that are safe one group at a time may still
-fail together, so when the safe set was never tried as a whole, a confirming trial tries it; if that fails (or the
-safe set is a group that already failed), the passing group with the largest estimated gain is used.
+does not is split in two and each half is tried alone, down to single operators, which are then marked unsafe. When
+the first half of a failing group passes, the second half is known to fail without a trial and is split at once.
+With ``u`` unsafe operators among ``n`` candidates this needs at most about ``1 + 2u log2(n)`` trials: the cost grows
+with the number of unsafe operators, not with the number of operators. Operators that are safe one group at a
+time may still fail together, so when the safe set was never tried as a whole, a confirming trial tries it; if
+that fails (or the safe set is a group that already failed), the passing group with the largest estimated gain
+is used.
 
 The class is a small explicit state machine with ``state_dict``/``load_state_dict`` so a search interrupted by a
 crash resumes where it was.
@@ -38,6 +40,8 @@ class GroupSearch:
     unsafe: list[str] = field(default_factory=list)
     passed: list[tuple[str, ...]] = field(default_factory=list)
     failed: list[tuple[str, ...]] = field(default_factory=list)
+    siblings: dict[tuple[str, ...], tuple[str, ...]] = field(default_factory=dict)
+    inferred: list[str] = field(default_factory=list)
     trials: int = 0
     confirming: tuple[str, ...] | None = None
     result: tuple[str, ...] | None = None
@@ -83,13 +87,14 @@ class GroupSearch:
         if passed:
             self.safe.extend(group)
             self.passed.append(group)
-        elif len(group) == 1:
-            self.failed.append(group)
-            self.unsafe.extend(group)
+            second = self.siblings.pop(group, None)
+            if second is not None and self.queue and self.queue[0] == second:
+                # the failing parent minus a passing half: the other half must hold the unsafe operator(s)
+                self.queue.pop(0)
+                self.inferred.extend(second)
+                self._fail(second)
         else:
-            self.failed.append(group)
-            half = len(group) // 2
-            self.queue[0:0] = [group[:half], group[half:]]
+            self._fail(group)
         if self.trials >= self.max_trials and self.queue:
             self.unsafe.extend(op for g in self.queue for op in g if op not in self.unsafe)
             self.queue.clear()
@@ -103,6 +108,16 @@ class GroupSearch:
                 self.result = self._best_passed()
             else:
                 self.confirming = union
+
+    def _fail(self, group: tuple[str, ...]) -> None:
+        self.failed.append(group)
+        if len(group) == 1:
+            self.unsafe.extend(group)
+            return
+        half = len(group) // 2
+        first, second = group[:half], group[half:]
+        self.siblings[first] = second
+        self.queue[0:0] = [first, second]
 
     def _best_passed(self) -> tuple[str, ...]:
         if not self.passed:
@@ -120,6 +135,8 @@ class GroupSearch:
             "unsafe": list(self.unsafe),
             "passed": [list(g) for g in self.passed],
             "failed": [list(g) for g in self.failed],
+            "siblings": [[list(a), list(b)] for a, b in self.siblings.items()],
+            "inferred": list(self.inferred),
             "trials": self.trials,
             "confirming": None if self.confirming is None else list(self.confirming),
             "result": None if self.result is None else list(self.result),
@@ -137,6 +154,8 @@ class GroupSearch:
             unsafe=list(state["unsafe"]),
             passed=[tuple(g) for g in state["passed"]],
             failed=[tuple(g) for g in state.get("failed", [])],
+            siblings={tuple(a): tuple(b) for a, b in state.get("siblings", [])},
+            inferred=list(state.get("inferred", [])),
             trials=int(state["trials"]),
             confirming=None if state["confirming"] is None else tuple(state["confirming"]),
             result=None if state["result"] is None else tuple(state["result"]),

@@ -65,6 +65,12 @@ class ProfileResult:
     operators: dict[str, OperatorMeasurement] = field(default_factory=dict)
     order: list[str] = field(default_factory=list)
     step_ms: float = 0.0
+    peak_bytes: int | None = None  # peak device memory of a step (CUDA only)
+
+    @property
+    def saved_bytes(self) -> int:
+        """Bytes all operators save for backward in one step."""
+        return sum(m.saved_bytes for m in self.operators.values())
 
 
 class _Clock:
@@ -226,11 +232,14 @@ class OperatorProfiler:
         """
         collected: dict[str, list[dict[str, OperatorMeasurement]]] = {label: [] for label in configs}
         steps: dict[str, list[float]] = {label: [] for label in configs}
+        peaks: dict[str, list[int]] = {label: [] for label in configs}
         orders: dict[str, list[str]] = {}
         for round_index in range(self.warmup + self.rounds):
             for label, activate in configs.items():
                 activate()
                 recorder = _RoundRecorder(self.model, self.clock)
+                if self.clock.cuda:
+                    torch.cuda.reset_peak_memory_stats()
                 try:
                     start = self.clock.now()
                     with torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda t: t):
@@ -243,8 +252,13 @@ class OperatorProfiler:
                     collected[label].append(recorder.measurements(end))
                     steps[label].append(self.clock.elapsed_ms(start, end))
                     orders[label] = recorder.order
+                    if self.clock.cuda:
+                        peaks[label].append(int(torch.cuda.max_memory_allocated()))
         return {
-            label: ProfileResult(_min_measurements(collected[label]), orders[label], min(steps[label]))
+            label: ProfileResult(
+                _min_measurements(collected[label]), orders[label], min(steps[label]),
+                max(peaks[label]) if peaks[label] else None,
+            )
             for label in configs
         }
 

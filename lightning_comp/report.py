@@ -52,6 +52,15 @@ def format_record(record: dict[str, Any]) -> str:
     step_ms = record.get("step_ms") or {}
     if step_ms:
         out.append("Whole step (min ms over rounds): " + ", ".join(f"{k} {v:.3f}" for k, v in step_ms.items()))
+    memory = record.get("memory") or {}
+    if memory:
+        parts = []
+        for label, m in memory.items():
+            text = f"{label} {m.get('saved_bytes', 0) / 2**20:.2f} MiB saved for backward"
+            if m.get("peak_bytes"):
+                text += f", peak {m['peak_bytes'] / 2**20:.1f} MiB"
+            parts.append(text)
+        out.append("Memory per step: " + "; ".join(parts))
     cost = record.get("cost") or {}
     share = cost.get("share_of_fit")
     out.append(

@@ -622,8 +622,7 @@ class CoMPSearch(Callback):
                 }
                 times = timer.time(configs, step)
                 step_ms = {k: _reduce_mean(trainer, min(v)) for k, v in times.items()}
-                memory = {k: sum(m.saved_bytes for m in r.operators.values()) for k, r in results.items()}
-                if not self._plan_pays(step_ms, memory):
+                if not self._plan_pays(step_ms):
                     for name in candidates:
                         if not decisions[name].get("forced"):
                             decisions[name]["decision"] = "fp32"
@@ -636,12 +635,13 @@ class CoMPSearch(Callback):
             restore_rng(rng)
             plugin.set_plan(PrecisionPlan().with_provenance(role="trial", trial="fp32 reference"))
         gains = {n: decisions[n]["gain_ms"] for n in candidates}
+        memory = {label: {"saved_bytes": r.saved_bytes, "peak_bytes": r.peak_bytes} for label, r in results.items()}
         payload = {"decisions": decisions, "candidates": list(candidates), "gains": gains, "step_ms": step_ms,
-                   "runs": runs, "order": results["fp32"].order}
+                   "runs": runs, "order": results["fp32"].order, "memory": memory}
         payload = trainer.strategy.broadcast(payload, src=0)
         self._state["runs"] = payload["runs"]
         self._state["profile"] = {"operators": payload["decisions"], "step_ms": payload["step_ms"],
-                                  "order": payload["order"]}
+                                  "order": payload["order"], "memory": payload["memory"]}
         search = GroupSearch(tuple(payload["candidates"]), payload["gains"], self.config.max_trials)
         self._state["group_search"] = search.state_dict()
         self._state["low_precision"] = low.value
@@ -727,7 +727,7 @@ class CoMPSearch(Callback):
         return {"decision": "candidate" if ok else "fp32", "reason": ("pays: " if ok else "does not pay: ") + why,
                 "gain_ms": float(gain), "time_ratio": time_ratio, "memory_ratio": mem_ratio}
 
-    def _plan_pays(self, step_ms: dict[str, float], memory: dict[str, int]) -> bool:
+    def _plan_pays(self, step_ms: dict[str, float]) -> bool:
         if self.config.objective is Objective.MEMORY:
             return True  # per-operator memory checks already passed; whole-step time is reported, not required
         return step_ms["candidates"] <= step_ms["fp32"] * (1 - self.config.speed_margin)
@@ -775,6 +775,7 @@ class CoMPSearch(Callback):
             "num_operators": len(profile.get("operators", {})),
             "operators": profile.get("operators", {}),
             "step_ms": profile.get("step_ms", {}),
+            "memory": profile.get("memory", {}),
             "trials": trials,
             "extension_epochs": state["extension_epochs"],
             "cost": {

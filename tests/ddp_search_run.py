@@ -1,0 +1,55 @@
+"""Run CoMPSearch under 2-process DDP on CPU (gloo); every rank writes the plan it ran at each epoch start.
+
+    python tests/ddp_search_run.py STRATEGY OUT_DIR
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import lightning.pytorch as pl
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from search_models import WideMLP, loaders  # noqa: E402
+
+from lightning_comp import CoMPPrecision, CoMPSearch  # noqa: E402
+
+
+class PlanLog(pl.Callback):
+    """Each rank records (epoch, plan entries) at every epoch start and the final plan at the end."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+        self.rows: list[list[object]] = []
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        plan = trainer.precision_plugin.plan
+        self.rows.append([trainer.current_epoch, {s: p.value for s, p in plan.entries}])
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        params = [float(p.detach().double().sum()) for p in pl_module.parameters()]
+        payload = {"epochs": self.rows, "final": trainer.precision_plugin.plan.to_dict()["entries"],
+                   "params": params, "world_size": trainer.world_size, "phase": trainer.callbacks[0].phase}
+        (self.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(payload))
+
+
+def main() -> None:
+    strategy, out = sys.argv[1], Path(sys.argv[2])
+    out.mkdir(parents=True, exist_ok=True)
+    pl.seed_everything(0)
+    search = CoMPSearch(include=["l2", "l3", "l4"], exclude=["l1", "head"], tolerance=0.05, profile_steps=2,
+                        profile_warmup=1, verbose=False)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=2, strategy=strategy, max_epochs=3, plugins=[CoMPPrecision()],
+        callbacks=[search, PlanLog(out)], logger=False, enable_progress_bar=False, enable_model_summary=False,
+        enable_checkpointing=False, default_root_dir=str(out),
+    )
+    train, val = loaders(n_train=1024, n_val=256, batch_size=128)
+    trainer.fit(WideMLP(width=256), train, val)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,312 @@
+"""CoMPSearch on the real Trainer path: unsafe operators stay FP32, tiny operators are left alone, the plan and the
+decision record reach the checkpoint and the log directory, resume does not search again, and a run killed in the
+middle of the search finishes it after resuming."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from search_models import FragileMLP, TinyOps, WideMLP, loaders
+
+from lightning_comp import CoMPPrecision, CoMPSearch, PrecisionPlan, TrainingSnapshot
+from lightning_comp.errors import SearchConfigError, UnsupportedSetupError
+from lightning_comp.group_search import GroupSearch
+
+TOLERANCE = 0.05
+
+
+def _trainer(
+    tmp_path: Path, callbacks: list[Callback], max_epochs: int, plugin: Any = None, **kwargs: Any
+) -> pl.Trainer:
+    return pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=max_epochs,
+        plugins=[plugin] if plugin is not None else None,
+        callbacks=callbacks,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(tmp_path),
+        **kwargs,
+    )
+
+
+def _search(**kwargs: Any) -> CoMPSearch:
+    """A search whose candidates for WideMLP are fixed (l2, l3, l4), so convergence behaviour is deterministic
+    whatever the (noisy, shared) machine measures; the batch stage's own decisions are tested separately."""
+    kwargs.setdefault("include", ["l2", "l3", "l4"])
+    kwargs.setdefault("exclude", ["l1", "head"])
+    kwargs.setdefault("tolerance", TOLERANCE)
+    kwargs.setdefault("verbose", False)
+    kwargs.setdefault("profile_steps", 3)
+    return CoMPSearch(**kwargs)
+
+
+class _PlanProbe(Callback):
+    """Records the plan in force at every epoch start and whether rewinds restored the snapshot bit for bit."""
+
+    def __init__(self, search: CoMPSearch) -> None:
+        self.search = search
+        self.plans: list[dict[str, str]] = []
+        self.rewinds_exact: list[bool] = []
+        self._trials_seen = 0
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.plans.append({s: p.value for s, p in trainer.precision_plugin.plan.entries})
+        state = self.search._state
+        if len(state["trials"]) > self._trials_seen and len(state["trials"]) > 1 and state["snapshot"] is not None:
+            self.rewinds_exact.append(TrainingSnapshot.from_state(state["snapshot"]).matches(trainer, pl_module))
+        self._trials_seen = len(state["trials"])
+
+
+class _Crash(Callback):
+    def __init__(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.current_epoch == self.epoch:
+            raise RuntimeError("simulated crash")
+
+
+@pytest.fixture(scope="module")
+def offset_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """One uninterrupted search on the model whose ``l3`` is unsafe in bf16, plus a plain FP32 run."""
+    tmp = tmp_path_factory.mktemp("offset")
+    pl.seed_everything(0)
+    search = _search()
+    probe = _PlanProbe(search)
+    plugin = CoMPPrecision()
+    trainer = _trainer(tmp, [search, probe], max_epochs=4, plugin=plugin)
+    train, val = loaders()
+    trainer.fit(WideMLP(), train, val)
+    comp = {
+        "search": search,
+        "probe": probe,
+        "plugin": plugin,
+        "trainer": trainer,
+        "val_loss": float(trainer.callback_metrics["val_loss"]),
+        "dir": tmp,
+        "kept_steps": trainer.global_step,
+    }
+    pl.seed_everything(0)
+    reference = _trainer(tmp / "fp32", [], max_epochs=4)
+    train, val = loaders()
+    reference.fit(WideMLP(), train, val)
+    comp["fp32_val_loss"] = float(reference.callback_metrics["val_loss"])
+    comp["fp32_steps"] = reference.global_step
+    return comp
+
+
+@pytest.mark.slow
+def test_unsafe_operator_stays_fp32_and_safe_large_ones_are_lowered(offset_run: dict[str, Any]) -> None:
+    search: CoMPSearch = offset_run["search"]
+    record = search.record
+    assert record is not None
+    plan = offset_run["plugin"].plan
+    model = offset_run["trainer"].lightning_module
+    precisions = {name: p.value for name, p in plan.resolve(model).items()}
+    assert precisions["l3"] == "fp32", record
+    assert precisions["l2"] == "bf16" and precisions["l4"] == "bf16", record
+    # the kept progress equals a plain run's optimizer steps, and the final metric is within tolerance of it
+    steps_per_epoch = offset_run["fp32_steps"] // 4
+    assert offset_run["kept_steps"] - steps_per_epoch * record["extension_epochs"] == offset_run["fp32_steps"]
+    assert offset_run["val_loss"] <= offset_run["fp32_val_loss"] * (1 + TOLERANCE)
+    # every rejected trial was rewound bit for bit before the next one started
+    assert offset_run["probe"].rewinds_exact and all(offset_run["probe"].rewinds_exact)
+    # trials grow with the unsafe operators: reference + all + 2 u log2(n) splits + one confirmation (u=1, n=3)
+    candidates = [n for n, op in record["operators"].items() if op["decision"] == "candidate"]
+    assert len(record["trials"]) <= 2 + 2 * 1 * math.ceil(math.log2(len(candidates))) + 1
+
+
+@pytest.mark.slow
+def test_decision_record_is_written_and_in_checkpoint(offset_run: dict[str, Any], tmp_path: Path) -> None:
+    trainer: pl.Trainer = offset_run["trainer"]
+    record = json.loads((Path(offset_run["dir"]) / "comp_search.json").read_text())
+    assert record["chosen_plan"] == offset_run["plugin"].plan.to_dict()
+    assert {t["verdict"] for t in record["trials"]} == {"pass", "fail"}
+    assert record["operators"]["l2"]["fp32"]["total_ms"] > 0
+    assert record["cost"]["search_seconds"] > 0 and 0 < record["cost"]["share_of_fit"] < 1
+    saved = PrecisionPlan.load(Path(offset_run["dir"]) / "comp_plan.json")
+    assert saved == offset_run["plugin"].plan
+    path = tmp_path / "done.ckpt"
+    trainer.save_checkpoint(path)
+    ckpt = torch.load(path, weights_only=True)
+    assert ckpt["callbacks"]["CoMPSearch"]["phase"] == "done"
+    assert ckpt["callbacks"]["CoMPSearch"]["chosen"]["entries"] == saved.to_dict()["entries"]
+    assert ckpt["CoMPPrecision"]["plan"]["entries"] == saved.to_dict()["entries"]
+    # resuming after the search restores the plan and does not search again
+    search = _search()
+    plugin = CoMPPrecision()
+    resumed = _trainer(tmp_path, [search], max_epochs=trainer.current_epoch + 1, plugin=plugin)
+    train, val = loaders()
+    resumed.fit(WideMLP(), train, val, ckpt_path=str(path))
+    assert plugin.plan == offset_run["plugin"].plan
+    assert len(search._state["trials"]) == len(offset_run["search"]._state["trials"])
+    # and a saved plan can be reused for a new run without any search
+    reuse = CoMPPrecision(plan=Path(offset_run["dir"]) / "comp_plan.json")
+    fresh = _trainer(tmp_path / "reuse", [], max_epochs=1, plugin=reuse)
+    fresh.fit(WideMLP(), train, val)
+    assert reuse.plan == offset_run["plugin"].plan
+
+
+@pytest.mark.slow
+def test_killed_mid_search_resumes_and_finishes_with_the_same_plan(offset_run: dict[str, Any], tmp_path: Path) -> None:
+    checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)
+    pl.seed_everything(0)
+    trainer = _trainer(tmp_path, [_search(), _Crash(epoch=3), checkpoint], max_epochs=4, plugin=CoMPPrecision())
+    train, val = loaders()
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        trainer.fit(WideMLP(), train, val)
+    last = tmp_path / "ckpt" / "last.ckpt"
+    assert torch.load(last, weights_only=True)["callbacks"]["CoMPSearch"]["phase"] == "searching"
+    search = _search()
+    plugin = CoMPPrecision()
+    resumed = _trainer(tmp_path, [search, ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)],
+                       max_epochs=4, plugin=plugin)
+    train, val = loaders()
+    resumed.fit(WideMLP(), train, val, ckpt_path=str(last))
+    assert search.phase == "done"
+    assert plugin.plan.entries == offset_run["plugin"].plan.entries
+    # no epoch lost or counted twice: the same epochs as the uninterrupted run
+    assert resumed.current_epoch == offset_run["trainer"].current_epoch
+
+
+@pytest.mark.slow
+def test_tiny_operators_keep_fp32_without_convergence_trials(tmp_path: Path) -> None:
+    pl.seed_everything(0)
+    search = _search(include=[], exclude=[])
+    plugin = CoMPPrecision()
+    trainer = _trainer(tmp_path, [search], max_epochs=3, plugin=plugin)
+    train, val = loaders(n_train=512, batch_size=32)
+    trainer.fit(TinyOps(), train, val)
+    record = search.record
+    assert record is not None
+    assert plugin.plan.is_all_fp32
+    assert record["lowered_operators"] == []
+    assert len(record["trials"]) == 1 and record["trials"][0]["kept"]
+    assert record["extension_epochs"] == 0 and trainer.current_epoch == 3
+    assert plugin.executor.num_hooks == 0  # an all-FP32 plan costs nothing per step
+
+
+@pytest.mark.slow
+def test_nan_trial_is_rejected_rewound_and_training_goes_on(tmp_path: Path) -> None:
+    pl.seed_everything(0)
+    search = _search(include=["l2", "bad"], exclude=["l1", "head"])
+    probe = _PlanProbe(search)
+    plugin = CoMPPrecision()
+    trainer = _trainer(tmp_path, [search, probe], max_epochs=3, plugin=plugin)
+    train, val = loaders()
+    trainer.fit(FragileMLP(), train, val)
+    record = search.record
+    assert record is not None
+    assert any(t["verdict"] == "fail" and "NaN" in t["reason"] for t in record["trials"])
+    assert plugin.plan.precision_of("bad", torch.nn.Linear).value == "fp32"
+    assert math.isfinite(float(trainer.callback_metrics["val_loss"]))
+    assert all(probe.rewinds_exact)
+    assert all(torch.isfinite(p).all() for p in trainer.lightning_module.parameters())
+
+
+def test_search_without_plugin_is_a_clear_error(tmp_path: Path) -> None:
+    trainer = _trainer(tmp_path, [_search()], max_epochs=1)
+    train, val = loaders(n_train=64, n_val=64, batch_size=32)
+    with pytest.raises(UnsupportedSetupError, match="needs the CoMPPrecision plugin"):
+        trainer.fit(TinyOps(), train, val)
+
+
+def test_unlogged_monitor_names_the_logged_metrics(tmp_path: Path) -> None:
+    trainer = _trainer(tmp_path, [_search(monitor="val_f1", warmup_epochs=0)], max_epochs=2, plugin=CoMPPrecision(),
+                       num_sanity_val_steps=0)
+    train, val = loaders(n_train=64, n_val=64, batch_size=32)
+    with pytest.raises(SearchConfigError, match=r"val_f1.*val_acc.*val_loss"):
+        trainer.fit(WideMLP(width=64), train, val)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"mode": "maximum"}, "mode"),
+        ({"tolerance": -0.1}, "tolerance"),
+        ({"tolerance": float("nan")}, "tolerance"),
+        ({"trial_epochs": 0}, "trial_epochs"),
+        ({"low_precision": "int8"}, "low_precision"),
+        ({"objective": "speed"}, "objective"),
+        ({"tolerance_mode": "percent"}, "tolerance_mode"),
+    ],
+)
+def test_bad_search_arguments_name_the_value(kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(SearchConfigError, match=message):
+        CoMPSearch(**kwargs)
+
+
+def _oracle(unsafe: set[str]) -> Any:
+    return lambda group: not (set(group) & unsafe)
+
+
+@pytest.mark.parametrize("unsafe", [set(), {"op3"}, {"op0", "op7"}, {"op1", "op2", "op5"}])
+def test_group_search_finds_exactly_the_unsafe_operators(unsafe: set[str]) -> None:
+    candidates = tuple(f"op{i}" for i in range(8))
+    search = GroupSearch(candidates, max_trials=64)
+    passes = _oracle(unsafe)
+    trials = 0
+    while not search.done:
+        group = search.next_group()
+        assert group is not None
+        search.report(group, passes(group))
+        search = GroupSearch.from_state(search.state_dict())  # survives a checkpoint at every step
+        trials += 1
+    assert set(search.result or ()) == set(candidates) - unsafe
+    u = max(1, len(unsafe))
+    assert trials <= 1 + 2 * u * math.ceil(math.log2(len(candidates))) + 1
+
+
+def test_group_search_falls_back_when_safe_groups_fail_together() -> None:
+    search = GroupSearch(("a", "b", "c", "d"), gains={"a": 5.0, "b": 1.0, "c": 1.0, "d": 1.0}, max_trials=16)
+    verdicts = {("a", "b", "c", "d"): False, ("a", "b"): True, ("c",): True}
+    while search.confirming is None:
+        group = search.next_group()
+        assert group is not None
+        search.report(group, verdicts[group])
+    # ("c", "d") and then ("d",) were inferred to fail; the untried safe set must be confirmed by a trial
+    assert search.unsafe == ["d"] and search.confirming == ("a", "b", "c")
+    search.report(("a", "b", "c"), False)  # the safe groups interact: the union fails
+    assert search.result == ("a", "b")  # the passing group with the largest estimated gain
+
+
+def test_group_search_keeps_a_confirmed_safe_set() -> None:
+    search = GroupSearch(("a", "b", "c", "d"), max_trials=16)
+    verdicts = {("a", "b", "c", "d"): False, ("a", "b"): True, ("c",): True, ("a", "b", "c"): True}
+    while not search.done:
+        group = search.next_group()
+        assert group is not None
+        search.report(group, verdicts[group])
+    assert search.result == ("a", "b", "c") and search.trials == 4
+
+
+def test_group_search_infers_the_failing_half_without_a_trial() -> None:
+    search = GroupSearch(("a", "b", "c"), max_trials=16)
+    tried = []
+    while not search.done:
+        group = search.next_group()
+        assert group is not None
+        tried.append(group)
+        search.report(group, "b" not in group)
+    assert search.result == ("a", "c")
+    assert ("b", "c") not in tried  # inferred to fail once ("a",) passed
+    assert search.inferred == ["b", "c"]
+
+
+def test_group_search_respects_the_trial_budget() -> None:
+    search = GroupSearch(tuple(f"op{i}" for i in range(16)), max_trials=3)
+    while not search.done:
+        group = search.next_group()
+        assert group is not None
+        search.report(group, len(group) == 1)
+    assert search.trials <= 3

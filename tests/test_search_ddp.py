@@ -1,0 +1,30 @@
+"""CoMPSearch under 2-process DDP (gloo on CPU): every rank runs the identical plan at every epoch."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parent / "ddp_search_run.py"
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("strategy", ["ddp", "ddp_spawn"])
+def test_every_rank_runs_the_same_plan(strategy: str, tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, str(SCRIPT), strategy, str(tmp_path)], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0]["world_size"] == 2
+    assert ranks[0]["epochs"] == ranks[1]["epochs"]  # same plan at every epoch start, trials included
+    assert ranks[0]["final"] == ranks[1]["final"]
+    assert ranks[0]["params"] == ranks[1]["params"]  # synchronous data parallel: identical weights
+    assert ranks[0]["phase"] == "done"
+    assert len({json.dumps(plan, sort_keys=True) for _, plan in ranks[0]["epochs"]}) > 1  # trials did run
