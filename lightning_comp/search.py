@@ -36,12 +36,12 @@ import lightning.pytorch as pl
 import torch
 from lightning.fabric.utilities.data import _set_sampler_epoch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_comp.casting import StepKind
 from lightning_comp.dtypes import Precision, device_supports_fast, parse_precision
-from lightning_comp.errors import PlanError, SearchConfigError, UnsupportedSetupError
+from lightning_comp.errors import PlanError, PlanMismatchError, SearchConfigError, UnsupportedSetupError
 from lightning_comp.group_search import GroupSearch
 from lightning_comp.operators import Lowering, OperatorKind, classify, iter_operators, lowering_for, module_device_type
 from lightning_comp.plan import PrecisionPlan
@@ -315,10 +315,44 @@ class CoMPSearch(Callback):
         self._user_max_steps = trainer.fit_loop.max_steps
         self._apply_extension(trainer)
         assert self._plugin is not None
+        self._check_selectors(pl_module)
         if self._state["phase"] == "done" and self._state["chosen"] is not None:
             self._plugin.set_plan(PrecisionPlan.from_dict(self._state["chosen"]))
         elif self._low is None and self._state["phase"] == "pending":
             self._finish(trainer, PrecisionPlan(), "fp32", reason="no 16-bit precision pays on this device")
+        elif self._state["phase"] == "pending":
+            why = self._nothing_to_search(pl_module)
+            if why is not None:  # finish at once: no profiling, no trials, no extra epochs
+                rank_zero_warn(f"CoMPSearch: {why}. Training continues in fp32 without a search.")
+                self._finish(trainer, PrecisionPlan(), "fp32", reason=why)
+
+    def _check_selectors(self, pl_module: pl.LightningModule) -> None:
+        """Fail on ``include``/``exclude`` selectors that match no operator (a typo must not lower a layer)."""
+        for name in ("include", "exclude"):
+            selectors = getattr(self.config, name)
+            if not selectors:
+                continue
+            try:
+                PrecisionPlan.from_dict({selector: "bf16" for selector in selectors}).validate(pl_module)
+            except PlanMismatchError as err:
+                raise SearchConfigError(f"CoMPSearch({name}={list(selectors)!r}): {err}") from None
+
+    def _nothing_to_search(self, pl_module: pl.LightningModule) -> str | None:
+        """Why no operator can ever be a candidate (``None`` if some can)."""
+        assert self._low is not None
+        device_type = module_device_type(pl_module)
+        operators = list(iter_operators(pl_module))
+        lowerable = [(n, m) for n, m in operators if lowering_for(m, self._low, device_type) not in (None, Lowering.NONE)]
+        if not lowerable:
+            shown = ", ".join(f"{n or '<root>'} ({type(m).__name__})" for n, m in operators[:8])
+            more = f", ... ({len(operators)} in all)" if len(operators) > 8 else ""
+            return (f"{type(pl_module).__name__} has no operator that {self._low} can apply to on {device_type!r}"
+                    f" (its operators: {shown + more if shown else 'none'})")
+        exclude = PrecisionPlan.from_dict({selector: "bf16" for selector in self.config.exclude})
+        if all(exclude._match(n, type(m)) is not None for n, m in lowerable):
+            return (f"every operator that {self._low} can apply to is excluded by"
+                    f" CoMPSearch(exclude={list(self.config.exclude)!r})")
+        return None
 
     def _apply_extension(self, trainer: pl.Trainer) -> None:
         if self._user_max_epochs is not None and self._user_max_epochs >= 0:
@@ -453,7 +487,7 @@ class CoMPSearch(Callback):
         assert self._plugin is not None
         state = self._state
         if rewind:
-            TrainingSnapshot.from_state(state["snapshot"]).restore(trainer, pl_module, self._scaler())
+            self._rewind(trainer, pl_module, state["snapshot"])
             self._set_sampler_epoch(trainer, int(state["search_start_epoch"]))
         plan = self._plan_for(group).with_provenance(role="trial", trial=label)
         self._plugin.set_plan(plan)
@@ -580,10 +614,24 @@ class CoMPSearch(Callback):
             return
         snapshot = state[restore]
         if snapshot is not None:
-            TrainingSnapshot.from_state(snapshot).restore(trainer, pl_module, self._scaler())
+            chosen = self._plugin.plan if self._plugin is not None else None
+            self._rewind(trainer, pl_module, snapshot)
+            if self._plugin is not None and chosen is not None:
+                self._plugin.set_plan(chosen)  # a fresh loss scaler if the chosen plan has fp16
         state["pending_restore"] = None
         state["snapshot"] = None
         state["reference_end"] = None
+
+    def _rewind(self, trainer: pl.Trainer, pl_module: pl.LightningModule, snapshot: dict[str, Any]) -> None:
+        """Restore ``snapshot`` bit for bit, the loss scaler included.
+
+        A snapshot taken while no plan used fp16 holds no scaler state; a rejected fp16 trial leaves behind a scaler
+        whose scale it has backed off. Dropping the plan first drops that scaler (a user-supplied one is kept and
+        restored from the snapshot), so the next fp16 plan starts from a fresh scaler, as the first fp16 trial did.
+        """
+        if self._plugin is not None:
+            self._plugin.set_plan(PrecisionPlan())
+        TrainingSnapshot.from_state(snapshot).restore(trainer, pl_module, self._scaler())
 
     @staticmethod
     def _set_sampler_epoch(trainer: pl.Trainer, epoch: int) -> None:
@@ -611,25 +659,36 @@ class CoMPSearch(Callback):
             decisions, runs = self._select(modules, lowerable, results)
             candidates = tuple(n for n in results["fp32"].order if decisions.get(n, {}).get("decision") == "candidate")
             self._state["runs"] = runs
-            step_ms = {}
+            timer = StepTimer(device_type, config.profile_steps, config.profile_warmup)
+            configs = {
+                "fp32": lambda: plugin.set_plan(PrecisionPlan()),
+                "all_low": lambda: (plugin.set_plan(all_low), plugin.executor.step(StepKind.TRAIN))[1],
+            }
             if candidates:
                 cand_plan = self._plan_for(candidates)
-                timer = StepTimer(device_type, config.profile_steps, config.profile_warmup)
-                configs = {
-                    "fp32": lambda: plugin.set_plan(PrecisionPlan()),
-                    "all_low": lambda: (plugin.set_plan(all_low), plugin.executor.step(StepKind.TRAIN))[1],
-                    "candidates": lambda: (plugin.set_plan(cand_plan), plugin.executor.step(StepKind.TRAIN))[1],
-                }
-                times = timer.time(configs, step)
-                step_ms = {k: _reduce_mean(trainer, min(v)) for k, v in times.items()}
-                if not self._plan_pays(step_ms):
-                    for name in candidates:
-                        if not decisions[name].get("forced"):
-                            decisions[name]["decision"] = "fp32"
-                            decisions[name]["reason"] = (
-                                f"candidate plan as a whole not better than fp32 ({step_ms['candidates']:.3f} ms vs"
-                                f" {step_ms['fp32']:.3f} ms per step)")
-                    candidates = tuple(n for n in candidates if decisions[n].get("forced"))
+                configs["candidates"] = lambda: (plugin.set_plan(cand_plan), plugin.executor.step(StepKind.TRAIN))[1]
+            times = timer.time(configs, step)
+            step_ms = {k: _reduce_mean(trainer, min(v)) for k, v in times.items()}
+            keep = 1 - config.speed_margin
+            if (config.objective is Objective.THROUGHPUT and step_ms["all_low"] <= step_ms["fp32"] * keep
+                    and step_ms["all_low"] < step_ms.get("candidates", float("inf")) * keep):
+                # Lowering everything wins as a whole (casts vanish inside long low-precision runs): trial that.
+                candidates = tuple(n for n in results["fp32"].order
+                                   if n in lowerable and not decisions[n].get("excluded"))
+                for name in candidates:
+                    decisions[name].update(decision="candidate", reason=(
+                        f"lowered with all others: the all-{low} plan is faster as a whole"
+                        f" ({step_ms['all_low']:.3f} vs {step_ms['fp32']:.3f} ms per step)"))
+                runs = []
+                self._state["runs"] = runs
+            elif candidates and not self._plan_pays(step_ms):
+                for name in candidates:
+                    if not decisions[name].get("forced"):
+                        decisions[name]["decision"] = "fp32"
+                        decisions[name]["reason"] = (
+                            f"candidate plan as a whole not better than fp32 ({step_ms['candidates']:.3f} ms vs"
+                            f" {step_ms['fp32']:.3f} ms per step)")
+                candidates = tuple(n for n in candidates if decisions[n].get("forced"))
         finally:
             TrainingSnapshot.from_state(self._state["snapshot"]).restore(trainer, pl_module, self._scaler(), rng=False)
             restore_rng(rng)
@@ -688,7 +747,7 @@ class CoMPSearch(Callback):
                 entry.update(decision="fp32", reason="shape-only" if kind is OperatorKind.SHAPE
                              else f"no {self._low} kernel on this device")
             elif exclude._match(name, type(module)) is not None:
-                entry.update(decision="fp32", reason="excluded by CoMPSearch(exclude=...)")
+                entry.update(decision="fp32", reason="excluded by CoMPSearch(exclude=...)", excluded=True)
             elif include._match(name, type(module)) is not None:
                 entry.update(decision="candidate", reason="included by CoMPSearch(include=...)", forced=True,
                              gain_ms=(a.total_ms - b.total_ms) if a is not None and b is not None else 0.0)
