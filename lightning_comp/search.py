@@ -291,6 +291,12 @@ class CoMPSearch(Callback):
                 f"CoMPSearch cannot run under {strategy}: it rewinds and re-hooks the whole model, which sharded"
                 " strategies do not allow. Use strategy='auto', 'ddp' or 'ddp_spawn'."
             )
+        if trainer.limit_val_batches == 0:
+            raise SearchConfigError(
+                f"CoMPSearch judges trials by a validation metric (monitor={self.config.monitor!r}), but"
+                f" Trainer(limit_val_batches={trainer.limit_val_batches!r}) disables validation. Use"
+                " limit_val_batches > 0 (a fraction or a number of batches)."
+            )
         if trainer.check_val_every_n_epoch is not None and self.config.trial_epochs % trainer.check_val_every_n_epoch:
             raise SearchConfigError(
                 f"CoMPSearch(trial_epochs={self.config.trial_epochs}) must be a multiple of"
@@ -441,8 +447,30 @@ class CoMPSearch(Callback):
         current = self._current_trial()
         if self._state["phase"] != "searching" or current is None:
             return
+        stopping = trainer.should_stop or 0 < trainer.max_steps <= trainer.global_step
         if self._trial_due(current, trainer.current_epoch + 1):
             self._close_trial(trainer, pl_module)
+            max_epochs = trainer.fit_loop.max_epochs
+            if stopping or (max_epochs is not None and 0 <= max_epochs <= trainer.current_epoch + 1):
+                # No epoch follows whose start would apply a pending rewind (the last trial was rejected and the
+                # run ends here): apply it now, so the model the fit returns and the last checkpoint are not the
+                # rejected trial's.
+                self._apply_pending_restore(trainer, pl_module)
+            return
+        last_epoch = current["start_epoch"] + self.config.trial_epochs - 1
+        if trainer.current_epoch >= last_epoch and str(last_epoch) not in current["metrics"] and not stopping:
+            raise SearchConfigError(
+                f"CoMPSearch judges each trial by the validation metric {self.config.monitor!r} at the end of the"
+                f" trial's last epoch, but no validation ran at the end of epoch {last_epoch}. Pass val_dataloaders"
+                " to trainer.fit, keep Trainer(limit_val_batches) > 0 and validate at the end of every trial"
+                f" (check_val_every_n_epoch must divide trial_epochs={self.config.trial_epochs}). Metrics logged so"
+                f" far: {sorted(trainer.callback_metrics) or '(none)'}."
+            )
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._state["phase"] == "done":  # training stopped before the epoch start that would apply a rewind
+            self._apply_pending_restore(trainer, pl_module)
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -848,8 +876,9 @@ class CoMPSearch(Callback):
 
     def _publish(self, trainer: pl.Trainer, final: bool) -> None:
         record = self._build_record()
+        # Trainer.log_dir is a collective (it broadcasts from rank 0): every rank must ask for it.
+        directory = Path(self.config.record_dir or trainer.log_dir or trainer.default_root_dir)
         if trainer.is_global_zero:
-            directory = Path(self.config.record_dir or trainer.log_dir or trainer.default_root_dir)
             directory.mkdir(parents=True, exist_ok=True)
             (directory / "comp_search.json").write_text(json.dumps(record, indent=2, default=str) + "\n")
             if record["chosen_plan"] is not None:
