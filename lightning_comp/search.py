@@ -348,7 +348,8 @@ class CoMPSearch(Callback):
         assert self._low is not None
         device_type = module_device_type(pl_module)
         operators = list(iter_operators(pl_module))
-        lowerable = [(n, m) for n, m in operators if lowering_for(m, self._low, device_type) not in (None, Lowering.NONE)]
+        lowerable = [(n, m) for n, m in operators
+                     if lowering_for(m, self._low, device_type) not in (None, Lowering.NONE)]
         if not lowerable:
             shown = ", ".join(f"{n or '<root>'} ({type(m).__name__})" for n, m in operators[:8])
             more = f", ... ({len(operators)} in all)" if len(operators) > 8 else ""

@@ -122,21 +122,49 @@ class TrainingSnapshot:
             rng=state["rng"],
         )
 
-    def matches(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> bool:
-        """Whether the live model and optimizer states equal this snapshot bit for bit (for tests and checks)."""
+    def matches(self, trainer: pl.Trainer, pl_module: pl.LightningModule, scaler: Any = None) -> bool:
+        """Whether the live state equals this snapshot bit for bit (for tests and checks).
+
+        Compares the model's parameters and buffers (dtypes included), every optimizer's and LR scheduler's state
+        and, when ``scaler`` is given and the snapshot holds scaler state, the loss scaler's state.
+        """
         live = pl_module.state_dict()
         if live.keys() != self.model.keys():
             return False
-        if not all(torch.equal(live[k], self.model[k]) for k in live):
+        if not all(_equal(live[k], self.model[k]) for k in live):
             return False
-        return all(_equal(opt.state_dict(), state) for opt, state in zip(trainer.optimizers, self.optimizers))
+        if len(trainer.optimizers) != len(self.optimizers):
+            return False
+        if not all(_equal(opt.state_dict(), state) for opt, state in zip(trainer.optimizers, self.optimizers)):
+            return False
+        configs = trainer.lr_scheduler_configs
+        if len(configs) != len(self.schedulers):
+            return False
+        if not all(_equal(cfg.scheduler.state_dict(), state) for cfg, state in zip(configs, self.schedulers)):
+            return False
+        if scaler is not None and self.scaler is not None:
+            return _equal(scaler.state_dict(), self.scaler)
+        return True
 
 
 def _equal(a: Any, b: Any) -> bool:
     if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-        return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
+        return _bits_equal(a, b)
     if isinstance(a, dict) and isinstance(b, dict):
         return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
         return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
     return bool(a == b)
+
+
+_SAME_SIZE_INT = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit-for-bit equality: NaNs compare equal to identical NaNs, and -0.0 differs from 0.0."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if a.is_floating_point() and a.element_size() in _SAME_SIZE_INT:
+        as_int = _SAME_SIZE_INT[a.element_size()]
+        return torch.equal(a.detach().contiguous().view(as_int), b.detach().contiguous().view(as_int))
+    return torch.equal(a, b)

@@ -40,7 +40,7 @@ def main() -> None:
     strategy, out = sys.argv[1], Path(sys.argv[2])
     out.mkdir(parents=True, exist_ok=True)
     pl.seed_everything(0)
-    search = CoMPSearch(include=["l2", "l3", "l4"], exclude=["l1", "head"], tolerance=0.05, profile_steps=2,
+    search = CoMPSearch(include=["l2", "l3", "l4"], exclude=["l1", "head", "a?"], tolerance=0.05, profile_steps=2,
                         profile_warmup=1, verbose=False)
     trainer = pl.Trainer(
         accelerator="cpu", devices=2, strategy=strategy, max_epochs=3, plugins=[CoMPPrecision()],
