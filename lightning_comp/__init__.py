@@ -10,6 +10,14 @@ from lightning_comp.errors import (
     SearchConfigError,
     UnsupportedSetupError,
 )
+from lightning_comp.grad_compression import (
+    CommStats,
+    GradCommDtype,
+    HalfPrecisionDDPStrategy,
+    counting_comm_hook,
+    half_precision_ddp_strategy,
+)
+from lightning_comp.lr_schedule import WorkerScaledLR, WorkerScaledLRConfig, worker_scaled_lr
 from lightning_comp.operators import Lowering, OperatorInfo, OperatorKind, discover_operators, register_atomic
 from lightning_comp.plan import OperatorFingerprint, PrecisionPlan
 from lightning_comp.plugin import CoMPPrecision
@@ -19,6 +27,14 @@ from lightning_comp.snapshot import TrainingSnapshot
 __version__ = "0.1.0.dev0"
 
 __all__ = [
+    "CommStats",
+    "GradCommDtype",
+    "HalfPrecisionDDPStrategy",
+    "WorkerScaledLR",
+    "WorkerScaledLRConfig",
+    "counting_comm_hook",
+    "half_precision_ddp_strategy",
+    "worker_scaled_lr",
     "CoMPError",
     "CoMPPrecision",
     "CoMPSearch",

@@ -63,6 +63,7 @@ __all__ = [
     "CommStats",
     "GradCommDtype",
     "HalfPrecisionDDPStrategy",
+    "bf16_compress_hook_any_backend",
     "counting_comm_hook",
     "half_precision_ddp_strategy",
 ]
