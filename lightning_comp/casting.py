@@ -16,6 +16,7 @@ outside operators. Calls outside a step, and operators the trace did not see, al
 from __future__ import annotations
 
 import warnings
+import weakref
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
@@ -36,6 +37,9 @@ from lightning_comp.plan import PrecisionPlan
 __all__ = ["StepKind", "PlanExecutor", "cast_floating"]
 
 _LOW_DTYPES = (torch.bfloat16, torch.float16)
+# The executor whose hooks are on each model. A model carries one plan at a time: applying another executor (a new
+# CoMPPrecision for the same model, e.g. a second Trainer) takes the previous one's hooks off first.
+_OWNERS: weakref.WeakKeyDictionary[nn.Module, PlanExecutor] = weakref.WeakKeyDictionary()
 # Tensor metadata reads that neither consume values nor create tensors: they never force a cast boundary.
 _METADATA_GETTERS = frozenset({"shape", "dtype", "device", "requires_grad", "is_leaf", "ndim", "layout", "grad_fn",
                                "is_cuda", "is_sparse", "is_quantized", "is_meta", "names", "grad", "_version"})
@@ -123,18 +127,25 @@ class _ConsumerTracer(TorchFunctionMode):
         self.escaped: set[str] = set()
         self.pending: list[frozenset[str]] = []
         self.ineffective: set[str] = set()
+        # Per call: the operators an output is attributed to, and which calls had no output used inside the step
+        # (returned to the caller, e.g. from ``predict_step``): those must return in FP32 too.
+        self.call_of: dict[int, int] = {}
+        self.call_names: list[frozenset[str]] = []
+        self.unused_calls: set[int] = set()
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if self.depth == 0 and self.producers and not _is_metadata(func):
             for tensor in _iter_tensors((args, kwargs)):
                 self.escaped.update(self.producers.get(id(tensor), ()))
+                self.unused_calls.discard(self.call_of.get(id(tensor), -1))
         return func(*args, **kwargs)
 
     def enter(self, op: _Operator, args: Any, kwargs: Any) -> None:
         self.depth += 1
         sources: set[str] = set()
         for tensor in _iter_tensors((args, kwargs)):
+            self.unused_calls.discard(self.call_of.get(id(tensor), -1))
             for producer in self.producers.get(id(tensor), ()):
                 sources.add(producer)
                 self.consumed.add(producer)
@@ -148,16 +159,22 @@ class _ConsumerTracer(TorchFunctionMode):
         sources = self.pending.pop() if self.pending else frozenset()
         attributed = sources if op.transparent else (frozenset({op.name}) if op.low else frozenset())
         if attributed:
+            call = len(self.call_names)
+            self.call_names.append(attributed)
+            self.unused_calls.add(call)
             for tensor in _iter_tensors(output):
                 self.producers[id(tensor)] = attributed
+                self.call_of[id(tensor)] = call
                 self.keep_alive.append(tensor)
         self.depth -= 1
 
     def chained(self) -> frozenset[str]:
         """Low-precision operators whose output may stay in the low dtype."""
+        unused = {name for call in self.unused_calls for name in self.call_names[call]}
         return frozenset(
             name for name, op in self.operators.items()
             if op.low and not op.transparent and name in self.consumed and name not in self.escaped
+            and name not in unused
         )
 
 
@@ -184,6 +201,7 @@ class PlanExecutor:
         self._current_chained: frozenset[str] = frozenset()
         self._tracer: _ConsumerTracer | None = None
         self._warned_ineffective: set[str] = set()
+        self._calibrations: dict[tuple[Any, ...], dict[StepKind, frozenset[str]]] = {}
 
     # ---------------------------------------------------------------------------------------------------- state
     @property
@@ -243,9 +261,17 @@ class PlanExecutor:
                 f" {', '.join(unsupported)}. Assign them 'fp32' or 'bf16' instead."
             )
         self.remove()
+        owner = _OWNERS.get(model)
+        if owner is not None and owner is not self:
+            owner.remove()  # stale hooks of another executor would keep computing the old plan
+        _OWNERS[model] = self
         self._operators = operators
         self._plan = bound
         self._model = model
+        # Cast boundaries depend only on the model's call pattern and the plan: re-applying a plan seen before
+        # (the search alternates plans) reuses its calibration instead of tracing again.
+        key = (id(model), bound.entries, bound.default, device_type)
+        self._chained = self._calibrations.setdefault(key, {})
         if any(op.low for op in operators.values()):
             for op in operators.values():
                 self._handles.append(op.module.register_forward_pre_hook(self._make_pre_hook(op), with_kwargs=True))
@@ -261,9 +287,11 @@ class PlanExecutor:
             while op.contexts:
                 op.contexts.pop().__exit__(None, None, None)
         self._operators = {}
-        self._chained.clear()
+        self._chained = {}
         self._current_chained = frozenset()
         self._plan = None
+        if self._model is not None and _OWNERS.get(self._model) is self:
+            del _OWNERS[self._model]
 
     @contextmanager
     def step(self, kind: StepKind) -> Iterator[None]:

@@ -161,7 +161,7 @@ def iter_operators(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
         if any(name.startswith(prefix) for prefix in skip_prefixes):
             continue
         if _is_atomic(module):
-            skip_prefixes.append(name + ".")
+            skip_prefixes.append(name + "." if name else "")  # a root atomic module: none of its children
             yield name, module
             continue
         if next(module.children(), None) is None:

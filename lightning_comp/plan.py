@@ -139,6 +139,11 @@ class PrecisionPlan:
             value = getattr(self, name)
             object.__setattr__(self, name, None if value is None else str.__str__(value))
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # The read-only provenance view cannot be pickled or deep-copied (ddp_spawn pickles the plugin): rebuild.
+        return (type(self), (self.entries, self.default, self.fingerprint, self.torch_version, self.device_type,
+                             dict(self.provenance)))
+
     # ----------------------------------------------------------------------------------------------- construction
     @classmethod
     def from_dict(cls, mapping: Mapping[str, Any], default: object = "fp32") -> PrecisionPlan:
@@ -285,7 +290,7 @@ class PrecisionPlan:
                 details.append(f"{selector!r}{hint}")
             shown = ", ".join(names[:12]) + (f", ... ({len(names)} in all)" if len(names) > 12 else "")
             raise PlanMismatchError(
-                f"{len(unmatched)} plan entr{'y' if len(unmatched) == 1 else 'ies'} match no operator of"
+                f"{len(unmatched)} plan entr{'y matches' if len(unmatched) == 1 else 'ies match'} no operator of"
                 f" {type(model).__name__}: {'; '.join(details)}. The model's operators are: {shown or '(none)'}."
             )
 

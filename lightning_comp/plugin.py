@@ -88,9 +88,14 @@ class CoMPPrecision(Precision):
         Raises:
             PlanMismatchError: if the plan does not fit the model.
         """
-        self._requested = plan_from_any(plan)
+        requested = plan_from_any(plan)
+        previous, self._requested = self._requested, requested
         if self._model is not None:
-            self._apply()
+            try:
+                self._apply()
+            except Exception:
+                self._requested = previous  # a rejected plan must not poison the next fit's convert_module
+                raise
         else:
             self._plan = self._requested
         return self._plan
@@ -239,9 +244,10 @@ class CoMPPrecision(Precision):
         self.set_plan(PrecisionPlan.from_dict(state_dict["plan"]))
         scaler_state = state_dict.get("scaler")
         if scaler_state:
-            if self.scaler is None:
+            if self.scaler is None and self._model is None and self._plan.uses(Dtype.FP16):
                 self.scaler = torch.amp.GradScaler(device=self._device_type or "cpu")
-            self.scaler.load_state_dict(scaler_state)
+            if self.scaler is not None:  # None: the plan in force has no fp16 (e.g. declined on this device)
+                self.scaler.load_state_dict(scaler_state)
         self.skipped_steps = int(state_dict.get("skipped_steps", 0))
         self.optimizer_steps = int(state_dict.get("optimizer_steps", 0))
 
