@@ -270,7 +270,7 @@ class PlanExecutor:
         self._model = model
         # Cast boundaries depend only on the model's call pattern and the plan: re-applying a plan seen before
         # (the search alternates plans) reuses its calibration instead of tracing again.
-        key = (id(model), bound.entries, bound.default, device_type)
+        key = (weakref.ref(model), bound.entries, bound.default, device_type)  # a dead model never matches
         self._chained = self._calibrations.setdefault(key, {})
         if any(op.low for op in operators.values()):
             for op in operators.values():
@@ -355,7 +355,8 @@ class PlanExecutor:
                     op.contexts.append(ctx)
                 return args, kwargs
             if lowering is Lowering.NONE and _has_low((args, kwargs)):
-                return cast_floating(args, torch.float32, _LOW_DTYPES), cast_floating(kwargs, torch.float32, _LOW_DTYPES)
+                to_fp32 = torch.float32
+                return cast_floating(args, to_fp32, _LOW_DTYPES), cast_floating(kwargs, to_fp32, _LOW_DTYPES)
             return None
 
         return pre_hook

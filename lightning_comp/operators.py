@@ -195,6 +195,7 @@ def module_device_type(module: nn.Module, default: str = "cpu") -> str:
     return default
 
 
+
 def is_floating(tensor: object) -> bool:
     """Whether ``tensor`` is a floating-point tensor."""
     return isinstance(tensor, torch.Tensor) and tensor.is_floating_point()

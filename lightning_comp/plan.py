@@ -160,7 +160,11 @@ class PrecisionPlan:
             raise PlanError(f"A plan must be built from a mapping, got {type(mapping).__name__}: {mapping!r}.")
         if mapping.get("format") == PLAN_FORMAT:
             return cls._from_serialised(mapping)
-        return cls(entries=_parse_entries(mapping), default=parse_precision(default))
+        try:
+            default_precision = parse_precision(default)
+        except PlanError as err:
+            raise PlanError(f"Plan default: {err}") from None
+        return cls(entries=_parse_entries(mapping), default=default_precision)
 
     @classmethod
     def for_model(

@@ -106,6 +106,17 @@ class CoMPPrecision(Precision):
         plan = self._decline_slow_fp16(self._requested, device_type)
         self._plan = self._executor.apply(self._model, plan, device_type)
         self._sync_scaler(device_type)
+        if not self._plan.is_all_fp32 and not self._plan.low_operators(self._model):
+            warnings.warn(
+                f"The plan {self._plan!r} assigns a 16-bit precision but lowers no operator of"
+                f" {type(self._model).__name__} (its entries match only shape-only operators, or the model has no"
+                " operator low precision applies to): training runs in fp32.",
+                UserWarning,
+                stacklevel=3,
+            )
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(plan={self._plan!r}, allow_slow_fp16={self.allow_slow_fp16})"
 
     def _decline_slow_fp16(self, plan: PrecisionPlan, device_type: str) -> PrecisionPlan:
         if self.allow_slow_fp16 or not plan.uses(Dtype.FP16) or device_supports_fast(Dtype.FP16, device_type):

@@ -1,0 +1,229 @@
+"""Run one training job from a composed Hydra config (the body of ``examples/train.py``, reusable by benchmarks).
+
+The config is the one in ``lightning_comp/conf/train.yaml``: groups ``precision``, ``model``, ``data``, ``trainer``
+(and optionally ``size``), plus the top-level keys ``seed``, ``ckpt_path``, ``output_dir``, ``num_threads``,
+``float32_matmul_precision`` and ``callbacks``. :func:`run` trains and writes into ``output_dir``:
+
+* ``checkpoints/`` (from the ``callbacks.checkpoint`` ModelCheckpoint: best by ``val_loss`` and ``last.ckpt``),
+* ``logs/`` (CSVLogger metrics),
+* ``plan.json`` and ``search_record.json`` when the precision is ``comp``,
+* ``results.json``: the one-run summary (metrics, times, paths) that benchmarks read.
+
+Under DDP every process runs :func:`run`; only global rank 0 writes files and prints.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from hydra.utils import instantiate
+from lightning.pytorch.callbacks import Callback
+from omegaconf import DictConfig, OmegaConf
+
+from lightning_comp.zoo.callbacks import EpochTimer
+
+__all__ = ["DATA_OPTIONS", "check_compatible", "run"]
+
+log = logging.getLogger(__name__)
+
+#: The data options of the shipped config tree, by the data kind they yield (for error messages).
+DATA_OPTIONS: dict[str, str] = {"signal": "mnist1d", "tokens": "text", "image": "shapes"}
+
+
+def check_compatible(model: pl.LightningModule, datamodule: pl.LightningDataModule) -> None:
+    """Raise if the model cannot consume the data module's batches.
+
+    Both sides are duck-typed: a model with a ``data_kinds`` tuple and a data module with a ``kind`` string are
+    checked; anything else (a user's own classes) passes.
+
+    Raises:
+        ValueError: Naming the model, the data, and the data options the model accepts.
+    """
+    kinds = getattr(model, "data_kinds", None)
+    kind = getattr(datamodule, "kind", None)
+    if kinds and kind and kind not in kinds:
+        options = [DATA_OPTIONS.get(k, k) for k in kinds]
+        raise ValueError(
+            f"model {type(model).__name__} takes data of kind {list(kinds)}, but data {type(datamodule).__name__} "
+            f"yields {kind!r}; choose data={' or data='.join(options)}"
+        )
+
+
+def _check_precision_wiring(cfg: DictConfig) -> None:
+    """Explain the one invalid combination before Lightning raises its terser error."""
+    plugins = cfg.precision.get("plugins")
+    trainer_precision = cfg.trainer.get("precision")
+    if plugins and trainer_precision is not None:
+        name = cfg.precision.get("name", "this precision option")
+        raise ValueError(
+            f"precision={name} supplies a Precision plugin, so trainer.precision must be null, got "
+            f"trainer.precision={trainer_precision!r}; drop that override, or pick precision=fp32, bf16-mixed, "
+            "16-mixed or bf16-true instead"
+        )
+
+
+def _instantiate_callbacks(group: Any, where: str) -> list[Callback]:
+    """Instantiate a mapping ``name -> callback config``; ``null`` entries are switched-off callbacks."""
+    if group is None:
+        return []
+    if not isinstance(group, Mapping):
+        raise TypeError(f"{where} must be a mapping of name -> callback config, got {type(group).__name__}")
+    callbacks = []
+    for name, node in group.items():
+        if node is None:
+            continue
+        callback = instantiate(node, _convert_="all")
+        if not isinstance(callback, Callback):
+            raise TypeError(f"{where}.{name} must build a lightning Callback, got {type(callback).__name__}")
+        callbacks.append(callback)
+    return callbacks
+
+
+def _choices(cfg: DictConfig) -> dict[str, str]:
+    """The selected option of each config group, when Hydra's runtime info is available."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        if HydraConfig.initialized():
+            return {k: str(v) for k, v in HydraConfig.get().runtime.choices.items() if v is not None}
+    except (ImportError, ValueError):  # pragma: no cover - Hydra internals
+        pass
+    hydra_node = cfg.get("hydra") if isinstance(cfg, DictConfig) else None
+    if hydra_node is not None:  # compose(..., return_hydra_config=True)
+        return {k: str(v) for k, v in hydra_node.runtime.choices.items() if v is not None}
+    return {}
+
+
+def _multirun_sweep_dir() -> Path | None:
+    try:
+        from hydra.core.hydra_config import HydraConfig
+        from hydra.types import RunMode
+
+        if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
+            return Path(HydraConfig.get().sweep.dir)
+    except (ImportError, ValueError):  # pragma: no cover
+        pass
+    return None
+
+
+def _scalar_metrics(trainer: pl.Trainer) -> dict[str, float]:
+    return {
+        name: float(value)
+        for name, value in trainer.callback_metrics.items()
+        if isinstance(value, torch.Tensor) and value.numel() == 1
+    }
+
+
+def _export_comp(trainer: pl.Trainer, out: Path) -> dict[str, str]:
+    """Save the CoMP plan and search record (if any) and print the plan; returns the written paths."""
+    paths: dict[str, str] = {}
+    plugin = trainer.precision_plugin
+    plan = getattr(plugin, "plan", None) if type(plugin).__name__ == "CoMPPrecision" else None
+    if plan is not None:
+        print("CoMP precision plan:\n" + str(plan.summary()), flush=True)
+        paths["plan_path"] = str(plan.save(out / "plan.json") or out / "plan.json")
+    for callback in trainer.callbacks:  # type: ignore[attr-defined]
+        if type(callback).__name__ == "CoMPSearch":
+            record = getattr(callback, "record", None)
+            if record is not None:
+                path = out / "search_record.json"
+                path.write_text(json.dumps(record, indent=2, default=str))
+                paths["search_record_path"] = str(path)
+    return paths
+
+
+def _summary_line(result: Mapping[str, Any]) -> str:
+    metric = result["val_metric"]
+    value = result["metrics"].get(metric, math.nan)
+    return (
+        f"precision={result['precision']} model={result['model']} data={result['data']} "
+        f"val_loss={result['metrics'].get('val_loss', math.nan):.4f} {metric}={value:.4f} "
+        f"fit_time_s={result['fit_time_s']:.1f} epochs={result['epochs']} out={result['output_dir']}"
+    )
+
+
+def run(cfg: DictConfig) -> dict[str, Any]:
+    """Train the configured model on the configured data with the configured precision.
+
+    Args:
+        cfg: A composed config (see the module docstring). ``cfg.output_dir`` must resolve to a directory path
+            (``${hydra:runtime.output_dir}`` under ``@hydra.main``; set it explicitly with the compose API).
+
+    Returns:
+        The results dict that is also written to ``results.json`` (on every rank; only rank 0 writes).
+
+    Raises:
+        ValueError: If model and data do not fit together.
+        TypeError: If a configured callback does not build a Lightning ``Callback``.
+    """
+    start = time.perf_counter()
+    out = Path(str(cfg.output_dir)).expanduser().resolve()
+    num_threads = cfg.get("num_threads")
+    if num_threads:
+        torch.set_num_threads(int(num_threads))
+    matmul_precision = cfg.get("float32_matmul_precision")
+    if matmul_precision:
+        torch.set_float32_matmul_precision(str(matmul_precision))
+    pl.seed_everything(int(cfg.seed), workers=True)
+
+    _check_precision_wiring(cfg)
+    datamodule = instantiate(cfg.data, _convert_="all")
+    model = instantiate(cfg.model, _convert_="all")
+    check_compatible(model, datamodule)
+    callbacks = _instantiate_callbacks(cfg.get("callbacks"), "callbacks")
+    callbacks += _instantiate_callbacks(cfg.precision.get("callbacks"), "precision.callbacks")
+    trainer: pl.Trainer = instantiate(cfg.trainer, callbacks=callbacks, _convert_="all")
+
+    ckpt_path = cfg.get("ckpt_path")
+    fit_start = time.perf_counter()
+    trainer.fit(model, datamodule=datamodule, ckpt_path=None if ckpt_path is None else str(ckpt_path))
+    fit_time = time.perf_counter() - fit_start
+
+    choices = _choices(cfg)
+    timer = next((cb for cb in callbacks if isinstance(cb, EpochTimer)), None)
+    checkpoint = trainer.checkpoint_callback
+    result: dict[str, Any] = {
+        "precision": choices.get("precision") or str(cfg.precision.get("name", "?")),
+        "model": choices.get("model") or type(model).__name__,
+        "data": choices.get("data") or type(datamodule).__name__,
+        "size": choices.get("size"),
+        "seed": int(cfg.seed),
+        "val_metric": getattr(model, "val_metric", "val_loss"),
+        "val_metric_mode": getattr(model, "val_metric_mode", "min"),
+        "metrics": _scalar_metrics(trainer),
+        "fit_time_s": fit_time,
+        "wall_time_s": time.perf_counter() - start,
+        "epochs": int(trainer.current_epoch),
+        "global_step": int(trainer.global_step),
+        "world_size": int(trainer.world_size),
+        "trainer_precision": str(trainer.precision),
+        "precision_plugin": type(trainer.precision_plugin).__name__,
+        "epoch_times": timer.epochs if timer is not None else [],
+        "num_parameters": sum(p.numel() for p in model.parameters()),
+        "resumed_from": None if ckpt_path is None else str(ckpt_path),
+        "best_checkpoint": getattr(checkpoint, "best_model_path", None) or None,
+        "last_checkpoint": getattr(checkpoint, "last_model_path", None) or None,
+        "output_dir": str(out),
+        "torch": torch.__version__,
+        "device": str(model.device.type),
+        "config": OmegaConf.to_container(OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"]), resolve=True),
+    }
+    if trainer.is_global_zero:
+        out.mkdir(parents=True, exist_ok=True)
+        result.update(_export_comp(trainer, out))
+        (out / "results.json").write_text(json.dumps(result, indent=2, default=str))
+        line = _summary_line(result)
+        print(f"RESULT {line}", flush=True)
+        sweep_dir = _multirun_sweep_dir()
+        if sweep_dir is not None:
+            with open(sweep_dir / "summary.txt", "a") as handle:
+                handle.write(line + "\n")
+    return result
