@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +18,11 @@ SCRIPT = Path(__file__).resolve().parent / "ddp_search_run.py"
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("strategy", ["ddp", "ddp_spawn"])
 def test_every_rank_runs_the_same_plan(strategy: str, tmp_path: Path) -> None:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    with socket.socket() as sock:  # a port of our own: other 2-process tests may run at the same time
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(port)}
     proc = subprocess.run([sys.executable, str(SCRIPT), strategy, str(tmp_path)], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

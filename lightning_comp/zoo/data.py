@@ -13,7 +13,6 @@ file shipped with Python). Nothing is downloaded. Each module has:
 from __future__ import annotations
 
 import functools
-import math
 import random
 from collections.abc import Callable
 from typing import Any, ClassVar
@@ -201,8 +200,3 @@ class MNIST1DDataModule(InMemoryDataModule):
     def build(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Return the cached MNIST-1D examples."""
         return load_mnist1d(self.num_samples, self.seed)
-
-
-def num_batches(num_examples: int, batch_size: int, drop_last: bool) -> int:
-    """Number of batches a loader yields (a small helper for tests and benchmarks)."""
-    return num_examples // batch_size if drop_last else math.ceil(num_examples / batch_size)

@@ -58,7 +58,9 @@ def _shape_masks(label: torch.Tensor, u: torch.Tensor, v: torch.Tensor, r: torch
     return masks.gather(0, label.clamp(max=4).view(1, -1, 1, 1).expand(1, *u.shape)).squeeze(0)
 
 
-def _texture_masks(label: torch.Tensor, x: torch.Tensor, y: torch.Tensor, freq: torch.Tensor, phase: torch.Tensor):
+def _texture_masks(
+    label: torch.Tensor, x: torch.Tensor, y: torch.Tensor, freq: torch.Tensor, phase: torch.Tensor
+) -> torch.Tensor:
     """Foreground masks for the texture classes 5-9 in image coordinates ``(x, y)`` in [-1, 1]."""
     w = 2 * math.pi * freq
     sx, sy = torch.sin(w * x + phase), torch.sin(w * y + phase)

@@ -71,7 +71,12 @@ def _check_precision_wiring(cfg: DictConfig) -> None:
 
 
 def _instantiate_callbacks(group: Any, where: str) -> list[Callback]:
-    """Instantiate a mapping ``name -> callback config``; ``null`` entries are switched-off callbacks."""
+    """Instantiate a mapping ``name -> callback config``.
+
+    ``null`` entries are switched-off callbacks. Entries without ``_target_`` are settings for a callback that the
+    selected option does not define; they are skipped, so that ``++precision.callbacks.comp_search.trial_epochs=2``
+    can be given to a multirun over ``precision=fp32,bf16-mixed,comp`` (it only affects the ``comp`` jobs).
+    """
     if group is None:
         return []
     if not isinstance(group, Mapping):
@@ -79,6 +84,9 @@ def _instantiate_callbacks(group: Any, where: str) -> list[Callback]:
     callbacks = []
     for name, node in group.items():
         if node is None:
+            continue
+        if isinstance(node, Mapping) and "_target_" not in node:
+            log.info("%s.%s has no _target_ (not defined by the selected option); ignored", where, name)
             continue
         callback = instantiate(node, _convert_="all")
         if not isinstance(callback, Callback):
@@ -150,6 +158,11 @@ def _summary_line(result: Mapping[str, Any]) -> str:
     )
 
 
+def _plain_config(cfg: DictConfig) -> Any:
+    """The resolved config as plain Python, without Hydra's own node (present with ``return_hydra_config``)."""
+    return OmegaConf.to_container(OmegaConf.masked_copy(cfg, [str(k) for k in cfg if k != "hydra"]), resolve=True)
+
+
 def run(cfg: DictConfig) -> dict[str, Any]:
     """Train the configured model on the configured data with the configured precision.
 
@@ -213,8 +226,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         "last_checkpoint": getattr(checkpoint, "last_model_path", None) or None,
         "output_dir": str(out),
         "torch": torch.__version__,
-        "device": str(model.device.type),
-        "config": OmegaConf.to_container(OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"]), resolve=True),
+        "device": str(trainer.strategy.root_device.type),
+        "config": _plain_config(cfg),
     }
     if trainer.is_global_zero:
         out.mkdir(parents=True, exist_ok=True)
