@@ -75,8 +75,8 @@ class SearchConfig:
     tolerance_mode: str = "relative"
     warmup_epochs: int = 1
     trial_epochs: int = 1
-    profile_steps: int = 5
-    profile_warmup: int = 2
+    profile_steps: int = 4
+    profile_warmup: int = 1
     low_precision: str = "auto"
     objective: Objective = Objective.THROUGHPUT
     speed_margin: float = 0.05
@@ -181,8 +181,8 @@ class CoMPSearch(Callback):
         tolerance_mode: str = "relative",
         warmup_epochs: int = 1,
         trial_epochs: int = 1,
-        profile_steps: int = 5,
-        profile_warmup: int = 2,
+        profile_steps: int = 4,
+        profile_warmup: int = 1,
         low_precision: str = "auto",
         objective: str = "throughput",
         speed_margin: float = 0.05,
@@ -555,7 +555,8 @@ class CoMPSearch(Callback):
         assert trial is not None
         last_epoch = str(trial["start_epoch"] + self.config.trial_epochs - 1)
         trial["metric"] = trial["metrics"][last_epoch]
-        trial["seconds"] = time.time() - trial["started"]
+        # the batch stage runs inside the reference trial's first batch and is counted apart
+        trial["seconds"] = time.time() - trial["started"] - float(trial.get("profiling_seconds", 0.0))
         trial["steps"] = trainer.global_step - trial["start_step"]
         steps = max(1, self._plugin.optimizer_steps - trial["steps_before"])
         trial["skipped_steps"] = self._plugin.skipped_steps - trial["skipped_steps_before"]
@@ -734,6 +735,9 @@ class CoMPSearch(Callback):
         self._state["group_search"] = search.state_dict()
         self._state["low_precision"] = low.value
         self._state["profiling_seconds"] = time.perf_counter() - started
+        reference = self._current_trial()
+        if reference is not None:
+            reference["profiling_seconds"] = self._state["profiling_seconds"]
         if search.done:  # nothing worth a trial: this epoch is plain FP32 training and is kept
             reference = self._current_trial()
             assert reference is not None
