@@ -66,10 +66,7 @@ class WideMLP(Classifier):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.a2(self.l2(self.a1(self.l1(x))))
-        if self.offset:
-            h = self.l3(h + OFFSET) - OFFSET * self.l3.weight.sum(1)
-        else:
-            h = self.l3(h)
+        h = self.l3(h + OFFSET) - OFFSET * self.l3.weight.sum(1) if self.offset else self.l3(h)
         h = self.a4(self.l4(self.a3(h)))
         return self.head(h)
 
