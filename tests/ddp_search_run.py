@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import json
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 import lightning.pytorch as pl
+from lightning.pytorch.strategies import DDPStrategy
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -37,7 +39,9 @@ class PlanLog(pl.Callback):
 
 
 def main() -> None:
-    strategy, out = sys.argv[1], Path(sys.argv[2])
+    name, out = sys.argv[1], Path(sys.argv[2])
+    # a bounded collective timeout: a lost rank fails the run in minutes instead of hanging for half an hour
+    strategy = DDPStrategy(start_method="spawn" if name == "ddp_spawn" else "popen", timeout=timedelta(seconds=120))
     out.mkdir(parents=True, exist_ok=True)
     pl.seed_everything(0)
     search = CoMPSearch(include=["l2", "l3", "l4"], exclude=["l1", "head", "a?"], tolerance=0.05, profile_steps=2,
