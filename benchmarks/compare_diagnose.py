@@ -1,0 +1,244 @@
+"""Why CoMP misses a target: in-process diagnostics for one model of ``benchmarks/compare.py``'s suite.
+
+    python benchmarks/compare_diagnose.py --model gpt [--plan benchmarks/results/compare_search_gpt/comp_plan.json]
+
+Everything is measured on one fixed batch, without Lightning, in interleaved rounds (minimum and median over rounds):
+
+1. **Step time per execution strategy** (forward + backward + AdamW step): FP32; AMP (one global ``torch.autocast``);
+   CoMP with the searched plan; CoMP lowering only the compute operators (Linear/Conv/LSTM); CoMP lowering every
+   operator that can be lowered (the closest plan to AMP's numerics, so *CoMP all-low vs AMP* isolates the engine's own
+   overhead: hooks, per-operator autocast regions, boundary casts).
+2. **Cast time** per strategy (``aten::_to_copy`` + ``aten::copy_`` self time under ``torch.profiler``) and the number of
+   hooked operator calls per step.
+3. **The search's per-operator attribution**, as ``lightning_comp.profiling.OperatorProfiler`` measures it and with a
+   one-line fix (register the backward-timing hook only once per tensor, so an operator that returns its input, such
+   as ``Dropout(p=0)``, does not take over the backward time of the operator that produced the tensor): which
+   operators the batch stage would accept with and without the fix.
+
+It writes ``benchmarks/results/compare_diagnose_<model>.json`` and prints a summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from compare import RESULTS_DIR, SUITE  # noqa: E402
+
+from lightning_comp import zoo  # noqa: E402
+from lightning_comp.casting import PlanExecutor, StepKind  # noqa: E402
+from lightning_comp.dtypes import Precision  # noqa: E402
+from lightning_comp.operators import Lowering, classify, iter_operators, lowering_for  # noqa: E402
+from lightning_comp.plan import PrecisionPlan  # noqa: E402
+
+
+def _batch(model_key: str, seed: int) -> tuple[Any, Any, Any]:
+    spec = SUITE[model_key]
+    torch.manual_seed(seed)
+    datamodule = getattr(zoo, spec.data)(**spec.data_kwargs)
+    datamodule.setup("fit")
+    loader = datamodule.train_dataloader()
+    x, y = next(iter(loader))
+    torch.manual_seed(seed)
+    model = getattr(zoo, spec.model)(**spec.model_kwargs)
+    return model, x, y
+
+
+def _plans(model: torch.nn.Module, searched: dict[str, Any] | None) -> dict[str, PrecisionPlan]:
+    ops = dict(iter_operators(model))
+    lowerable = [n for n, m in ops.items() if lowering_for(m, Precision.BF16, "cpu") not in (None, Lowering.NONE)]
+    compute = [n for n in lowerable if classify(ops[n]).value == "compute"]
+    plans = {"comp_all_low": PrecisionPlan.from_dict({n: "bf16" for n in lowerable}),
+             "comp_compute_only": PrecisionPlan.from_dict({n: "bf16" for n in compute})}
+    if searched is not None:
+        entries = searched.get("entries", searched)
+        plans["comp_searched"] = PrecisionPlan.from_dict(dict(entries))
+    return plans
+
+
+def step_times(model: torch.nn.Module, x: Any, y: Any, plans: dict[str, PrecisionPlan], rounds: int,
+               ) -> tuple[dict[str, dict[str, float]], dict[str, dict[str, Any]]]:
+    executor = PlanExecutor()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-9)  # steps that barely move the weights
+    modes = ["fp32", "amp", *plans]
+
+    def run(mode: str, profile: bool = False) -> tuple[float, Any]:
+        if mode in plans:
+            executor.apply(model, plans[mode], "cpu")
+            ctx: Any = executor.step(StepKind.TRAIN)
+        else:
+            executor.remove()
+            ctx = torch.autocast("cpu", dtype=torch.bfloat16, enabled=mode == "amp")
+        prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) if profile else None
+        start = time.perf_counter()
+        if prof is not None:
+            prof.__enter__()
+        with ctx:
+            loss = model.loss(model(x), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if prof is not None:
+            prof.__exit__(None, None, None)
+        return (time.perf_counter() - start) * 1e3, prof
+
+    for mode in modes:  # warm-up (and the calibration step of each plan)
+        run(mode)
+        run(mode)
+    times: dict[str, list[float]] = {m: [] for m in modes}
+    for r in range(rounds):
+        order = modes[r % len(modes):] + modes[: r % len(modes)]
+        for mode in order:
+            times[mode].append(run(mode)[0])
+    profiles: dict[str, dict[str, Any]] = {}
+    for mode in modes:
+        ms, prof = run(mode, profile=True)
+        cast = sum(e.self_cpu_time_total for e in prof.key_averages() if e.key in ("aten::_to_copy", "aten::copy_"))
+        calls = sum(e.count for e in prof.key_averages() if e.key == "aten::_to_copy")
+        ops_total = sum(e.self_cpu_time_total for e in prof.key_averages())
+        hooked = len(executor._operators) if mode in plans else 0  # noqa: SLF001 - diagnostics
+        profiles[mode] = {"profiled_ms": ms, "cast_ms": cast / 1e3, "to_copy_calls": int(calls),
+                          "op_self_ms": ops_total / 1e3, "outside_ops_ms": ms - ops_total / 1e3,
+                          "hooked_operators": hooked}
+    executor.remove()
+    stats = {m: {"min_ms": min(v), "median_ms": statistics.median(v)} for m, v in times.items()}
+    return stats, profiles
+
+
+def calibration_memory(model: torch.nn.Module, x: Any, y: Any, plan: PrecisionPlan, steps: int = 3) -> dict[str, Any]:
+    """Peak live-tensor increase (profiler memory events) of the first step after a plan is applied, in which
+    ``PlanExecutor`` traces cast boundaries, against the following steps (same plan, same batch)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from compare import _tensor_peak_delta
+
+    executor = PlanExecutor()
+    executor.apply(model, plan, "cpu")
+    peaks = []
+    try:
+        for _ in range(steps):
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+                with executor.step(StepKind.TRAIN):
+                    loss = model.loss(model(x), y)
+                loss.backward()
+                model.zero_grad(set_to_none=True)
+            peaks.append(_tensor_peak_delta(prof, "cpu"))
+    finally:
+        executor.remove()
+    return {"peak_delta_bytes_per_step": peaks, "first_step_extra_bytes": (peaks[0] or 0) - min(p or 0 for p in peaks[1:])}
+
+
+def attribution(model: torch.nn.Module, x: Any, y: Any, rounds: int) -> dict[str, Any]:
+    """The batch stage's per-operator judgement of Linear-like operators, as shipped and with the proposed fix."""
+    from lightning_comp import profiling
+
+    ops = dict(iter_operators(model))
+    lowerable = [n for n, m in ops.items() if lowering_for(m, Precision.BF16, "cpu") not in (None, Lowering.NONE)]
+    all_low = PrecisionPlan.from_dict({n: "bf16" for n in lowerable})
+    executor = PlanExecutor()
+
+    def step() -> None:
+        with executor.step(StepKind.TRAIN):
+            loss = model.loss(model(x), y)
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    configs = {"fp32": lambda: executor.remove(), "low": lambda: executor.apply(model, all_low, "cpu")}
+    original = profiling._RoundRecorder._post_outer  # noqa: SLF001
+
+    def fixed_post_outer(self: Any, name: str) -> Any:
+        def hook(module: Any, args: Any, output: Any) -> None:
+            self.marks[name][-1][3] = self.clock.now()
+            if self.stack:
+                self.stack.pop()
+            hooked = self.__dict__.setdefault("_hooked_ids", set())
+            for tensor in profiling._iter_tensors(output):  # noqa: SLF001
+                if tensor.requires_grad:
+                    if id(tensor) not in hooked:  # an operator that returned its input must not steal its backward
+                        hooked.add(id(tensor))
+                        self.__dict__.setdefault("_keep", []).append(tensor)
+                        tensor.register_hook(self._grad_hook(name))
+                    break
+
+        return hook
+
+    out: dict[str, Any] = {}
+    for label, patch in (("as_shipped", None), ("with_fix", fixed_post_outer)):
+        if patch is not None:
+            profiling._RoundRecorder._post_outer = patch  # noqa: SLF001
+        try:
+            results = profiling.OperatorProfiler(model, "cpu", rounds=rounds, warmup=2).profile(configs, step)
+        finally:
+            profiling._RoundRecorder._post_outer = original  # noqa: SLF001
+            executor.remove()
+        rows = {}
+        for name in results["fp32"].order:
+            if classify(ops[name]).value not in ("compute", "embedding"):
+                continue
+            a, b = results["fp32"].operators[name], results["low"].operators.get(name)
+            if b is None:
+                continue
+            gain = a.total_ms - b.total_ms
+            rows[name] = {"fp32_ms": round(a.total_ms, 3), "bf16_ms": round(b.total_ms, 3),
+                          "fp32_backward_ms": round(a.backward_ms, 3),
+                          "pays": gain >= max(0.05 * a.total_ms, 0.005)}
+        cheap_backward = {n: round(results["fp32"].operators[n].backward_ms, 3) for n in results["fp32"].order
+                          if classify(ops[n]).value in ("elementwise",) and n in results["fp32"].operators}
+        out[label] = {"operators": rows, "accepted": sorted(n for n, r in rows.items() if r["pays"]),
+                      "elementwise_backward_ms_fp32": cheap_backward}
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="gpt", choices=sorted(SUITE))
+    parser.add_argument("--plan", default=None, help="a comp_plan.json from compare.py (default: the one it wrote)")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--skip-attribution", action="store_true")
+    args = parser.parse_args(argv)
+    warnings.filterwarnings("ignore")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    plan_path = Path(args.plan) if args.plan else RESULTS_DIR / f"compare_search_{args.model}" / "comp_plan.json"
+    searched = json.loads(plan_path.read_text()) if plan_path.exists() else None
+    model, x, y = _batch(args.model, args.seed)
+    plans = _plans(model, searched)
+    stats, profiles = step_times(model, x, y, plans, args.rounds)
+    report: dict[str, Any] = {"model": args.model, "plan": str(plan_path) if searched else None, "rounds": args.rounds,
+                              "step": stats, "profile": profiles}
+    plan_for_memory = plans.get("comp_searched", plans["comp_all_low"])
+    report["calibration_memory"] = calibration_memory(model, x, y, plan_for_memory)
+    if not args.skip_attribution:
+        report["attribution"] = attribution(model, x, y, args.rounds)
+    out = RESULTS_DIR / f"compare_diagnose_{args.model}.json"
+    out.write_text(json.dumps(report, indent=1) + "\n")
+    amp = stats["amp"]["min_ms"]
+    print(f"{args.model}: step time (min over {args.rounds} interleaved rounds; ratio = AMP time / mode time)")
+    for mode, s in stats.items():
+        p = profiles[mode]
+        print(f"  {mode:<18} min {s['min_ms']:8.1f} ms  median {s['median_ms']:8.1f} ms  speed vs AMP"
+              f" {amp / s['min_ms']:.3f}  casts {p['cast_ms']:6.1f} ms ({p['to_copy_calls']} _to_copy)"
+              f"  outside ops {p['outside_ops_ms']:6.1f} ms  hooked ops {p['hooked_operators']}")
+    cm = report["calibration_memory"]
+    print(f"  tensor peak per step with the plan (first = calibration/tracing step): "
+          f"{[round((p or 0) / 2**20, 1) for p in cm['peak_delta_bytes_per_step']]} MiB;"
+          f" extra in the first step {cm['first_step_extra_bytes'] / 2**20:.1f} MiB")
+    if "attribution" in report:
+        for label, a in report["attribution"].items():
+            print(f"  batch stage {label}: accepted {len(a['accepted'])}/{len(a['operators'])}: {a['accepted']}")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
