@@ -182,7 +182,9 @@ def test_killed_mid_search_resumes_and_finishes_with_the_same_plan(offset_run: d
 @pytest.mark.slow
 def test_tiny_operators_keep_fp32_without_convergence_trials(tmp_path: Path) -> None:
     pl.seed_everything(0)
-    search = _search(include=[], exclude=[])
+    # speed_margin=0.2: on a shared machine a 5% whole-step "win" of tiny ops can be faked by noise in both the
+    # fastest and the median round; 20% cannot. The decision logic itself is unchanged.
+    search = _search(include=[], exclude=[], speed_margin=0.2)
     plugin = CoMPPrecision()
     trainer = _trainer(tmp_path, [search], max_epochs=3, plugin=plugin)
     train, val = loaders(n_train=512, batch_size=32)
