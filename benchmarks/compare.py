@@ -217,6 +217,21 @@ def _trainer_common() -> dict[str, Any]:
                 enable_model_summary=False, num_sanity_val_steps=0, gradient_clip_val=1.0, deterministic=False)
 
 
+def _exit_with_parent() -> None:
+    """End this worker if the coordinator dies (a worker inside ``trainer.fit`` reads no pipe for minutes)."""
+    import threading
+
+    parent = mp.parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        parent.join()
+        os._exit(3)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
 def _set_threads(threads: int | None) -> None:
     import torch
 
@@ -526,6 +541,7 @@ def _make_baton_callback(conn: Any, spec: dict[str, Any], probe_step: int, profi
 def train_worker(conn: Any, job: dict[str, Any]) -> None:
     """One mode of one model: wait for turns, train, report (runs in a fresh process)."""
     try:
+        _exit_with_parent()
         _quiet()
         _set_threads(job.get("threads"))
         import lightning.pytorch as pl
@@ -617,6 +633,7 @@ def _search_kwargs(overrides: dict[str, Any], record_dir: str) -> dict[str, Any]
 def search_worker(conn: Any, job: dict[str, Any]) -> None:
     """Run CoMPSearch on short epochs and report the chosen plan and the search's cost (fresh process)."""
     try:
+        _exit_with_parent()
         _quiet()
         _set_threads(job.get("threads"))
         import lightning.pytorch as pl
