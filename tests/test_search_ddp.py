@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 
 SCRIPT = Path(__file__).resolve().parent / "ddp_search_run.py"
+_DIST_VARS = {"LOCAL_RANK", "RANK", "GLOBAL_RANK", "WORLD_SIZE", "NODE_RANK", "GROUP_RANK", "LOCAL_WORLD_SIZE",
+              "MASTER_ADDR", "MASTER_PORT"}
 
 
 @pytest.mark.slow
@@ -23,8 +25,10 @@ def test_every_rank_runs_the_same_plan(strategy: str, tmp_path: Path) -> None:
         with socket.socket() as sock:  # a port of our own: other 2-process jobs may run at the same time
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": str(port)}
+        # Earlier in-process DDP runs leave LOCAL_RANK/WORLD_SIZE/... in os.environ; inherited, they make Lightning
+        # believe the ranks are launched externally, so it never starts rank 1 and rank 0 waits for it.
+        env = {k: v for k, v in os.environ.items() if k not in _DIST_VARS and not k.startswith(("TORCHELASTIC", "PL_"))}
+        env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         try:
             proc = subprocess.run([sys.executable, str(SCRIPT), strategy, str(tmp_path)], cwd=tmp_path, env=env,
                                   capture_output=True, text=True, timeout=300, start_new_session=True)
