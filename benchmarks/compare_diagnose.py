@@ -6,11 +6,14 @@ Everything is measured on one fixed batch, without Lightning, in interleaved rou
 
 1. **Step time per execution strategy** (forward + backward + AdamW step): FP32; AMP (one global ``torch.autocast``);
    CoMP with the searched plan; CoMP lowering only the compute operators (Linear/Conv/LSTM); CoMP lowering every
-   operator that can be lowered (the closest plan to AMP's numerics, so *CoMP all-low vs AMP* isolates the engine's own
-   overhead: hooks, per-operator autocast regions, boundary casts).
-2. **Cast time** per strategy (``aten::_to_copy`` + ``aten::copy_`` self time under ``torch.profiler``) and the number of
-   hooked operator calls per step.
-3. **The search's per-operator attribution**, as ``lightning_comp.profiling.OperatorProfiler`` measures it and with a
+   operator that can be lowered. CPU autocast runs norms and activations in their input dtype, so AMP lies between
+   the last two (CNN: BatchNorm sees bf16 as in all-low; GPT: LayerNorm on the FP32 residual stream runs FP32 as in
+   compute-only): the closer one isolates the engine's own overhead (hooks, autocast regions, boundary casts).
+2. **Cast time** per strategy (``aten::_to_copy`` + ``aten::copy_`` self time under ``torch.profiler``) and the
+   number of hooked operators.
+3. **Memory of the calibration step**: the first step after a plan is applied traces cast boundaries; its peak live
+   tensor bytes against the following steps'.
+4. **The search's per-operator attribution**, as ``lightning_comp.profiling.OperatorProfiler`` measures it and with a
    one-line fix (register the backward-timing hook only once per tensor, so an operator that returns its input, such
    as ``Dropout(p=0)``, does not take over the backward time of the operator that produced the tensor): which
    operators the batch stage would accept with and without the fix.
@@ -133,7 +136,8 @@ def calibration_memory(model: torch.nn.Module, x: Any, y: Any, plan: PrecisionPl
             peaks.append(_tensor_peak_delta(prof, "cpu"))
     finally:
         executor.remove()
-    return {"peak_delta_bytes_per_step": peaks, "first_step_extra_bytes": (peaks[0] or 0) - min(p or 0 for p in peaks[1:])}
+    extra = (peaks[0] or 0) - min(p or 0 for p in peaks[1:])
+    return {"peak_delta_bytes_per_step": peaks, "first_step_extra_bytes": extra}
 
 
 def attribution(model: torch.nn.Module, x: Any, y: Any, rounds: int) -> dict[str, Any]:

@@ -91,7 +91,9 @@ def plot_validation(report: dict[str, Any], path: Path) -> Path:
             points = [(v["step"], v.get(metric, math.nan)) for v in model["modes"][mode]["validation"]]
             if points:
                 steps, values = zip(*points)
-                ax.plot(steps, values, marker="o", ms=3, color=COLORS[mode], label=LABELS[mode])
+                dashed = mode == "comp"  # CoMP often coincides with AMP or FP32 (same numerics): keep both visible
+                ax.plot(steps, values, marker="x" if dashed else "o", ms=5 if dashed else 3, color=COLORS[mode],
+                        linestyle="--" if dashed else "-", label=LABELS[mode])
         ax.set_title(key, fontsize=10)
         ax.set_xlabel("optimizer step", fontsize=8)
         ax.set_ylabel(metric, fontsize=8)

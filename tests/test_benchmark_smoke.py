@@ -59,6 +59,8 @@ def test_compare_smoke(tmp_path: Path) -> None:
     assert {(r["model"], r["mode"]) for r in rows} == {(k, m) for k in MODELS for m in expected_modes}
     markdown = (out / "compare.md").read_text()
     assert "| model | mode |" in markdown and "Ratios and targets" in markdown
+    raw = json.loads((out / "compare_raw.json").read_text())
+    assert set(raw["raw"]) == set(MODELS)
     for name in ("compare_throughput.png", "compare_memory.png", "compare_val_curves.png"):
         assert (out / name).stat().st_size > 0, name
     assert "CoMP/AMP" in proc.stdout
