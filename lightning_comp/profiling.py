@@ -109,6 +109,8 @@ class _RoundRecorder:
         self.order: list[str] = []
         self._param_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
         self._seen_storages: set[int] = set()
+        self._hooked: list[torch.Tensor] = []
+        self._hooked_ids: set[int] = set()
         for name, module in iter_operators(model):
             self.handles += [
                 module.register_forward_pre_hook(self._pre_outer(name), prepend=True),
@@ -143,10 +145,17 @@ class _RoundRecorder:
             self.marks[name][-1][3] = self.clock.now()
             if self.stack:
                 self.stack.pop()
+            inputs = {id(t) for t in _iter_tensors(args)}
             for tensor in _iter_tensors(output):
-                if tensor.requires_grad:
-                    tensor.register_hook(self._grad_hook(name))
-                    break
+                # An operator that hands back its input (Dropout(p=0) in training, Identity, in-place
+                # activations) must not hook that tensor: its gradient event would fire together with the
+                # producer's and the producer's whole backward would be charged to it.
+                if not tensor.requires_grad or id(tensor) in inputs or id(tensor) in self._hooked_ids:
+                    continue
+                self._hooked_ids.add(id(tensor))
+                self._hooked.append(tensor)  # keeps ids unique for the round
+                tensor.register_hook(self._grad_hook(name))
+                break
 
         return hook
 
@@ -168,6 +177,8 @@ class _RoundRecorder:
         for handle in self.handles:
             handle.remove()
         self.handles.clear()
+        self._hooked.clear()
+        self._hooked_ids.clear()
 
     def measurements(self, backward_end: Any) -> dict[str, OperatorMeasurement]:
         """Per-operator times for this round (sums over calls)."""
