@@ -121,8 +121,11 @@ class _ConsumerTracer(TorchFunctionMode):
         super().__init__()
         self.operators = operators
         self.depth = 0
+        # Keyed by id(); each entry keeps a weak reference so that an id reused by a new tensor after the old one
+        # died is not mistaken for it. (Holding the outputs alive instead would keep every low activation of the
+        # calibration step until its end: +150-200 MiB on a small GPT/CNN.)
         self.producers: dict[int, frozenset[str]] = {}
-        self.keep_alive: list[torch.Tensor] = []
+        self.refs: dict[int, weakref.ref[torch.Tensor]] = {}
         self.consumed: set[str] = set()
         self.escaped: set[str] = set()
         self.pending: list[frozenset[str]] = []
@@ -137,16 +140,19 @@ class _ConsumerTracer(TorchFunctionMode):
         kwargs = kwargs or {}
         if self.depth == 0 and self.producers and not _is_metadata(func):
             for tensor in _iter_tensors((args, kwargs)):
-                self.escaped.update(self.producers.get(id(tensor), ()))
-                self.unused_calls.discard(self.call_of.get(id(tensor), -1))
+                if self._known(tensor):
+                    self.escaped.update(self.producers[id(tensor)])
+                    self.unused_calls.discard(self.call_of[id(tensor)])
         return func(*args, **kwargs)
 
     def enter(self, op: _Operator, args: Any, kwargs: Any) -> None:
         self.depth += 1
         sources: set[str] = set()
         for tensor in _iter_tensors((args, kwargs)):
-            self.unused_calls.discard(self.call_of.get(id(tensor), -1))
-            for producer in self.producers.get(id(tensor), ()):
+            if not self._known(tensor):
+                continue
+            self.unused_calls.discard(self.call_of[id(tensor)])
+            for producer in self.producers[id(tensor)]:
                 sources.add(producer)
                 self.consumed.add(producer)
                 if op.transparent:
@@ -165,8 +171,13 @@ class _ConsumerTracer(TorchFunctionMode):
             for tensor in _iter_tensors(output):
                 self.producers[id(tensor)] = attributed
                 self.call_of[id(tensor)] = call
-                self.keep_alive.append(tensor)
+                self.refs[id(tensor)] = weakref.ref(tensor)
         self.depth -= 1
+
+    def _known(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` is an output this tracer recorded (and not a new tensor that reuses a dead one's id)."""
+        ref = self.refs.get(id(tensor))
+        return ref is not None and ref() is tensor
 
     def chained(self) -> frozenset[str]:
         """Low-precision operators whose output may stay in the low dtype."""
