@@ -67,6 +67,10 @@ def format_record(record: dict[str, Any]) -> str:
         f"Search cost: {cost.get('search_seconds', 0.0):.2f} s (profiling {cost.get('profiling_seconds', 0.0):.2f} s,"
         f" rejected trials {cost.get('rejected_trial_seconds', 0.0):.2f} s)"
         + ("" if share is None else f", {share:.1%} of the fit")
+        + ("" if not cost.get("warmup_overhead_seconds") else
+           f"; with the FP32 warm-up's {cost['warmup_overhead_seconds']:.2f} s over the plan"
+           f" {cost['total_seconds']:.2f} s" + ("" if cost.get("total_share_of_fit") is None
+                                                 else f" ({cost['total_share_of_fit']:.1%})"))
         + f"; max_epochs extended by {record.get('extension_epochs', 0)}"
     )
     return "\n".join(out)

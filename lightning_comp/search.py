@@ -247,6 +247,7 @@ class CoMPSearch(Callback):
             "fit_seconds": 0.0,
             "kept_trial": None,
             "finish_reason": None,
+            "warmup_batches": 0,
         }
 
     # -------------------------------------------------------------------------------------------- public state
@@ -379,6 +380,7 @@ class CoMPSearch(Callback):
                 return
             state["phase"] = "searching"
             state["search_start_epoch"] = trainer.current_epoch
+            state["warmup_batches"] = int(trainer.fit_loop.epoch_loop.batch_progress.total.ready)
             state["snapshot"] = TrainingSnapshot.capture(trainer, pl_module, self._scaler()).to_state()
             self._start_trial(trainer, pl_module, label="fp32 reference", group=None, rewind=False)
             return
@@ -689,27 +691,22 @@ class CoMPSearch(Callback):
             decisions, runs = self._select(modules, lowerable, results)
             candidates = tuple(n for n in results["fp32"].order if decisions.get(n, {}).get("decision") == "candidate")
             self._state["runs"] = runs
+            order = results["fp32"].order
+            alternatives = self._alternatives(modules, lowerable, order, decisions, candidates, runs)
             timer = StepTimer(device_type, config.profile_steps, config.profile_warmup)
-            configs = {
-                "fp32": lambda: plugin.set_plan(PrecisionPlan()),
-                "all_low": lambda: (plugin.set_plan(all_low), plugin.executor.step(StepKind.TRAIN))[1],
-            }
+            configs: dict[str, Any] = {"fp32": lambda: plugin.set_plan(PrecisionPlan())}
+            plans = dict(alternatives)
             if candidates:
-                cand_plan = self._plan_for(candidates)
-                configs["candidates"] = lambda: (plugin.set_plan(cand_plan), plugin.executor.step(StepKind.TRAIN))[1]
+                plans = {"candidates": self._plan_for(candidates), **plans}
+            for label, plan in plans.items():
+                configs[label] = (lambda plan: lambda: (plugin.set_plan(plan),
+                                                        plugin.executor.step(StepKind.TRAIN))[1])(plan)
             times = timer.time(configs, step)
             step_ms = {k: _reduce_mean(trainer, min(v)) for k, v in times.items()}
             median_ms = {k: _reduce_mean(trainer, statistics.median(v)) for k, v in times.items()}
-            if (config.objective is Objective.THROUGHPUT and self._faster(step_ms, median_ms, "all_low", "fp32")
-                    and ("candidates" not in step_ms or self._faster(step_ms, median_ms, "all_low", "candidates"))):
-                # Lowering everything wins as a whole (casts vanish inside long low-precision runs): trial that.
-                candidates = tuple(n for n in results["fp32"].order
-                                   if n in lowerable and not decisions[n].get("excluded"))
-                for name in candidates:
-                    decisions[name].update(decision="candidate", reason=(
-                        f"lowered with all others: the all-{low} plan is faster as a whole"
-                        f" ({step_ms['all_low']:.3f} vs {step_ms['fp32']:.3f} ms per step)"))
-                runs = []
+            winner = self._whole_step_winner(step_ms, median_ms, list(alternatives), bool(candidates))
+            if winner is not None:
+                candidates, runs = self._adopt(winner, alternatives[winner], order, decisions, step_ms)
                 self._state["runs"] = runs
             elif candidates and not self._plan_pays(step_ms, median_ms):
                 for name in candidates:
@@ -744,6 +741,57 @@ class CoMPSearch(Callback):
             reference.update(verdict="pass", reason="no candidate operators: trained in fp32", seconds=0.0)
             self._finish(trainer, PrecisionPlan(), "fp32 reference", reason="no operator pays in low precision",
                          kept=True)
+
+    def _alternatives(self, modules: dict[str, torch.nn.Module], lowerable: list[str], order: list[str],
+                      decisions: dict[str, dict[str, Any]], candidates: tuple[str, ...],
+                      runs: list[dict[str, Any]]) -> dict[str, PrecisionPlan]:
+        """Whole-step alternatives to the per-operator candidate plan, timed side by side with it.
+
+        Per-operator timings miss effects that only show in a whole step: casts vanish inside long low-precision
+        runs (``all_low``), and cheap operators lowered between lowered ones can cost more than the casts they
+        save, e.g. a bf16 LayerNorm on a CPU (``compute``: the compute operators alone). Only plans that differ
+        from the candidate plan and from each other are timed.
+        """
+        if self.config.objective is not Objective.THROUGHPUT:
+            return {}
+        assert self._low is not None
+        low = self._low.value
+        allowed = [n for n in order if n in lowerable and not decisions[n].get("excluded")]
+        heavy = [n for n in allowed if classify(modules[n]) in _HEAVY_KINDS]
+        options = {
+            "all_low": PrecisionPlan.from_dict({n: low for n in allowed}),
+            "compute": PrecisionPlan.from_dict({n: low for n in heavy}),
+        }
+        seen = {self._plan_for(candidates).entries} if candidates else set()
+        seen.add(PrecisionPlan().entries)
+        out: dict[str, PrecisionPlan] = {}
+        for label, plan in options.items():
+            if plan.entries not in seen:
+                seen.add(plan.entries)
+                out[label] = plan
+        return out
+
+    def _whole_step_winner(self, step_ms: dict[str, float], median_ms: dict[str, float], labels: list[str],
+                           have_candidates: bool) -> str | None:
+        """The alternative to adopt instead of the candidate plan, if one beats it (and FP32) as a whole step."""
+        winners = [label for label in labels if self._faster(step_ms, median_ms, label, "fp32")
+                   and (not have_candidates or self._faster(step_ms, median_ms, label, "candidates"))]
+        return min(winners, key=lambda label: step_ms[label]) if winners else None
+
+    def _adopt(self, winner: str, plan: PrecisionPlan, order: list[str], decisions: dict[str, dict[str, Any]],
+               step_ms: dict[str, float]) -> tuple[tuple[str, ...], list[dict[str, Any]]]:
+        """Make the operators of ``plan`` the candidates (no cheap-operator fills: the plan was timed as is)."""
+        lowered = {selector for selector, precision in plan.entries if precision is not Precision.FP32}
+        what = {"all_low": f"the all-{self._low} plan", "compute": "the plan of compute operators only"}[winner]
+        timing = f"({step_ms[winner]:.3f} vs {step_ms['fp32']:.3f} ms per step in fp32"
+        timing += f", {step_ms['candidates']:.3f} ms for the candidates)" if "candidates" in step_ms else ")"
+        for name in order:
+            if name in lowered:
+                decisions[name].update(decision="candidate", reason=f"lowered as in {what}, faster as a whole {timing}")
+            elif decisions.get(name, {}).get("decision") in ("candidate", "fill") and not decisions[name].get("forced"):
+                decisions[name].update(decision="fp32", reason=f"left fp32: {what} is faster as a whole {timing}")
+        candidates = tuple(n for n in order if n in lowered or decisions[n].get("forced"))
+        return candidates, []
 
     def _reduce_profile(self, trainer: pl.Trainer, results: dict[str, ProfileResult]) -> None:
         """Average per-operator times over ranks so every rank decides on the same numbers."""
@@ -857,6 +905,7 @@ class CoMPSearch(Callback):
             })
         profile = state["profile"] or {}
         search_seconds = float(state["profiling_seconds"]) + rejected_seconds
+        warmup_seconds = self._warmup_overhead_seconds()
         fit_seconds = float(state["fit_seconds"])
         chosen = state["chosen"]
         return {
@@ -884,8 +933,36 @@ class CoMPSearch(Callback):
                 "search_seconds": search_seconds,
                 "fit_seconds": fit_seconds or None,
                 "share_of_fit": (search_seconds / fit_seconds) if fit_seconds else None,
+                # The FP32 warm-up epochs ran slower than the chosen plan would have; users pay that too.
+                "warmup_batches": int(state.get("warmup_batches") or 0),
+                "warmup_overhead_seconds": warmup_seconds,
+                "total_seconds": search_seconds + (warmup_seconds or 0.0),
+                "total_share_of_fit": ((search_seconds + (warmup_seconds or 0.0)) / fit_seconds)
+                if fit_seconds else None,
             },
         }
+
+    def _warmup_overhead_seconds(self) -> float | None:
+        """Estimated time the FP32 warm-up batches lost against the chosen plan (``None`` until one is chosen).
+
+        Warm-up batches x (median FP32 reference batch time - median batch time of the kept trial), both measured
+        in real training; zero when the plan stays FP32.
+        """
+        state = self._state
+        if state["chosen"] is None:
+            return None
+        batches = int(state.get("warmup_batches") or 0)
+        trials = state["trials"]
+        lowered = state["chosen"].get("default", "fp32") != "fp32" or any(
+            p != "fp32" for p in state["chosen"].get("entries", {}).values())
+        if not batches or not trials or not lowered:
+            return 0.0
+        same = [t for t in trials[1:] if t["label"] == state["chosen_label"]]
+        reference = trials[0].get("median_step_ms")
+        chosen = same[-1].get("median_step_ms") if same else None
+        if reference is None or chosen is None:
+            return None
+        return batches * max(0.0, float(reference) - float(chosen)) / 1e3
 
     def _publish(self, trainer: pl.Trainer, final: bool) -> None:
         record = self._build_record()

@@ -13,11 +13,13 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from torch import nn
 from search_models import FragileMLP, TinyOps, WideMLP, loaders
 
-from lightning_comp import CoMPPrecision, CoMPSearch, PrecisionPlan, TrainingSnapshot
+from lightning_comp import CoMPPrecision, CoMPSearch, Precision, PrecisionPlan, TrainingSnapshot
 from lightning_comp.errors import SearchConfigError, UnsupportedSetupError
 from lightning_comp.group_search import GroupSearch
+from lightning_comp.operators import iter_operators
 
 TOLERANCE = 0.05
 
@@ -133,7 +135,14 @@ def test_decision_record_is_written_and_in_checkpoint(offset_run: dict[str, Any]
     assert record["chosen_plan"] == offset_run["plugin"].plan.to_dict()
     assert {t["verdict"] for t in record["trials"]} == {"pass", "fail"}
     assert record["operators"]["l2"]["fp32"]["total_ms"] > 0
-    assert record["cost"]["search_seconds"] > 0 and 0 < record["cost"]["share_of_fit"] < 1
+    cost = record["cost"]
+    assert cost["search_seconds"] > 0 and 0 < cost["share_of_fit"] < 1
+    # the FP32 warm-up epoch (8 batches) is charged at the measured gap between the reference and the chosen plan
+    assert cost["warmup_batches"] == 8
+    chosen = [t for t in record["trials"] if t["label"] == record["chosen_trial"]][-1]
+    gap_ms = max(0.0, record["trials"][0]["median_step_ms"] - chosen["median_step_ms"])
+    assert cost["warmup_overhead_seconds"] == pytest.approx(8 * gap_ms / 1e3)
+    assert cost["total_seconds"] == pytest.approx(cost["search_seconds"] + cost["warmup_overhead_seconds"])
     saved = PrecisionPlan.load(Path(offset_run["dir"]) / "comp_plan.json")
     assert saved == offset_run["plugin"].plan
     path = tmp_path / "done.ckpt"
@@ -312,3 +321,44 @@ def test_group_search_respects_the_trial_budget() -> None:
         assert group is not None
         search.report(group, len(group) == 1)
     assert search.trials <= 3
+
+
+# ------------------------------------------------------------------------------------- whole-step alternatives
+def _searcher() -> CoMPSearch:
+    search = CoMPSearch(verbose=False)
+    search._low = Precision.BF16
+    return search
+
+
+def test_whole_step_alternatives_are_distinct_plans_without_excluded_operators() -> None:
+    model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    modules = dict(iter_operators(model))
+    order, lowerable = list(modules), list(modules)
+    decisions = {"0": {"decision": "candidate"}, "1": {"decision": "fill"}, "2": {"decision": "candidate"},
+                 "3": {"decision": "fp32"}, "4": {"decision": "fp32", "excluded": True}}
+    search = _searcher()
+    search._state["runs"] = [{"before": "0", "after": "2", "operators": ["1"]}]
+    alternatives = search._alternatives(modules, lowerable, order, decisions, ("0", "2"), search._state["runs"])
+    lowered = {label: {s for s, p in plan.entries if p is Precision.BF16} for label, plan in alternatives.items()}
+    # all_low leaves the excluded head out; compute = the Linears allowed (without the LayerNorm fill)
+    assert lowered == {"all_low": {"0", "1", "2", "3"}, "compute": {"0", "2"}}
+
+
+@pytest.mark.parametrize(
+    ("step", "expected"),
+    [
+        ({"fp32": 100, "candidates": 90, "compute": 80, "all_low": 84}, "compute"),  # fastest that beats both
+        ({"fp32": 100, "candidates": 82, "compute": 80, "all_low": 84}, None),  # 2.5 % is within the margin
+        ({"fp32": 100, "candidates": 70, "compute": 80, "all_low": 99}, None),  # the candidates win
+        ({"fp32": 100, "compute": 97, "all_low": 60}, "all_low"),  # no candidates: must beat fp32 only
+        ({"fp32": 100, "compute": 97, "all_low": 98}, None),
+    ],
+)
+def test_whole_step_winner_needs_the_margin_over_fp32_and_the_candidates(step: dict[str, float],
+                                                                       expected: str | None) -> None:
+    labels = [k for k in step if k not in ("fp32", "candidates")]
+    median = {k: v * 1.1 for k, v in step.items()}
+    assert _searcher()._whole_step_winner(step, median, labels, "candidates" in step) == expected
+    if expected is not None:  # a win in the fastest round alone is not enough: the median round must agree
+        median[expected] = median["fp32"]
+        assert _searcher()._whole_step_winner(step, median, labels, "candidates" in step) != expected
