@@ -18,7 +18,7 @@ from __future__ import annotations
 import warnings
 import weakref
 from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -33,10 +33,14 @@ from lightning_comp.dtypes import Precision
 from lightning_comp.errors import PlanError
 from lightning_comp.operators import Lowering, OperatorKind, classify, iter_operators, lowering_for, module_device_type
 from lightning_comp.plan import PrecisionPlan
+from lightning_comp.weight_casts import WeightCastRecorder
 
 __all__ = ["StepKind", "PlanExecutor", "cast_floating"]
 
 _LOW_DTYPES = (torch.bfloat16, torch.float16)
+# Autocast-lowered modules whose forward reads its own parameters: their 16-bit weight copies are made by the executor
+# (so they can be re-cast in backward instead of kept); other autocast-lowered modules are left to autocast.
+_RECASTABLE = (nn.Linear, nn.modules.conv._ConvNd)
 # The executor whose hooks are on each model. A model carries one plan at a time: applying another executor (a new
 # CoMPPrecision for the same model, e.g. a second Trainer) takes the previous one's hooks off first.
 _OWNERS: weakref.WeakKeyDictionary[nn.Module, PlanExecutor] = weakref.WeakKeyDictionary()
@@ -201,9 +205,15 @@ class PlanExecutor:
 
     :meth:`apply` is idempotent: it removes the hooks of the previous plan before adding new ones, so it can run on
     every ``fit``/``validate`` call. An all-FP32 plan registers no hook at all.
+
+    Args:
+        recast_weights_in_backward: inside steps, save lowered weights for backward as recipes and cast the FP32
+            masters again in backward instead of keeping the 16-bit copies (see :mod:`lightning_comp.weight_casts`).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, recast_weights_in_backward: bool = True) -> None:
+        self.recast_weights_in_backward = bool(recast_weights_in_backward)
+        self._weight_casts = WeightCastRecorder()
         self._handles: list[RemovableHandle] = []
         self._operators: dict[str, _Operator] = {}
         self._plan: PrecisionPlan | None = None
@@ -310,17 +320,20 @@ class PlanExecutor:
         if not self._handles:
             yield
             return
+        recording = (self._weight_casts.recording() if self.recast_weights_in_backward
+                     else nullcontext())
         if kind in self._chained:
             self._current_chained = self._chained[kind]
             try:
-                yield
+                with recording:
+                    yield
             finally:
                 self._current_chained = frozenset()
             return
         tracer = _ConsumerTracer(self._operators)
         self._tracer = tracer
         try:
-            with tracer:
+            with tracer, recording:
                 yield
         finally:
             self._tracer = None
@@ -346,6 +359,10 @@ class PlanExecutor:
         lowering = op.lowering
         device_type = module_device_type(op.module)
         params = list(op.module.named_parameters()) if lowering is Lowering.PARAMS else []
+        own_params = (list(op.module.named_parameters(recurse=False))
+                      if lowering is Lowering.AUTOCAST and isinstance(op.module, _RECASTABLE) else [])
+        casts = self._weight_casts
+        prefix = f"{op.name}." if op.name else ""
 
         def pre_hook(module: nn.Module, args: Any, kwargs: Any) -> Any:
             tracer = self._tracer
@@ -355,13 +372,20 @@ class PlanExecutor:
                 return None
             if lowering is Lowering.AUTOCAST:
                 ctx: AbstractContextManager[Any] = torch.autocast(device_type, dtype=dtype, cache_enabled=False)
-                ctx.__enter__()
+                if own_params and casts.active:  # autocast finds the weights already low and leaves them be
+                    stack = ExitStack()
+                    stack.enter_context(ctx)
+                    stack.enter_context(_reparametrize_module(
+                        module, {n: casts.cast(prefix + n, p, dtype) for n, p in own_params}))
+                    ctx = stack
+                else:
+                    ctx.__enter__()
                 op.contexts.append(ctx)
                 return None
             if lowering is Lowering.INPUT or lowering is Lowering.PARAMS:
                 args, kwargs = cast_floating(args, dtype), cast_floating(kwargs, dtype)
                 if params:
-                    ctx = _reparametrize_module(module, {n: p.to(dtype) for n, p in params})
+                    ctx = _reparametrize_module(module, {n: casts.cast(prefix + n, p, dtype) for n, p in params})
                     ctx.__enter__()
                     op.contexts.append(ctx)
                 return args, kwargs
@@ -378,6 +402,8 @@ class PlanExecutor:
         def post_hook(module: nn.Module, args: Any, output: Any) -> Any:
             if op.contexts:
                 op.contexts.pop().__exit__(None, None, None)
+                if isinstance(module, nn.RNNBase):  # its flat-weight list still points at the low copies
+                    module._update_flat_weights()
             if op.low and not op.transparent and output is not None:
                 if op.lowering is Lowering.OUTPUT:
                     output = cast_floating(output, dtype)

@@ -46,6 +46,10 @@ class CoMPPrecision(Precision):
             convolution backward runs a reference kernel ~100x slower than FP32) are replaced by FP32 with a
             warning, unless this is ``True``.
         scaler: a ``torch.amp.GradScaler`` to use for FP16 plans instead of a default one.
+        recast_weights_in_backward: lowered ``Linear``/``Conv`` (and parameter-copy) operators save a recipe for
+            backward instead of their 16-bit weight copy, and backward casts the FP32 master again: 2 bytes per
+            lowered parameter less memory held through forward, for one extra cast per weight and step. Gradients
+            are bit-identical either way. ``False`` keeps the copies (autocast's behaviour).
 
     Raises:
         PlanError: if ``plan`` cannot be read.
@@ -54,7 +58,12 @@ class CoMPPrecision(Precision):
     precision = "32-true"  # master weights and everything outside the plan's operators; keeps Lightning's literal
 
     def __init__(
-        self, plan: PlanLike = None, *, allow_slow_fp16: bool = False, scaler: torch.amp.GradScaler | None = None
+        self,
+        plan: PlanLike = None,
+        *,
+        allow_slow_fp16: bool = False,
+        scaler: torch.amp.GradScaler | None = None,
+        recast_weights_in_backward: bool = True,
     ) -> None:
         super().__init__()
         self._requested: PrecisionPlan = plan_from_any(plan)
@@ -62,7 +71,7 @@ class CoMPPrecision(Precision):
         self.allow_slow_fp16 = bool(allow_slow_fp16)
         self.scaler: torch.amp.GradScaler | None = scaler
         self._user_scaler = scaler is not None
-        self._executor = PlanExecutor()
+        self._executor = PlanExecutor(recast_weights_in_backward=recast_weights_in_backward)
         self._model: nn.Module | None = None
         self._device_type: str | None = None
         self.skipped_steps = 0

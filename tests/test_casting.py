@@ -409,3 +409,69 @@ def test_a_second_executor_displaces_the_first(hook_count: Any, dtype_recorder: 
     assert all(r.inputs == [FP32, FP32, FP32] for r in dtype_recorder.ops if r.op == "addmm")  # not the old plan
     first.apply(model, PrecisionPlan())  # taking the model back with an all-fp32 plan leaves no hook at all
     assert hook_count(model) - len(dtype_recorder._handles) == 0 and second.num_hooks == 0
+
+
+# ------------------------------------------------------------------------------------ weight copies for backward
+class _ConvNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(3, 8, 3)
+        self.gru = nn.GRU(8, 8, batch_first=True)
+        self.lin = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.conv(x).transpose(1, 2)
+        return self.lin(self.gru(h)[0])
+
+
+def _weight_copies_after_forward(recast: bool) -> tuple[list[bool], list[torch.Tensor]]:
+    torch.manual_seed(0)
+    model = _ConvNet()
+    executor = PlanExecutor(recast_weights_in_backward=recast)
+    executor.apply(model, PrecisionPlan.from_dict({}, default="bf16"), device_type="cpu")
+    refs: list[Any] = []
+    for module in (model.conv, model.lin, model.gru):  # registered after the executor's: sees the low copies
+        module.register_forward_pre_hook(lambda m, a: refs.extend(
+            weakref.ref(p) for p in m._parameters.values() if p is not None and p.dtype == BF16))
+    x = torch.randn(4, 3, 12)
+    grads = []
+    for _ in range(2):  # the calibration step and a calibrated one
+        refs.clear()
+        with executor.step(StepKind.TRAIN):
+            loss = model(x).float().square().mean()
+        alive = [ref() is not None for ref in refs]
+        loss.backward()
+        grads = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad(set_to_none=True)
+    assert refs, "the executor made no low-precision weight copies"
+    return alive, grads
+
+
+def test_low_weight_copies_are_recast_in_backward_not_kept_and_grads_are_bit_identical() -> None:
+    alive_recast, grads_recast = _weight_copies_after_forward(recast=True)
+    alive_kept, grads_kept = _weight_copies_after_forward(recast=False)
+    assert not any(alive_recast)  # Linear and Conv (autocast) and GRU (parameter copies): freed after forward
+    assert any(alive_kept)  # without the recipes autograd keeps them until backward
+    assert all(torch.equal(a, b) for a, b in zip(grads_recast, grads_kept))
+    assert all(g.dtype == FP32 for g in grads_recast)
+
+
+def test_weight_changed_between_forward_and_backward_is_an_error_naming_it() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    executor = _apply(model, default="bf16")
+    with executor.step(StepKind.TRAIN):
+        loss = model(torch.randn(3, 4)).float().sum()
+    with torch.no_grad():
+        model[1].weight.add_(1.0)
+    with pytest.raises(RuntimeError, match=r"'1\.weight' was modified in place between forward and backward"):
+        loss.backward()
+
+
+def test_weight_copies_outside_steps_and_under_no_grad_are_plain() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    executor = _apply(model, default="bf16")
+    out = model(torch.randn(3, 4))  # outside a step: autocast alone, nothing recorded
+    out.float().sum().backward()
+    with torch.no_grad(), executor.step(StepKind.VALIDATION):
+        assert model(torch.randn(3, 4)).dtype == FP32
+    assert not executor._weight_casts.active and not executor._weight_casts._copies

@@ -1,0 +1,92 @@
+"""Low-precision weight copies that are re-cast in backward instead of being kept for it.
+
+A lowered ``Linear``/``Conv`` computes with a 16-bit copy of its FP32 master weight, and autograd keeps that copy
+alive until backward (to compute the input gradient): 2 bytes per lowered parameter held through every forward, on
+top of the FP32 master, its gradient and the optimizer state. :class:`WeightCastRecorder` makes those copies itself,
+remembers which parameter each came from, and, through :func:`torch.autograd.graph.saved_tensors_hooks`, saves a
+recipe instead of the copy; backward casts the master again. That trades one extra cast per weight and step for
+the copies' memory, and is bit-exact (the master has not changed between forward and backward).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["WeightCastRecorder"]
+
+
+@dataclass(frozen=True)
+class _Recipe:
+    """How to rebuild a saved weight copy (or a view of it) from its master parameter."""
+
+    name: str
+    param: nn.Parameter
+    dtype: torch.dtype
+    version: int
+    size: torch.Size
+    stride: tuple[int, ...]
+    offset: int
+
+    def rebuild(self) -> torch.Tensor:
+        if self.param._version != self.version:
+            raise RuntimeError(
+                f"Parameter {self.name!r} was modified in place between forward and backward (version"
+                f" {self.version} -> {self.param._version}); its {self.dtype} copy cannot be rebuilt for backward."
+                " Step the optimizer after backward, or use CoMPPrecision(recast_weights_in_backward=False)."
+            )
+        with torch.no_grad():
+            return self.param.to(self.dtype).as_strided(self.size, self.stride, self.offset)
+
+
+class WeightCastRecorder:
+    """Makes 16-bit weight copies during a step and saves them for backward as recipes (see module docstring)."""
+
+    def __init__(self) -> None:
+        self._copies: dict[int, tuple[weakref.ref[torch.Tensor], str, nn.Parameter]] = {}
+        self._active = False
+
+    @property
+    def active(self) -> bool:
+        """Whether a step is recording (copies made now are saved as recipes)."""
+        return self._active
+
+    def cast(self, name: str, param: nn.Parameter, dtype: torch.dtype) -> torch.Tensor:
+        """A differentiable ``dtype`` copy of ``param``; while :attr:`active`, backward re-casts instead of keeping it."""
+        copy = param.to(dtype)
+        if self._active and copy is not param:
+            self._copies[id(copy)] = (weakref.ref(copy), name, param)
+        return copy
+
+    @contextmanager
+    def recording(self) -> Iterator[None]:
+        """Install the saved-tensor hooks for one step (a no-op where autograd records nothing)."""
+        if not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
+            yield
+            return
+        self._active = True
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack):
+                yield
+        finally:
+            self._active = False
+            self._copies.clear()
+
+    def _pack(self, tensor: torch.Tensor) -> Any:
+        base = tensor._base if tensor._base is not None else tensor
+        entry = self._copies.get(id(base))
+        if entry is None or entry[0]() is not base:
+            return tensor
+        _, name, param = entry
+        return _Recipe(name, param, tensor.dtype, param._version, tensor.size(), tensor.stride(),
+                       tensor.storage_offset())
+
+
+def _unpack(packed: Any) -> torch.Tensor:
+    return packed.rebuild() if isinstance(packed, _Recipe) else packed
