@@ -991,7 +991,12 @@ def _real_run(search: dict[str, Any]) -> dict[str, Any] | None:
         return None
     return {"epochs_trained": epochs, "extension_epochs": record.get("extension_epochs"),
             "fit_seconds": cost["fit_seconds"], "search_seconds": cost.get("search_seconds"),
-            "share_of_fit": cost.get("share_of_fit"), "final_metrics": search.get("final_metrics")}
+            "share_of_fit": cost.get("share_of_fit"),
+            # the record also charges the FP32 warm-up epoch's lost time against the plan (measured batch times)
+            "warmup_overhead_seconds": cost.get("warmup_overhead_seconds"),
+            "total_seconds": cost.get("total_seconds", cost.get("search_seconds")),
+            "total_share_of_fit": cost.get("total_share_of_fit", cost.get("share_of_fit")),
+            "final_metrics": search.get("final_metrics")}
 
 
 def evaluate_targets(models: dict[str, Any], tolerance: float) -> dict[str, Any]:
@@ -1030,10 +1035,13 @@ def evaluate_targets(models: dict[str, Any], tolerance: float) -> dict[str, Any]
         s = m.get("search", {})
         if s.get("default_example") and s.get("real_run"):
             real = s["real_run"]
-            add("search cost share of a 20-epoch run (default example)", real["share_of_fit"], TARGET_SEARCH_SHARE,
-                "<=", key, note=f"measured: search {real['search_seconds']:.1f} s of a {real['fit_seconds']:.0f} s"
-                f" fit of {real['epochs_trained']} epochs; vs 20 epochs of training alone at the plan's benchmark"
-                f" step time: {s['extrapolated']['share_of_20_epoch_run']:.3f}")
+            add("search cost share of a 20-epoch run (default example)", real["total_share_of_fit"],
+                TARGET_SEARCH_SHARE, "<=", key,
+                note=f"measured: search {real['search_seconds']:.1f} s + FP32 warm-up over the plan"
+                f" {real['warmup_overhead_seconds'] or 0.0:.1f} s = {real['total_seconds']:.1f} s of a"
+                f" {real['fit_seconds']:.0f} s fit of {real['epochs_trained']} epochs (search alone"
+                f" {real['share_of_fit']:.3f}); vs 20 epochs of training alone at the plan's benchmark step time:"
+                f" {s['extrapolated']['share_incl_warmup_penalty']:.3f} with the warm-up")
         elif s.get("default_example") and "extrapolated" in s:
             add("search cost share of a 20-epoch run (default example)", s["extrapolated"]["share_of_20_epoch_run"],
                 TARGET_SEARCH_SHARE, "<=", key,
@@ -1270,8 +1278,9 @@ def markdown(report: dict[str, Any]) -> str:
 def _real_cell(real: dict[str, Any] | None) -> str:
     if not real:
         return "-"
-    return (f"{real['search_seconds']:.1f} s of {real['fit_seconds']:.0f} s ({real['epochs_trained']} epochs) ="
-            f" {100 * real['share_of_fit']:.1f} %")
+    return (f"{real['total_seconds']:.1f} s (search {real['search_seconds']:.1f} s + FP32 warm-up over the plan"
+            f" {real.get('warmup_overhead_seconds') or 0.0:.1f} s) of {real['fit_seconds']:.0f} s"
+            f" ({real['epochs_trained']} epochs) = {100 * real['total_share_of_fit']:.1f} %")
 
 
 CSV_FIELDS = ("model", "mode", "samples_per_s", "samples_per_s_min", "samples_per_s_max", "pooled_samples_per_s",
