@@ -66,27 +66,63 @@ class WeightCastRecorder:
 
     @contextmanager
     def recording(self) -> Iterator[None]:
-        """Install the saved-tensor hooks for one step (a no-op where autograd records nothing)."""
-        if not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
+        """Install the saved-tensor hooks for one step (a no-op where autograd records nothing).
+
+        Saved-tensor hooks already in force around the step (``torch.autograd.graph.save_on_cpu``, a memory probe)
+        keep receiving every other saved tensor: only the innermost pair of hooks is called, so this pair hands on
+        to them.
+        """
+        if (not torch.is_grad_enabled() or torch.is_inference_mode_enabled()
+                or not torch._C._autograd._saved_tensors_hooks_is_enabled()):
             yield
             return
+        outer = _current_hooks()
+        pack = self._pack if outer is None else self._chained_pack(*outer)
         self._active = True
         try:
-            with torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack):
+            with torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
                 yield
         finally:
             self._active = False
             self._copies.clear()
 
-    def _pack(self, tensor: torch.Tensor) -> Any:
+    def _recipe(self, tensor: torch.Tensor) -> _Recipe | None:
         base = tensor._base if tensor._base is not None else tensor
         entry = self._copies.get(id(base))
         if entry is None or entry[0]() is not base:
-            return tensor
+            return None
         _, name, param = entry
         return _Recipe(name, param, tensor.dtype, param._version, tensor.size(), tensor.stride(),
                        tensor.storage_offset())
 
+    def _pack(self, tensor: torch.Tensor) -> Any:
+        recipe = self._recipe(tensor)
+        return tensor if recipe is None else recipe
+
+    def _chained_pack(self, outer_pack: Any, outer_unpack: Any) -> Any:
+        def pack(tensor: torch.Tensor) -> Any:
+            recipe = self._recipe(tensor)
+            return _Outer(outer_pack(tensor), outer_unpack) if recipe is None else recipe
+
+        return pack
+
+
+@dataclass(frozen=True)
+class _Outer:
+    """A saved tensor packed by the hooks that were in force around the step."""
+
+    packed: Any
+    unpack: Any
+
+
+def _current_hooks() -> tuple[Any, Any] | None:
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return None if top is None else top(False)
+
 
 def _unpack(packed: Any) -> torch.Tensor:
-    return packed.rebuild() if isinstance(packed, _Recipe) else packed
+    if isinstance(packed, _Recipe):
+        return packed.rebuild()
+    if isinstance(packed, _Outer):
+        return packed.unpack(packed.packed)
+    return packed

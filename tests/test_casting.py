@@ -6,6 +6,7 @@ These tests drive the executor directly (no Trainer); ``test_plugin.py`` repeats
 from __future__ import annotations
 
 import warnings
+from contextlib import nullcontext
 import weakref
 from collections import namedtuple
 from typing import Any
@@ -475,3 +476,45 @@ def test_weight_copies_outside_steps_and_under_no_grad_are_plain() -> None:
     with torch.no_grad(), executor.step(StepKind.VALIDATION):
         assert model(torch.randn(3, 4)).dtype == FP32
     assert not executor._weight_casts.active and not executor._weight_casts._copies
+
+
+def test_saved_tensor_hooks_around_the_step_still_see_every_other_tensor() -> None:
+    # e.g. torch.autograd.graph.save_on_cpu() or a memory probe around training: only the innermost hooks run, so
+    # the executor's hooks must hand every tensor that is not a weight copy on to them.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    executor = _apply(model, default="bf16")
+    x = torch.randn(8, 16)
+    seen: list[tuple[torch.dtype, tuple[int, ...]]] = []
+    unpacked = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        seen.append((t.dtype, tuple(t.shape)))
+        return t
+
+    def unpack(t: torch.Tensor) -> torch.Tensor:
+        unpacked.append(1)
+        return t
+
+    grads = []
+    for outer in (False, True):
+        seen.clear()
+        with (torch.autograd.graph.saved_tensors_hooks(pack, unpack) if outer else nullcontext()):
+            with executor.step(StepKind.TRAIN):
+                loss = model(x).float().square().mean()
+        loss.backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+        model.zero_grad(set_to_none=True)
+    assert seen and unpacked  # the activations reached the outer hooks, and backward unpacked them through them
+    assert (BF16, (8, 16)) in seen and (BF16, (8, 32)) in seen  # the Linears' bf16 inputs
+    assert (BF16, (32, 4)) not in seen  # the second Linear's weight copy (saved transposed) stayed a recipe
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+    # control: without recipes the same probe does see that weight copy
+    model.zero_grad(set_to_none=True)
+    executor.remove()
+    keeping = PlanExecutor(recast_weights_in_backward=False)
+    keeping.apply(model, PrecisionPlan.from_dict({}, default="bf16"))
+    seen.clear()
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack), keeping.step(StepKind.TRAIN):
+        model(x).float().sum()
+    assert (BF16, (32, 4)) in seen
