@@ -28,8 +28,9 @@ def format_record(record: dict[str, Any]) -> str:
         f"CoMPSearch: chose '{record.get('chosen_trial')}' ({record.get('finish_reason')}):"
         f" {len(record.get('lowered_operators', []))} of {record.get('num_operators', 0)} operators in {low}",
         "",
-        "Convergence trials (monitor {m}, mode {mo}, tolerance {t} {tm}):".format(
-            m=record["monitor"], mo=record["mode"], t=record["tolerance"], tm=record["tolerance_mode"]),
+        "Convergence trials (monitor {m}, mode {mo}, tolerance {t} {tm}; {length}):".format(
+            m=record["monitor"], mo=record["mode"], t=record["tolerance"], tm=record["tolerance_mode"],
+            length=_trial_length(record)),
         format_table(
             ("trial", "low ops", "metric", "verdict", "why", "step ms", "seconds", "kept"),
             [
@@ -74,3 +75,13 @@ def format_record(record: dict[str, Any]) -> str:
         + f"; max_epochs extended by {record.get('extension_epochs', 0)}"
     )
     return "\n".join(out)
+
+
+def _trial_length(record: dict[str, Any]) -> str:
+    """How long each trial trained, e.g. ``11 batches each`` or ``1 epoch each``."""
+    batches = {t.get("batches") for t in record.get("trials", [])} - {None}
+    if batches:
+        return f"{', '.join(str(b) for b in sorted(batches))} batches each"
+    epochs = {t.get("epochs") for t in record.get("trials", [])} or {1}
+    count = next(iter(epochs)) or 1
+    return f"{count} epoch{'s' if count != 1 else ''} each"

@@ -75,6 +75,7 @@ class SearchConfig:
     tolerance_mode: str = "relative"
     warmup_epochs: int = 1
     trial_epochs: int = 1
+    trial_batches: int | float | None = None
     profile_steps: int = 4
     profile_warmup: int = 1
     low_precision: str = "auto"
@@ -106,6 +107,15 @@ class SearchConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 fail(name, f"it must be an integer >= {low}")
+        if self.trial_batches is not None:
+            value = self.trial_batches
+            count = isinstance(value, int) and not isinstance(value, bool) and value >= 1
+            fraction = isinstance(value, float) and 0.0 < value <= 1.0
+            if not (count or fraction):
+                fail("trial_batches", "it must be None (whole epochs), a number of batches >= 1, or a fraction of the"
+                     " epoch in (0, 1]")
+            if self.trial_epochs != 1:
+                fail("trial_batches", f"trials of a number of batches need trial_epochs=1, not {self.trial_epochs}")
         if self.low_precision not in ("auto", "bf16", "fp16"):
             fail("low_precision", "use 'auto' (what pays on the device), 'bf16' or 'fp16'")
         try:
@@ -151,8 +161,13 @@ class CoMPSearch(Callback):
         tolerance_mode: ``"relative"`` (fraction of ``|reference|``) or ``"absolute"`` (metric units).
         warmup_epochs: FP32 epochs before the search starts (kept as training; at least 1 recommended so every trial
             sees the same batch order).
-        trial_epochs: epochs each convergence trial trains. For very large data sets, make epochs shorter with
-            ``Trainer(limit_train_batches=...)`` rather than raising this.
+        trial_epochs: epochs each convergence trial trains.
+        trial_batches: if set (a number of batches, or a fraction of the epoch such as ``0.25``, as with
+            ``Trainer(limit_train_batches)``), each trial trains only the first that many batches of an epoch and is judged
+            by a validation run right there. A rejected trial ends its epoch early and is rewound (its epoch is
+            given back through ``max_epochs``, as for whole-epoch trials); the trial that is kept goes on to the end
+            of its epoch with its plan, so the kept progress still equals a plain run's. Cuts the cost of the FP32
+            reference trial to that many batches. Needs ``trial_epochs=1`` and validation at every epoch end.
         profile_steps: measured training steps per configuration in the batch stage (minima are used).
         profile_warmup: unmeasured steps per configuration before those.
         low_precision: ``"auto"`` (BF16 on CPUs with AVX512-BF16/AMX and on CUDA >= sm80, FP16 on older CUDA),
@@ -181,6 +196,7 @@ class CoMPSearch(Callback):
         tolerance_mode: str = "relative",
         warmup_epochs: int = 1,
         trial_epochs: int = 1,
+        trial_batches: int | float | None = None,
         profile_steps: int = 4,
         profile_warmup: int = 1,
         low_precision: str = "auto",
@@ -202,6 +218,7 @@ class CoMPSearch(Callback):
             tolerance_mode=tolerance_mode,
             warmup_epochs=warmup_epochs,
             trial_epochs=trial_epochs,
+            trial_batches=trial_batches,
             profile_steps=profile_steps,
             profile_warmup=profile_warmup,
             low_precision=low_precision,
@@ -223,6 +240,8 @@ class CoMPSearch(Callback):
         self._batch_started: float | None = None
         self._fit_started: float | None = None
         self._monitor_checked = False
+        self._val_check_batch: int | float | None = None  # the Trainer's, while a trial of batches changes it
+        self._max_batches: int | float | None = None  # the Trainer's, while a rejected trial of batches cuts an epoch
         self._state = self._fresh_state()
 
     @staticmethod
@@ -298,6 +317,14 @@ class CoMPSearch(Callback):
                 f" Trainer(limit_val_batches={trainer.limit_val_batches!r}) disables validation. Use"
                 " limit_val_batches > 0 (a fraction or a number of batches)."
             )
+        if self.config.trial_batches is not None and (
+                trainer.check_val_every_n_epoch != 1 or getattr(trainer, "_val_check_time_interval", None) is not None):
+            raise SearchConfigError(
+                f"CoMPSearch(trial_batches={self.config.trial_batches}) validates inside the epoch and needs"
+                f" Trainer(check_val_every_n_epoch=1) with a batch-count or fractional val_check_interval, not"
+                f" check_val_every_n_epoch={trainer.check_val_every_n_epoch!r} /"
+                f" val_check_interval={trainer.val_check_interval!r}. Or use whole-epoch trials (trial_batches=None)."
+            )
         if trainer.check_val_every_n_epoch is not None and self.config.trial_epochs % trainer.check_val_every_n_epoch:
             raise SearchConfigError(
                 f"CoMPSearch(trial_epochs={self.config.trial_epochs}) must be a multiple of"
@@ -366,7 +393,8 @@ class CoMPSearch(Callback):
         if self._user_max_epochs is not None and self._user_max_epochs >= 0:
             trainer.fit_loop.max_epochs = self._user_max_epochs + int(self._state["extension_epochs"])
         if self._user_max_steps is not None and self._user_max_steps > 0:
-            trainer.fit_loop.max_steps = self._user_max_steps + int(self._state["extension_steps"])
+            # FitLoop.max_steps is a read-only view of the epoch loop's
+            trainer.fit_loop.epoch_loop.max_steps = self._user_max_steps + int(self._state["extension_steps"])
 
     # -------------------------------------------------------------------------------------------- epoch hooks
     @override
@@ -403,6 +431,11 @@ class CoMPSearch(Callback):
             self._batch_stage(trainer, pl_module, batch, batch_idx)
             if self._state["phase"] != "searching":
                 return
+        current = self._current_trial()
+        if current is not None and current.get("batches") and trainer.val_check_batch != current["batches"]:
+            if self._val_check_batch is None:
+                self._val_check_batch = trainer.val_check_batch
+            trainer.val_check_batch = current["batches"]
         if self._on_cuda(pl_module):
             torch.cuda.synchronize()
         self._batch_started = time.perf_counter()
@@ -431,8 +464,34 @@ class CoMPSearch(Callback):
         current = self._current_trial()
         if current is None:
             return
+        batches = current.get("batches")
+        if batches and trainer.fit_loop.epoch_loop.batch_progress.current.ready != batches:
+            return  # a validation of the user's own schedule, not the one that ends this trial
         self._check_monitor(trainer)
         current["metrics"][str(trainer.current_epoch)] = float(trainer.callback_metrics[self.config.monitor])
+        if batches:
+            self._close_trial_of_batches(trainer, pl_module)
+
+    def _close_trial_of_batches(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Judge a trial of ``trial_batches`` batches; end its epoch here unless it is the trial that is kept."""
+        index = len(self._state["trials"]) - 1
+        self._close_trial(trainer, pl_module)
+        self._restore_val_check(trainer)
+        state = self._state
+        if state["phase"] == "done" and state.get("kept_trial") == index:
+            return  # the chosen trial trains on to the end of its epoch: its progress is kept whole
+        loop = trainer.fit_loop
+        self._max_batches = loop.max_batches
+        loop.max_batches = loop.epoch_loop.batch_progress.current.ready  # this epoch ends after this batch
+        max_epochs = loop.max_epochs
+        if state["phase"] == "done" and (trainer.should_stop or 0 < trainer.max_steps <= trainer.global_step or (
+                max_epochs is not None and 0 <= max_epochs <= trainer.current_epoch + 1)):
+            self._apply_pending_restore(trainer, pl_module)  # no epoch follows to apply it (nor to checkpoint it)
+
+    def _restore_val_check(self, trainer: pl.Trainer) -> None:
+        if self._val_check_batch is not None:
+            trainer.val_check_batch = self._val_check_batch
+            self._val_check_batch = None
 
     def _check_monitor(self, trainer: pl.Trainer) -> None:
         metrics = trainer.callback_metrics
@@ -447,6 +506,9 @@ class CoMPSearch(Callback):
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._max_batches is not None:  # a rejected trial of batches cut this epoch short; the next is whole
+            trainer.fit_loop.max_batches = self._max_batches
+            self._max_batches = None
         current = self._current_trial()
         if self._state["phase"] != "searching" or current is None:
             return
@@ -501,6 +563,14 @@ class CoMPSearch(Callback):
         last_epoch = trial["start_epoch"] + self.config.trial_epochs - 1
         return epochs_finished > last_epoch and str(last_epoch) in trial["metrics"]
 
+    def _trial_batches(self, epoch_length: int | float) -> int | None:
+        """How many batches a trial trains (``None``: the whole epoch)."""
+        wanted = self.config.trial_batches
+        if wanted is None or not isinstance(epoch_length, int) or epoch_length == float("inf"):
+            return None
+        batches = max(1, int(wanted * epoch_length)) if isinstance(wanted, float) else wanted
+        return batches if batches < epoch_length else None
+
     def _plan_for(self, group: tuple[str, ...] | None) -> PrecisionPlan:
         """The plan that lowers ``group`` (plus the cheap operators between lowered ones)."""
         if not group:
@@ -522,7 +592,9 @@ class CoMPSearch(Callback):
             self._set_sampler_epoch(trainer, int(state["search_start_epoch"]))
         plan = self._plan_for(group).with_provenance(role="trial", trial=label)
         self._plugin.set_plan(plan)
+        batches = self._trial_batches(trainer.num_training_batches)
         state["trials"].append({
+            "batches": batches,
             "label": label,
             "group": None if group is None else list(group),
             "plan": self._plugin.plan.to_dict(),
@@ -562,12 +634,15 @@ class CoMPSearch(Callback):
         trial["steps"] = trainer.global_step - trial["start_step"]
         steps = max(1, self._plugin.optimizer_steps - trial["steps_before"])
         trial["skipped_steps"] = self._plugin.skipped_steps - trial["skipped_steps_before"]
+        state["extension_steps"] += trial["steps"]  # provisional, like the epochs: given back if this trial is kept
+        self._apply_extension(trainer)  # before Lightning checks max_steps after this batch
         trial["median_step_ms"] = statistics.median(trial["batch_ms"]) if trial["batch_ms"] else None
         verdict, reason = self._judge(trial, steps)
         verdict, reason = trainer.strategy.broadcast((verdict, reason), src=0)
         trial["verdict"], trial["reason"] = verdict, reason
         if trial["group"] is None:  # the FP32 reference trial
-            state["reference_end"] = TrainingSnapshot.capture(trainer, pl_module, self._scaler()).to_state()
+            if not trial.get("batches"):  # a reference of batches is never continued: its epoch was cut short
+                state["reference_end"] = TrainingSnapshot.capture(trainer, pl_module, self._scaler()).to_state()
             return
         search = GroupSearch.from_state(state["group_search"])
         search.report(tuple(trial["group"]), verdict == "pass")
@@ -577,7 +652,7 @@ class CoMPSearch(Callback):
         result = tuple(search.result or ())
         if not result:
             self._finish(trainer, PrecisionPlan(), "fp32 reference", reason="no candidate converged",
-                         restore="reference_end")
+                         restore="snapshot" if state["trials"][0].get("batches") else "reference_end")
         elif verdict == "pass" and tuple(trial["group"]) == result:
             self._finish(trainer, self._plan_for(result), trial["label"], reason="converged", kept=True)
         else:
@@ -621,6 +696,7 @@ class CoMPSearch(Callback):
         state = self._state
         if kept or restore == "reference_end":
             state["extension_epochs"] -= self.config.trial_epochs
+            state["extension_steps"] -= int(state["trials"][-1 if kept else 0].get("steps") or 0)
         state["kept_trial"] = (len(state["trials"]) - 1 if kept else 0 if restore == "reference_end" else None)
         state["pending_restore"] = restore
         if restore != "snapshot":
@@ -898,6 +974,7 @@ class CoMPSearch(Callback):
                 "verdict": trial["verdict"],
                 "reason": trial["reason"],
                 "epochs": self.config.trial_epochs,
+                "batches": trial.get("batches"),  # None: whole epochs
                 "seconds": trial["seconds"],
                 "median_step_ms": trial.get("median_step_ms"),
                 "skipped_steps": trial.get("skipped_steps", 0),

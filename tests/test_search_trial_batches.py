@@ -1,0 +1,200 @@
+"""CoMPSearch(trial_batches=N): trials of N batches judged by a validation inside the epoch, on the real Trainer.
+
+Rejected trials cut their epoch short and are rewound bit for bit; the kept trial trains on to its epoch's end, so
+the kept progress equals a plain run's; the plan found equals the whole-epoch search's on the same model.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from search_models import WideMLP, loaders
+
+from lightning_comp import CoMPPrecision, CoMPSearch, TrainingSnapshot
+from lightning_comp.errors import SearchConfigError
+
+TOLERANCE = 0.05
+BATCHES = 3  # of 8 per epoch (2048 samples, batch 256)
+
+
+def _search(**kwargs: Any) -> CoMPSearch:
+    kwargs.setdefault("include", ["l2", "l3", "l4"])  # fixed candidates: convergence behaviour is deterministic
+    kwargs.setdefault("exclude", ["l1", "head", "a?"])
+    kwargs.setdefault("tolerance", TOLERANCE)
+    kwargs.setdefault("verbose", False)
+    kwargs.setdefault("profile_steps", 2)
+    kwargs.setdefault("trial_batches", BATCHES)
+    return CoMPSearch(**kwargs)
+
+
+def _trainer(tmp_path: Path, callbacks: list[Callback], max_epochs: int, plugin: Any = None,
+             **kwargs: Any) -> pl.Trainer:
+    return pl.Trainer(accelerator="cpu", devices=1, max_epochs=max_epochs, plugins=[plugin] if plugin else None,
+                      callbacks=callbacks, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                      default_root_dir=str(tmp_path), **kwargs)
+
+
+class _EpochProbe(Callback):
+    """Batches trained per epoch, and whether each trial after the first started from the snapshot bit for bit."""
+
+    def __init__(self, search: CoMPSearch) -> None:
+        self.search = search
+        self.batches: list[int] = []
+        self.rewinds_exact: list[bool] = []
+        self._trials_seen = 0
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.batches.append(0)
+        state = self.search._state
+        if len(state["trials"]) > self._trials_seen and len(state["trials"]) > 1 and state["snapshot"] is not None:
+            self.rewinds_exact.append(TrainingSnapshot.from_state(state["snapshot"]).matches(trainer, pl_module))
+        self._trials_seen = len(state["trials"])
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        self.batches[-1] += 1
+
+
+@pytest.fixture(scope="module")
+def batch_trials(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    tmp = tmp_path_factory.mktemp("trial_batches")
+    pl.seed_everything(0)
+    search = _search()
+    probe = _EpochProbe(search)
+    plugin = CoMPPrecision()
+    trainer = _trainer(tmp, [search, probe], max_epochs=4, plugin=plugin)
+    train, val = loaders()
+    trainer.fit(WideMLP(), train, val)
+    pl.seed_everything(0)
+    plain = _trainer(tmp / "fp32", [], max_epochs=4)
+    train, val = loaders()
+    plain.fit(WideMLP(), train, val)
+    return {"search": search, "probe": probe, "plugin": plugin, "trainer": trainer, "plain": plain,
+            "val_loss": float(trainer.callback_metrics["val_loss"]),
+            "fp32_val_loss": float(plain.callback_metrics["val_loss"])}
+
+
+@pytest.mark.slow
+def test_trials_of_batches_find_the_unsafe_operator_and_keep_a_plain_runs_progress(batch_trials: dict[str, Any]) -> None:
+    search, trainer, plain = batch_trials["search"], batch_trials["trainer"], batch_trials["plain"]
+    record = search.record
+    assert record is not None
+    precisions = {n: p.value for n, p in batch_trials["plugin"].plan.resolve(trainer.lightning_module).items()}
+    assert precisions["l3"] == "fp32" and precisions["l2"] == "bf16" and precisions["l4"] == "bf16", record
+    trials = record["trials"]
+    rejected = [t for t in trials if not t["kept"]]
+    assert rejected and all(t["batches"] == BATCHES for t in trials)
+    # every rejected trial trained exactly BATCHES batches and its epoch ended there; every other epoch is whole
+    batches = batch_trials["probe"].batches
+    assert sorted(batches) == sorted([BATCHES] * len(rejected) + [8] * (len(batches) - len(rejected)))
+    assert record["extension_epochs"] == len(rejected) and trainer.current_epoch == 4 + len(rejected)
+    # the kept progress is a plain run's: its optimizer steps plus the rewound trials' steps
+    assert trainer.global_step == plain.global_step + BATCHES * len(rejected)
+    assert all(batch_trials["probe"].rewinds_exact) and batch_trials["probe"].rewinds_exact
+    assert batch_trials["val_loss"] <= batch_trials["fp32_val_loss"] * (1 + TOLERANCE)
+    # the reference costs BATCHES batches (plus its validation), not a whole epoch
+    assert record["cost"]["rejected_trial_seconds"] > 0
+
+
+@pytest.mark.slow
+def test_when_no_candidate_converges_training_goes_on_in_fp32_from_the_snapshot(batch_trials: dict[str, Any],
+                                                                                tmp_path: Path) -> None:
+    pl.seed_everything(0)
+    search = _search(include=["l3"], exclude=["l1", "l2", "l4", "head", "a?"])
+    probe = _EpochProbe(search)
+    plugin = CoMPPrecision()
+    trainer = _trainer(tmp_path, [search, probe], max_epochs=4, plugin=plugin)
+    train, val = loaders()
+    trainer.fit(WideMLP(), train, val)
+    record = search.record
+    assert record is not None and plugin.plan.is_all_fp32
+    assert [t["verdict"] for t in record["trials"]] == ["pass", "fail"]
+    # the reference of 3 batches is not continued: both trials are given back, FP32 restarts from the snapshot
+    assert record["extension_epochs"] == 2 and probe.batches == [8, BATCHES, BATCHES, 8, 8, 8]
+    assert trainer.global_step == batch_trials["plain"].global_step + 2 * BATCHES
+    assert all(probe.rewinds_exact)
+    # and the result is the plain FP32 run's, bit for bit (same snapshot, same batches, same arithmetic)
+    plain = batch_trials["plain"].lightning_module
+    assert all(torch.equal(a, b) for a, b in zip(trainer.lightning_module.parameters(), plain.parameters()))
+
+
+@pytest.mark.slow
+def test_trial_longer_than_the_epoch_is_a_whole_epoch_trial(tmp_path: Path) -> None:
+    pl.seed_everything(0)
+    search = _search(trial_batches=100, include=["l2", "l4"])
+    trainer = _trainer(tmp_path, [search], max_epochs=3, plugin=CoMPPrecision())
+    train, val = loaders()
+    trainer.fit(WideMLP(), train, val)
+    record = search.record
+    assert record is not None
+    assert all(t["batches"] is None for t in record["trials"])
+    rejected = sum(not t["kept"] for t in record["trials"])
+    assert rejected >= 1 and trainer.current_epoch == 3 + rejected  # whole rejected epochs given back
+
+
+@pytest.mark.slow
+def test_killed_during_trials_of_batches_resumes_to_the_same_plan(batch_trials: dict[str, Any],
+                                                                  tmp_path: Path) -> None:
+    class Crash(Callback):
+        def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+            if trainer.current_epoch == 3:
+                raise RuntimeError("simulated crash")
+
+    pl.seed_everything(0)
+    checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)
+    trainer = _trainer(tmp_path, [_search(), Crash(), checkpoint], max_epochs=4, plugin=CoMPPrecision())
+    train, val = loaders()
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        trainer.fit(WideMLP(), train, val)
+    last = tmp_path / "ckpt" / "last.ckpt"
+    assert torch.load(last, weights_only=True)["callbacks"]["CoMPSearch"]["phase"] == "searching"
+    search, plugin = _search(), CoMPPrecision()
+    resumed = _trainer(tmp_path, [search, ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)],
+                       max_epochs=4, plugin=plugin)
+    train, val = loaders()
+    resumed.fit(WideMLP(), train, val, ckpt_path=str(last))
+    assert search.phase == "done"
+    assert plugin.plan.entries == batch_trials["plugin"].plan.entries
+    assert resumed.current_epoch == batch_trials["trainer"].current_epoch
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [({"trial_batches": 0}, "trial_batches"), ({"trial_batches": 2.5}, "trial_batches"),
+     ({"trial_batches": 4, "trial_epochs": 2}, "trial_epochs=1")],
+)
+def test_bad_trial_batches_name_the_value(kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(SearchConfigError, match=message):
+        CoMPSearch(**kwargs)
+
+
+def test_trial_batches_need_validation_at_every_epoch(tmp_path: Path) -> None:
+    trainer = _trainer(tmp_path, [_search()], max_epochs=2, plugin=CoMPPrecision(), check_val_every_n_epoch=2)
+    train, val = loaders(n_train=512, n_val=64)
+    with pytest.raises(SearchConfigError, match=r"trial_batches=3.*check_val_every_n_epoch=2"):
+        trainer.fit(WideMLP(), train, val)
+
+
+@pytest.mark.slow
+def test_max_steps_budget_gets_the_rewound_trials_steps_back(batch_trials: dict[str, Any], tmp_path: Path) -> None:
+    pl.seed_everything(0)
+    search = _search(include=["l3"], exclude=["l1", "l2", "l4", "head", "a?"])
+    plugin = CoMPPrecision()
+    plain_steps = batch_trials["plain"].global_step
+    trainer = _trainer(tmp_path, [search], max_epochs=-1, plugin=plugin, max_steps=plain_steps)
+    train, val = loaders()
+    trainer.fit(WideMLP(), train, val)
+    assert trainer.global_step == plain_steps + 2 * BATCHES  # the two rewound trials' steps were given back
+    plain = batch_trials["plain"].lightning_module
+    assert all(torch.equal(a, b) for a, b in zip(trainer.lightning_module.parameters(), plain.parameters()))
+
+
+@pytest.mark.parametrize(("wanted", "epoch", "expected"),
+                         [(0.25, 45, 11), (12, 45, 12), (1.0, 8, None), (100, 8, None), (0.01, 8, 1), (None, 8, None),
+                          (4, float("inf"), None)])
+def test_trial_length_as_a_count_or_a_fraction_of_the_epoch(wanted: Any, epoch: Any, expected: int | None) -> None:
+    assert CoMPSearch(trial_batches=wanted)._trial_batches(epoch) == expected
