@@ -117,6 +117,54 @@ def step_times(model: torch.nn.Module, x: Any, y: Any, plans: dict[str, Precisio
     return stats, profiles
 
 
+def plan_memory(model: torch.nn.Module, x: Any, y: Any, plans: dict[str, PrecisionPlan]) -> dict[str, Any]:
+    """Step peak tensor memory of AMP and of each plan, with CoMP's weight copies kept or re-cast in backward.
+
+    Step peak = FP32 masters + gradients + AdamW moments (4 x 4 bytes per parameter) + the peak of live tensors in a
+    calibrated step (profiler memory events, the third of three steps).
+    """
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from compare import _tensor_peak_delta
+
+    static = sum(p.numel() for p in model.parameters()) * 16
+
+    def in_step(run: Any) -> int:
+        peak = 0
+        for _ in range(3):
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+                run()
+                model.zero_grad(set_to_none=True)
+            peak = _tensor_peak_delta(prof, "cpu") or 0
+        return peak
+
+    def amp() -> None:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model.loss(model(x), y)
+        loss.backward()
+
+    out: dict[str, Any] = {"static_bytes": static, "amp": {"in_step_bytes": in_step(amp)}}
+    for label, plan in plans.items():
+        for recast in (False, True):
+            executor = PlanExecutor(recast_weights_in_backward=recast)
+            executor.apply(model, plan, "cpu")
+
+            def run() -> None:
+                with executor.step(StepKind.TRAIN):
+                    loss = model.loss(model(x), y)
+                loss.backward()
+
+            try:
+                out[f"{label}{'' if recast else '_keep_weights'}"] = {"in_step_bytes": in_step(run)}
+            finally:
+                executor.remove()
+    amp_total = static + out["amp"]["in_step_bytes"]
+    for key, value in out.items():
+        if isinstance(value, dict):
+            value["step_peak_bytes"] = static + value["in_step_bytes"]
+            value["vs_amp"] = value["step_peak_bytes"] / amp_total
+    return out
+
+
 def calibration_memory(model: torch.nn.Module, x: Any, y: Any, plan: PrecisionPlan, steps: int = 3) -> dict[str, Any]:
     """Peak live-tensor increase (profiler memory events) of the first step after a plan is applied, in which
     ``PlanExecutor`` traces cast boundaries, against the following steps (same plan, same batch)."""
@@ -222,6 +270,7 @@ def main(argv: list[str] | None = None) -> int:
                               "step": stats, "profile": profiles}
     plan_for_memory = plans.get("comp_searched", plans["comp_all_low"])
     report["calibration_memory"] = calibration_memory(model, x, y, plan_for_memory)
+    report["plan_memory"] = plan_memory(model, x, y, plans)
     if not args.skip_attribution:
         report["attribution"] = attribution(model, x, y, args.rounds)
     out = RESULTS_DIR / f"compare_diagnose_{args.model}.json"
@@ -237,6 +286,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  tensor peak per step with the plan (first = calibration/tracing step): "
           f"{[round((p or 0) / 2**20, 1) for p in cm['peak_delta_bytes_per_step']]} MiB;"
           f" extra in the first step {cm['first_step_extra_bytes'] / 2**20:.1f} MiB")
+    pm = report["plan_memory"]
+    print(f"  step peak tensor memory (MiB; masters + grads + AdamW state {pm['static_bytes'] / 2**20:.1f} MiB +"
+          " in-step peak):")
+    for label, m in pm.items():
+        if isinstance(m, dict):
+            print(f"    {label:<32} in-step {m['in_step_bytes'] / 2**20:7.1f}  step peak"
+                  f" {m['step_peak_bytes'] / 2**20:7.1f}  vs AMP {m['vs_amp']:.3f}")
     if "attribution" in report:
         for label, a in report["attribution"].items():
             print(f"  batch stage {label}: accepted {len(a['accepted'])}/{len(a['operators'])}: {a['accepted']}")
