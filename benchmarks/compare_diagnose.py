@@ -148,7 +148,7 @@ def plan_memory(model: torch.nn.Module, x: Any, y: Any, plans: dict[str, Precisi
             executor = PlanExecutor(recast_weights_in_backward=recast)
             executor.apply(model, plan, "cpu")
 
-            def run() -> None:
+            def run(executor: PlanExecutor = executor) -> None:
                 with executor.step(StepKind.TRAIN):
                     loss = model.loss(model(x), y)
                 loss.backward()
@@ -158,7 +158,7 @@ def plan_memory(model: torch.nn.Module, x: Any, y: Any, plans: dict[str, Precisi
             finally:
                 executor.remove()
     amp_total = static + out["amp"]["in_step_bytes"]
-    for key, value in out.items():
+    for value in out.values():
         if isinstance(value, dict):
             value["step_peak_bytes"] = static + value["in_step_bytes"]
             value["vs_amp"] = value["step_peak_bytes"] / amp_total

@@ -188,10 +188,10 @@ def has_floating_work(model: nn.Module) -> bool:
 
 def module_device_type(module: nn.Module, default: str = "cpu") -> str:
     """The device type of the first parameter or buffer of ``module`` (``default`` if it has none)."""
-    for tensor in module.parameters():
-        return tensor.device.type
-    for tensor in module.buffers():
-        return tensor.device.type
+    for param in module.parameters():
+        return param.device.type
+    for buffer in module.buffers():
+        return buffer.device.type
     return default
 
 

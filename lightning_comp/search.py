@@ -22,6 +22,7 @@ JSON next to the logs, logged to the Trainer's loggers and printed on rank 0.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import statistics
@@ -163,8 +164,8 @@ class CoMPSearch(Callback):
             sees the same batch order).
         trial_epochs: epochs each convergence trial trains.
         trial_batches: if set (a number of batches, or a fraction of the epoch such as ``0.25``, as with
-            ``Trainer(limit_train_batches)``), each trial trains only the first that many batches of an epoch and is judged
-            by a validation run right there. A rejected trial ends its epoch early and is rewound (its epoch is
+            ``Trainer(limit_train_batches)``), each trial trains only the first that many batches of an epoch and is
+            judged by a validation run right there. A rejected trial ends its epoch early and is rewound (its epoch is
             given back through ``max_epochs``, as for whole-epoch trials); the trial that is kept goes on to the end
             of its epoch with its plan, so the kept progress still equals a plain run's. Cuts the cost of the FP32
             reference trial to that many batches. Needs ``trial_epochs=1`` and validation at every epoch end.
@@ -775,8 +776,7 @@ class CoMPSearch(Callback):
             if candidates:
                 plans = {"candidates": self._plan_for(candidates), **plans}
             for label, plan in plans.items():
-                configs[label] = (lambda plan: lambda: (plugin.set_plan(plan),
-                                                        plugin.executor.step(StepKind.TRAIN))[1])(plan)
+                configs[label] = functools.partial(_activate, plugin, plan)
             times = timer.time(configs, step)
             step_ms = {k: _reduce_mean(trainer, min(v)) for k, v in times.items()}
             median_ms = {k: _reduce_mean(trainer, statistics.median(v)) for k, v in times.items()}
@@ -798,8 +798,8 @@ class CoMPSearch(Callback):
             plugin.set_plan(PrecisionPlan().with_provenance(role="trial", trial="fp32 reference"))
         gains = {n: decisions[n]["gain_ms"] for n in candidates}
         memory = {label: {"saved_bytes": r.saved_bytes, "peak_bytes": r.peak_bytes} for label, r in results.items()}
-        payload = {"decisions": decisions, "candidates": list(candidates), "gains": gains, "step_ms": step_ms,
-                   "runs": runs, "order": results["fp32"].order, "memory": memory}
+        payload: dict[str, Any] = {"decisions": decisions, "candidates": list(candidates), "gains": gains,
+                                   "step_ms": step_ms, "runs": runs, "order": results["fp32"].order, "memory": memory}
         payload = trainer.strategy.broadcast(payload, src=0)
         self._state["runs"] = payload["runs"]
         self._state["profile"] = {"operators": payload["decisions"], "step_ms": payload["step_ms"],
@@ -1080,6 +1080,12 @@ class CoMPSearch(Callback):
         state = self._fresh_state()
         state.update(state_dict)
         self._state = state
+
+
+def _activate(plugin: CoMPPrecision, plan: PrecisionPlan) -> Any:
+    """Put ``plan`` into effect and return the context of a calibrated training step (for ``StepTimer``)."""
+    plugin.set_plan(plan)
+    return plugin.executor.step(StepKind.TRAIN)
 
 
 def _reduce_mean(trainer: pl.Trainer, value: float) -> float:

@@ -23,7 +23,7 @@ __all__ = ["TrainingSnapshot", "capture_rng", "restore_rng"]
 
 def capture_rng() -> dict[str, Any]:
     """The state of every random number generator training may use, as plain containers and tensors."""
-    np_state = np.random.get_state()
+    np_state: Any = np.random.get_state()
     state: dict[str, Any] = {
         "torch": torch.get_rng_state(),
         "python": _plain_python_rng(random.getstate()),

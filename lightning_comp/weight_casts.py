@@ -58,7 +58,7 @@ class WeightCastRecorder:
         return self._active
 
     def cast(self, name: str, param: nn.Parameter, dtype: torch.dtype) -> torch.Tensor:
-        """A differentiable ``dtype`` copy of ``param``; while :attr:`active`, backward re-casts instead of keeping it."""
+        """A differentiable ``dtype`` copy of ``param``; while :attr:`active`, backward casts it again instead."""
         copy = param.to(dtype)
         if self._active and copy is not param:
             self._copies[id(copy)] = (weakref.ref(copy), name, param)
@@ -72,8 +72,8 @@ class WeightCastRecorder:
         keep receiving every other saved tensor: only the innermost pair of hooks is called, so this pair hands on
         to them.
         """
-        if (not torch.is_grad_enabled() or torch.is_inference_mode_enabled()
-                or not torch._C._autograd._saved_tensors_hooks_is_enabled()):
+        hooks_enabled = getattr(torch._C._autograd, "_saved_tensors_hooks_is_enabled", lambda: True)
+        if not torch.is_grad_enabled() or torch.is_inference_mode_enabled() or not hooks_enabled():
             yield
             return
         outer = _current_hooks()
@@ -92,8 +92,8 @@ class WeightCastRecorder:
         if entry is None or entry[0]() is not base:
             return None
         _, name, param = entry
-        return _Recipe(name, param, tensor.dtype, param._version, tensor.size(), tensor.stride(),
-                       tensor.storage_offset())
+        return _Recipe(name, param, tensor.dtype, param._version, tensor.size(), tuple(tensor.stride()),
+                       int(tensor.storage_offset()))
 
     def _pack(self, tensor: torch.Tensor) -> Any:
         recipe = self._recipe(tensor)

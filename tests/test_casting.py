@@ -6,9 +6,9 @@ These tests drive the executor directly (no Trainer); ``test_plugin.py`` repeats
 from __future__ import annotations
 
 import warnings
-from contextlib import nullcontext
 import weakref
 from collections import namedtuple
+from contextlib import nullcontext
 from typing import Any
 
 import pytest
@@ -499,9 +499,9 @@ def test_saved_tensor_hooks_around_the_step_still_see_every_other_tensor() -> No
     grads = []
     for outer in (False, True):
         seen.clear()
-        with (torch.autograd.graph.saved_tensors_hooks(pack, unpack) if outer else nullcontext()):
-            with executor.step(StepKind.TRAIN):
-                loss = model(x).float().square().mean()
+        probe = torch.autograd.graph.saved_tensors_hooks(pack, unpack) if outer else nullcontext()
+        with probe, executor.step(StepKind.TRAIN):
+            loss = model(x).float().square().mean()
         loss.backward()
         grads.append([p.grad.clone() for p in model.parameters()])
         model.zero_grad(set_to_none=True)

@@ -13,8 +13,8 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
-from torch import nn
 from search_models import FragileMLP, TinyOps, WideMLP, loaders
+from torch import nn
 
 from lightning_comp import CoMPPrecision, CoMPSearch, Precision, PrecisionPlan, TrainingSnapshot
 from lightning_comp.errors import SearchConfigError, UnsupportedSetupError

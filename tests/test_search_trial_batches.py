@@ -79,7 +79,8 @@ def batch_trials(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 @pytest.mark.slow
-def test_trials_of_batches_find_the_unsafe_operator_and_keep_a_plain_runs_progress(batch_trials: dict[str, Any]) -> None:
+def test_trials_of_batches_find_the_unsafe_operator_and_keep_a_plain_runs_progress(
+        batch_trials: dict[str, Any]) -> None:
     search, trainer, plain = batch_trials["search"], batch_trials["trainer"], batch_trials["plain"]
     record = search.record
     assert record is not None
