@@ -296,6 +296,31 @@ class StepTimer:
                     times[label].append(self.clock.elapsed_ms(start, end))
         return times
 
+    def saved_bytes(self, model: nn.Module, configs: dict[str, Callable[[], Any]],
+                    step: Callable[[], None]) -> dict[str, int]:
+        """Bytes autograd saves for backward in one step of each configuration (unique storages, parameters excluded).
+
+        Run after :meth:`time`, so every configuration's cast boundaries are calibrated.
+        """
+        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        out: dict[str, int] = {}
+        for label, activate in configs.items():
+            seen: set[int] = set()
+            total = 0
+
+            def pack(tensor: torch.Tensor, seen: set[int] = seen) -> torch.Tensor:
+                nonlocal total
+                storage = tensor.untyped_storage()
+                if storage.data_ptr() not in params and storage.data_ptr() not in seen:
+                    seen.add(storage.data_ptr())
+                    total += storage.nbytes()
+                return tensor
+
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _activated(activate):
+                step()
+            out[label] = total
+        return out
+
 
 @contextmanager
 def _activated(activate: Callable[[], Any]) -> Iterator[None]:

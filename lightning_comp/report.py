@@ -53,6 +53,10 @@ def format_record(record: dict[str, Any]) -> str:
     step_ms = record.get("step_ms") or {}
     if step_ms:
         out.append("Whole step (min ms over rounds): " + ", ".join(f"{k} {v:.3f}" for k, v in step_ms.items()))
+    step_saved = record.get("step_saved_bytes") or {}
+    if step_saved:
+        out.append("Whole step (MiB saved for backward): "
+                   + ", ".join(f"{k} {v / 2**20:.2f}" for k, v in step_saved.items()))
     memory = record.get("memory") or {}
     if memory:
         parts = []

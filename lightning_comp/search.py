@@ -173,12 +173,15 @@ class CoMPSearch(Callback):
         profile_warmup: unmeasured steps per configuration before those.
         low_precision: ``"auto"`` (BF16 on CPUs with AVX512-BF16/AMX and on CUDA >= sm80, FP16 on older CUDA),
             ``"bf16"`` or ``"fp16"``.
-        objective: ``"throughput"``, ``"memory"`` (saved-for-backward bytes) or ``"balanced"``.
+        objective: ``"throughput"``, ``"memory"`` (saved-for-backward bytes) or ``"balanced"``. Per operator first;
+            then the candidate plan is compared as a whole step with the all-low and the compute-only plans: by time
+            (``"throughput"``), or by bytes saved for backward within ``max_memory_slowdown`` of FP32 (``"memory"``).
         speed_margin: fraction by which lowering must beat FP32 before it is preferred (noise guard).
         min_gain_ms: smallest per-step time gain (ms) an operator must show to be lowered.
         max_trials: budget of candidate trials (the reference trial not counted).
         max_skipped_fraction: FP16 trials whose loss scaler skips more than this fraction of steps are rejected.
-        max_memory_slowdown: with ``objective="memory"``, the largest slowdown accepted for an operator.
+        max_memory_slowdown: with ``objective="memory"``, the largest slowdown accepted for an operator, and for a
+            whole-step plan against FP32.
         include: plan selectors (names, globs, ``"type:Linear"``) of operators to trial in low precision whatever
             the batch stage measures (convergence still decides).
         exclude: plan selectors of operators never to lower (kept FP32 without trials), e.g. a sensitive head.
@@ -780,9 +783,15 @@ class CoMPSearch(Callback):
             times = timer.time(configs, step)
             step_ms = {k: _reduce_mean(trainer, min(v)) for k, v in times.items()}
             median_ms = {k: _reduce_mean(trainer, statistics.median(v)) for k, v in times.items()}
-            winner = self._whole_step_winner(step_ms, median_ms, list(alternatives), bool(candidates))
+            step_saved: dict[str, float] = {}
+            if config.objective is Objective.MEMORY:
+                saved = timer.saved_bytes(pl_module, configs, step)
+                step_saved = {k: _reduce_mean(trainer, float(v)) for k, v in saved.items()}
+                winner = self._memory_winner(step_saved, step_ms, median_ms, list(alternatives), bool(candidates))
+            else:
+                winner = self._whole_step_winner(step_ms, median_ms, list(alternatives), bool(candidates))
             if winner is not None:
-                candidates, runs = self._adopt(winner, alternatives[winner], order, decisions, step_ms)
+                candidates, runs = self._adopt(winner, alternatives[winner], order, decisions, step_ms, step_saved)
                 self._state["runs"] = runs
             elif candidates and not self._plan_pays(step_ms, median_ms):
                 for name in candidates:
@@ -799,10 +808,12 @@ class CoMPSearch(Callback):
         gains = {n: decisions[n]["gain_ms"] for n in candidates}
         memory = {label: {"saved_bytes": r.saved_bytes, "peak_bytes": r.peak_bytes} for label, r in results.items()}
         payload: dict[str, Any] = {"decisions": decisions, "candidates": list(candidates), "gains": gains,
-                                   "step_ms": step_ms, "runs": runs, "order": results["fp32"].order, "memory": memory}
+                                   "step_ms": step_ms, "step_saved_bytes": step_saved, "runs": runs,
+                                   "order": results["fp32"].order, "memory": memory}
         payload = trainer.strategy.broadcast(payload, src=0)
         self._state["runs"] = payload["runs"]
         self._state["profile"] = {"operators": payload["decisions"], "step_ms": payload["step_ms"],
+                                  "step_saved_bytes": payload["step_saved_bytes"],
                                   "order": payload["order"], "memory": payload["memory"]}
         search = GroupSearch(tuple(payload["candidates"]), payload["gains"], self.config.max_trials)
         self._state["group_search"] = search.state_dict()
@@ -828,7 +839,7 @@ class CoMPSearch(Callback):
         save, e.g. a bf16 LayerNorm on a CPU (``compute``: the compute operators alone). Only plans that differ
         from the candidate plan and from each other are timed.
         """
-        if self.config.objective is not Objective.THROUGHPUT:
+        if self.config.objective is Objective.BALANCED:
             return {}
         assert self._low is not None
         low = self._low.value
@@ -854,18 +865,38 @@ class CoMPSearch(Callback):
                    and (not have_candidates or self._faster(step_ms, median_ms, label, "candidates"))]
         return min(winners, key=lambda label: step_ms[label]) if winners else None
 
+    def _memory_winner(self, saved: dict[str, float], step_ms: dict[str, float], median_ms: dict[str, float],
+                       labels: list[str], have_candidates: bool) -> str | None:
+        """With ``objective="memory"``: the alternative that saves the fewest bytes for backward in a whole step.
+
+        It must save less than the candidate plan (or FP32) by ``speed_margin`` and be no slower than FP32 by more
+        than ``max_memory_slowdown`` in both the fastest and the median round.
+        """
+        incumbent = "candidates" if have_candidates else "fp32"
+        limit = self.config.max_memory_slowdown
+        winners = [label for label in labels
+                   if saved[label] <= saved[incumbent] * (1 - self.config.speed_margin)
+                   and step_ms[label] <= step_ms["fp32"] * limit and median_ms[label] <= median_ms["fp32"] * limit]
+        return min(winners, key=lambda label: saved[label]) if winners else None
+
     def _adopt(self, winner: str, plan: PrecisionPlan, order: list[str], decisions: dict[str, dict[str, Any]],
-               step_ms: dict[str, float]) -> tuple[tuple[str, ...], list[dict[str, Any]]]:
+               step_ms: dict[str, float], saved: dict[str, float] | None = None,
+               ) -> tuple[tuple[str, ...], list[dict[str, Any]]]:
         """Make the operators of ``plan`` the candidates (no cheap-operator fills: the plan was timed as is)."""
         lowered = {selector for selector, precision in plan.entries if precision is not Precision.FP32}
         what = {"all_low": f"the all-{self._low} plan", "compute": "the plan of compute operators only"}[winner]
+        better = "leaner as a whole" if saved else "faster as a whole"
         timing = f"({step_ms[winner]:.3f} vs {step_ms['fp32']:.3f} ms per step in fp32"
         timing += f", {step_ms['candidates']:.3f} ms for the candidates)" if "candidates" in step_ms else ")"
+        if saved:
+            incumbent = "candidates" if "candidates" in saved else "fp32"
+            timing += (f"; {saved[winner] / 2**20:.1f} MiB saved for backward vs {saved[incumbent] / 2**20:.1f} MiB"
+                       f" for the {incumbent}")
         for name in order:
             if name in lowered:
-                decisions[name].update(decision="candidate", reason=f"lowered as in {what}, faster as a whole {timing}")
+                decisions[name].update(decision="candidate", reason=f"lowered as in {what}, {better} {timing}")
             elif decisions.get(name, {}).get("decision") in ("candidate", "fill") and not decisions[name].get("forced"):
-                decisions[name].update(decision="fp32", reason=f"left fp32: {what} is faster as a whole {timing}")
+                decisions[name].update(decision="fp32", reason=f"left fp32: {what} is {better} {timing}")
         candidates = tuple(n for n in order if n in lowered or decisions[n].get("forced"))
         return candidates, []
 
@@ -1001,6 +1032,7 @@ class CoMPSearch(Callback):
             "num_operators": len(profile.get("operators", {})),
             "operators": profile.get("operators", {}),
             "step_ms": profile.get("step_ms", {}),
+            "step_saved_bytes": profile.get("step_saved_bytes", {}),
             "memory": profile.get("memory", {}),
             "trials": trials,
             "extension_epochs": state["extension_epochs"],

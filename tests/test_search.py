@@ -20,6 +20,7 @@ from lightning_comp import CoMPPrecision, CoMPSearch, Precision, PrecisionPlan, 
 from lightning_comp.errors import SearchConfigError, UnsupportedSetupError
 from lightning_comp.group_search import GroupSearch
 from lightning_comp.operators import iter_operators
+from lightning_comp.report import format_record
 
 TOLERANCE = 0.05
 
@@ -362,3 +363,40 @@ def test_whole_step_winner_needs_the_margin_over_fp32_and_the_candidates(step: d
     if expected is not None:  # a win in the fastest round alone is not enough: the median round must agree
         median[expected] = median["fp32"]
         assert _searcher()._whole_step_winner(step, median, labels, "candidates" in step) != expected
+
+
+@pytest.mark.parametrize(
+    ("saved", "step", "expected"),
+    [
+        ({"fp32": 100, "candidates": 60, "compute": 70, "all_low": 40}, {}, "all_low"),  # the leanest
+        ({"fp32": 100, "candidates": 60, "compute": 59, "all_low": 58}, {}, None),  # within the 5 % margin
+        ({"fp32": 100, "candidates": 60, "all_low": 40}, {"all_low": 160}, None),  # 1.6x slower than fp32
+        ({"fp32": 100, "compute": 97, "all_low": 50}, {}, "all_low"),  # no candidates: must beat fp32
+    ],
+)
+def test_memory_objective_adopts_the_leanest_whole_step_within_the_slowdown(
+        saved: dict[str, float], step: dict[str, float], expected: str | None) -> None:
+    search = CoMPSearch(verbose=False, objective="memory")
+    search._low = Precision.BF16
+    times = {k: step.get(k, 100.0) for k in saved}
+    labels = [k for k in saved if k not in ("fp32", "candidates")]
+    assert search._memory_winner(saved, times, times, labels, "candidates" in saved) == expected
+
+
+@pytest.mark.slow
+def test_memory_objective_records_whole_step_saved_bytes_on_the_trainer_path(tmp_path: Path) -> None:
+    pl.seed_everything(0)
+    search = _search(objective="memory", include=["l2", "l4"], exclude=["l1", "l3", "head"])
+    trainer = _trainer(tmp_path, [search], max_epochs=3, plugin=CoMPPrecision())
+    train, val = loaders()
+    trainer.fit(WideMLP(), train, val)
+    record = search.record
+    assert record is not None
+    saved = record["step_saved_bytes"]
+    assert {"fp32", "candidates", "all_low"} <= set(saved) and all(v > 0 for v in saved.values())
+    # Lowering l2 and l4 alone saves *more* than fp32: each boundary keeps an fp32 and a bf16 copy of an activation.
+    # Only the whole-step comparison sees that; the all-bf16 plan is the lean one, and it is what gets trialled.
+    assert saved["all_low"] < saved["fp32"] < saved["candidates"]
+    adopted = [op["reason"] for op in record["operators"].values() if "leaner as a whole" in op.get("reason", "")]
+    assert adopted and all("all-bf16 plan" in reason for reason in adopted)
+    assert "MiB saved for backward" in format_record(record)
