@@ -2,12 +2,61 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.callbacks import Callback
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from lightning_comp import CoMPSearch, TrainingSnapshot
+
 OFFSET = 4096.0  # bf16 spacing at 4096 is 32: an input of this offset loses its O(1) signal entirely
+TOLERANCE = 0.05
+
+
+def search_trainer(tmp_path: Path, callbacks: list[Callback], max_epochs: int, plugin: Any = None,
+                   **kwargs: Any) -> pl.Trainer:
+    """A quiet single-process CPU Trainer for the search tests."""
+    return pl.Trainer(accelerator="cpu", devices=1, max_epochs=max_epochs, plugins=[plugin] if plugin else None,
+                      callbacks=callbacks, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                      default_root_dir=str(tmp_path), **kwargs)
+
+
+def fixed_search(**kwargs: Any) -> CoMPSearch:
+    """A search whose candidates for WideMLP are fixed (l2, l3, l4), so convergence behaviour is deterministic
+    whatever the (noisy, shared) machine measures; the batch stage's own decisions are tested separately."""
+    kwargs.setdefault("include", ["l2", "l3", "l4"])
+    kwargs.setdefault("exclude", ["l1", "head", "a?"])
+    kwargs.setdefault("tolerance", TOLERANCE)
+    kwargs.setdefault("verbose", False)
+    kwargs.setdefault("profile_steps", 3)
+    return CoMPSearch(**kwargs)
+
+
+class SearchProbe(Callback):
+    """Per epoch: the plan in force at its start and the batches it trained; per trial after the first: whether its
+    start restored the search's snapshot bit for bit."""
+
+    def __init__(self, search: CoMPSearch) -> None:
+        self.search = search
+        self.plans: list[dict[str, str]] = []
+        self.batches: list[int] = []
+        self.rewinds_exact: list[bool] = []
+        self._trials_seen = 0
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.plans.append({s: p.value for s, p in trainer.precision_plugin.plan.entries})
+        self.batches.append(0)
+        state = self.search._state
+        if len(state["trials"]) > self._trials_seen and len(state["trials"]) > 1 and state["snapshot"] is not None:
+            self.rewinds_exact.append(TrainingSnapshot.from_state(state["snapshot"]).matches(trainer, pl_module))
+        self._trials_seen = len(state["trials"])
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        self.batches[-1] += 1
 
 
 def teacher_data(n: int, seed: int, features: int = 64, classes: int = 10) -> TensorDataset:

@@ -13,61 +13,14 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
-from search_models import FragileMLP, TinyOps, WideMLP, loaders
+from search_models import TOLERANCE, FragileMLP, SearchProbe, TinyOps, WideMLP, fixed_search, loaders, search_trainer
 from torch import nn
 
-from lightning_comp import CoMPPrecision, CoMPSearch, Precision, PrecisionPlan, TrainingSnapshot
+from lightning_comp import CoMPPrecision, CoMPSearch, Precision, PrecisionPlan
 from lightning_comp.errors import SearchConfigError, UnsupportedSetupError
 from lightning_comp.group_search import GroupSearch
 from lightning_comp.operators import iter_operators
 from lightning_comp.report import format_record
-
-TOLERANCE = 0.05
-
-
-def _trainer(
-    tmp_path: Path, callbacks: list[Callback], max_epochs: int, plugin: Any = None, **kwargs: Any
-) -> pl.Trainer:
-    return pl.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_epochs=max_epochs,
-        plugins=[plugin] if plugin is not None else None,
-        callbacks=callbacks,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=str(tmp_path),
-        **kwargs,
-    )
-
-
-def _search(**kwargs: Any) -> CoMPSearch:
-    """A search whose candidates for WideMLP are fixed (l2, l3, l4), so convergence behaviour is deterministic
-    whatever the (noisy, shared) machine measures; the batch stage's own decisions are tested separately."""
-    kwargs.setdefault("include", ["l2", "l3", "l4"])
-    kwargs.setdefault("exclude", ["l1", "head", "a?"])
-    kwargs.setdefault("tolerance", TOLERANCE)
-    kwargs.setdefault("verbose", False)
-    kwargs.setdefault("profile_steps", 3)
-    return CoMPSearch(**kwargs)
-
-
-class _PlanProbe(Callback):
-    """Records the plan in force at every epoch start and whether rewinds restored the snapshot bit for bit."""
-
-    def __init__(self, search: CoMPSearch) -> None:
-        self.search = search
-        self.plans: list[dict[str, str]] = []
-        self.rewinds_exact: list[bool] = []
-        self._trials_seen = 0
-
-    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.plans.append({s: p.value for s, p in trainer.precision_plugin.plan.entries})
-        state = self.search._state
-        if len(state["trials"]) > self._trials_seen and len(state["trials"]) > 1 and state["snapshot"] is not None:
-            self.rewinds_exact.append(TrainingSnapshot.from_state(state["snapshot"]).matches(trainer, pl_module))
-        self._trials_seen = len(state["trials"])
 
 
 class _Crash(Callback):
@@ -84,10 +37,10 @@ def offset_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """One uninterrupted search on the model whose ``l3`` is unsafe in bf16, plus a plain FP32 run."""
     tmp = tmp_path_factory.mktemp("offset")
     pl.seed_everything(0)
-    search = _search()
-    probe = _PlanProbe(search)
+    search = fixed_search()
+    probe = SearchProbe(search)
     plugin = CoMPPrecision()
-    trainer = _trainer(tmp, [search, probe], max_epochs=4, plugin=plugin)
+    trainer = search_trainer(tmp, [search, probe], max_epochs=4, plugin=plugin)
     train, val = loaders()
     trainer.fit(WideMLP(), train, val)
     comp = {
@@ -100,7 +53,7 @@ def offset_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "kept_steps": trainer.global_step,
     }
     pl.seed_everything(0)
-    reference = _trainer(tmp / "fp32", [], max_epochs=4)
+    reference = search_trainer(tmp / "fp32", [], max_epochs=4)
     train, val = loaders()
     reference.fit(WideMLP(), train, val)
     comp["fp32_val_loss"] = float(reference.callback_metrics["val_loss"])
@@ -153,16 +106,16 @@ def test_decision_record_is_written_and_in_checkpoint(offset_run: dict[str, Any]
     assert ckpt["callbacks"]["CoMPSearch"]["chosen"]["entries"] == saved.to_dict()["entries"]
     assert ckpt["CoMPPrecision"]["plan"]["entries"] == saved.to_dict()["entries"]
     # resuming after the search restores the plan and does not search again
-    search = _search()
+    search = fixed_search()
     plugin = CoMPPrecision()
-    resumed = _trainer(tmp_path, [search], max_epochs=trainer.current_epoch + 1, plugin=plugin)
+    resumed = search_trainer(tmp_path, [search], max_epochs=trainer.current_epoch + 1, plugin=plugin)
     train, val = loaders()
     resumed.fit(WideMLP(), train, val, ckpt_path=str(path))
     assert plugin.plan == offset_run["plugin"].plan
     assert len(search._state["trials"]) == len(offset_run["search"]._state["trials"])
     # and a saved plan can be reused for a new run without any search
     reuse = CoMPPrecision(plan=Path(offset_run["dir"]) / "comp_plan.json")
-    fresh = _trainer(tmp_path / "reuse", [], max_epochs=1, plugin=reuse)
+    fresh = search_trainer(tmp_path / "reuse", [], max_epochs=1, plugin=reuse)
     fresh.fit(WideMLP(), train, val)
     assert reuse.plan == offset_run["plugin"].plan
 
@@ -171,16 +124,17 @@ def test_decision_record_is_written_and_in_checkpoint(offset_run: dict[str, Any]
 def test_killed_mid_search_resumes_and_finishes_with_the_same_plan(offset_run: dict[str, Any], tmp_path: Path) -> None:
     checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)
     pl.seed_everything(0)
-    trainer = _trainer(tmp_path, [_search(), _Crash(epoch=3), checkpoint], max_epochs=4, plugin=CoMPPrecision())
+    trainer = search_trainer(tmp_path, [fixed_search(), _Crash(epoch=3), checkpoint], max_epochs=4,
+                             plugin=CoMPPrecision())
     train, val = loaders()
     with pytest.raises(RuntimeError, match="simulated crash"):
         trainer.fit(WideMLP(), train, val)
     last = tmp_path / "ckpt" / "last.ckpt"
     assert torch.load(last, weights_only=True)["callbacks"]["CoMPSearch"]["phase"] == "searching"
-    search = _search()
+    search = fixed_search()
     plugin = CoMPPrecision()
-    resumed = _trainer(tmp_path, [search, ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)],
-                       max_epochs=4, plugin=plugin)
+    resumed = search_trainer(tmp_path, [search, ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)],
+                             max_epochs=4, plugin=plugin)
     train, val = loaders()
     resumed.fit(WideMLP(), train, val, ckpt_path=str(last))
     assert search.phase == "done"
@@ -194,9 +148,9 @@ def test_tiny_operators_keep_fp32_without_convergence_trials(tmp_path: Path) -> 
     pl.seed_everything(0)
     # speed_margin=0.2: on a shared machine a 5% whole-step "win" of tiny ops can be faked by noise in both the
     # fastest and the median round; 20% cannot. The decision logic itself is unchanged.
-    search = _search(include=[], exclude=[], speed_margin=0.2)
+    search = fixed_search(include=[], exclude=[], speed_margin=0.2)
     plugin = CoMPPrecision()
-    trainer = _trainer(tmp_path, [search], max_epochs=3, plugin=plugin)
+    trainer = search_trainer(tmp_path, [search], max_epochs=3, plugin=plugin)
     train, val = loaders(n_train=512, batch_size=32)
     trainer.fit(TinyOps(), train, val)
     record = search.record
@@ -211,10 +165,10 @@ def test_tiny_operators_keep_fp32_without_convergence_trials(tmp_path: Path) -> 
 @pytest.mark.slow
 def test_nan_trial_is_rejected_rewound_and_training_goes_on(tmp_path: Path) -> None:
     pl.seed_everything(0)
-    search = _search(include=["l2", "bad"], exclude=["l1", "head", "a?"])
-    probe = _PlanProbe(search)
+    search = fixed_search(include=["l2", "bad"], exclude=["l1", "head", "a?"])
+    probe = SearchProbe(search)
     plugin = CoMPPrecision()
-    trainer = _trainer(tmp_path, [search, probe], max_epochs=3, plugin=plugin)
+    trainer = search_trainer(tmp_path, [search, probe], max_epochs=3, plugin=plugin)
     train, val = loaders()
     trainer.fit(FragileMLP(), train, val)
     record = search.record
@@ -227,15 +181,15 @@ def test_nan_trial_is_rejected_rewound_and_training_goes_on(tmp_path: Path) -> N
 
 
 def test_search_without_plugin_is_a_clear_error(tmp_path: Path) -> None:
-    trainer = _trainer(tmp_path, [_search()], max_epochs=1)
+    trainer = search_trainer(tmp_path, [fixed_search()], max_epochs=1)
     train, val = loaders(n_train=64, n_val=64, batch_size=32)
     with pytest.raises(UnsupportedSetupError, match="needs the CoMPPrecision plugin"):
         trainer.fit(TinyOps(), train, val)
 
 
 def test_unlogged_monitor_names_the_logged_metrics(tmp_path: Path) -> None:
-    trainer = _trainer(tmp_path, [_search(monitor="val_f1", warmup_epochs=0)], max_epochs=2, plugin=CoMPPrecision(),
-                       num_sanity_val_steps=0)
+    trainer = search_trainer(tmp_path, [fixed_search(monitor="val_f1", warmup_epochs=0)], max_epochs=2,
+                             plugin=CoMPPrecision(), num_sanity_val_steps=0)
     train, val = loaders(n_train=64, n_val=64, batch_size=32)
     with pytest.raises(SearchConfigError, match=r"val_f1.*val_acc.*val_loss"):
         trainer.fit(WideMLP(width=64), train, val)
@@ -386,8 +340,8 @@ def test_memory_objective_adopts_the_leanest_whole_step_within_the_slowdown(
 @pytest.mark.slow
 def test_memory_objective_records_whole_step_saved_bytes_on_the_trainer_path(tmp_path: Path) -> None:
     pl.seed_everything(0)
-    search = _search(objective="memory", include=["l2", "l4"], exclude=["l1", "l3", "head"])
-    trainer = _trainer(tmp_path, [search], max_epochs=3, plugin=CoMPPrecision())
+    search = fixed_search(objective="memory", include=["l2", "l4"], exclude=["l1", "l3", "head"])
+    trainer = search_trainer(tmp_path, [search], max_epochs=3, plugin=CoMPPrecision())
     train, val = loaders()
     trainer.fit(WideMLP(), train, val)
     record = search.record

@@ -13,50 +13,18 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
-from search_models import WideMLP, loaders
+from search_models import TOLERANCE, SearchProbe, WideMLP, fixed_search, loaders, search_trainer
 
-from lightning_comp import CoMPPrecision, CoMPSearch, TrainingSnapshot
+from lightning_comp import CoMPPrecision, CoMPSearch
 from lightning_comp.errors import SearchConfigError
 
-TOLERANCE = 0.05
 BATCHES = 3  # of 8 per epoch (2048 samples, batch 256)
 
 
 def _search(**kwargs: Any) -> CoMPSearch:
-    kwargs.setdefault("include", ["l2", "l3", "l4"])  # fixed candidates: convergence behaviour is deterministic
-    kwargs.setdefault("exclude", ["l1", "head", "a?"])
-    kwargs.setdefault("tolerance", TOLERANCE)
-    kwargs.setdefault("verbose", False)
     kwargs.setdefault("profile_steps", 2)
     kwargs.setdefault("trial_batches", BATCHES)
-    return CoMPSearch(**kwargs)
-
-
-def _trainer(tmp_path: Path, callbacks: list[Callback], max_epochs: int, plugin: Any = None,
-             **kwargs: Any) -> pl.Trainer:
-    return pl.Trainer(accelerator="cpu", devices=1, max_epochs=max_epochs, plugins=[plugin] if plugin else None,
-                      callbacks=callbacks, logger=False, enable_progress_bar=False, enable_model_summary=False,
-                      default_root_dir=str(tmp_path), **kwargs)
-
-
-class _EpochProbe(Callback):
-    """Batches trained per epoch, and whether each trial after the first started from the snapshot bit for bit."""
-
-    def __init__(self, search: CoMPSearch) -> None:
-        self.search = search
-        self.batches: list[int] = []
-        self.rewinds_exact: list[bool] = []
-        self._trials_seen = 0
-
-    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.batches.append(0)
-        state = self.search._state
-        if len(state["trials"]) > self._trials_seen and len(state["trials"]) > 1 and state["snapshot"] is not None:
-            self.rewinds_exact.append(TrainingSnapshot.from_state(state["snapshot"]).matches(trainer, pl_module))
-        self._trials_seen = len(state["trials"])
-
-    def on_train_batch_end(self, *args: Any) -> None:
-        self.batches[-1] += 1
+    return fixed_search(**kwargs)
 
 
 @pytest.fixture(scope="module")
@@ -64,13 +32,13 @@ def batch_trials(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     tmp = tmp_path_factory.mktemp("trial_batches")
     pl.seed_everything(0)
     search = _search()
-    probe = _EpochProbe(search)
+    probe = SearchProbe(search)
     plugin = CoMPPrecision()
-    trainer = _trainer(tmp, [search, probe], max_epochs=4, plugin=plugin)
+    trainer = search_trainer(tmp, [search, probe], max_epochs=4, plugin=plugin)
     train, val = loaders()
     trainer.fit(WideMLP(), train, val)
     pl.seed_everything(0)
-    plain = _trainer(tmp / "fp32", [], max_epochs=4)
+    plain = search_trainer(tmp / "fp32", [], max_epochs=4)
     train, val = loaders()
     plain.fit(WideMLP(), train, val)
     return {"search": search, "probe": probe, "plugin": plugin, "trainer": trainer, "plain": plain,
@@ -106,9 +74,9 @@ def test_when_no_candidate_converges_training_goes_on_in_fp32_from_the_snapshot(
                                                                                 tmp_path: Path) -> None:
     pl.seed_everything(0)
     search = _search(include=["l3"], exclude=["l1", "l2", "l4", "head", "a?"])
-    probe = _EpochProbe(search)
+    probe = SearchProbe(search)
     plugin = CoMPPrecision()
-    trainer = _trainer(tmp_path, [search, probe], max_epochs=4, plugin=plugin)
+    trainer = search_trainer(tmp_path, [search, probe], max_epochs=4, plugin=plugin)
     train, val = loaders()
     trainer.fit(WideMLP(), train, val)
     record = search.record
@@ -127,7 +95,7 @@ def test_when_no_candidate_converges_training_goes_on_in_fp32_from_the_snapshot(
 def test_trial_longer_than_the_epoch_is_a_whole_epoch_trial(tmp_path: Path) -> None:
     pl.seed_everything(0)
     search = _search(trial_batches=100, include=["l2", "l4"])
-    trainer = _trainer(tmp_path, [search], max_epochs=3, plugin=CoMPPrecision())
+    trainer = search_trainer(tmp_path, [search], max_epochs=3, plugin=CoMPPrecision())
     train, val = loaders()
     trainer.fit(WideMLP(), train, val)
     record = search.record
@@ -147,15 +115,15 @@ def test_killed_during_trials_of_batches_resumes_to_the_same_plan(batch_trials: 
 
     pl.seed_everything(0)
     checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)
-    trainer = _trainer(tmp_path, [_search(), Crash(), checkpoint], max_epochs=4, plugin=CoMPPrecision())
+    trainer = search_trainer(tmp_path, [_search(), Crash(), checkpoint], max_epochs=4, plugin=CoMPPrecision())
     train, val = loaders()
     with pytest.raises(RuntimeError, match="simulated crash"):
         trainer.fit(WideMLP(), train, val)
     last = tmp_path / "ckpt" / "last.ckpt"
     assert torch.load(last, weights_only=True)["callbacks"]["CoMPSearch"]["phase"] == "searching"
     search, plugin = _search(), CoMPPrecision()
-    resumed = _trainer(tmp_path, [search, ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)],
-                       max_epochs=4, plugin=plugin)
+    resumed = search_trainer(tmp_path, [search, ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)],
+                             max_epochs=4, plugin=plugin)
     train, val = loaders()
     resumed.fit(WideMLP(), train, val, ckpt_path=str(last))
     assert search.phase == "done"
@@ -174,7 +142,7 @@ def test_bad_trial_batches_name_the_value(kwargs: dict[str, Any], message: str) 
 
 
 def test_trial_batches_need_validation_at_every_epoch(tmp_path: Path) -> None:
-    trainer = _trainer(tmp_path, [_search()], max_epochs=2, plugin=CoMPPrecision(), check_val_every_n_epoch=2)
+    trainer = search_trainer(tmp_path, [_search()], max_epochs=2, plugin=CoMPPrecision(), check_val_every_n_epoch=2)
     train, val = loaders(n_train=512, n_val=64)
     with pytest.raises(SearchConfigError, match=r"trial_batches=3.*check_val_every_n_epoch=2"):
         trainer.fit(WideMLP(), train, val)
@@ -186,7 +154,7 @@ def test_max_steps_budget_gets_the_rewound_trials_steps_back(batch_trials: dict[
     search = _search(include=["l3"], exclude=["l1", "l2", "l4", "head", "a?"])
     plugin = CoMPPrecision()
     plain_steps = batch_trials["plain"].global_step
-    trainer = _trainer(tmp_path, [search], max_epochs=-1, plugin=plugin, max_steps=plain_steps)
+    trainer = search_trainer(tmp_path, [search], max_epochs=-1, plugin=plugin, max_steps=plain_steps)
     train, val = loaders()
     trainer.fit(WideMLP(), train, val)
     assert trainer.global_step == plain_steps + 2 * BATCHES  # the two rewound trials' steps were given back
