@@ -567,12 +567,17 @@ class CoMPSearch(Callback):
         last_epoch = trial["start_epoch"] + self.config.trial_epochs - 1
         return epochs_finished > last_epoch and str(last_epoch) in trial["metrics"]
 
-    def _trial_batches(self, epoch_length: int | float) -> int | None:
-        """How many batches a trial trains (``None``: the whole epoch)."""
+    def _trial_batches(self, epoch_length: int | float, accumulate: int = 1) -> int | None:
+        """How many batches a trial trains (``None``: the whole epoch).
+
+        Rounded up to whole optimizer steps under gradient accumulation, so a cut epoch leaves no half-accumulated
+        gradient behind.
+        """
         wanted = self.config.trial_batches
         if wanted is None or not isinstance(epoch_length, int) or epoch_length == float("inf"):
             return None
         batches = max(1, int(wanted * epoch_length)) if isinstance(wanted, float) else wanted
+        batches = math.ceil(batches / accumulate) * accumulate
         return batches if batches < epoch_length else None
 
     def _plan_for(self, group: tuple[str, ...] | None) -> PrecisionPlan:
@@ -596,7 +601,7 @@ class CoMPSearch(Callback):
             self._set_sampler_epoch(trainer, int(state["search_start_epoch"]))
         plan = self._plan_for(group).with_provenance(role="trial", trial=label)
         self._plugin.set_plan(plan)
-        batches = self._trial_batches(trainer.num_training_batches)
+        batches = self._trial_batches(trainer.num_training_batches, trainer.accumulate_grad_batches)
         state["trials"].append({
             "batches": batches,
             "label": label,

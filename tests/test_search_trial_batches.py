@@ -167,3 +167,26 @@ def test_max_steps_budget_gets_the_rewound_trials_steps_back(batch_trials: dict[
                           (4, float("inf"), None)])
 def test_trial_length_as_a_count_or_a_fraction_of_the_epoch(wanted: Any, epoch: Any, expected: int | None) -> None:
     assert CoMPSearch(trial_batches=wanted)._trial_batches(epoch) == expected
+
+
+def test_trial_length_is_whole_optimizer_steps_under_gradient_accumulation() -> None:
+    assert CoMPSearch(trial_batches=3)._trial_batches(16, accumulate=2) == 4
+    assert CoMPSearch(trial_batches=0.25)._trial_batches(45, accumulate=4) == 12
+    assert CoMPSearch(trial_batches=7)._trial_batches(8, accumulate=4) is None  # rounds up to the whole epoch
+
+
+@pytest.mark.slow
+def test_trials_of_batches_with_gradient_accumulation_end_on_an_optimizer_step(tmp_path: Path) -> None:
+    pl.seed_everything(0)
+    search = _search(include=["l2", "l3"], exclude=["l1", "l4", "head", "a?"])
+    probe = SearchProbe(search)
+    trainer = search_trainer(tmp_path, [search, probe], max_epochs=3, plugin=CoMPPrecision(),
+                             accumulate_grad_batches=2)
+    train, val = loaders()
+    trainer.fit(WideMLP(), train, val)
+    record = search.record
+    assert record is not None and all(t["batches"] == 4 for t in record["trials"])  # 3 rounded up to 2 steps
+    rejected = [t for t in record["trials"] if not t["kept"]]
+    assert all(t["steps"] == 2 for t in search._state["trials"])  # every trial was judged after 2 optimizer steps
+    assert sorted(probe.batches) == sorted([4] * len(rejected) + [8] * (len(probe.batches) - len(rejected)))
+    assert probe.rewinds_exact and all(probe.rewinds_exact)
