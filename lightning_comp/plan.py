@@ -133,7 +133,10 @@ class PrecisionPlan:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "entries", _parse_entries(dict(self.entries)))
-        object.__setattr__(self, "default", parse_precision(self.default))
+        try:
+            object.__setattr__(self, "default", parse_precision(self.default))
+        except PlanError as err:
+            raise PlanError(f"Plan default: {err}") from None
         object.__setattr__(self, "provenance", MappingProxyType(dict(self.provenance)))
         for name in ("torch_version", "device_type"):  # plain str: checkpoints must load with weights_only=True
             value = getattr(self, name)

@@ -125,7 +125,8 @@ class CoMPPrecision(Precision):
             )
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(plan={self._plan!r}, allow_slow_fp16={self.allow_slow_fp16})"
+        return (f"{type(self).__name__}(plan={self._plan!r}, allow_slow_fp16={self.allow_slow_fp16},"
+                f" recast_weights_in_backward={self._executor.recast_weights_in_backward})")
 
     def _decline_slow_fp16(self, plan: PrecisionPlan, device_type: str) -> PrecisionPlan:
         if self.allow_slow_fp16 or not plan.uses(Dtype.FP16) or device_supports_fast(Dtype.FP16, device_type):
