@@ -293,6 +293,15 @@ class PlanExecutor:
         # (the search alternates plans) reuses its calibration instead of tracing again.
         key = (weakref.ref(model), bound.entries, bound.default, device_type)  # a dead model never matches
         self._chained = self._calibrations.setdefault(key, {})
+        if not bound.is_all_fp32 and not any(op.low and not op.transparent for op in operators.values()):
+            low = sorted({p.value for p in (bound.default, *(p for _, p in bound.entries)) if p is not Precision.FP32})
+            warnings.warn(
+                f"The plan assigns {'/'.join(low)} but no operator of {type(model).__name__} computes in it on"
+                f" {device_type!r}: its 16-bit entries match only shape-only operators, or operators with no"
+                " low-precision kernel there. Training runs in fp32.",
+                UserWarning,
+                stacklevel=2,
+            )
         if any(op.low for op in operators.values()):
             for op in operators.values():
                 self._handles.append(op.module.register_forward_pre_hook(self._make_pre_hook(op), with_kwargs=True))

@@ -422,9 +422,11 @@ def test_plugin_plan_on_a_model_without_floating_point_operators(tmp_path: Path)
     train, val = _small_loaders()
     with pytest.raises(PlanMismatchError, match=r"'type:Linear'\. The model's operators are: flat\."):
         _trainer(tmp_path, CoMPPrecision({"type:Linear": "bf16"})).fit(NoFloatOps(), train, val)
-    # entries that do match (a shape-only operator, or only a default) are accepted and cost nothing: no hooks
+    # entries that do match (a shape-only operator, or only a default) are accepted, say that they lower nothing,
+    # and cost nothing: no hooks
     for plan in ({"flat": "bf16"}, PrecisionPlan(default="bf16")):
         plugin = CoMPPrecision(plan)
-        _trainer(tmp_path, plugin).fit(NoFloatOps(), train, val)
+        with pytest.warns(UserWarning, match=r"assigns bf16 but no operator of NoFloatOps computes in it"):
+            _trainer(tmp_path, plugin).fit(NoFloatOps(), train, val)
         assert plugin.executor.num_hooks == 0 and plugin.executor.precisions() == {"flat": Precision.FP32}
 

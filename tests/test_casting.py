@@ -518,3 +518,14 @@ def test_saved_tensor_hooks_around_the_step_still_see_every_other_tensor() -> No
     with torch.autograd.graph.saved_tensors_hooks(pack, unpack), keeping.step(StepKind.TRAIN):
         model(x).float().sum()
     assert (BF16, (32, 4)) in seen
+
+
+def test_a_16bit_plan_that_lowers_no_operator_warns_once_at_apply() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Flatten())
+    with pytest.warns(UserWarning, match=r"assigns bf16 but no operator of Sequential computes in it"):
+        executor = _apply(model, {"1": "bf16"})  # only the shape-only Flatten
+    assert executor.num_hooks == 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _apply(model, {"0": "bf16"})  # a real 16-bit operator: no warning
+        _apply(model, {})  # all fp32: nothing to say

@@ -149,15 +149,19 @@ def test_trial_batches_need_validation_at_every_epoch(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_max_steps_budget_gets_the_rewound_trials_steps_back(batch_trials: dict[str, Any], tmp_path: Path) -> None:
+@pytest.mark.parametrize(("trial_batches", "given_back"), [(BATCHES, 2 * BATCHES), (None, 8)])
+def test_max_steps_budget_gets_the_rewound_trials_steps_back(batch_trials: dict[str, Any], tmp_path: Path,
+                                                             trial_batches: int | None, given_back: int) -> None:
+    # Both trials fail or are rewound. Trials of batches: both are given back. Whole epochs: the FP32 reference's
+    # epoch is kept (training goes on from its end), the rejected candidate's 8 steps are given back.
     pl.seed_everything(0)
-    search = _search(include=["l3"], exclude=["l1", "l2", "l4", "head", "a?"])
+    search = _search(include=["l3"], exclude=["l1", "l2", "l4", "head", "a?"], trial_batches=trial_batches)
     plugin = CoMPPrecision()
     plain_steps = batch_trials["plain"].global_step
     trainer = search_trainer(tmp_path, [search], max_epochs=-1, plugin=plugin, max_steps=plain_steps)
     train, val = loaders()
     trainer.fit(WideMLP(), train, val)
-    assert trainer.global_step == plain_steps + 2 * BATCHES  # the two rewound trials' steps were given back
+    assert trainer.global_step == plain_steps + given_back
     plain = batch_trials["plain"].lightning_module
     assert all(torch.equal(a, b) for a, b in zip(trainer.lightning_module.parameters(), plain.parameters()))
 
