@@ -278,3 +278,16 @@ def count_forward_hooks(model: nn.Module) -> int:
 def hook_count() -> Callable[[nn.Module], int]:
     """:func:`count_forward_hooks`."""
     return count_forward_hooks
+
+
+@pytest.fixture(scope="session")
+def plain_wide_mlp(tmp_path_factory: pytest.TempPathFactory) -> pl.Trainer:
+    """A plain FP32 run of ``search_models.WideMLP`` for 4 epochs: the reference the search tests compare with."""
+    from search_models import WideMLP, loaders, search_trainer
+
+    pl.seed_everything(0)
+    trainer = search_trainer(tmp_path_factory.mktemp("plain_fp32"), [], max_epochs=4)
+    train, val = loaders()
+    trainer.fit(WideMLP(), train, val)
+    return trainer
+

@@ -33,7 +33,7 @@ class _Crash(Callback):
 
 
 @pytest.fixture(scope="module")
-def offset_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def offset_run(tmp_path_factory: pytest.TempPathFactory, plain_wide_mlp: pl.Trainer) -> dict[str, Any]:
     """One uninterrupted search on the model whose ``l3`` is unsafe in bf16, plus a plain FP32 run."""
     tmp = tmp_path_factory.mktemp("offset")
     pl.seed_everything(0)
@@ -52,12 +52,8 @@ def offset_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "dir": tmp,
         "kept_steps": trainer.global_step,
     }
-    pl.seed_everything(0)
-    reference = search_trainer(tmp / "fp32", [], max_epochs=4)
-    train, val = loaders()
-    reference.fit(WideMLP(), train, val)
-    comp["fp32_val_loss"] = float(reference.callback_metrics["val_loss"])
-    comp["fp32_steps"] = reference.global_step
+    comp["fp32_val_loss"] = float(plain_wide_mlp.callback_metrics["val_loss"])
+    comp["fp32_steps"] = plain_wide_mlp.global_step
     return comp
 
 

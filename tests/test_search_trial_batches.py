@@ -28,7 +28,7 @@ def _search(**kwargs: Any) -> CoMPSearch:
 
 
 @pytest.fixture(scope="module")
-def batch_trials(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def batch_trials(tmp_path_factory: pytest.TempPathFactory, plain_wide_mlp: pl.Trainer) -> dict[str, Any]:
     tmp = tmp_path_factory.mktemp("trial_batches")
     pl.seed_everything(0)
     search = _search()
@@ -37,10 +37,7 @@ def batch_trials(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     trainer = search_trainer(tmp, [search, probe], max_epochs=4, plugin=plugin)
     train, val = loaders()
     trainer.fit(WideMLP(), train, val)
-    pl.seed_everything(0)
-    plain = search_trainer(tmp / "fp32", [], max_epochs=4)
-    train, val = loaders()
-    plain.fit(WideMLP(), train, val)
+    plain = plain_wide_mlp
     return {"search": search, "probe": probe, "plugin": plugin, "trainer": trainer, "plain": plain,
             "val_loss": float(trainer.callback_metrics["val_loss"]),
             "fp32_val_loss": float(plain.callback_metrics["val_loss"])}
