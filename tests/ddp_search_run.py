@@ -9,6 +9,7 @@ import json
 import sys
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.strategies import DDPStrategy
@@ -29,7 +30,10 @@ class PlanLog(pl.Callback):
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         plan = trainer.precision_plugin.plan
-        self.rows.append([trainer.current_epoch, {s: p.value for s, p in plan.entries}])
+        self.rows.append([trainer.current_epoch, {s: p.value for s, p in plan.entries}, 0])
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        self.rows[-1][2] += 1  # batches this rank trained in the epoch
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         params = [float(p.detach().double().sum()) for p in pl_module.parameters()]
@@ -40,12 +44,13 @@ class PlanLog(pl.Callback):
 
 def main() -> None:
     name, out = sys.argv[1], Path(sys.argv[2])
+    trial_batches = int(sys.argv[3]) if len(sys.argv) > 3 else None
     # a bounded collective timeout: a lost rank fails the run in minutes instead of hanging for half an hour
     strategy = DDPStrategy(start_method="spawn" if name == "ddp_spawn" else "popen", timeout=timedelta(seconds=120))
     out.mkdir(parents=True, exist_ok=True)
     pl.seed_everything(0)
     search = CoMPSearch(include=["l2", "l3", "l4"], exclude=["l1", "head", "a?"], tolerance=0.05, profile_steps=2,
-                        profile_warmup=1, verbose=False)
+                        profile_warmup=1, verbose=False, trial_batches=trial_batches)
     trainer = pl.Trainer(
         accelerator="cpu", devices=2, strategy=strategy, max_epochs=3, plugins=[CoMPPrecision()],
         callbacks=[search, PlanLog(out)], logger=False, enable_progress_bar=False, enable_model_summary=False,

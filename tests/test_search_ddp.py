@@ -1,4 +1,5 @@
-"""CoMPSearch under 2-process DDP (gloo on CPU): every rank runs the identical plan at every epoch."""
+"""CoMPSearch under 2-process DDP (gloo on CPU): every rank runs the identical plan at every epoch, and with
+trials of batches every rank cuts the same epochs at the same batch."""
 
 from __future__ import annotations
 
@@ -18,8 +19,8 @@ _DIST_VARS = {"LOCAL_RANK", "RANK", "GLOBAL_RANK", "WORLD_SIZE", "NODE_RANK", "G
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("strategy", ["ddp", "ddp_spawn"])
-def test_every_rank_runs_the_same_plan(strategy: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize(("strategy", "trial_batches"), [("ddp", None), ("ddp_spawn", None), ("ddp", 2)])
+def test_every_rank_runs_the_same_plan(strategy: str, trial_batches: int | None, tmp_path: Path) -> None:
     proc = None
     for _attempt in range(2):  # a second try only when the rendezvous itself failed (a port race on a shared host)
         with socket.socket() as sock:  # a port of our own: other 2-process jobs may run at the same time
@@ -30,7 +31,8 @@ def test_every_rank_runs_the_same_plan(strategy: str, tmp_path: Path) -> None:
         env = {k: v for k, v in os.environ.items() if k not in _DIST_VARS and not k.startswith(("TORCHELASTIC", "PL_"))}
         env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         try:
-            proc = subprocess.run([sys.executable, str(SCRIPT), strategy, str(tmp_path)], cwd=tmp_path, env=env,
+            args = [sys.executable, str(SCRIPT), strategy, str(tmp_path), *([str(trial_batches)] if trial_batches else [])]
+            proc = subprocess.run(args, cwd=tmp_path, env=env,
                                   capture_output=True, text=True, timeout=300, start_new_session=True)
         except subprocess.TimeoutExpired as err:
             proc = None
@@ -48,4 +50,9 @@ def test_every_rank_runs_the_same_plan(strategy: str, tmp_path: Path) -> None:
     assert ranks[0]["final"] == ranks[1]["final"]
     assert ranks[0]["params"] == ranks[1]["params"]  # synchronous data parallel: identical weights
     assert ranks[0]["phase"] == "done"
-    assert len({json.dumps(plan, sort_keys=True) for _, plan in ranks[0]["epochs"]}) > 1  # trials did run
+    assert len({json.dumps(plan, sort_keys=True) for _, plan, _ in ranks[0]["epochs"]}) > 1  # trials did run
+    batches = [b for _, _, b in ranks[0]["epochs"]]
+    if trial_batches:  # each rank has 4 batches per epoch; rejected trials of 2 batches cut theirs short together
+        assert 2 in batches and set(batches) == {2, 4}
+    else:
+        assert set(batches) == {4}
