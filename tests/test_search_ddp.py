@@ -31,7 +31,8 @@ def test_every_rank_runs_the_same_plan(strategy: str, trial_batches: int | None,
         env = {k: v for k, v in os.environ.items() if k not in _DIST_VARS and not k.startswith(("TORCHELASTIC", "PL_"))}
         env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         try:
-            args = [sys.executable, str(SCRIPT), strategy, str(tmp_path), *([str(trial_batches)] if trial_batches else [])]
+            extra = [str(trial_batches)] if trial_batches else []
+            args = [sys.executable, str(SCRIPT), strategy, str(tmp_path), *extra]
             proc = subprocess.run(args, cwd=tmp_path, env=env,
                                   capture_output=True, text=True, timeout=300, start_new_session=True)
         except subprocess.TimeoutExpired as err:
