@@ -175,7 +175,8 @@ class CoMPSearch(Callback):
             ``"bf16"`` or ``"fp16"``.
         objective: ``"throughput"``, ``"memory"`` (saved-for-backward bytes) or ``"balanced"``. Per operator first;
             then the candidate plan is compared as a whole step with the all-low and the compute-only plans: by time
-            (``"throughput"``), or by bytes saved for backward within ``max_memory_slowdown`` of FP32 (``"memory"``).
+            (``"throughput"``), by bytes saved for backward within ``max_memory_slowdown`` of FP32 (``"memory"``), or
+            by the geometric mean of both ratios to FP32 (``"balanced"``).
         speed_margin: fraction by which lowering must beat FP32 before it is preferred (noise guard).
         min_gain_ms: smallest per-step time gain (ms) an operator must show to be lowered.
         max_trials: budget of candidate trials (the reference trial not counted).
@@ -789,10 +790,13 @@ class CoMPSearch(Callback):
             step_ms = {k: _reduce_mean(trainer, min(v)) for k, v in times.items()}
             median_ms = {k: _reduce_mean(trainer, statistics.median(v)) for k, v in times.items()}
             step_saved: dict[str, float] = {}
-            if config.objective is Objective.MEMORY:
+            if config.objective is not Objective.THROUGHPUT:
                 saved = timer.saved_bytes(pl_module, configs, step)
                 step_saved = {k: _reduce_mean(trainer, float(v)) for k, v in saved.items()}
+            if config.objective is Objective.MEMORY:
                 winner = self._memory_winner(step_saved, step_ms, median_ms, list(alternatives), bool(candidates))
+            elif config.objective is Objective.BALANCED:
+                winner = self._balanced_winner(step_saved, step_ms, median_ms, list(alternatives), bool(candidates))
             else:
                 winner = self._whole_step_winner(step_ms, median_ms, list(alternatives), bool(candidates))
             if winner is not None:
@@ -844,8 +848,6 @@ class CoMPSearch(Callback):
         save, e.g. a bf16 LayerNorm on a CPU (``compute``: the compute operators alone). Only plans that differ
         from the candidate plan and from each other are timed.
         """
-        if self.config.objective is Objective.BALANCED:
-            return {}
         assert self._low is not None
         low = self._low.value
         allowed = [n for n in order if n in lowerable and not decisions[n].get("excluded")]
@@ -884,13 +886,27 @@ class CoMPSearch(Callback):
                    and step_ms[label] <= step_ms["fp32"] * limit and median_ms[label] <= median_ms["fp32"] * limit]
         return min(winners, key=lambda label: saved[label]) if winners else None
 
+    def _balanced_winner(self, saved: dict[str, float], step_ms: dict[str, float], median_ms: dict[str, float],
+                         labels: list[str], have_candidates: bool) -> str | None:
+        """With ``objective="balanced"``: the alternative with the best geometric mean of its time and saved-bytes
+        ratios to FP32 (time from the fastest and the median round, whichever is worse), if it beats the candidate
+        plan's (or FP32's) score by ``speed_margin``."""
+        def score(label: str) -> float:
+            time_ratio = max(step_ms[label] / step_ms["fp32"], median_ms[label] / median_ms["fp32"])
+            return math.sqrt(time_ratio * saved[label] / max(saved["fp32"], 1.0))
+
+        incumbent = score("candidates") if have_candidates else 1.0
+        winners = [label for label in labels if score(label) <= incumbent * (1 - self.config.speed_margin)]
+        return min(winners, key=score) if winners else None
+
     def _adopt(self, winner: str, plan: PrecisionPlan, order: list[str], decisions: dict[str, dict[str, Any]],
                step_ms: dict[str, float], saved: dict[str, float] | None = None,
                ) -> tuple[tuple[str, ...], list[dict[str, Any]]]:
         """Make the operators of ``plan`` the candidates (no cheap-operator fills: the plan was timed as is)."""
         lowered = {selector for selector, precision in plan.entries if precision is not Precision.FP32}
         what = {"all_low": f"the all-{self._low} plan", "compute": "the plan of compute operators only"}[winner]
-        better = "leaner as a whole" if saved else "faster as a whole"
+        better = {Objective.THROUGHPUT: "faster as a whole", Objective.MEMORY: "leaner as a whole",
+                  Objective.BALANCED: "better in time x memory as a whole"}[self.config.objective]
         timing = f"({step_ms[winner]:.3f} vs {step_ms['fp32']:.3f} ms per step in fp32"
         timing += f", {step_ms['candidates']:.3f} ms for the candidates)" if "candidates" in step_ms else ")"
         if saved:

@@ -350,3 +350,21 @@ def test_memory_objective_records_whole_step_saved_bytes_on_the_trainer_path(tmp
     adopted = [op["reason"] for op in record["operators"].values() if "leaner as a whole" in op.get("reason", "")]
     assert adopted and all("all-bf16 plan" in reason for reason in adopted)
     assert "MiB saved for backward" in format_record(record)
+
+
+@pytest.mark.parametrize(
+    ("saved", "step", "expected"),
+    [
+        # all_low: time x0.6, bytes x0.5 -> 0.55; candidates: x0.5, x0.9 -> 0.67; compute: x0.55, x1.0 -> 0.74
+        ({"fp32": 100, "candidates": 90, "compute": 100, "all_low": 50},
+         {"fp32": 100, "candidates": 50, "compute": 55, "all_low": 60}, "all_low"),
+        # all_low 0.66 is within 5 % of the candidates' 0.67
+        ({"fp32": 100, "candidates": 90, "all_low": 72}, {"fp32": 100, "candidates": 50, "all_low": 60}, None),
+    ],
+)
+def test_balanced_objective_weighs_time_and_memory_of_whole_steps(
+        saved: dict[str, float], step: dict[str, float], expected: str | None) -> None:
+    search = CoMPSearch(verbose=False, objective="balanced")
+    search._low = Precision.BF16
+    labels = [k for k in saved if k not in ("fp32", "candidates")]
+    assert search._balanced_winner(saved, step, step, labels, True) == expected
