@@ -191,3 +191,31 @@ def test_trials_of_batches_with_gradient_accumulation_end_on_an_optimizer_step(t
     assert all(t["steps"] == 2 for t in search._state["trials"])  # every trial was judged after 2 optimizer steps
     assert sorted(probe.batches) == sorted([4] * len(rejected) + [8] * (len(probe.batches) - len(rejected)))
     assert probe.rewinds_exact and all(probe.rewinds_exact)
+
+
+@pytest.mark.slow
+def test_trials_of_batches_with_the_users_own_validation_inside_the_epoch(batch_trials: dict[str, Any],
+                                                                         tmp_path: Path) -> None:
+    # The user validates every 4 batches; a trial validates at its 3rd, and afterwards the user's schedule is back.
+    seen: list[tuple[int, int]] = []
+
+    class ValidationLog(Callback):
+        def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+            if not trainer.sanity_checking:
+                seen.append((trainer.current_epoch, trainer.fit_loop.epoch_loop.batch_progress.current.ready))
+
+    pl.seed_everything(0)
+    search = _search()
+    trainer = search_trainer(tmp_path, [search, ValidationLog()], max_epochs=4, plugin=CoMPPrecision(),
+                             val_check_interval=0.5)
+    train, val = loaders()
+    trainer.fit(WideMLP(), train, val)
+    assert search.phase == "done"
+    assert search.chosen_plan is not None
+    assert search.chosen_plan.entries == batch_trials["search"].chosen_plan.entries
+    trial_epochs = {t["start_epoch"] for t in search._state["trials"]}
+    for epoch in range(trainer.current_epoch):
+        at = [ready for e, ready in seen if e == epoch]
+        assert (BATCHES in at) == (epoch in trial_epochs), (epoch, at)  # a trial's own validation
+        if epoch not in trial_epochs:
+            assert at == [4, 8]  # the user's schedule, untouched
