@@ -367,11 +367,13 @@ class PlanExecutor:
         dtype = op.precision.dtype
         lowering = op.lowering
         device_type = module_device_type(op.module)
-        params = list(op.module.named_parameters()) if lowering is Lowering.PARAMS else []
-        own_params = (list(op.module.named_parameters(recurse=False))
+        # (attribute name, qualified name for error messages, parameter), resolved once rather than on every call
+        prefix = f"{op.name}." if op.name else ""
+        params = ([(n, prefix + n, p) for n, p in op.module.named_parameters()]
+                  if lowering is Lowering.PARAMS else [])
+        own_params = ([(n, prefix + n, p) for n, p in op.module.named_parameters(recurse=False)]
                       if lowering is Lowering.AUTOCAST and isinstance(op.module, _RECASTABLE) else [])
         casts = self._weight_casts
-        prefix = f"{op.name}." if op.name else ""
 
         def pre_hook(module: nn.Module, args: Any, kwargs: Any) -> Any:
             tracer = self._tracer
@@ -385,7 +387,7 @@ class PlanExecutor:
                     stack = ExitStack()
                     stack.enter_context(ctx)
                     stack.enter_context(_reparametrize_module(
-                        module, {n: casts.cast(prefix + n, p, dtype) for n, p in own_params}))
+                        module, {n: casts.cast(qualified, p, dtype) for n, qualified, p in own_params}))
                     ctx = stack
                 else:
                     ctx.__enter__()
@@ -394,7 +396,8 @@ class PlanExecutor:
             if lowering is Lowering.INPUT or lowering is Lowering.PARAMS:
                 args, kwargs = cast_floating(args, dtype), cast_floating(kwargs, dtype)
                 if params:
-                    ctx = _reparametrize_module(module, {n: casts.cast(prefix + n, p, dtype) for n, p in params})
+                    copies = {n: casts.cast(qualified, p, dtype) for n, qualified, p in params}
+                    ctx = _reparametrize_module(module, copies)
                     ctx.__enter__()
                     op.contexts.append(ctx)
                 return args, kwargs
@@ -407,12 +410,14 @@ class PlanExecutor:
 
     def _make_post_hook(self, op: _Operator) -> Any:
         dtype = op.precision.dtype
+        # an RNN's flat-weight list still points at the low copies once its parameters are swapped back
+        rnn = op.module if op.lowering is Lowering.PARAMS and isinstance(op.module, nn.RNNBase) else None
 
         def post_hook(module: nn.Module, args: Any, output: Any) -> Any:
             if op.contexts:
                 op.contexts.pop().__exit__(None, None, None)
-                if isinstance(module, nn.RNNBase):  # its flat-weight list still points at the low copies
-                    module._update_flat_weights()
+                if rnn is not None:
+                    rnn._update_flat_weights()
             if op.low and not op.transparent and output is not None:
                 if op.lowering is Lowering.OUTPUT:
                     output = cast_floating(output, dtype)

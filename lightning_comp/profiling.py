@@ -167,10 +167,7 @@ class _RoundRecorder:
 
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.stack:
-            ptr = tensor.untyped_storage().data_ptr()
-            if ptr not in self._param_storages and ptr not in self._seen_storages:
-                self._seen_storages.add(ptr)
-                self.saved[self.stack[-1]] += tensor.untyped_storage().nbytes()
+            self.saved[self.stack[-1]] += _new_storage_bytes(tensor, self._param_storages, self._seen_storages)
         return tensor
 
     def remove(self) -> None:
@@ -306,20 +303,26 @@ class StepTimer:
         out: dict[str, int] = {}
         for label, activate in configs.items():
             seen: set[int] = set()
-            total = 0
+            sizes: list[int] = []
 
-            def pack(tensor: torch.Tensor, seen: set[int] = seen) -> torch.Tensor:
-                nonlocal total
-                storage = tensor.untyped_storage()
-                if storage.data_ptr() not in params and storage.data_ptr() not in seen:
-                    seen.add(storage.data_ptr())
-                    total += storage.nbytes()
+            def pack(tensor: torch.Tensor, seen: set[int] = seen, sizes: list[int] = sizes) -> torch.Tensor:
+                sizes.append(_new_storage_bytes(tensor, params, seen))
                 return tensor
 
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _activated(activate):
                 step()
-            out[label] = total
+            out[label] = sum(sizes)
         return out
+
+
+def _new_storage_bytes(tensor: torch.Tensor, skip: set[int], seen: set[int]) -> int:
+    """Bytes of ``tensor``'s storage the first time it is saved (0 for a storage in ``skip``, e.g. a parameter)."""
+    storage = tensor.untyped_storage()
+    ptr = storage.data_ptr()
+    if ptr in skip or ptr in seen:
+        return 0
+    seen.add(ptr)
+    return storage.nbytes()
 
 
 @contextmanager

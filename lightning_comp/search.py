@@ -488,10 +488,8 @@ class CoMPSearch(Callback):
         loop = trainer.fit_loop
         self._max_batches = loop.max_batches
         loop.max_batches = loop.epoch_loop.batch_progress.current.ready  # this epoch ends after this batch
-        max_epochs = loop.max_epochs
-        if state["phase"] == "done" and (trainer.should_stop or 0 < trainer.max_steps <= trainer.global_step or (
-                max_epochs is not None and 0 <= max_epochs <= trainer.current_epoch + 1)):
-            self._apply_pending_restore(trainer, pl_module)  # no epoch follows to apply it (nor to checkpoint it)
+        if state["phase"] == "done" and _no_epoch_follows(trainer):
+            self._apply_pending_restore(trainer, pl_module)  # no epoch start follows to apply it
 
     def _restore_val_check(self, trainer: pl.Trainer) -> None:
         if self._val_check_batch is not None:
@@ -517,16 +515,15 @@ class CoMPSearch(Callback):
         current = self._current_trial()
         if self._state["phase"] != "searching" or current is None:
             return
-        stopping = trainer.should_stop or 0 < trainer.max_steps <= trainer.global_step
         if self._trial_due(current, trainer.current_epoch + 1):
-            self._close_trial(trainer, pl_module)
-            max_epochs = trainer.fit_loop.max_epochs
-            if stopping or (max_epochs is not None and 0 <= max_epochs <= trainer.current_epoch + 1):
+            self._close_trial(trainer, pl_module)  # may extend max_epochs/max_steps: ask what follows afterwards
+            if _no_epoch_follows(trainer):
                 # No epoch follows whose start would apply a pending rewind (the last trial was rejected and the
                 # run ends here): apply it now, so the model the fit returns and the last checkpoint are not the
                 # rejected trial's.
                 self._apply_pending_restore(trainer, pl_module)
             return
+        stopping = trainer.should_stop or 0 < trainer.max_steps <= trainer.global_step
         last_epoch = current["start_epoch"] + self.config.trial_epochs - 1
         if trainer.current_epoch >= last_epoch and str(last_epoch) not in current["metrics"] and not stopping:
             raise SearchConfigError(
@@ -575,7 +572,7 @@ class CoMPSearch(Callback):
         gradient behind.
         """
         wanted = self.config.trial_batches
-        if wanted is None or not isinstance(epoch_length, int) or epoch_length == float("inf"):
+        if wanted is None or not isinstance(epoch_length, int):  # inf (an iterable without length) is a float
             return None
         batches = max(1, int(wanted * epoch_length)) if isinstance(wanted, float) else wanted
         batches = math.ceil(batches / accumulate) * accumulate
@@ -778,7 +775,7 @@ class CoMPSearch(Callback):
             candidates = tuple(n for n in results["fp32"].order if decisions.get(n, {}).get("decision") == "candidate")
             self._state["runs"] = runs
             order = results["fp32"].order
-            alternatives = self._alternatives(modules, lowerable, order, decisions, candidates, runs)
+            alternatives = self._alternatives(modules, lowerable, order, decisions, candidates)
             timer = StepTimer(device_type, config.profile_steps, config.profile_warmup)
             configs: dict[str, Any] = {"fp32": lambda: plugin.set_plan(PrecisionPlan())}
             plans = dict(alternatives)
@@ -839,8 +836,7 @@ class CoMPSearch(Callback):
                          kept=True)
 
     def _alternatives(self, modules: dict[str, torch.nn.Module], lowerable: list[str], order: list[str],
-                      decisions: dict[str, dict[str, Any]], candidates: tuple[str, ...],
-                      runs: list[dict[str, Any]]) -> dict[str, PrecisionPlan]:
+                      decisions: dict[str, dict[str, Any]], candidates: tuple[str, ...]) -> dict[str, PrecisionPlan]:
         """Whole-step alternatives to the per-operator candidate plan, timed side by side with it.
 
         Per-operator timings miss effects that only show in a whole step: casts vanish inside long low-precision
@@ -1083,9 +1079,7 @@ class CoMPSearch(Callback):
             return None
         batches = int(state.get("warmup_batches") or 0)
         trials = state["trials"]
-        lowered = state["chosen"].get("default", "fp32") != "fp32" or any(
-            p != "fp32" for p in state["chosen"].get("entries", {}).values())
-        if not batches or not trials or not lowered:
+        if not batches or not trials or PrecisionPlan.from_dict(state["chosen"]).is_all_fp32:
             return 0.0
         same = [t for t in trials[1:] if t["label"] == state["chosen_label"]]
         reference = trials[0].get("median_step_ms")
@@ -1133,6 +1127,13 @@ class CoMPSearch(Callback):
         state = self._fresh_state()
         state.update(state_dict)
         self._state = state
+
+
+def _no_epoch_follows(trainer: pl.Trainer) -> bool:
+    """Whether training ends with the current epoch: a stop was requested, or max_steps or max_epochs is reached."""
+    max_epochs = trainer.fit_loop.max_epochs
+    return (trainer.should_stop or 0 < trainer.max_steps <= trainer.global_step
+            or (max_epochs is not None and 0 <= max_epochs <= trainer.current_epoch + 1))
 
 
 def _activate(plugin: CoMPPrecision, plan: PrecisionPlan) -> Any:

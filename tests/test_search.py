@@ -289,7 +289,7 @@ def test_whole_step_alternatives_are_distinct_plans_without_excluded_operators()
                  "3": {"decision": "fp32"}, "4": {"decision": "fp32", "excluded": True}}
     search = _searcher()
     search._state["runs"] = [{"before": "0", "after": "2", "operators": ["1"]}]
-    alternatives = search._alternatives(modules, lowerable, order, decisions, ("0", "2"), search._state["runs"])
+    alternatives = search._alternatives(modules, lowerable, order, decisions, ("0", "2"))
     lowered = {label: {s for s, p in plan.entries if p is Precision.BF16} for label, plan in alternatives.items()}
     # all_low leaves the excluded head out; compute = the Linears allowed (without the LayerNorm fill)
     assert lowered == {"all_low": {"0", "1", "2", "3"}, "compute": {"0", "2"}}
