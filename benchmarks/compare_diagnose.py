@@ -117,46 +117,52 @@ def step_times(model: torch.nn.Module, x: Any, y: Any, plans: dict[str, Precisio
     return stats, profiles
 
 
+def _step_peaks(model: torch.nn.Module, run: Any, steps: int = 3) -> list[int]:
+    """Peak live-tensor increase (profiler memory events) of each of ``steps`` training steps run by ``run``."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from compare import _tensor_peak_delta
+
+    peaks = []
+    for _ in range(steps):
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+            run()
+            model.zero_grad(set_to_none=True)
+        peaks.append(_tensor_peak_delta(prof, "cpu") or 0)
+    return peaks
+
+
+def _plan_step(model: torch.nn.Module, x: Any, y: Any, executor: PlanExecutor) -> Any:
+    def run() -> None:
+        with executor.step(StepKind.TRAIN):
+            loss = model.loss(model(x), y)
+        loss.backward()
+
+    return run
+
+
 def plan_memory(model: torch.nn.Module, x: Any, y: Any, plans: dict[str, PrecisionPlan]) -> dict[str, Any]:
     """Step peak tensor memory of AMP and of each plan, with CoMP's weight copies kept or re-cast in backward.
 
     Step peak = FP32 masters + gradients + AdamW moments (4 x 4 bytes per parameter) + the peak of live tensors in a
     calibrated step (profiler memory events, the third of three steps).
     """
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from compare import _tensor_peak_delta
-
     static = sum(p.numel() for p in model.parameters()) * 16
-
-    def in_step(run: Any) -> int:
-        peak = 0
-        for _ in range(3):
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
-                run()
-                model.zero_grad(set_to_none=True)
-            peak = _tensor_peak_delta(prof, "cpu") or 0
-        return peak
 
     def amp() -> None:
         with torch.autocast("cpu", dtype=torch.bfloat16):
             loss = model.loss(model(x), y)
         loss.backward()
 
-    out: dict[str, Any] = {"static_bytes": static, "amp": {"in_step_bytes": in_step(amp)}}
+    out: dict[str, Any] = {"static_bytes": static, "amp": {"in_step_bytes": _step_peaks(model, amp)[-1]}}
     for label, plan in plans.items():
         for recast in (False, True):
             executor = PlanExecutor(recast_weights_in_backward=recast)
             executor.apply(model, plan, "cpu")
-
-            def run(executor: PlanExecutor = executor) -> None:
-                with executor.step(StepKind.TRAIN):
-                    loss = model.loss(model(x), y)
-                loss.backward()
-
             try:
-                out[f"{label}{'' if recast else '_keep_weights'}"] = {"in_step_bytes": in_step(run)}
+                peak = _step_peaks(model, _plan_step(model, x, y, executor))[-1]
             finally:
                 executor.remove()
+            out[f"{label}{'' if recast else '_keep_weights'}"] = {"in_step_bytes": peak}
     amp_total = static + out["amp"]["in_step_bytes"]
     for value in out.values():
         if isinstance(value, dict):
@@ -168,24 +174,13 @@ def plan_memory(model: torch.nn.Module, x: Any, y: Any, plans: dict[str, Precisi
 def calibration_memory(model: torch.nn.Module, x: Any, y: Any, plan: PrecisionPlan, steps: int = 3) -> dict[str, Any]:
     """Peak live-tensor increase (profiler memory events) of the first step after a plan is applied, in which
     ``PlanExecutor`` traces cast boundaries, against the following steps (same plan, same batch)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from compare import _tensor_peak_delta
-
     executor = PlanExecutor()
     executor.apply(model, plan, "cpu")
-    peaks = []
     try:
-        for _ in range(steps):
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
-                with executor.step(StepKind.TRAIN):
-                    loss = model.loss(model(x), y)
-                loss.backward()
-                model.zero_grad(set_to_none=True)
-            peaks.append(_tensor_peak_delta(prof, "cpu"))
+        peaks = _step_peaks(model, _plan_step(model, x, y, executor), steps)
     finally:
         executor.remove()
-    extra = (peaks[0] or 0) - min(p or 0 for p in peaks[1:])
-    return {"peak_delta_bytes_per_step": peaks, "first_step_extra_bytes": extra}
+    return {"peak_delta_bytes_per_step": peaks, "first_step_extra_bytes": peaks[0] - min(peaks[1:])}
 
 
 def attribution(model: torch.nn.Module, x: Any, y: Any, rounds: int) -> dict[str, Any]:
