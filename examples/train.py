@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 
 import hydra
+import torch.distributed as dist
 from omegaconf import DictConfig
 
 from lightning_comp.zoo.runner import run
@@ -25,6 +26,10 @@ from lightning_comp.zoo.runner import run
 def main(cfg: DictConfig) -> float:
     """Run one training job; return the final ``val_loss`` (an objective for Hydra sweepers)."""
     result = run(cfg)
+    if dist.is_available() and dist.is_initialized():
+        # Lightning destroys only NCCL groups at exit; a gloo group left to interpreter shutdown can abort the
+        # process ("terminate called without an active exception") after a successful run.
+        dist.destroy_process_group()
     return float(result["metrics"].get("val_loss", math.nan))
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.strategies import DDPStrategy
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -58,6 +59,8 @@ def main() -> None:
     )
     train, val = loaders(n_train=1024, n_val=256, batch_size=128)
     trainer.fit(WideMLP(width=256), train, val)
+    if torch.distributed.is_initialized():  # Lightning leaves gloo groups to interpreter shutdown, which can abort
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

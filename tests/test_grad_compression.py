@@ -193,6 +193,8 @@ _SCRIPT = textwrap.dedent(
             "params": torch.cat([p.detach().flatten() for p in model.parameters()]).tolist(),
         }
     results["n_params"] = n_params
+    if torch.distributed.is_initialized():  # Lightning leaves gloo groups to interpreter shutdown, which can abort
+        torch.distributed.destroy_process_group()
     with open(f"{sys.argv[1]}.rank{os.environ.get('LOCAL_RANK', '0')}.json", "w") as f:
         json.dump(results, f)
     """

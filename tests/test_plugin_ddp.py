@@ -84,6 +84,8 @@ _SCRIPT = textwrap.dedent(
             logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
         )
         trainer.fit(model, loader)
+        if torch.distributed.is_initialized():  # Lightning leaves gloo groups to interpreter shutdown, which can abort
+            torch.distributed.destroy_process_group()
     '''
 )
 
