@@ -15,6 +15,7 @@ The search runs inside the user's ``trainer.fit`` and never changes the model's 
    trial. Unsafe operators are isolated by adaptive group testing (:mod:`lightning_comp.group_search`).
 4. **Rewind and keep.** Rejected trials are rewound bit-exactly; the chosen trial's progress is kept, and
    ``max_epochs`` is extended by the epochs of rejected trials, so the user's training is not shortened.
+   ``EarlyStopping`` is paused meanwhile (:mod:`lightning_comp.callback_pause`), so rewound trials never count.
 
 The decision record (trials, per-operator measurements and reasons, cost) is kept in the callback state, written as
 JSON next to the logs, logged to the Trainer's loggers and printed on rank 0.
@@ -36,10 +37,11 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.utilities.data import _set_sampler_epoch
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, EarlyStopping
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
+from lightning_comp.callback_pause import CallbackPause
 from lightning_comp.casting import StepKind
 from lightning_comp.dtypes import Precision, device_supports_fast, parse_precision
 from lightning_comp.errors import PlanError, PlanMismatchError, SearchConfigError, UnsupportedSetupError
@@ -189,6 +191,13 @@ class CoMPSearch(Callback):
         record_dir: where to write ``comp_search.json`` and ``comp_plan.json`` (default: the Trainer's log dir).
         verbose: print the decision table on rank 0.
 
+    Note:
+        ``EarlyStopping`` callbacks are paused from the search's first trial until the model holds its final state
+        (the kept trial, or the rewound snapshot): they neither count the trials' validations against their patience
+        nor stop the fit on a rejected trial's NaN. Their state travels in the search's checkpoint state meanwhile.
+        ``ModelCheckpoint`` keeps saving during the search, so a run killed inside it resumes the search; a
+        monitored "best" checkpoint can therefore be a trial that the search later rewound.
+
     Raises:
         SearchConfigError: on an invalid argument (the message names it and the valid values).
     """
@@ -247,6 +256,9 @@ class CoMPSearch(Callback):
         self._monitor_checked = False
         self._val_check_batch: int | float | None = None  # the Trainer's, while a trial of batches changes it
         self._max_batches: int | float | None = None  # the Trainer's, while a rejected trial of batches cuts an epoch
+        # EarlyStopping must not judge trials that are rewound (nor stop the fit on a rejected trial's NaN)
+        self._early_stopping = CallbackPause(_is_early_stopping)
+        self._paused_states: dict[str, dict[str, Any]] = {}  # their states, from a checkpoint written during a pause
         self._state = self._fresh_state()
 
     @staticmethod
@@ -364,6 +376,8 @@ class CoMPSearch(Callback):
             if why is not None:  # finish at once: no profiling, no trials, no extra epochs
                 rank_zero_warn(f"CoMPSearch: {why}. Training continues in fp32 without a search.")
                 self._finish(trainer, PrecisionPlan(), "fp32", reason=why)
+        if self._in_search():  # resumed inside the search
+            self._early_stopping.pause(trainer, self._paused_states)
 
     def _check_selectors(self, pl_module: pl.LightningModule) -> None:
         """Fail on ``include``/``exclude`` selectors that match no operator (a typo must not lower a layer)."""
@@ -415,6 +429,7 @@ class CoMPSearch(Callback):
             state["search_start_epoch"] = trainer.current_epoch
             state["warmup_batches"] = int(trainer.fit_loop.epoch_loop.batch_progress.total.ready)
             state["snapshot"] = TrainingSnapshot.capture(trainer, pl_module, self._scaler()).to_state()
+            self._early_stopping.pause(trainer)
             self._start_trial(trainer, pl_module, label="fp32 reference", group=None, rewind=False)
             return
         current = self._current_trial()
@@ -538,6 +553,18 @@ class CoMPSearch(Callback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._state["phase"] == "done":  # training stopped before the epoch start that would apply a rewind
             self._apply_pending_restore(trainer, pl_module)
+        elif self._state["phase"] == "searching":
+            last = self._state["trials"][-1]["label"] if self._state["trials"] else None
+            rank_zero_warn(
+                f"CoMPSearch: training stopped during the search (trainer.should_stop, max_time or max_steps), in or"
+                f" after trial {last!r}. The model holds the state and plan of that trial, which the search may have"
+                " rejected. Resume from a checkpoint written during the search (e.g. last.ckpt) to finish it."
+            )
+        self._early_stopping.resume(trainer)
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._early_stopping.resume(trainer)  # hand the Trainer back with its callbacks
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -554,6 +581,11 @@ class CoMPSearch(Callback):
     @staticmethod
     def _on_cuda(pl_module: pl.LightningModule) -> bool:
         return module_device_type(pl_module) == "cuda"
+
+    def _in_search(self) -> bool:
+        """Whether trials are running or one's state is still to be rewound (EarlyStopping is paused then)."""
+        state = self._state
+        return state["phase"] == "searching" or (state["phase"] == "done" and state["pending_restore"] is not None)
 
     def _current_trial(self) -> dict[str, Any] | None:
         trials = self._state["trials"]
@@ -720,6 +752,8 @@ class CoMPSearch(Callback):
         state["finish_reason"] = reason
         state["phase"] = "done"
         self._apply_extension(trainer)
+        if restore is None:  # the model holds its final state now; otherwise once the rewind is applied
+            self._early_stopping.resume(trainer)
         self._publish(trainer, final=False)
 
     def _apply_pending_restore(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -736,6 +770,7 @@ class CoMPSearch(Callback):
         state["pending_restore"] = None
         state["snapshot"] = None
         state["reference_end"] = None
+        self._early_stopping.resume(trainer)  # the model holds its final state: EarlyStopping judges from here on
 
     def _rewind(self, trainer: pl.Trainer, pl_module: pl.LightningModule, snapshot: dict[str, Any]) -> None:
         """Restore ``snapshot`` bit for bit, the loss scaler included.
@@ -1115,7 +1150,10 @@ class CoMPSearch(Callback):
     # --------------------------------------------------------------------------------------------- checkpoint
     @override
     def state_dict(self) -> dict[str, Any]:
-        return dict(self._state)
+        state = dict(self._state)
+        if self._early_stopping.active:  # Lightning saves only the states of callbacks in trainer.callbacks
+            state["paused_callbacks"] = self._early_stopping.states()
+        return state
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -1126,7 +1164,12 @@ class CoMPSearch(Callback):
             )
         state = self._fresh_state()
         state.update(state_dict)
+        self._paused_states = dict(state.pop("paused_callbacks", None) or {})
         self._state = state
+
+
+def _is_early_stopping(callback: Callback) -> bool:
+    return isinstance(callback, EarlyStopping)
 
 
 def _no_epoch_follows(trainer: pl.Trainer) -> bool:

@@ -13,6 +13,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.callbacks import EarlyStopping
 from lightning.pytorch.strategies import DDPStrategy
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -54,8 +55,9 @@ def main() -> None:
                         profile_warmup=1, verbose=False, trial_batches=trial_batches)
     trainer = pl.Trainer(
         accelerator="cpu", devices=2, strategy=strategy, max_epochs=3, plugins=[CoMPPrecision()],
-        callbacks=[search, PlanLog(out)], logger=False, enable_progress_bar=False, enable_model_summary=False,
-        enable_checkpointing=False, default_root_dir=str(out),
+        # EarlyStopping reduces its decision across ranks: both must pause it at the same epochs, or this hangs
+        callbacks=[search, EarlyStopping(monitor="val_loss", patience=100), PlanLog(out)], logger=False,
+        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False, default_root_dir=str(out),
     )
     train, val = loaders(n_train=1024, n_val=256, batch_size=128)
     trainer.fit(WideMLP(width=256), train, val)
