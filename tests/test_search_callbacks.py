@@ -149,3 +149,22 @@ def test_callback_pause_without_a_match_leaves_the_list_alone() -> None:
     pause = CallbackPause(lambda cb: isinstance(cb, EarlyStopping))
     pause.pause(trainer)
     assert trainer.callbacks is before and not pause.active
+
+
+@pytest.mark.slow
+def test_a_fit_stopped_inside_the_search_warns_that_the_trial_is_unjudged(tmp_path: Path) -> None:
+    class StopInTrial(Callback):
+        def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+            if trainer.current_epoch == 2:  # the first candidate trial (epoch 1 is the FP32 reference)
+                trainer.should_stop = True
+
+    pl.seed_everything(0)
+    search = fixed_search()
+    es = EarlyStopping(monitor="val_loss", patience=5)
+    trainer = search_trainer(tmp_path, [search, es, StopInTrial()], max_epochs=4, plugin=CoMPPrecision())
+    order = list(trainer.callbacks)
+    train, val = loaders(n_train=1024)
+    with pytest.warns(UserWarning, match="training stopped during the search.*in or after trial 'all candidates'"):
+        trainer.fit(WideMLP(width=256), train, val)
+    assert search.phase == "searching" and search.record is None
+    assert trainer.callbacks == order
