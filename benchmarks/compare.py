@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime as _dt
+import functools
 import gc
 import json
 import logging
@@ -55,6 +56,7 @@ import sys
 import time
 import traceback
 import warnings
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -560,74 +562,89 @@ def _make_baton_callback(conn: Any, spec: dict[str, Any], probe_step: int, profi
     return Baton()
 
 
-def train_worker(conn: Any, job: dict[str, Any]) -> None:
+_WorkerBody = Callable[[Any, dict[str, Any]], dict[str, Any]]
+
+
+def _reports_to_coordinator(body: _WorkerBody) -> Callable[[Any, dict[str, Any]], None]:
+    """A worker process's entry point: exit with the parent, quiet the logs, set the threads, run ``body`` and send
+    its result as ``("done", result)``, or any failure as ``("error", traceback)``, then close the pipe."""
+
+    @functools.wraps(body)
+    def worker(conn: Any, job: dict[str, Any]) -> None:
+        try:
+            _exit_with_parent()
+            _quiet()
+            _set_threads(job.get("threads"))
+            conn.send(("done", body(conn, job)))
+        except BaseException:  # noqa: BLE001 - report every failure to the coordinator
+            with contextlib.suppress(Exception):
+                conn.send(("error", traceback.format_exc()))
+        finally:
+            conn.close()
+
+    return worker
+
+
+@_reports_to_coordinator
+def train_worker(conn: Any, job: dict[str, Any]) -> dict[str, Any]:
     """One mode of one model: wait for turns, train, report (runs in a fresh process)."""
-    try:
-        _exit_with_parent()
-        _quiet()
-        _set_threads(job.get("threads"))
-        import lightning.pytorch as pl
-        import torch
+    import lightning.pytorch as pl
+    import torch
 
-        from lightning_comp import CoMPPrecision
+    from lightning_comp import CoMPPrecision
 
-        spec = job["spec"]
-        mode = MODES[job["mode"]]
-        model, datamodule = _build(spec, job["seed"])
-        sizes = _data_sizes(spec, datamodule)
-        kwargs = _trainer_common()
-        if mode.trainer_precision is None:
-            kwargs["plugins"] = [CoMPPrecision(plan=job["plan"])]
-        else:
-            kwargs["precision"] = mode.trainer_precision
-        probe_step = min(1, spec["steps"] - 1)
-        profile_step = min(2, spec["steps"] - 1) if job.get("profile", True) else None
-        if profile_step == probe_step:
-            profile_step = None
-        baton = _make_baton_callback(conn, spec, probe_step, profile_step)
-        trainer = pl.Trainer(max_steps=spec["steps"], val_check_interval=spec["val_every"],
-                             check_val_every_n_epoch=None, limit_val_batches=spec["val_batches"],
-                             callbacks=[baton], **kwargs)
-        started = time.perf_counter()
-        trainer.fit(model, datamodule=datamodule)
-        fit_seconds = time.perf_counter() - started
-        assert baton.memory is not None
-        last = baton.memory.peak()  # since the steady-state reset (round 1) where it worked, else since the baseline
-        peak = max(last, baton.warmup_peak or 0)
-        plugin = trainer.precision_plugin
-        result = {
-            "mode": mode.key,
-            "device": _device_of(model),
-            "torch_threads": torch.get_num_threads(),
-            "trainer_precision": str(trainer.precision),
-            "plugin": type(plugin).__name__,
-            "sizes": sizes,
-            "num_parameters": sum(p.numel() for p in model.parameters()),
-            "param_dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
-            "batches": baton.batches,
-            "validation": baton.vals,
-            "memory": {"method": baton.memory.method, "baseline_bytes": baton.memory.baseline, "peak_bytes": peak,
-                       "increment_bytes": peak - baton.memory.baseline,
-                       "warmup_peak_bytes": baton.warmup_peak,
-                       "steady_peak_bytes": last if baton.steady_reset_ok else None,
-                       "steady_increment_bytes": last - baton.memory.baseline if baton.steady_reset_ok else None,
-                       "max_rss_bytes": _max_rss_bytes(),
-                       "step_peak": baton.step_peak},
-            "saved_for_backward": None if baton.saved is None else baton.saved.to_dict(),
-            "profile": baton.profile,
-            "forward_hooks": baton.hooks,
-            "fit_seconds": fit_seconds,
-            "global_step": int(trainer.global_step),
-        }
-        if mode.trainer_precision is None:
-            result["plan_lowered"] = [s for s, p in plugin.plan.entries if p.value != "fp32"]
-            result["hooked_operators"] = len(plugin.executor._operators)  # noqa: SLF001 - diagnostics only
-        conn.send(("done", result))
-    except BaseException:  # noqa: BLE001 - report every failure to the coordinator
-        with contextlib.suppress(Exception):
-            conn.send(("error", traceback.format_exc()))
-    finally:
-        conn.close()
+    spec = job["spec"]
+    mode = MODES[job["mode"]]
+    model, datamodule = _build(spec, job["seed"])
+    sizes = _data_sizes(spec, datamodule)
+    kwargs = _trainer_common()
+    if mode.trainer_precision is None:
+        kwargs["plugins"] = [CoMPPrecision(plan=job["plan"])]
+    else:
+        kwargs["precision"] = mode.trainer_precision
+    probe_step = min(1, spec["steps"] - 1)
+    profile_step = min(2, spec["steps"] - 1) if job.get("profile", True) else None
+    if profile_step == probe_step:
+        profile_step = None
+    baton = _make_baton_callback(conn, spec, probe_step, profile_step)
+    trainer = pl.Trainer(max_steps=spec["steps"], val_check_interval=spec["val_every"],
+                         check_val_every_n_epoch=None, limit_val_batches=spec["val_batches"],
+                         callbacks=[baton], **kwargs)
+    started = time.perf_counter()
+    trainer.fit(model, datamodule=datamodule)
+    fit_seconds = time.perf_counter() - started
+    assert baton.memory is not None
+    last = baton.memory.peak()  # since the steady-state reset (round 1) where it worked, else since the baseline
+    peak = max(last, baton.warmup_peak or 0)
+    plugin = trainer.precision_plugin
+    result = {
+        "mode": mode.key,
+        "device": _device_of(model),
+        "torch_threads": torch.get_num_threads(),
+        "trainer_precision": str(trainer.precision),
+        "plugin": type(plugin).__name__,
+        "sizes": sizes,
+        "num_parameters": sum(p.numel() for p in model.parameters()),
+        "param_dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
+        "batches": baton.batches,
+        "validation": baton.vals,
+        "memory": {"method": baton.memory.method, "baseline_bytes": baton.memory.baseline, "peak_bytes": peak,
+                   "increment_bytes": peak - baton.memory.baseline,
+                   "warmup_peak_bytes": baton.warmup_peak,
+                   "steady_peak_bytes": last if baton.steady_reset_ok else None,
+                   "steady_increment_bytes": last - baton.memory.baseline if baton.steady_reset_ok else None,
+                   "max_rss_bytes": _max_rss_bytes(),
+                   "step_peak": baton.step_peak},
+        "saved_for_backward": None if baton.saved is None else baton.saved.to_dict(),
+        "profile": baton.profile,
+        "forward_hooks": baton.hooks,
+        "fit_seconds": fit_seconds,
+        "global_step": int(trainer.global_step),
+    }
+    if mode.trainer_precision is None:
+        result["plan_lowered"] = [s for s, p in plugin.plan.entries if p.value != "fp32"]
+        result["hooked_operators"] = len(plugin.executor._operators)  # noqa: SLF001 - diagnostics only
+    return result
 
 
 def _max_rss_bytes() -> int:
@@ -652,57 +669,49 @@ def _search_kwargs(overrides: dict[str, Any], record_dir: str) -> dict[str, Any]
     return node
 
 
-def search_worker(conn: Any, job: dict[str, Any]) -> None:
+@_reports_to_coordinator
+def search_worker(conn: Any, job: dict[str, Any]) -> dict[str, Any]:
     """Run CoMPSearch on short epochs and report the chosen plan and the search's cost (fresh process)."""
-    try:
-        _exit_with_parent()
-        _quiet()
-        _set_threads(job.get("threads"))
-        import lightning.pytorch as pl
+    import lightning.pytorch as pl
 
-        from lightning_comp import CoMPPrecision, CoMPSearch
-        from lightning_comp.zoo import EpochTimer
+    from lightning_comp import CoMPPrecision, CoMPSearch
+    from lightning_comp.zoo import EpochTimer
 
-        spec = job["spec"]
-        model, datamodule = _build(spec, job["seed"])
-        sizes = _data_sizes(spec, datamodule)
-        full = int(spec["search_batches"]) <= 0
-        train_batches = sizes["train_batches_per_epoch"] if full else min(int(spec["search_batches"]),
-                                                                           sizes["train_batches_per_epoch"])
-        # Validation shortened in the same proportion as training, so that trial times scale to full epochs.
-        val_batches = sizes["val_batches_per_epoch"] if full else max(
-            1, round(train_batches * sizes["val_batches_per_epoch"] / sizes["train_batches_per_epoch"]))
-        kwargs = _search_kwargs(spec.get("search_overrides") or {}, job["record_dir"])
-        search = CoMPSearch(**kwargs)
-        timer = EpochTimer()
-        user_epochs = max(int(spec.get("search_epochs") or 0),
-                          int(kwargs.get("warmup_epochs", 1)) + int(kwargs.get("trial_epochs", 1)))
-        trainer = pl.Trainer(plugins=[CoMPPrecision()], callbacks=[search, timer], max_epochs=user_epochs,
-                             limit_train_batches=1.0 if full else train_batches,
-                             limit_val_batches=1.0 if full else val_batches,
-                             check_val_every_n_epoch=1, **_trainer_common())
-        started = time.perf_counter()
-        trainer.fit(model, datamodule=datamodule)
-        fit_seconds = time.perf_counter() - started
-        record = search.record
-        conn.send(("done", {
-            "search_kwargs": kwargs,
-            "sizes": sizes,
-            "search_train_batches": train_batches,
-            "search_val_batches": val_batches,
-            "fit_seconds": fit_seconds,
-            "epochs_run": int(trainer.current_epoch),
-            "epoch_times": timer.epochs,
-            "record": record,
-            "plan": None if search.chosen_plan is None else search.chosen_plan.to_dict(),
-            "final_metrics": {k: float(v) for k, v in trainer.callback_metrics.items() if getattr(v, "numel", None)
-                              and v.numel() == 1},
-        }))
-    except BaseException:  # noqa: BLE001
-        with contextlib.suppress(Exception):
-            conn.send(("error", traceback.format_exc()))
-    finally:
-        conn.close()
+    spec = job["spec"]
+    model, datamodule = _build(spec, job["seed"])
+    sizes = _data_sizes(spec, datamodule)
+    full = int(spec["search_batches"]) <= 0
+    train_batches = sizes["train_batches_per_epoch"] if full else min(int(spec["search_batches"]),
+                                                                       sizes["train_batches_per_epoch"])
+    # Validation shortened in the same proportion as training, so that trial times scale to full epochs.
+    val_batches = sizes["val_batches_per_epoch"] if full else max(
+        1, round(train_batches * sizes["val_batches_per_epoch"] / sizes["train_batches_per_epoch"]))
+    kwargs = _search_kwargs(spec.get("search_overrides") or {}, job["record_dir"])
+    search = CoMPSearch(**kwargs)
+    timer = EpochTimer()
+    user_epochs = max(int(spec.get("search_epochs") or 0),
+                      int(kwargs.get("warmup_epochs", 1)) + int(kwargs.get("trial_epochs", 1)))
+    trainer = pl.Trainer(plugins=[CoMPPrecision()], callbacks=[search, timer], max_epochs=user_epochs,
+                         limit_train_batches=1.0 if full else train_batches,
+                         limit_val_batches=1.0 if full else val_batches,
+                         check_val_every_n_epoch=1, **_trainer_common())
+    started = time.perf_counter()
+    trainer.fit(model, datamodule=datamodule)
+    fit_seconds = time.perf_counter() - started
+    record = search.record
+    return {
+        "search_kwargs": kwargs,
+        "sizes": sizes,
+        "search_train_batches": train_batches,
+        "search_val_batches": val_batches,
+        "fit_seconds": fit_seconds,
+        "epochs_run": int(trainer.current_epoch),
+        "epoch_times": timer.epochs,
+        "record": record,
+        "plan": None if search.chosen_plan is None else search.chosen_plan.to_dict(),
+        "final_metrics": {k: float(v) for k, v in trainer.callback_metrics.items() if getattr(v, "numel", None)
+                          and v.numel() == 1},
+    }
 
 
 # ------------------------------------------------------------------------------------------------- coordinator
