@@ -23,6 +23,16 @@ from search_models import WideMLP, loaders  # noqa: E402
 from lightning_comp import CoMPPrecision, CoMPSearch  # noqa: E402
 
 
+class ReleaseProcessGroup(pl.Callback):
+    """Destroy the gloo group at the end of the fit, in every rank's process. Lightning destroys only NCCL groups at
+    exit, and a gloo group left to interpreter shutdown can abort a finished rank ("terminate called without an
+    active exception"); under ddp_spawn the ranks are the spawned workers, so the script's own end is too late."""
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
 class PlanLog(pl.Callback):
     """Each rank records (epoch, plan entries) at every epoch start and the final plan at the end."""
 
@@ -56,13 +66,12 @@ def main() -> None:
     trainer = pl.Trainer(
         accelerator="cpu", devices=2, strategy=strategy, max_epochs=3, plugins=[CoMPPrecision()],
         # EarlyStopping reduces its decision across ranks: both must pause it at the same epochs, or this hangs
-        callbacks=[search, EarlyStopping(monitor="val_loss", patience=100), PlanLog(out)], logger=False,
-        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False, default_root_dir=str(out),
+        callbacks=[search, EarlyStopping(monitor="val_loss", patience=100), PlanLog(out), ReleaseProcessGroup()],
+        logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+        default_root_dir=str(out),
     )
     train, val = loaders(n_train=1024, n_val=256, batch_size=128)
     trainer.fit(WideMLP(width=256), train, val)
-    if torch.distributed.is_initialized():  # Lightning leaves gloo groups to interpreter shutdown, which can abort
-        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -70,6 +70,15 @@ _SCRIPT = textwrap.dedent(
                 json.dump(self.info, f)
 
 
+    class ReleaseProcessGroup(pl.Callback):
+        """Lightning destroys only NCCL groups at exit; a gloo group left to interpreter shutdown can abort a finished
+        rank. Under ddp_spawn the ranks are the spawned workers, so this runs in each rank at the end of the fit."""
+
+        def teardown(self, trainer, pl_module, stage):
+            if torch.distributed.is_initialized():
+                torch.distributed.destroy_process_group()
+
+
     if __name__ == "__main__":
         strategy, out = sys.argv[1], sys.argv[2]
         torch.manual_seed(0)
@@ -80,12 +89,11 @@ _SCRIPT = textwrap.dedent(
         loader = DataLoader(TensorDataset(x, x.sum(1, keepdim=True).sin()), batch_size=8)
         plugin = CoMPPrecision({"type:Linear": "bf16", "type:ReLU": "bf16"})
         trainer = pl.Trainer(
-            accelerator="cpu", devices=2, strategy=strategy, max_epochs=1, plugins=[plugin], callbacks=[Probe(out)],
-            logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+            accelerator="cpu", devices=2, strategy=strategy, max_epochs=1, plugins=[plugin],
+            callbacks=[Probe(out), ReleaseProcessGroup()], logger=False, enable_progress_bar=False,
+            enable_model_summary=False, enable_checkpointing=False,
         )
         trainer.fit(model, loader)
-        if torch.distributed.is_initialized():  # Lightning leaves gloo groups to interpreter shutdown, which can abort
-            torch.distributed.destroy_process_group()
     '''
 )
 
