@@ -1082,11 +1082,14 @@ def machine_info() -> dict[str, Any]:
                 info[f"lscpu {key.strip()}"] = value
     except (OSError, subprocess.SubprocessError):
         pass
-    cpu = getattr(torch, "cpu", None)
-    for name in ("_is_amx_tile_supported", "_is_avx512_bf16_supported", "_is_amx_fp16_supported"):
-        fn = getattr(cpu, name, None)
-        if fn is not None:
-            info[name.strip("_")] = bool(fn())
+    from lightning_comp.cpu_features import cpu_features
+    from lightning_comp.devices import device_class
+
+    features = cpu_features()
+    for name in ("amx_tile", "avx512_bf16", "amx_fp16"):
+        info[f"is_{name}_supported"] = name in features
+
+    info["device_class"] = device_class("cuda" if torch.cuda.is_available() else "cpu").to_dict()
     if torch.cuda.is_available():
         info["cuda_device"] = torch.cuda.get_device_name()
         info["cuda_capability"] = list(torch.cuda.get_device_capability())
@@ -1098,6 +1101,30 @@ def _load() -> list[float]:
         return [round(x, 2) for x in os.getloadavg()]
     except OSError:
         return []
+
+
+def modes_that_cannot_run(spec: ModelSpec, modes: list[str], device_type: str) -> dict[str, str]:
+    """Lightning precisions that cannot run ``spec``'s model on this device, with why (CoMP always can).
+
+    CPU autocast has no BF16 ``nn.LSTM`` kernel on CPUs without AVX512-BF16 (pytorch/pytorch#88136), so Lightning's
+    ``bf16-mixed`` dies inside oneDNN there; what runs is decided by the package's own kernel probe.
+    """
+    if device_type != "cpu" or "bf16-mixed" not in modes:
+        return {}
+    import torch
+
+    from lightning_comp import zoo
+    from lightning_comp.devices import device_class
+    from lightning_comp.dtypes import Precision
+    from lightning_comp.operators import Lowering, lowering_for
+
+    with torch.device("meta"):
+        model = getattr(zoo, spec.model)(**spec.model_kwargs)
+    lstms = [m for m in model.modules() if isinstance(m, torch.nn.LSTM)]
+    if lstms and lowering_for(lstms[0], Precision.BF16, "cpu") is not Lowering.AUTOCAST:
+        return {"bf16-mixed": f"skipped: CPU autocast has no BF16 nn.LSTM kernel on this CPU"
+                              f" ({device_class('cpu').describe()}); Lightning's bf16-mixed would fail inside oneDNN"}
+    return {}
 
 
 def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
@@ -1112,7 +1139,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         modes.append("16-mixed")
     else:
         skipped["16-mixed"] = (
-            f"skipped: this {device_type} has no fast FP16 (torch.cpu._is_amx_fp16_supported() is False): FP16 matmul"
+            f"skipped: this {device_type} has no fast FP16 (no AMX-FP16): FP16 matmul"
             " runs at ~1x FP32, FP16 Conv2d backward uses oneDNN's reference kernel (~100x slower), nn.LSTM has no"
             " FP16 CPU kernel, and Lightning silently turns precision='16-mixed' into 'bf16-mixed' on CPU."
             if device_type == "cpu" else f"skipped: no fast FP16 on this {device_type}")
@@ -1163,6 +1190,10 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
                       f" {len(rec.get('lowered_operators', []))}/{rec.get('num_operators')} operators,"
                       f" cost {rec.get('cost', {}).get('search_seconds', math.nan):.1f} s", flush=True)
         run_modes = [m for m in modes if m != "comp" or plan is not None]
+        cannot_run = modes_that_cannot_run(spec, run_modes, device_type)
+        for mode, why in cannot_run.items():
+            print(f"[compare] {spec.key}/{mode} {why}", flush=True)
+        run_modes = [m for m in run_modes if m not in cannot_run]
         print(f"[compare] {spec.key}: interleaved training of {', '.join(run_modes)} ...", flush=True)
         runs, orders = run_interleaved(ctx, spec, run_modes, plan, args)
         for mode, result in runs.items():
@@ -1172,6 +1203,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
                "load_average_after": _load()}
         report["raw"][spec.key] = raw
         analysed = analyse_raw(spec, raw, tolerance, tolerance_mode)
+        analysed["skipped_modes"] = cannot_run
         report["models"][spec.key] = analysed
         print(f"[compare] {spec.key}: done in {analysed['seconds']:.0f} s; load {analysed['load_average_after']}",
               flush=True)
@@ -1234,6 +1266,9 @@ def markdown(report: dict[str, Any]) -> str:
     ]
     for mode, why in report["skipped_modes"].items():
         lines.append(f"- `{mode}` {why}")
+    for key, model in report["models"].items():
+        for mode, why in model.get("skipped_modes", {}).items():
+            lines.append(f"- {key} `{mode}` {why}")
     lines += ["", "| model | mode | samples/s (median) | spread (min-max over rounds) | vs FP32 | vs AMP |"
               " step peak tensor mem (MiB) | saved for bwd (MiB) | process RSS: peak / +over baseline (MiB) |"
               " val_loss | val metric | steps |", "|" + "---|" * 12]

@@ -44,7 +44,8 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_comp import CoMPPrecision, PrecisionPlan
+from lightning_comp import CoMPPrecision, PrecisionPlan, device_class
+from lightning_comp.cpu_features import cpu_features
 
 RESULTS = Path(__file__).resolve().parent / "results" / "overhead.json"
 TARGET_FP32_OVERHEAD = 0.03
@@ -270,8 +271,9 @@ def main(argv: list[str] | None = None) -> int:
             "threads": torch.get_num_threads(),
             "machine": platform.machine(),
             "cpu": _cpu_model(),
-            "amx_bf16": bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()),
-            "avx512_bf16": bool(getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)()),
+            "amx_bf16": "amx_tile" in cpu_features(),
+            "avx512_bf16": "avx512_bf16" in cpu_features(),
+            "device_class": device_class("cpu").to_dict(),
             "load_average_at_start": list(os.getloadavg()),
             "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         },

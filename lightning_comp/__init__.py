@@ -1,6 +1,7 @@
 """lightning-comp: convergence-aware, operator-wise mixed precision for PyTorch Lightning."""
 
 from lightning_comp.casting import PlanExecutor, StepKind
+from lightning_comp.devices import DeviceClass, device_class
 from lightning_comp.dtypes import Precision, parse_precision
 from lightning_comp.errors import (
     CoMPError,
@@ -38,6 +39,8 @@ __all__ = [
     "CoMPError",
     "CoMPPrecision",
     "CoMPSearch",
+    "DeviceClass",
+    "device_class",
     "Lowering",
     "OperatorFingerprint",
     "OperatorInfo",

@@ -15,6 +15,7 @@ outside operators. Calls outside a step, and operators the trace did not see, al
 
 from __future__ import annotations
 
+import sys
 import warnings
 import weakref
 from collections.abc import Iterator
@@ -29,9 +30,10 @@ from torch.nn.utils.stateless import _reparametrize_module
 from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
+from lightning_comp.devices import device_class, model_device
 from lightning_comp.dtypes import Precision
 from lightning_comp.errors import PlanError
-from lightning_comp.operators import Lowering, OperatorKind, classify, iter_operators, lowering_for, module_device_type
+from lightning_comp.operators import Lowering, OperatorKind, classify, iter_operators, lowering_for
 from lightning_comp.plan import PrecisionPlan
 from lightning_comp.weight_casts import WeightCastRecorder
 
@@ -193,6 +195,20 @@ class _ConsumerTracer(TorchFunctionMode):
         )
 
 
+def _note_failing_operator(op: _Operator, device: torch.device | None) -> None:
+    """Add to an exception raised inside a lowered operator which operator, precision and device it was."""
+    error = sys.exc_info()[1]
+    if error is None or getattr(error, "_comp_operator", None) is not None or not hasattr(error, "add_note"):
+        return
+    error._comp_operator = op.name  # type: ignore[attr-defined]  # the innermost operator notes it, once
+    where = "unknown device" if device is None else f"{device} [{device_class(device).describe()}]"
+    error.add_note(
+        f"lightning-comp: raised inside operator {op.name or '<root>'!r} ({type(op.module).__name__}) computing in"
+        f" {op.precision.value} ({op.lowering.value} lowering) on {where}. Assign it 'fp32' in the plan, or exclude"
+        " it from the search with CoMPSearch(exclude=[...])."
+    )
+
+
 def _is_metadata(func: Any) -> bool:
     name = getattr(func, "__name__", "")
     if name == "__get__":
@@ -218,6 +234,7 @@ class PlanExecutor:
         self._operators: dict[str, _Operator] = {}
         self._plan: PrecisionPlan | None = None
         self._model: nn.Module | None = None
+        self._device: torch.device | None = None
         self._chained: dict[StepKind, frozenset[str]] = {}
         self._current_chained: frozenset[str] = frozenset()
         self._tracer: _ConsumerTracer | None = None
@@ -236,6 +253,11 @@ class PlanExecutor:
         return self._model
 
     @property
+    def device(self) -> torch.device | None:
+        """The device the hooks were built for (``None`` before :meth:`apply`)."""
+        return self._device
+
+    @property
     def num_hooks(self) -> int:
         """How many hook handles are registered (2 per hooked operator)."""
         return len(self._handles)
@@ -249,37 +271,42 @@ class PlanExecutor:
         return self._chained.get(kind, frozenset())
 
     # ------------------------------------------------------------------------------------------------ lifecycle
-    def apply(self, model: nn.Module, plan: PrecisionPlan, device_type: str | None = None) -> PrecisionPlan:
+    def apply(self, model: nn.Module, plan: PrecisionPlan, device: torch.device | str | None = None, *,
+              device_type: str | None = None) -> PrecisionPlan:
         """Hook ``model`` so each operator computes in the precision ``plan`` assigns it.
 
         Args:
             model: the model to hook (mutated in place: hooks only, parameters untouched).
             plan: the plan; validated against the model first.
-            device_type: ``"cpu"``/``"cuda"``; default: the device of the model's parameters.
+            device: where the model computes; default: the device of its parameters now. The hooks are built for
+                this device: after moving the model, apply the plan again (``CoMPPrecision`` does so by itself).
+            device_type: the name this argument had before 0.2 (a device type string such as ``"cpu"``).
 
         Returns:
-            The plan bound to ``model`` (with its fingerprint).
+            The plan bound to ``model`` (with its fingerprint and the device class it runs on).
 
         Raises:
             PlanMismatchError: if the plan does not fit the model.
-            PlanError: if the plan asks for a precision an operator cannot run in on this device.
+            PlanError: if an operator cannot compute in its planned precision on this device (before any step runs).
         """
-        bound = plan if plan.fingerprint is not None else plan.bind(model)
+        device = device if device is not None else device_type
+        target = model_device(model) if device is None else torch.device(device)
+        bound = plan if plan.fingerprint is not None else plan.bind(model, target)
         bound.validate(model)
-        device_type = device_type or module_device_type(model)
         operators: dict[str, _Operator] = {}
         unsupported = []
         for name, module in iter_operators(model):
             precision = bound.precision_of(name, type(module))
-            lowering = lowering_for(module, precision, device_type)
+            lowering = lowering_for(module, precision, target)
             if lowering is None:
-                unsupported.append(f"{name or '<root>'} ({type(module).__name__})")
+                unsupported.append(f"{name or '<root>'} ({type(module).__name__}, {precision.value})")
                 continue
             operators[name] = _Operator(name, module, classify(module), precision, lowering)
         if unsupported:
             raise PlanError(
-                f"{len(unsupported)} operator(s) cannot compute in the requested precision on {device_type!r}:"
-                f" {', '.join(unsupported)}. Assign them 'fp32' or 'bf16' instead."
+                f"{len(unsupported)} operator(s) have no kernel for their planned precision on {target}"
+                f" [{device_class(target).describe()}]: {', '.join(unsupported)}. Assign them 'fp32' in the plan"
+                " (e.g. {'<name>': 'fp32'}), or let CoMPSearch choose on this device."
             )
         self.remove()
         owner = _OWNERS.get(model)
@@ -289,15 +316,16 @@ class PlanExecutor:
         self._operators = operators
         self._plan = bound
         self._model = model
+        self._device = target
         # Cast boundaries depend only on the model's call pattern and the plan: re-applying a plan seen before
         # (the search alternates plans) reuses its calibration instead of tracing again.
-        key = (weakref.ref(model), bound.entries, bound.default, device_type)  # a dead model never matches
+        key = (weakref.ref(model), bound.entries, bound.default, str(target))  # a dead model never matches
         self._chained = self._calibrations.setdefault(key, {})
         if not bound.is_all_fp32 and not any(op.low and not op.transparent for op in operators.values()):
             low = sorted({p.value for p in (bound.default, *(p for _, p in bound.entries)) if p is not Precision.FP32})
             warnings.warn(
                 f"The plan assigns {'/'.join(low)} but no operator of {type(model).__name__} computes in it on"
-                f" {device_type!r}: its 16-bit entries match only shape-only operators, or operators with no"
+                f" {target}: its 16-bit entries match only shape-only operators, or operators with no"
                 " low-precision kernel there. Training runs in fp32.",
                 UserWarning,
                 stacklevel=2,
@@ -320,6 +348,7 @@ class PlanExecutor:
         self._chained = {}
         self._current_chained = frozenset()
         self._plan = None
+        self._device = None
         if self._model is not None and _OWNERS.get(self._model) is self:
             del _OWNERS[self._model]
 
@@ -366,7 +395,8 @@ class PlanExecutor:
     def _make_pre_hook(self, op: _Operator) -> Any:
         dtype = op.precision.dtype
         lowering = op.lowering
-        device_type = module_device_type(op.module)
+        assert self._device is not None
+        device_type = self._device.type  # hooks are rebuilt when the model moves (apply is called again)
         # (attribute name, qualified name for error messages, parameter), resolved once rather than on every call
         prefix = f"{op.name}." if op.name else ""
         params = ([(n, prefix + n, p) for n, p in op.module.named_parameters()]
@@ -418,6 +448,8 @@ class PlanExecutor:
                 op.contexts.pop().__exit__(None, None, None)
                 if rnn is not None:
                     rnn._update_flat_weights()
+            if output is None and op.low:
+                _note_failing_operator(op, self._device)  # always_call: forward raised, name the operator
             if op.low and not op.transparent and output is not None:
                 if op.lowering is Lowering.OUTPUT:
                     output = cast_floating(output, dtype)

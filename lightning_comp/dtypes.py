@@ -74,23 +74,14 @@ def parse_precision(value: object) -> Precision:
 def device_supports_fast(precision: Precision, device_type: str) -> bool:
     """Whether ``precision`` is expected to be *faster* than FP32 on this kind of device.
 
-    CUDA devices of compute capability >= 7.0 run FP16 tensor cores, >= 8.0 also BF16. On CPUs, BF16 pays only
-    with AVX512-BF16/AMX; FP16 only with AMX-FP16 (without it FP16 matmuls are ~1x and FP16 conv backward runs a
-    reference kernel ~100x slower than FP32).
+    Shorthand for ``device_class(device_type).is_native(precision)`` (see :mod:`lightning_comp.devices`): CUDA
+    devices of compute capability >= 7.0 run FP16 natively, >= 8.0 also BF16; CPUs run BF16 natively only with
+    AVX512-BF16 or AMX (and AVX512 dispatch), FP16 only with AMX-FP16.
     """
     if precision is Precision.FP32:
         return True
-    if device_type == "cuda":
-        if not torch.cuda.is_available():
-            return False
-        major, _ = torch.cuda.get_device_capability()
-        return major >= 8 if precision is Precision.BF16 else major >= 7
-    if device_type == "cpu":
-        cpu = getattr(torch, "cpu", None)
-        if precision is Precision.BF16:
-            return bool(
-                getattr(cpu, "_is_avx512_bf16_supported", lambda: False)()
-                or getattr(cpu, "_is_amx_tile_supported", lambda: False)()
-            )
-        return bool(getattr(cpu, "_is_amx_fp16_supported", lambda: False)())
-    return False
+    if device_type == "cuda" and not torch.cuda.is_available():
+        return False
+    from lightning_comp.devices import device_class  # devices builds on this module
+
+    return device_class(device_type).is_native(precision)

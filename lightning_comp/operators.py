@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from lightning_comp.dtypes import Precision
+from lightning_comp.kernel_probes import recurrent_lowering
 
 __all__ = [
     "OperatorKind",
@@ -58,7 +59,6 @@ _AUTOCAST_TYPES: tuple[type[nn.Module], ...] = (
     nn.Bilinear,
     nn.modules.conv._ConvNd,
     nn.MultiheadAttention,
-    nn.LSTM,
 )
 _COMPUTE_TYPES: tuple[type[nn.Module], ...] = (*_AUTOCAST_TYPES, nn.RNNBase)
 _NORM_TYPES: tuple[type[nn.Module], ...] = (
@@ -106,26 +106,26 @@ def classify(module: nn.Module) -> OperatorKind:
     return OperatorKind.ELEMENTWISE
 
 
-def lowering_for(module: nn.Module, precision: Precision, device_type: str) -> Lowering | None:
-    """How ``precision`` is put into effect for ``module`` on ``device_type``.
+def lowering_for(module: nn.Module, precision: Precision, device: torch.device | str) -> Lowering | None:
+    """How ``precision`` is put into effect for ``module`` on ``device`` (a device, or a device type string).
 
-    Returns ``Lowering.NONE`` for FP32 and for shape-only operators, and ``None`` when the combination is not
-    supported by PyTorch on that device (e.g. FP16 ``nn.LSTM`` on CPU has no oneDNN kernel).
+    Returns ``Lowering.NONE`` for FP32 and for shape-only operators, and ``None`` when no way of lowering the operator
+    runs on that device. Recurrent operators are decided by trying each way on a tiny copy on the device
+    (:mod:`lightning_comp.kernel_probes`): CPU autocast cannot run a BF16 ``nn.LSTM`` on AVX2-only CPUs, where BF16
+    parameter copies can.
     """
     kind = classify(module)
     if precision is Precision.FP32 or kind is OperatorKind.SHAPE:
         return Lowering.NONE
+    target = torch.device(device)
     if isinstance(module, nn.RNNBase):
-        if device_type == "cuda":
-            return Lowering.AUTOCAST  # cuDNN RNNs are on CUDA's autocast lower-precision list
-        if isinstance(module, nn.LSTM):
-            return Lowering.AUTOCAST if precision is Precision.BF16 else None
-        return Lowering.PARAMS if precision is Precision.BF16 else None
-    if isinstance(module, _AUTOCAST_TYPES):
-        return Lowering.AUTOCAST
+        route = recurrent_lowering(module, precision, target)
+        return None if route is None else Lowering(route)
+    if isinstance(module, _AUTOCAST_TYPES):  # where torch has no autocast, parameter copies do the same work
+        return Lowering.AUTOCAST if _autocast_available(target.type) else Lowering.PARAMS
     if kind is OperatorKind.NORM:
         # CPU kernels accept a 16-bit input with FP32 affine parameters; CUDA LayerNorm/GroupNorm do not.
-        if isinstance(module, _INPUT_ONLY_NORMS) or device_type == "cpu":
+        if isinstance(module, _INPUT_ONLY_NORMS) or target.type == "cpu":
             return Lowering.INPUT
         return Lowering.PARAMS
     if kind is OperatorKind.EMBEDDING:
@@ -133,6 +133,11 @@ def lowering_for(module: nn.Module, precision: Precision, device_type: str) -> L
     if kind is OperatorKind.ELEMENTWISE:
         return Lowering.INPUT
     return Lowering.PARAMS
+
+
+def _autocast_available(device_type: str) -> bool:
+    available = getattr(torch.amp, "is_autocast_available", None)  # public since torch 2.4
+    return device_type in ("cpu", "cuda") if available is None else bool(available(device_type))
 
 
 @dataclass(frozen=True)

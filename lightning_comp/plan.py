@@ -11,7 +11,9 @@ Precedence: an exact name beats a glob, a glob beats a type selector, and a type
 several matching globs the longest pattern wins; among type selectors, the class nearest in the MRO wins.
 
 Plans made for a model (:meth:`PrecisionPlan.for_model`, or any plan a search produces) carry the model's operator
-fingerprint, the torch version and the device type, so that applying them to another model fails loudly.
+fingerprint, the torch version and the class of the device they were made on (:class:`~lightning_comp.DeviceClass`),
+so that applying them to another model fails loudly, and applying them on a device where their 16-bit precision is
+emulated warns. Files of format version 1 (before device classes were recorded) still load.
 """
 
 from __future__ import annotations
@@ -30,14 +32,16 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_comp.devices import DeviceClass, device_class, model_device
 from lightning_comp.dtypes import Precision, parse_precision
 from lightning_comp.errors import PlanError, PlanFileError, PlanMismatchError
-from lightning_comp.operators import classify, iter_operators, module_device_type
+from lightning_comp.operators import classify, iter_operators
 
 __all__ = ["OperatorFingerprint", "PrecisionPlan", "PLAN_FORMAT", "PLAN_VERSION"]
 
 PLAN_FORMAT = "lightning-comp/plan"
-PLAN_VERSION = 1
+PLAN_VERSION = 2
+_READABLE_VERSIONS = (1, 2)  # 1: before the device class was recorded
 _TYPE_PREFIX = "type:"
 _GLOB_CHARS = frozenset("*?[")
 
@@ -121,6 +125,8 @@ class PrecisionPlan:
         fingerprint: operators of the model the plan was made for, or ``None`` for a model-independent plan.
         torch_version: torch version the plan was made with, if bound to a model.
         device_type: device type (``"cpu"``, ``"cuda"``) the plan was made for, if bound to a model.
+        device: the class of the device the plan was made on (CPU capability, CUDA compute capability, which
+            16-bit precisions are native there), if bound to a model; ``None`` for plans of format version 1.
         provenance: free-form JSON-able notes (who made the plan and from what evidence); not part of equality.
     """
 
@@ -130,6 +136,7 @@ class PrecisionPlan:
     torch_version: str | None = None
     device_type: str | None = None
     provenance: Mapping[str, Any] = field(default_factory=dict, compare=False, hash=False)
+    device: DeviceClass | None = field(default=None, compare=False, hash=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "entries", _parse_entries(dict(self.entries)))
@@ -145,7 +152,7 @@ class PrecisionPlan:
     def __reduce__(self) -> tuple[Any, ...]:
         # The read-only provenance view cannot be pickled or deep-copied (ddp_spawn pickles the plugin): rebuild.
         return (type(self), (self.entries, self.default, self.fingerprint, self.torch_version, self.device_type,
-                             dict(self.provenance)))
+                             dict(self.provenance), self.device))
 
     # ----------------------------------------------------------------------------------------------- construction
     @classmethod
@@ -186,18 +193,26 @@ class PrecisionPlan:
         plan = replace(plan, provenance=dict(provenance or plan.provenance))
         return plan.bind(model)
 
-    def bind(self, model: nn.Module) -> PrecisionPlan:
+    def bind(self, model: nn.Module, device: torch.device | str | None = None) -> PrecisionPlan:
         """Validate this plan against ``model`` and return it with the model's fingerprint, torch version and device.
+
+        Args:
+            model: the model the plan is for.
+            device: where the model computes (default: where its parameters are now). A plan that already records a
+                device keeps it: it says where the plan was made.
 
         Raises:
             PlanMismatchError: if an entry matches no operator, or the plan was made for a different model.
         """
         self.validate(model)
+        target = model_device(model) if device is None else torch.device(device)
+        fresh = self.device_type is None and self.device is None
         return replace(
             self,
             fingerprint=OperatorFingerprint.of(model),
             torch_version=self.torch_version or torch.__version__,
-            device_type=self.device_type or module_device_type(model),
+            device_type=target.type if fresh else self.device_type,
+            device=device_class(target) if fresh else self.device,
             provenance=dict(self.provenance),
         )
 
@@ -322,16 +337,18 @@ class PrecisionPlan:
             else {"digest": self.fingerprint.digest, "operators": [list(op) for op in self.fingerprint.operators]},
             "torch_version": self.torch_version,
             "device_type": self.device_type,
+            "device": None if self.device is None else self.device.to_dict(),
             "provenance": _plain(dict(self.provenance)),
         }
 
     @classmethod
     def _from_serialised(cls, data: Mapping[str, Any]) -> PrecisionPlan:
         version = data.get("version")
-        if version != PLAN_VERSION:
-            raise PlanError(f"Unsupported plan version {version!r}: this lightning-comp reads version {PLAN_VERSION}.")
+        if version not in _READABLE_VERSIONS:
+            raise PlanError(f"Unsupported plan version {version!r}: this lightning-comp reads versions"
+                            f" {', '.join(map(str, _READABLE_VERSIONS))}.")
         unknown = set(data) - {"format", "version", "default", "entries", "fingerprint", "torch_version",
-                               "device_type", "provenance"}
+                               "device_type", "provenance", *(("device",) if version >= 2 else ())}
         if unknown:
             raise PlanError(f"Unknown keys {sorted(unknown)} in a serialised plan.")
         fingerprint = None
@@ -361,6 +378,7 @@ class PrecisionPlan:
             torch_version=data.get("torch_version"),
             device_type=data.get("device_type"),
             provenance=dict(provenance),
+            device=None if data.get("device") is None else DeviceClass.from_dict(data["device"]),
         )
 
     def to_json(self) -> str:

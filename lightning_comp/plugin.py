@@ -19,11 +19,11 @@ from torch.optim import LBFGS, Optimizer
 from typing_extensions import override
 
 from lightning_comp.casting import PlanExecutor, StepKind
+from lightning_comp.devices import DeviceClass, device_class, model_device
 from lightning_comp.dtypes import Precision as Dtype
-from lightning_comp.dtypes import device_supports_fast
 from lightning_comp.errors import PlanError, UnsupportedSetupError
-from lightning_comp.operators import module_device_type
 from lightning_comp.plan import PrecisionPlan, plan_from_any
+from lightning_comp.portability import check_plan_device
 
 __all__ = ["CoMPPrecision"]
 
@@ -35,9 +35,12 @@ class CoMPPrecision(Precision):
     """Train with a per-operator precision plan: FP32 master weights, each operator in its own precision.
 
     Pass it to the Trainer as ``Trainer(plugins=[CoMPPrecision(plan)])`` and leave the Trainer's ``precision``
-    unset. The plan is put into effect with forward hooks when the Trainer sets the model up, so the model's code
-    is unchanged. Parameters, gradients and optimizer state stay FP32. A plan that uses FP16 anywhere turns on
-    dynamic loss scaling (``torch.amp.GradScaler``); BF16-only plans need none.
+    unset. The plan is put into effect with forward hooks once the Trainer has placed the model on its device, so
+    the model's code is unchanged. Everything device-dependent (autocast device, each operator's lowering, the loss
+    scaler's device) follows the device the model computes on, and is rebuilt if the model moves. Parameters,
+    gradients and optimizer state stay FP32. A plan that uses FP16 anywhere turns on dynamic loss scaling
+    (``torch.amp.GradScaler``); BF16-only plans need none. A plan whose 16-bit precision is emulated on this device
+    (BF16 on an AVX2-only CPU) still trains, with a warning naming the operators.
 
     Args:
         plan: a :class:`PrecisionPlan`, a ``{selector: precision}`` mapping, a path to a plan saved with
@@ -73,7 +76,9 @@ class CoMPPrecision(Precision):
         self._user_scaler = scaler is not None
         self._executor = PlanExecutor(recast_weights_in_backward=recast_weights_in_backward)
         self._model: nn.Module | None = None
-        self._device_type: str | None = None
+        self._placed: torch.device | None = None  # the device the hooks and the scaler were built for
+        self._scaler_device: str | None = None
+        self._check_device = True
         self.skipped_steps = 0
         self.optimizer_steps = 0
 
@@ -84,21 +89,33 @@ class CoMPPrecision(Precision):
         return self._plan
 
     @property
+    def device(self) -> DeviceClass | None:
+        """The class of the device the plan runs on (``None`` until the model is placed and hooked)."""
+        return None if self._placed is None else device_class(self._placed)
+
+    @property
     def executor(self) -> PlanExecutor:
         """The hook engine (for inspection)."""
         return self._executor
 
-    def set_plan(self, plan: PlanLike) -> PrecisionPlan:
+    def set_plan(self, plan: PlanLike, *, check_device: bool = True) -> PrecisionPlan:
         """Replace the plan; re-hooks the model at once if it is known (idempotent, no stale or double hooks).
+
+        Args:
+            plan: the new plan (anything the constructor accepts).
+            check_device: warn if the plan's 16-bit precision is emulated on the model's device (the search turns
+                this off for the trial plans it makes on purpose).
 
         Returns:
             The plan now in force.
 
         Raises:
             PlanMismatchError: if the plan does not fit the model.
+            PlanError: if an operator has no kernel for its planned precision on the model's device.
         """
         requested = plan_from_any(plan)
         previous, self._requested = self._requested, requested
+        self._check_device = check_device
         if self._model is not None:
             try:
                 self._apply()
@@ -110,11 +127,17 @@ class CoMPPrecision(Precision):
         return self._plan
 
     def _apply(self) -> None:
+        """Hook the model for the device it is on now (its parameters' device, read now, never remembered)."""
         assert self._model is not None
-        device_type = self._device_type or module_device_type(self._model)
-        plan = self._decline_slow_fp16(self._requested, device_type)
-        self._plan = self._executor.apply(self._model, plan, device_type)
-        self._sync_scaler(device_type)
+        device = model_device(self._model)
+        target = device_class(device)
+        plan = self._decline_slow_fp16(self._requested, target)
+        self._plan = self._executor.apply(self._model, plan, device)
+        self._placed = device
+        self._sync_scaler(device.type)
+        if self._check_device:
+            accepted = frozenset({Dtype.FP16}) if self.allow_slow_fp16 else frozenset()
+            check_plan_device(self._plan, self._model, target, stacklevel=4, accepted=accepted)
         if not self._plan.is_all_fp32 and not self._plan.low_operators(self._model):
             warnings.warn(
                 f"The plan {self._plan!r} assigns a 16-bit precision but lowers no operator of"
@@ -128,13 +151,18 @@ class CoMPPrecision(Precision):
         return (f"{type(self).__name__}(plan={self._plan!r}, allow_slow_fp16={self.allow_slow_fp16},"
                 f" recast_weights_in_backward={self._executor.recast_weights_in_backward})")
 
-    def _decline_slow_fp16(self, plan: PrecisionPlan, device_type: str) -> PrecisionPlan:
-        if self.allow_slow_fp16 or not plan.uses(Dtype.FP16) or device_supports_fast(Dtype.FP16, device_type):
+    def _ensure_placed(self) -> None:
+        """Re-hook if the model computes somewhere else than the hooks were built for (Lightning moved it)."""
+        if self._model is not None and model_device(self._model) != self._placed:
+            self._apply()
+
+    def _decline_slow_fp16(self, plan: PrecisionPlan, device: DeviceClass) -> PrecisionPlan:
+        if self.allow_slow_fp16 or not plan.uses(Dtype.FP16) or device.is_native(Dtype.FP16):
             return plan
         warnings.warn(
-            f"The plan assigns fp16 but this {device_type!r} device has no fast fp16 (on CPUs without AMX-FP16, fp16"
-            " matmuls run at ~1x fp32 and fp16 convolution backward ~100x slower): those entries run in fp32."
-            " Use 'bf16', or pass CoMPPrecision(allow_slow_fp16=True) to insist.",
+            f"The plan assigns fp16 but this device, {device.describe()}, has no fast fp16 (on CPUs without"
+            " AMX-FP16, fp16 matmuls run at ~1x fp32 and fp16 convolution backward ~100x slower): those entries run"
+            " in fp32. Use 'bf16', or pass CoMPPrecision(allow_slow_fp16=True) to insist.",
             UserWarning,
             stacklevel=3,
         )
@@ -144,19 +172,35 @@ class CoMPPrecision(Precision):
         return declined.with_provenance(**plan.provenance, declined_fp16=True)
 
     def _sync_scaler(self, device_type: str) -> None:
+        """A loss scaler for fp16 plans, built for the device the model computes on (its state kept on a move)."""
         if self._plan.uses(Dtype.FP16):
             if self.scaler is None:
                 self.scaler = torch.amp.GradScaler(device=device_type)
+            elif not self._user_scaler and self._scaler_device != device_type:
+                moved = torch.amp.GradScaler(device=device_type)
+                state = self.scaler.state_dict()
+                if state:
+                    moved.load_state_dict(state)
+                self.scaler = moved
+            self._scaler_device = device_type
         elif not self._user_scaler:
             self.scaler = None
+            self._scaler_device = None
 
     # ------------------------------------------------------------------------------------------ Lightning hooks
     @override
     def convert_module(self, module: nn.Module) -> nn.Module:
-        """Hook ``module`` in place with the plan (DDP ignores the return value, so nothing is wrapped)."""
+        """Check the plan fits ``module`` and remember it; the hooks go on once it is placed (:meth:`connect`).
+
+        Lightning calls this *before* it moves the model to its device, so nothing device-dependent is decided here.
+        ``module`` is returned unchanged (DDP ignores the return value: nothing is wrapped).
+
+        Raises:
+            PlanMismatchError: if the plan does not fit ``module``.
+        """
+        self._requested.validate(module)
         self._model = module
-        self._device_type = module_device_type(module)
-        self._apply()
+        self._placed = None
         return module
 
     @override
@@ -166,10 +210,13 @@ class CoMPPrecision(Precision):
                 "CoMPPrecision cannot drive a DeepSpeed engine (backward and step must go through DeepSpeed's own"
                 " precision plugin). Use strategy='ddp' or 'auto' with CoMPPrecision, or DeepSpeed without it."
             )
+        if self._model is not None:
+            self._apply()  # Lightning has placed the model by now: hook it for its device
         return super().connect(model, optimizers, lr_schedulers)
 
     @contextmanager
     def _step(self, kind: StepKind) -> Generator[None, None, None]:
+        self._ensure_placed()
         with self._executor.step(kind):
             yield
 
@@ -266,11 +313,15 @@ class CoMPPrecision(Precision):
         scaler_state = state_dict.get("scaler")
         if scaler_state:
             if self.scaler is None and self._model is None and self._plan.uses(Dtype.FP16):
-                self.scaler = torch.amp.GradScaler(device=self._device_type or "cpu")
+                self.scaler = torch.amp.GradScaler(device="cuda" if torch.cuda.is_available() else "cpu")
             if self.scaler is not None:  # None: the plan in force has no fp16 (e.g. declined on this device)
                 self.scaler.load_state_dict(scaler_state)
         self.skipped_steps = int(state_dict.get("skipped_steps", 0))
         self.optimizer_steps = int(state_dict.get("optimizer_steps", 0))
+
+    def _set_search_plan(self, plan: PlanLike) -> PrecisionPlan:
+        """:meth:`set_plan` for the search's own trial plans (no emulation warning: the search chose to try them)."""
+        return self.set_plan(plan, check_device=False)
 
     def remove_hooks(self) -> None:
         """Take the plan off the model (it then computes in FP32 everywhere); :meth:`set_plan` puts one back."""

@@ -43,10 +43,11 @@ from typing_extensions import override
 
 from lightning_comp.callback_pause import CallbackPause
 from lightning_comp.casting import StepKind
-from lightning_comp.dtypes import Precision, device_supports_fast, parse_precision
+from lightning_comp.devices import DeviceClass, device_class, model_device
+from lightning_comp.dtypes import Precision, parse_precision
 from lightning_comp.errors import PlanError, PlanMismatchError, SearchConfigError, UnsupportedSetupError
 from lightning_comp.group_search import GroupSearch
-from lightning_comp.operators import Lowering, OperatorKind, classify, iter_operators, lowering_for, module_device_type
+from lightning_comp.operators import Lowering, OperatorKind, classify, iter_operators, lowering_for
 from lightning_comp.plan import PrecisionPlan
 from lightning_comp.plugin import CoMPPrecision
 from lightning_comp.profiling import OperatorProfiler, ProfileResult, StepTimer
@@ -141,13 +142,17 @@ class SearchConfig:
             except PlanError as err:
                 raise SearchConfigError(f"CoMPSearch({name}=...): {err}") from None
 
-    def resolve_low_precision(self, device_type: str) -> Precision | None:
-        """The 16-bit precision to search with on ``device_type`` (``None`` when nothing pays there)."""
+    def resolve_low_precision(self, device: DeviceClass) -> Precision | None:
+        """The 16-bit precision to search with on ``device`` (``None`` when none is native there).
+
+        ``"auto"`` prefers BF16 (no loss scaling), then FP16; an explicit ``"bf16"``/``"fp16"`` is taken as is.
+        """
         if self.low_precision != "auto":
             return parse_precision(self.low_precision)
-        if device_type == "cuda":
-            return Precision.BF16 if device_supports_fast(Precision.BF16, "cuda") else Precision.FP16
-        return Precision.BF16 if device_supports_fast(Precision.BF16, device_type) else None
+        for precision in (Precision.BF16, Precision.FP16):
+            if device.is_native(precision):
+                return precision
+        return None
 
 
 class CoMPSearch(Callback):
@@ -173,8 +178,9 @@ class CoMPSearch(Callback):
             reference trial to that many batches. Needs ``trial_epochs=1`` and validation at every epoch end.
         profile_steps: measured training steps per configuration in the batch stage (minima are used).
         profile_warmup: unmeasured steps per configuration before those.
-        low_precision: ``"auto"`` (BF16 on CPUs with AVX512-BF16/AMX and on CUDA >= sm80, FP16 on older CUDA),
-            ``"bf16"`` or ``"fp16"``.
+        low_precision: ``"auto"`` (BF16 on CPUs with AVX512-BF16/AMX and on CUDA >= sm80, FP16 on CUDA sm70-sm75,
+            FP32 without a search where no 16-bit precision is native, e.g. AVX2-only CPUs), ``"bf16"`` or ``"fp16"``.
+            Decided from the device the model trains on, once Lightning has placed it.
         objective: ``"throughput"``, ``"memory"`` (saved-for-backward bytes) or ``"balanced"``. Per operator first;
             then the candidate plan is compared as a whole step with the all-low and the compute-only plans: by time
             (``"throughput"``), by bytes saved for backward within ``max_memory_slowdown`` of FP32 (``"memory"``), or
@@ -349,26 +355,36 @@ class CoMPSearch(Callback):
                 " validation run."
             )
         self._plugin = plugin
-        device_type = module_device_type(pl_module)
-        self._low = self.config.resolve_low_precision(device_type)
-        fast_fp16 = device_supports_fast(Precision.FP16, device_type)
-        if self._low is Precision.FP16 and not (plugin.allow_slow_fp16 or fast_fp16):
+
+    def _resolve_device(self, pl_module: pl.LightningModule) -> None:
+        """Decide the search's 16-bit precision from the device the model trains on (placed by now)."""
+        assert self._plugin is not None
+        device = device_class(model_device(pl_module))
+        self._low = self.config.resolve_low_precision(device)
+        if self._low is Precision.FP16 and not (self._plugin.allow_slow_fp16 or device.is_native(Precision.FP16)):
             raise SearchConfigError(
-                f"CoMPSearch(low_precision='fp16') on {device_type!r}, which has no fast fp16 (this CPU's fp16"
+                f"CoMPSearch(low_precision='fp16') on {device.describe()}, which has no fast fp16 (a CPU's fp16"
                 " convolution backward is ~100x slower than fp32). Use low_precision='auto' or 'bf16', or pass"
                 " CoMPPrecision(allow_slow_fp16=True) to insist."
+            )
+        if self._low is not None and not device.is_native(self._low) and self._state["phase"] == "pending":
+            rank_zero_warn(
+                f"CoMPSearch(low_precision={self.config.low_precision!r}) on {device.describe()}, where"
+                f" {self._low} is emulated: its trials run slower than fp32 and the batch stage will most likely"
+                " keep fp32. low_precision='auto' skips the search on such a device."
             )
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._fit_started = time.perf_counter()
+        self._resolve_device(pl_module)
         self._user_max_epochs = trainer.fit_loop.max_epochs
         self._user_max_steps = trainer.fit_loop.max_steps
         self._apply_extension(trainer)
         assert self._plugin is not None
         self._check_selectors(pl_module)
         if self._state["phase"] == "done" and self._state["chosen"] is not None:
-            self._plugin.set_plan(PrecisionPlan.from_dict(self._state["chosen"]))
+            self._plugin._set_search_plan(PrecisionPlan.from_dict(self._state["chosen"]))
         elif self._low is None and self._state["phase"] == "pending":
             self._finish(trainer, PrecisionPlan(), "fp32", reason="no 16-bit precision pays on this device")
         elif self._state["phase"] == "pending":
@@ -393,14 +409,14 @@ class CoMPSearch(Callback):
     def _nothing_to_search(self, pl_module: pl.LightningModule) -> str | None:
         """Why no operator can ever be a candidate (``None`` if some can)."""
         assert self._low is not None
-        device_type = module_device_type(pl_module)
+        device = model_device(pl_module)
         operators = list(iter_operators(pl_module))
         lowerable = [(n, m) for n, m in operators
-                     if lowering_for(m, self._low, device_type) not in (None, Lowering.NONE)]
+                     if lowering_for(m, self._low, device) not in (None, Lowering.NONE)]
         if not lowerable:
             shown = ", ".join(f"{n or '<root>'} ({type(m).__name__})" for n, m in operators[:8])
             more = f", ... ({len(operators)} in all)" if len(operators) > 8 else ""
-            return (f"{type(pl_module).__name__} has no operator that {self._low} can apply to on {device_type!r}"
+            return (f"{type(pl_module).__name__} has no operator that {self._low} can apply to on {device}"
                     f" (its operators: {shown + more if shown else 'none'})")
         exclude = PrecisionPlan.from_dict({selector: "bf16" for selector in self.config.exclude})
         if all(exclude._match(n, type(m)) is not None for n, m in lowerable):
@@ -580,7 +596,7 @@ class CoMPSearch(Callback):
 
     @staticmethod
     def _on_cuda(pl_module: pl.LightningModule) -> bool:
-        return module_device_type(pl_module) == "cuda"
+        return model_device(pl_module).type == "cuda"
 
     def _in_search(self) -> bool:
         """Whether trials are running or one's state is still to be rewound (EarlyStopping is paused then)."""
@@ -630,7 +646,7 @@ class CoMPSearch(Callback):
             self._rewind(trainer, pl_module, state["snapshot"])
             self._set_sampler_epoch(trainer, int(state["search_start_epoch"]))
         plan = self._plan_for(group).with_provenance(role="trial", trial=label)
-        self._plugin.set_plan(plan)
+        self._plugin._set_search_plan(plan)
         batches = self._trial_batches(trainer.num_training_batches, trainer.accumulate_grad_batches)
         state["trials"].append({
             "batches": batches,
@@ -746,7 +762,7 @@ class CoMPSearch(Callback):
             role="chosen", made_by="CoMPSearch", trial=label, reason=reason, monitor=self.config.monitor,
             tolerance=self.config.tolerance, tolerance_mode=self.config.tolerance_mode,
         )
-        self._plugin.set_plan(chosen)
+        self._plugin._set_search_plan(chosen)
         state["chosen"] = self._plugin.plan.to_dict()
         state["chosen_label"] = label
         state["finish_reason"] = reason
@@ -766,7 +782,7 @@ class CoMPSearch(Callback):
             chosen = self._plugin.plan if self._plugin is not None else None
             self._rewind(trainer, pl_module, snapshot)
             if self._plugin is not None and chosen is not None:
-                self._plugin.set_plan(chosen)  # a fresh loss scaler if the chosen plan has fp16
+                self._plugin._set_search_plan(chosen)  # a fresh loss scaler if the chosen plan has fp16
         state["pending_restore"] = None
         state["snapshot"] = None
         state["reference_end"] = None
@@ -780,7 +796,7 @@ class CoMPSearch(Callback):
         restored from the snapshot), so the next fp16 plan starts from a fresh scaler, as the first fp16 trial did.
         """
         if self._plugin is not None:
-            self._plugin.set_plan(PrecisionPlan())
+            self._plugin._set_search_plan(PrecisionPlan())
         TrainingSnapshot.from_state(snapshot).restore(trainer, pl_module, self._scaler())
 
     @staticmethod
@@ -794,16 +810,18 @@ class CoMPSearch(Callback):
         assert self._plugin is not None and self._low is not None
         started = time.perf_counter()
         plugin, low, config = self._plugin, self._low, self.config
-        device_type = module_device_type(pl_module)
+        device = model_device(pl_module)
+        device_type = device.type
         modules = dict(iter_operators(pl_module))
-        lowerable = [n for n, m in modules.items() if lowering_for(m, low, device_type) not in (None, Lowering.NONE)]
+        lowerable = [n for n, m in modules.items() if lowering_for(m, low, device) not in (None, Lowering.NONE)]
         all_low = PrecisionPlan.from_dict({n: low.value for n in lowerable})
         rng = capture_rng()
         step = _TrainingStepRunner(trainer, pl_module, batch, batch_idx)
         try:
             profiler = OperatorProfiler(pl_module, device_type, config.profile_steps, config.profile_warmup)
             results = profiler.profile(
-                {"fp32": lambda: plugin.set_plan(PrecisionPlan()), "low": lambda: plugin.set_plan(all_low)}, step
+                {"fp32": lambda: plugin._set_search_plan(PrecisionPlan()),
+                 "low": lambda: plugin._set_search_plan(all_low)}, step
             )
             self._reduce_profile(trainer, results)
             decisions, runs = self._select(modules, lowerable, results)
@@ -812,7 +830,7 @@ class CoMPSearch(Callback):
             order = results["fp32"].order
             alternatives = self._alternatives(modules, lowerable, order, decisions, candidates)
             timer = StepTimer(device_type, config.profile_steps, config.profile_warmup)
-            configs: dict[str, Any] = {"fp32": lambda: plugin.set_plan(PrecisionPlan())}
+            configs: dict[str, Any] = {"fp32": lambda: plugin._set_search_plan(PrecisionPlan())}
             plans = dict(alternatives)
             if candidates:
                 plans = {"candidates": self._plan_for(candidates), **plans}
@@ -845,7 +863,7 @@ class CoMPSearch(Callback):
         finally:
             TrainingSnapshot.from_state(self._state["snapshot"]).restore(trainer, pl_module, self._scaler(), rng=False)
             restore_rng(rng)
-            plugin.set_plan(PrecisionPlan().with_provenance(role="trial", trial="fp32 reference"))
+            plugin._set_search_plan(PrecisionPlan().with_provenance(role="trial", trial="fp32 reference"))
         gains = {n: decisions[n]["gain_ms"] for n in candidates}
         memory = {label: {"saved_bytes": r.saved_bytes, "peak_bytes": r.peak_bytes} for label, r in results.items()}
         payload: dict[str, Any] = {"decisions": decisions, "candidates": list(candidates), "gains": gains,
@@ -1181,7 +1199,7 @@ def _no_epoch_follows(trainer: pl.Trainer) -> bool:
 
 def _activate(plugin: CoMPPrecision, plan: PrecisionPlan) -> Any:
     """Put ``plan`` into effect and return the context of a calibrated training step (for ``StepTimer``)."""
-    plugin.set_plan(plan)
+    plugin._set_search_plan(plan)
     return plugin.executor.step(StepKind.TRAIN)
 
 

@@ -61,8 +61,8 @@ def main() -> None:
     strategy = DDPStrategy(start_method="spawn" if name == "ddp_spawn" else "popen", timeout=timedelta(seconds=120))
     out.mkdir(parents=True, exist_ok=True)
     pl.seed_everything(0)
-    search = CoMPSearch(include=["l2", "l3", "l4"], exclude=["l1", "head", "a?"], tolerance=0.05, profile_steps=2,
-                        profile_warmup=1, verbose=False, trial_batches=trial_batches)
+    search = CoMPSearch(low_precision="bf16", include=["l2", "l3", "l4"], exclude=["l1", "head", "a?"],
+                        tolerance=0.05, profile_steps=2, profile_warmup=1, verbose=False, trial_batches=trial_batches)
     trainer = pl.Trainer(
         accelerator="cpu", devices=2, strategy=strategy, max_epochs=3, plugins=[CoMPPrecision()],
         # EarlyStopping reduces its decision across ranks: both must pause it at the same epochs, or this hangs

@@ -47,6 +47,7 @@ from search_models import Classifier, WideMLP, teacher_data  # noqa: E402
 # Everything else is excluded, so no decision depends on timing. Epochs: 0 warm-up, 1 FP32 reference,
 # 2 {l2, l3} (fails), 3 {l2} (passes and is kept; {l3} is inferred unsafe), 4 the user's last epoch.
 SEARCH_KWARGS: dict[str, Any] = {
+    "low_precision": "bf16",  # pinned: the trials run on every CPU class
     "include": ["l2", "l3"],
     "exclude": ["l1", "l4", "head", "a?"],
     "tolerance": 0.05,

@@ -37,8 +37,11 @@ def test_compare_smoke(tmp_path: Path) -> None:
                                                                      else set())
     if report["device"] == "cpu":
         assert "16-mixed" in report["skipped_modes"]
+    skipped = {key: set(model.get("skipped_modes", {})) for key, model in report["models"].items()}
+    # a Lightning precision is skipped only where it cannot run (bf16-mixed LSTM on an AVX2-only CPU)
+    assert all(modes <= {"bf16-mixed"} for modes in skipped.values()), skipped
     for key, model in report["models"].items():
-        assert set(model["modes"]) == expected_modes, key
+        assert set(model["modes"]) == expected_modes - skipped[key], key
         for mode, entry in model["modes"].items():
             assert "error" not in entry, f"{key}/{mode}: {entry.get('error')}"
             assert entry["steps"] == report["specs"][key]["steps"]
@@ -51,12 +54,13 @@ def test_compare_smoke(tmp_path: Path) -> None:
         assert "error" not in search, search.get("error")
         assert search["measured"]["search_seconds"] >= 0
         assert search["chosen_trial"]
-        assert "throughput_vs_bf16-mixed" in model["ratios"]
+        if "bf16-mixed" in model["modes"]:
+            assert "throughput_vs_bf16-mixed" in model["ratios"]
     assert report["targets"]["checks"], "no target was evaluated"
 
     with (out / "compare.csv").open() as handle:
         rows = list(csv.DictReader(handle))
-    assert {(r["model"], r["mode"]) for r in rows} == {(k, m) for k in MODELS for m in expected_modes}
+    assert {(r["model"], r["mode"]) for r in rows} == {(k, m) for k in MODELS for m in expected_modes - skipped[k]}
     markdown = (out / "compare.md").read_text()
     assert "| model | mode |" in markdown and "Ratios and targets" in markdown
     raw = json.loads((out / "compare_raw.json").read_text())

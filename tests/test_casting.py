@@ -222,7 +222,7 @@ def test_lstm_tuple_output_with_fp32_state_and_low_input(dtype_recorder: Any) ->
     with executor.step(StepKind.TRAIN), dtype_recorder:
         out = model(tokens, state)
         out.sum().backward()
-    rnn = dtype_recorder.ops_of("lstm", "mkldnn_rnn_layer")
+    rnn = dtype_recorder.ops_of("lstm", "mkldnn_rnn_layer", "mm", "addmm")  # autocast, or bf16 parameter copies
     assert rnn and all(d == BF16 for d in rnn[0].inputs)
     lstm_call = dtype_recorder.calls_of("lstm")[0]
     assert lstm_call.inputs == [BF16, FP32, FP32] and lstm_call.outputs == [FP32, FP32, FP32]  # (out, (h, c))
@@ -368,10 +368,24 @@ def test_plan_for_another_model_is_rejected() -> None:
         PlanExecutor().apply(_mlp(), PrecisionPlan.from_dict({"9": "bf16"}))
 
 
-def test_unsupported_precision_on_device_names_operators() -> None:
-    model = nn.Sequential(nn.LSTM(2, 2), nn.GRU(2, 2))
-    with pytest.raises(PlanError, match=r"2 operator\(s\).*0 \(LSTM\), 1 \(GRU\).*'fp32' or 'bf16'"):
-        PlanExecutor().apply(model, PrecisionPlan.from_dict({}, default="fp16"), device_type="cpu")
+def test_operators_without_a_kernel_on_the_device_fail_before_any_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where no way of lowering a recurrent operator runs (autocast and parameter copies both fail on a tiny copy),
+    applying the plan fails at once, naming each operator, its precision, the device and what to do."""
+    from lightning_comp import kernel_probes
+
+    def no_kernel(*args: Any) -> bool:
+        raise RuntimeError("could not create a primitive descriptor for the LSTM forward propagation primitive")
+
+    monkeypatch.setattr(kernel_probes, "_run", no_kernel)
+    kernel_probes.recurrent_lowering.cache_clear()  # type: ignore[attr-defined]
+    try:
+        model = nn.Sequential(nn.LSTM(2, 2), nn.GRU(2, 2), nn.Linear(2, 2))
+        pattern = r"2 operator\(s\) have no kernel .* on cpu \[cpu .*\]: 0 \(LSTM, fp16\), 1 \(GRU, fp16\).*'fp32'"
+        with pytest.raises(PlanError, match=pattern):
+            PlanExecutor().apply(model, PrecisionPlan.from_dict({}, default="fp16"), "cpu")
+        assert not any(m._forward_pre_hooks for m in model.modules())  # nothing was hooked
+    finally:
+        kernel_probes.recurrent_lowering.cache_clear()  # type: ignore[attr-defined]
 
 
 def test_ineffective_entries_warn_once() -> None:

@@ -109,6 +109,7 @@ class RewindProbe(pl.Callback):
 
 
 def _search(include: list[str], exclude: list[str], **kwargs: Any) -> CoMPSearch:
+    kwargs.setdefault("low_precision", "bf16")  # pinned: the trials run on every CPU class
     return CoMPSearch(include=include, exclude=exclude, tolerance=0.05, profile_steps=2, profile_warmup=1,
                       verbose=False, **kwargs)
 

@@ -128,12 +128,6 @@ BF16, FP16, FP32 = Precision.BF16, Precision.FP16, Precision.FP32
         (nn.Linear(2, 2), FP16, "cuda", Lowering.AUTOCAST),
         (nn.Conv2d(2, 2, 1), BF16, "cpu", Lowering.AUTOCAST),
         (nn.MultiheadAttention(4, 2), BF16, "cpu", Lowering.AUTOCAST),
-        (nn.LSTM(2, 2), BF16, "cpu", Lowering.AUTOCAST),
-        (nn.LSTM(2, 2), FP16, "cpu", None),  # no oneDNN fp16 LSTM primitive on CPU
-        (nn.LSTM(2, 2), FP16, "cuda", Lowering.AUTOCAST),
-        (nn.GRU(2, 2), BF16, "cpu", Lowering.PARAMS),  # GRU is on no CPU autocast list
-        (nn.GRU(2, 2), FP16, "cpu", None),
-        (nn.RNN(2, 2), BF16, "cuda", Lowering.AUTOCAST),
         (nn.LayerNorm(2), BF16, "cpu", Lowering.INPUT),  # CPU kernels take 16-bit input with FP32 affine params
         (nn.LayerNorm(2), BF16, "cuda", Lowering.PARAMS),  # CUDA LayerNorm needs matching dtypes
         (nn.BatchNorm1d(2), FP16, "cuda", Lowering.INPUT),  # never downcast BN statistics
@@ -145,6 +139,49 @@ BF16, FP16, FP32 = Precision.BF16, Precision.FP16, Precision.FP32
 )
 def test_lowering_for(module: nn.Module, precision: Precision, device: str, expected: Lowering | None) -> None:
     assert lowering_for(module, precision, device) is expected
+
+
+@pytest.mark.parametrize("module_type", [nn.LSTM, nn.GRU, nn.RNN])
+@pytest.mark.parametrize("precision", [BF16, FP16])
+def test_recurrent_operators_lower_the_way_that_runs_on_this_device(module_type: type[nn.RNNBase],
+                                                                    precision: Precision) -> None:
+    """Recurrent lowering is probed, not assumed: whichever way is chosen runs here and computes in the dtype."""
+    module = module_type(4, 4, batch_first=True)
+    lowering = lowering_for(module, precision, "cpu")
+    assert lowering in (Lowering.AUTOCAST, Lowering.PARAMS)
+    x = torch.randn(2, 3, 4)
+    if lowering is Lowering.AUTOCAST:
+        with torch.autocast("cpu", dtype=precision.dtype):
+            out = module(x)[0]
+    else:
+        copies = {n: p.to(precision.dtype) for n, p in module.named_parameters()}
+        out = torch.func.functional_call(module, copies, (x.to(precision.dtype),))[0]
+    assert out.dtype == precision.dtype
+    if module_type is nn.GRU:  # on no CPU autocast list: autocast would compute it in fp32
+        assert lowering is Lowering.PARAMS
+
+
+def test_recurrent_lowering_falls_back_to_parameter_copies_where_autocast_cannot_run(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """As on an AVX2-only CPU, where CPU autocast's BF16 LSTM raises a oneDNN error (pytorch/pytorch#88136)."""
+    from lightning_comp import kernel_probes
+
+    real_run = kernel_probes._run
+
+    def autocast_fails(module: nn.RNNBase, route: str, dtype: torch.dtype, device: torch.device) -> bool:
+        if route == "autocast":
+            raise RuntimeError("could not create a primitive descriptor for the LSTM forward propagation primitive")
+        return real_run(module, route, dtype, device)
+
+    monkeypatch.setattr(kernel_probes, "_run", autocast_fails)
+    kernel_probes.recurrent_lowering.cache_clear()  # type: ignore[attr-defined]
+    try:
+        assert lowering_for(nn.LSTM(2, 2), BF16, "cpu") is Lowering.PARAMS
+        monkeypatch.setattr(kernel_probes, "_run", lambda *a: (_ for _ in ()).throw(RuntimeError("no kernel")))
+        kernel_probes.recurrent_lowering.cache_clear()  # type: ignore[attr-defined]
+        assert lowering_for(nn.LSTM(2, 2, num_layers=2), BF16, "cpu") is None
+    finally:
+        kernel_probes.recurrent_lowering.cache_clear()  # type: ignore[attr-defined]
 
 
 def test_helpers() -> None:

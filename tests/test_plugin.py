@@ -20,7 +20,7 @@ BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 # The aten op that does each MixedNet operator's arithmetic; (op names, how many leading floating inputs to check).
 # Norms take a 16-bit activation with FP32 affine parameters/statistics (mixed CPU kernels), so only input 0 counts.
 _KERNELS: dict[str, tuple[tuple[str, ...], int | None]] = {
-    "lstm": (("mkldnn_rnn_layer",), None),
+    "lstm": (("mkldnn_rnn_layer", "mm", "addmm"), None),  # oneDNN under autocast; native kernels for param copies
     "conv": (("convolution",), None),
     "bn": (("native_batch_norm", "_native_batch_norm_legit", "_native_batch_norm_legit_no_training"), 1),
     "act": (("relu",), None),

@@ -336,7 +336,9 @@ def test_memory_objective_adopts_the_leanest_whole_step_within_the_slowdown(
 @pytest.mark.slow
 def test_memory_objective_records_whole_step_saved_bytes_on_the_trainer_path(tmp_path: Path) -> None:
     pl.seed_everything(0)
-    search = fixed_search(objective="memory", include=["l2", "l4"], exclude=["l1", "l3", "head"])
+    # any slowdown accepted: what is tested is the memory comparison, not whether bf16 is fast on this CPU
+    search = fixed_search(objective="memory", include=["l2", "l4"], exclude=["l1", "l3", "head"],
+                          max_memory_slowdown=1e3)
     trainer = search_trainer(tmp_path, [search], max_epochs=3, plugin=CoMPPrecision())
     train, val = loaders()
     trainer.fit(WideMLP(), train, val)

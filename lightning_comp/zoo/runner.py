@@ -30,7 +30,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from lightning_comp.zoo.callbacks import EpochTimer
 
-__all__ = ["DATA_OPTIONS", "check_compatible", "run"]
+__all__ = ["DATA_OPTIONS", "check_compatible", "check_lightning_precision", "run"]
 
 log = logging.getLogger(__name__)
 
@@ -163,6 +163,31 @@ def _plain_config(cfg: DictConfig) -> Any:
     return OmegaConf.to_container(OmegaConf.masked_copy(cfg, [str(k) for k in cfg if k != "hydra"]), resolve=True)
 
 
+def check_lightning_precision(trainer: pl.Trainer, model: pl.LightningModule) -> None:
+    """Fail before training where Lightning's ``bf16-mixed`` would die inside oneDNN: CPU autocast has no BF16
+    ``nn.LSTM`` kernel on CPUs without AVX512-BF16 (pytorch/pytorch#88136). ``precision=comp`` lowers LSTMs there
+    through BF16 parameter copies instead.
+
+    Raises:
+        ValueError: naming the LSTM, the device and the precisions that work.
+    """
+    from lightning_comp.devices import device_class
+    from lightning_comp.dtypes import Precision
+    from lightning_comp.operators import Lowering, lowering_for
+
+    device = trainer.strategy.root_device
+    if trainer.precision not in ("bf16-mixed", "16-mixed") or device.type != "cpu":
+        return
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.LSTM) and lowering_for(module, Precision.BF16, device) is not Lowering.AUTOCAST:
+            raise ValueError(
+                f"precision={trainer.precision} runs {type(model).__name__}.{name} (nn.LSTM) under CPU autocast, which"
+                f" has no BF16 LSTM kernel on this CPU ({device_class(device).describe()}): Lightning would fail"
+                " inside oneDNN. Use precision=comp (it lowers the LSTM through BF16 parameter copies) or"
+                " precision=fp32"
+            )
+
+
 def run(cfg: DictConfig) -> dict[str, Any]:
     """Train the configured model on the configured data with the configured precision.
 
@@ -174,7 +199,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         The results dict that is also written to ``results.json`` (on every rank; only rank 0 writes).
 
     Raises:
-        ValueError: If model and data do not fit together.
+        ValueError: If model and data do not fit together, or Lightning's precision cannot run the model here.
         TypeError: If a configured callback does not build a Lightning ``Callback``.
     """
     start = time.perf_counter()
@@ -194,6 +219,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     callbacks = _instantiate_callbacks(cfg.get("callbacks"), "callbacks")
     callbacks += _instantiate_callbacks(cfg.precision.get("callbacks"), "precision.callbacks")
     trainer: pl.Trainer = instantiate(cfg.trainer, callbacks=callbacks, _convert_="all")
+    check_lightning_precision(trainer, model)
 
     ckpt_path = cfg.get("ckpt_path")
     fit_start = time.perf_counter()

@@ -1,0 +1,212 @@
+"""The package on a CUDA GPU: run with ``python -m pytest tests/cuda -m cuda`` on a machine with one.
+
+Skipped without a GPU (every test here carries the ``cuda`` marker). What each test checks is what only a GPU can
+show: each operator computes in its planned dtype on CUDA kernels, the search runs end to end with CUDA timing,
+FP16 plans get a CUDA loss scaler that skips overflowing steps, a checkpoint resumes the plan on the GPU, and the
+benchmark runs there.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from conftest import DtypeRecorder
+from cpu_class_run import LOWERED, SequenceNet
+from lightning.pytorch.callbacks import Callback
+from search_models import WideMLP, fixed_search, loaders
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_comp import CoMPPrecision, CoMPSearch, Precision, PrecisionPlan, device_class
+
+ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+# aten ops that do an operator's arithmetic on CUDA (cuDNN, cuBLAS and native kernels)
+_WORK = re.compile(r"rnn|lstm|gru|conv|addmm|^mm$|bmm|linear|batch_norm|layer_norm")
+
+
+def _gpu() -> Any:
+    return device_class("cuda")
+
+
+def _low() -> Precision:
+    return Precision.BF16 if _gpu().is_native(Precision.BF16) else Precision.FP16
+
+
+def _trainer(root: Path, plugin: CoMPPrecision, callbacks: list[Callback] | None = None, **kwargs: Any) -> pl.Trainer:
+    return pl.Trainer(accelerator="gpu", devices=1, plugins=[plugin], callbacks=callbacks, logger=False,
+                      enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(root), **kwargs)
+
+
+def _token_loader(seed: int) -> DataLoader:
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, SequenceNet.VOCAB, (128, SequenceNet.SEQ), generator=g)
+    return DataLoader(TensorDataset(tokens, tokens.sum(1) % SequenceNet.CLASSES), batch_size=32)
+
+
+class _RecordFirstStep(Callback):
+    def __init__(self, names: tuple[str, ...]) -> None:
+        self.names = names
+        self.recorder = DtypeRecorder()
+        self.devices: set[str] = set()
+        self.grad_dtypes: set[torch.dtype] = set()
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        if trainer.global_step == 0:
+            self.recorder.attach(pl_module, self.names)
+            self.recorder.__enter__()
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        self.devices |= {p.device.type for p in pl_module.parameters()}
+        self.grad_dtypes |= {p.grad.dtype for p in pl_module.parameters() if p.grad is not None}
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        if self.recorder._handles:  # noqa: SLF001
+            self.recorder.__exit__(None, None, None)
+            self.recorder.detach()
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_each_operator_computes_in_its_planned_dtype_on_cuda(tmp_path: Path, precision: str) -> None:
+    wanted = Precision(precision)
+    if not _gpu().runs(wanted):
+        pytest.skip(f"{precision} does not run on {_gpu().describe()}")
+    pl.seed_everything(0)
+    model = SequenceNet()  # built on the CPU: Lightning moves it after convert_module
+    plugin = CoMPPrecision({name: precision for name in LOWERED})
+    probe = _RecordFirstStep(LOWERED)
+    _trainer(tmp_path, plugin, [probe], max_epochs=1, enable_checkpointing=False).fit(model, _token_loader(1))
+    assert plugin.device is not None and plugin.device.type == "cuda"
+    assert probe.devices == {"cuda"} and probe.grad_dtypes == {torch.float32}
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert (plugin.scaler is not None) == (wanted is Precision.FP16)
+    if plugin.scaler is not None:
+        assert plugin.scaler._device == "cuda"  # noqa: SLF001
+    for name in LOWERED:
+        work = [r for r in probe.recorder.ops_of(name) if _WORK.search(r.op)]
+        assert work, (name, {r.op for r in probe.recorder.ops_of(name)})
+        assert any(wanted.dtype in r.inputs for r in work), (name, [(r.op, r.inputs) for r in work])
+        if name not in ("bn", "ln"):  # norms keep fp32 statistics next to the low-precision activation
+            heavy = [r for r in work if "norm" not in r.op]
+            assert all(torch.float32 not in r.inputs for r in heavy), (name, [(r.op, r.inputs) for r in heavy])
+
+
+def test_a_search_end_to_end_on_cuda(tmp_path: Path) -> None:
+    pl.seed_everything(0)
+    search = fixed_search(low_precision="auto", record_dir=str(tmp_path / "record"))
+    trainer = _trainer(tmp_path, CoMPPrecision(), [search], max_epochs=4)
+    train, val = loaders()
+    trainer.fit(WideMLP(width=1024), train, val)
+    record = search.record
+    assert record is not None and record["low_precision"] == _low().value
+    precisions = trainer.precision_plugin.plan.resolve(trainer.lightning_module)
+    assert precisions["l3"] is Precision.FP32, record  # unsafe in 16-bit: the trial rejects it
+    assert precisions["l2"] is _low() and precisions["l4"] is _low(), record
+    memory = record["profile"]["memory"]
+    assert all(isinstance(entry["peak_bytes"], int) and entry["peak_bytes"] > 0 for entry in memory.values())
+    assert all(v > 0 for v in record["profile"]["step_ms"].values())
+    assert (tmp_path / "record" / "comp_plan.json").exists()
+    plan = PrecisionPlan.load(tmp_path / "record" / "comp_plan.json")
+    assert plan.device is not None and plan.device.type == "cuda" and plan.device.capability.startswith("sm")
+
+
+class _Overflowing(pl.LightningModule):
+    """``big`` overflows fp16 on the first batches (inputs x 1e5), so the scaler must skip and back off."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1 = nn.Linear(16, 64)
+        self.big = nn.Linear(64, 64)
+        self.head = nn.Linear(64, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.big(torch.relu(self.l1(x)))))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        scale = 1e5 if self.global_step < 2 else 1.0
+        return nn.functional.mse_loss(self(x * scale) / scale, y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+
+def _regression(n: int = 256) -> DataLoader:
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(n, 16, generator=g)
+    return DataLoader(TensorDataset(x, x.sum(1, keepdim=True).sin()), batch_size=32)
+
+
+def test_an_fp16_plan_scales_the_loss_on_cuda_and_resumes(tmp_path: Path) -> None:
+    if not _gpu().runs(Precision.FP16):
+        pytest.skip("no fp16 on this GPU")
+    pl.seed_everything(0)
+    plugin = CoMPPrecision({"type:Linear": "fp16"})
+    trainer = _trainer(tmp_path, plugin, max_steps=8, enable_checkpointing=False)
+    trainer.fit(_Overflowing(), _regression())
+    assert isinstance(plugin.scaler, torch.amp.GradScaler) and plugin.scaler._device == "cuda"  # noqa: SLF001
+    assert plugin.skipped_steps >= 1 and plugin.optimizer_steps == 8
+    assert plugin.scaler.get_scale() < 65536.0
+    path = tmp_path / "fp16.ckpt"
+    trainer.save_checkpoint(path)
+    state = torch.load(path, weights_only=True)["CoMPPrecision"]
+    assert state["scaler"]["scale"] == plugin.scaler.get_scale()
+    resumed = CoMPPrecision()
+    _trainer(tmp_path, resumed, max_steps=10, enable_checkpointing=False).fit(_Overflowing(), _regression(),
+                                                                              ckpt_path=str(path))
+    assert resumed.plan == plugin.plan and resumed.executor.device is not None
+    assert resumed.executor.device.type == "cuda"
+    assert resumed.scaler is not None and resumed.scaler._device == "cuda"  # noqa: SLF001
+    assert resumed.optimizer_steps == 10
+
+
+def test_a_checkpoint_resumes_the_plan_on_cuda(tmp_path: Path) -> None:
+    pl.seed_everything(0)
+    low = _low().value
+    plugin = CoMPPrecision({"l2": low, "l4": low})
+    trainer = _trainer(tmp_path, plugin, max_epochs=1, enable_checkpointing=False)
+    train, val = loaders(n_train=512, n_val=256)
+    trainer.fit(WideMLP(width=256), train, val)
+    path = tmp_path / "plan.ckpt"
+    trainer.save_checkpoint(path)
+    resumed = CoMPPrecision()
+    again = _trainer(tmp_path, resumed, max_epochs=2, enable_checkpointing=False)
+    again.fit(WideMLP(width=256), train, val, ckpt_path=str(path))
+    assert resumed.plan == plugin.plan
+    assert resumed.executor.precisions()["l2"].value == low and resumed.executor.device.type == "cuda"
+    assert math.isfinite(float(again.callback_metrics["val_loss"]))
+
+
+def test_the_default_search_chooses_a_native_precision_on_cuda(tmp_path: Path) -> None:
+    search = CoMPSearch(verbose=False, warmup_epochs=0, profile_steps=2, record_dir=str(tmp_path))
+    train, val = loaders(n_train=512, n_val=256)
+    _trainer(tmp_path, CoMPPrecision(), [search], max_epochs=2, enable_checkpointing=False).fit(
+        WideMLP(width=512, offset=False), train, val)
+    assert search.record is not None and search.record["low_precision"] == _low().value
+
+
+@pytest.mark.slow
+def test_the_benchmark_smoke_run_on_cuda(tmp_path: Path) -> None:
+    out = tmp_path / "results"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "compare.py"), "--smoke", "--out", str(out),
+                           "--img", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((out / "compare.json").read_text())
+    assert report["device"] == "cuda"
+    for key, model in report["models"].items():
+        for mode, entry in model["modes"].items():
+            assert "error" not in entry, f"{key}/{mode}: {entry.get('error')}"
