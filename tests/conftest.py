@@ -22,6 +22,20 @@ from torch.utils.data import DataLoader, TensorDataset
 SEED = 0
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skip ``needs_native_bf16`` tests (their point is speed) where this CPU emulates BF16, saying so."""
+    from lightning_comp.devices import device_class
+
+    cpu = device_class("cpu")
+    if cpu.is_native("bf16"):
+        return
+    skip = pytest.mark.skip(reason=f"BF16 is emulated on this CPU ({cpu.describe()}): the speed-up this test is"
+                                   " about does not exist here")
+    for item in items:
+        if "needs_native_bf16" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture(autouse=True)
 def _seed_everything() -> Iterator[None]:
     """Every test starts from the same RNG state (torch, python), so models and data are reproducible."""

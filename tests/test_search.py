@@ -159,6 +159,26 @@ def test_tiny_operators_keep_fp32_without_convergence_trials(tmp_path: Path) -> 
 
 
 @pytest.mark.slow
+@pytest.mark.needs_native_bf16
+def test_the_batch_stage_lowers_large_matmuls_where_bf16_is_native(tmp_path: Path) -> None:
+    """Nothing pinned: the default search measures that 1024-wide Linears are faster in bf16 and trials them."""
+    pl.seed_everything(0)
+    search = CoMPSearch(verbose=False, tolerance=TOLERANCE)
+    plugin = CoMPPrecision()
+    trainer = search_trainer(tmp_path, [search], max_epochs=3, plugin=plugin)
+    train, val = loaders()
+    trainer.fit(WideMLP(width=1024, offset=False), train, val)
+    record = search.record
+    assert record is not None and record["low_precision"] == "bf16"
+    operators = record["operators"]
+    faster = [n for n in ("l2", "l3", "l4") if operators[n]["decision"] == "candidate"]
+    assert faster, {n: (operators[n]["decision"], operators[n]["reason"]) for n in ("l2", "l3", "l4")}
+    assert any(operators[n]["gain_ms"] > 0 for n in faster)
+    precisions = plugin.plan.resolve(trainer.lightning_module)
+    assert all(precisions[n] is Precision.BF16 for n in faster), record  # safe in bf16: the trial keeps them
+
+
+@pytest.mark.slow
 def test_nan_trial_is_rejected_rewound_and_training_goes_on(tmp_path: Path) -> None:
     pl.seed_everything(0)
     search = fixed_search(include=["l2", "bad"], exclude=["l1", "head", "a?"])
