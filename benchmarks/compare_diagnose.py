@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from compare import RESULTS_DIR, SUITE  # noqa: E402
+from compare_suite import RESULTS_DIR, SUITE  # noqa: E402
 
 from lightning_comp import zoo  # noqa: E402
 from lightning_comp.casting import PlanExecutor, StepKind  # noqa: E402
@@ -120,7 +120,7 @@ def step_times(model: torch.nn.Module, x: Any, y: Any, plans: dict[str, Precisio
 def _step_peaks(model: torch.nn.Module, run: Any, steps: int = 3) -> list[int]:
     """Peak live-tensor increase (profiler memory events) of each of ``steps`` training steps run by ``run``."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from compare import _tensor_peak_delta
+    from compare_probes import _tensor_peak_delta
 
     peaks = []
     for _ in range(steps):

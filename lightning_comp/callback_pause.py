@@ -19,6 +19,8 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 
+from lightning_comp.lightning_adapter import callbacks, set_callbacks
+
 __all__ = ["CallbackPause"]
 
 
@@ -57,7 +59,7 @@ class CallbackPause:
         """
         if self._paused:
             return
-        current = _callbacks(trainer)
+        current = callbacks(trainer)
         chosen = [cb for cb in current if self._select(cb)]
         if not chosen:
             return
@@ -66,28 +68,19 @@ class CallbackPause:
                 callback.load_state_dict(dict(states[callback.state_key]))
         self._order = current
         self._paused = chosen
-        _set_callbacks(trainer, [cb for cb in current if cb not in chosen])
+        set_callbacks(trainer, [cb for cb in current if cb not in chosen])
 
     def resume(self, trainer: pl.Trainer) -> None:
         """Put the paused callbacks back at their old positions. Does nothing if none is paused."""
         if not self._paused:
             return
-        present = _callbacks(trainer)
+        present = callbacks(trainer)
         restored = [cb for cb in self._order if cb in self._paused or cb in present]
         restored += [cb for cb in present if cb not in restored]  # callbacks added during the pause go last
-        _set_callbacks(trainer, restored)
+        set_callbacks(trainer, restored)
         self._paused = []
         self._order = []
 
     def states(self) -> dict[str, dict[str, Any]]:
         """``state_key -> state_dict()`` of the paused callbacks (empty when none is paused)."""
         return {cb.state_key: cb.state_dict() for cb in self._paused}
-
-
-def _callbacks(trainer: pl.Trainer) -> list[Callback]:
-    """A copy of ``trainer.callbacks`` (an attribute the Trainer sets in ``__init__``, unknown to type checkers)."""
-    return list(trainer.callbacks)  # type: ignore[attr-defined]
-
-
-def _set_callbacks(trainer: pl.Trainer, callbacks: list[Callback]) -> None:
-    trainer.callbacks = callbacks  # type: ignore[attr-defined]

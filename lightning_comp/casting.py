@@ -16,7 +16,6 @@ outside operators. Calls outside a step, and operators the trace did not see, al
 from __future__ import annotations
 
 import sys
-import warnings
 import weakref
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
@@ -25,6 +24,7 @@ from enum import Enum
 from typing import Any
 
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.overrides import TorchFunctionMode
@@ -323,11 +323,10 @@ class PlanExecutor:
         self._chained = self._calibrations.setdefault(key, {})
         if not bound.is_all_fp32 and not any(op.low and not op.transparent for op in operators.values()):
             low = sorted({p.value for p in (bound.default, *(p for _, p in bound.entries)) if p is not Precision.FP32})
-            warnings.warn(
+            rank_zero_warn(
                 f"The plan assigns {'/'.join(low)} but no operator of {type(model).__name__} computes in it on"
                 f" {target}: its 16-bit entries match only shape-only operators, or operators with no"
                 " low-precision kernel there. Training runs in fp32.",
-                UserWarning,
                 stacklevel=2,
             )
         if any(op.low for op in operators.values()):
@@ -383,11 +382,10 @@ class PlanExecutor:
         if fresh:
             self._warned_ineffective.update(fresh)
             described = ", ".join(f"{n} ({type(self._operators[n].module).__name__})" for n in fresh)
-            warnings.warn(
+            rank_zero_warn(
                 f"Plan entries had no effect: {described} computed in float32 although the plan assigns a 16-bit"
                 " precision (PyTorch has no lower-precision kernel for them on this device, or they do no"
                 " floating-point work). Assign them 'fp32' to silence this warning.",
-                UserWarning,
                 stacklevel=2,
             )
 

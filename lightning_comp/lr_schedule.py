@@ -21,6 +21,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.hooks import RemovableHandle
 
 __all__ = ["WorkerScaledLR", "WorkerScaledLRConfig", "worker_scaled_lr"]
@@ -173,6 +174,8 @@ class WorkerScaledLR(Callback):
         self.last_lrs: list[list[float]] = []
         """Effective rate used by the latest step, per optimizer, per param group."""
         self._workers = 1
+        self.checkpoint_workers: int | None = None
+        """``N`` of the run a loaded checkpoint was written by (``None`` without one)."""
         self._trainer: pl.Trainer | None = None
         self._handles: list[RemovableHandle] = []
         self._unscaled: dict[int, list[float]] = {}
@@ -209,6 +212,12 @@ class WorkerScaledLR(Callback):
         """Resolve ``N`` and attach the step hooks to every optimizer."""
         self._trainer = trainer
         self._workers = self.resolve_workers(trainer)
+        if self.checkpoint_workers is not None and self.checkpoint_workers != self._workers:
+            rank_zero_warn(
+                f"WorkerScaledLR: the checkpoint was trained with N={self.checkpoint_workers} workers, this run has"
+                f" N={self._workers} (world_size x accumulate_grad_batches), so its learning rate changes. Pass"
+                f" WorkerScaledLR(workers={self.checkpoint_workers}) to keep the checkpoint's schedule."
+            )
         self._remove_hooks()
         for idx, optimizer in enumerate(trainer.optimizers):
             self._handles.append(optimizer.register_step_pre_hook(self._make_pre_hook(idx)))
@@ -241,9 +250,15 @@ class WorkerScaledLR(Callback):
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore the remembered ``lr0`` values and step counters."""
+        """Restore the remembered ``lr0`` values, step counters and the ``N`` the checkpoint trained with.
+
+        A fit resumed with another number of workers warns (at its start): its learning rate differs from the one
+        the checkpoint's run used.
+        """
         self.base_lrs = [[float(lr) for lr in group] for group in state_dict.get("base_lrs", [])]
         self.steps = [int(s) for s in state_dict.get("steps", [0] * len(self.base_lrs))]
+        workers = state_dict.get("workers")
+        self.checkpoint_workers = None if workers is None else int(workers)
 
     # ------------------------------------------------------------------ optimizer hooks
 

@@ -18,8 +18,7 @@ emulated warns. Files of format version 1 (before device classes were recorded) 
 
 from __future__ import annotations
 
-import difflib
-import fnmatch
+import functools
 import hashlib
 import json
 import os
@@ -36,14 +35,13 @@ from lightning_comp.devices import DeviceClass, device_class, model_device
 from lightning_comp.dtypes import Precision, parse_precision
 from lightning_comp.errors import PlanError, PlanFileError, PlanMismatchError
 from lightning_comp.operators import classify, iter_operators
+from lightning_comp.selectors import Selectors, check_selector
 
 __all__ = ["OperatorFingerprint", "PrecisionPlan", "PLAN_FORMAT", "PLAN_VERSION"]
 
 PLAN_FORMAT = "lightning-comp/plan"
 PLAN_VERSION = 2
 _READABLE_VERSIONS = (1, 2)  # 1: before the device class was recorded
-_TYPE_PREFIX = "type:"
-_GLOB_CHARS = frozenset("*?[")
 
 
 @dataclass(frozen=True)
@@ -81,30 +79,12 @@ class OperatorFingerprint:
         return "; ".join(parts) if parts else "same operators"
 
 
-def _selector_kind(selector: str) -> str:
-    if selector.startswith(_TYPE_PREFIX):
-        return "type"
-    if _GLOB_CHARS.intersection(selector):
-        return "glob"
-    return "exact"
-
-
-def _check_selector(selector: object) -> str:
-    if not isinstance(selector, str):
-        raise PlanError(f"Plan selector {selector!r} must be a string: an operator name, a glob or 'type:ClassName'.")
-    if selector.startswith(_TYPE_PREFIX) and not selector[len(_TYPE_PREFIX) :].isidentifier():
-        raise PlanError(
-            f"Type selector {selector!r} must name a class, e.g. 'type:Linear' or 'type:_ConvNd'."
-        )
-    return selector
-
-
 def _parse_entries(mapping: Mapping[str, Any]) -> tuple[tuple[str, Precision], ...]:
     if not isinstance(mapping, Mapping):
         raise PlanError(f"Plan entries must be a mapping of selector -> precision, got {type(mapping).__name__}.")
     entries = []
     for selector, value in mapping.items():
-        _check_selector(selector)
+        check_selector(selector)
         try:
             precision = parse_precision(value)
         except PlanError as err:
@@ -242,20 +222,14 @@ class PrecisionPlan:
         match = self._match(name, module_type)
         return self.default if match is None else match[1]
 
+    @functools.cached_property
+    def selectors(self) -> Selectors:
+        """The plan's selectors (its entries' keys)."""
+        return Selectors(tuple(selector for selector, _ in self.entries))
+
     def _match(self, name: str, module_type: type | None) -> tuple[str, Precision] | None:
-        entries = dict(self.entries)
-        if name in entries and _selector_kind(name) == "exact":
-            return name, entries[name]
-        globs = [s for s in entries if _selector_kind(s) == "glob" and fnmatch.fnmatchcase(name, s)]
-        if globs:
-            best = max(globs, key=lambda s: (len(s), s))
-            return best, entries[best]
-        if module_type is not None:
-            for klass in module_type.__mro__:
-                selector = _TYPE_PREFIX + klass.__name__
-                if selector in entries:
-                    return selector, entries[selector]
-        return None
+        selector = self.selectors.match(name, module_type)
+        return None if selector is None else (selector, dict(self.entries)[selector])
 
     def resolve(self, model: nn.Module) -> dict[str, Precision]:
         """The precision of every operator of ``model`` under this plan (shape-only operators included)."""
@@ -271,21 +245,7 @@ class PrecisionPlan:
 
     def unmatched_entries(self, model: nn.Module) -> list[str]:
         """Selectors of this plan that match no operator of ``model``."""
-        operators = list(iter_operators(model))
-        names = [name for name, _ in operators]
-        unmatched = []
-        for selector, _ in self.entries:
-            kind = _selector_kind(selector)
-            if kind == "exact":
-                hit = selector in names
-            elif kind == "glob":
-                hit = any(fnmatch.fnmatchcase(n, selector) for n in names)
-            else:
-                wanted = selector[len(_TYPE_PREFIX) :]
-                hit = any(wanted in {k.__name__ for k in type(m).__mro__} for _, m in operators)
-            if not hit:
-                unmatched.append(selector)
-        return unmatched
+        return self.selectors.unmatched(model)
 
     def validate(self, model: nn.Module) -> None:
         """Check the plan fits ``model``.
@@ -302,19 +262,7 @@ class PrecisionPlan:
                     f" {current.digest}): {self.fingerprint.difference(current)}. Make a new plan for this model,"
                     " or drop the fingerprint with `PrecisionPlan.from_dict(plan.to_dict()['entries'])`."
                 )
-        unmatched = self.unmatched_entries(model)
-        if unmatched:
-            names = [name for name, _ in iter_operators(model)]
-            details = []
-            for selector in unmatched:
-                close = difflib.get_close_matches(selector, names, n=3)
-                hint = f" (did you mean {', '.join(repr(c) for c in close)}?)" if close else ""
-                details.append(f"{selector!r}{hint}")
-            shown = ", ".join(names[:12]) + (f", ... ({len(names)} in all)" if len(names) > 12 else "")
-            raise PlanMismatchError(
-                f"{len(unmatched)} plan entr{'y matches' if len(unmatched) == 1 else 'ies match'} no operator of"
-                f" {type(model).__name__}: {'; '.join(details)}. The model's operators are: {shown or '(none)'}."
-            )
+        self.selectors.validate(model)
 
     def low_operators(self, model: nn.Module) -> list[str]:
         """Names of the operators of ``model`` this plan runs in a 16-bit precision (shape-only ones excluded)."""

@@ -3,17 +3,15 @@
 from __future__ import annotations
 
 import os
-import warnings
 from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.fabric.plugins.precision.amp import _optimizer_handles_unscaling
 from lightning.fabric.utilities.types import Optimizable
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.utilities import GradClipAlgorithmType
+from lightning.pytorch.utilities import GradClipAlgorithmType, rank_zero_warn
 from torch import Tensor, nn
 from torch.optim import LBFGS, Optimizer
 from typing_extensions import override
@@ -22,6 +20,7 @@ from lightning_comp.casting import PlanExecutor, StepKind
 from lightning_comp.devices import DeviceClass, device_class, model_device
 from lightning_comp.dtypes import Precision as Dtype
 from lightning_comp.errors import PlanError, UnsupportedSetupError
+from lightning_comp.lightning_adapter import optimizer_handles_unscaling
 from lightning_comp.plan import PrecisionPlan, plan_from_any
 from lightning_comp.portability import check_plan_device
 
@@ -139,11 +138,10 @@ class CoMPPrecision(Precision):
             accepted = frozenset({Dtype.FP16}) if self.allow_slow_fp16 else frozenset()
             check_plan_device(self._plan, self._model, target, stacklevel=4, accepted=accepted)
         if not self._plan.is_all_fp32 and not self._plan.low_operators(self._model):
-            warnings.warn(
+            rank_zero_warn(
                 f"The plan {self._plan!r} assigns a 16-bit precision but lowers no operator of"
                 f" {type(self._model).__name__} (its entries match only shape-only operators, or the model has no"
                 " operator low precision applies to): training runs in fp32.",
-                UserWarning,
                 stacklevel=3,
             )
 
@@ -159,11 +157,10 @@ class CoMPPrecision(Precision):
     def _decline_slow_fp16(self, plan: PrecisionPlan, device: DeviceClass) -> PrecisionPlan:
         if self.allow_slow_fp16 or not plan.uses(Dtype.FP16) or device.is_native(Dtype.FP16):
             return plan
-        warnings.warn(
+        rank_zero_warn(
             f"The plan assigns fp16 but this device, {device.describe()}, has no fast fp16 (on CPUs without"
             " AMX-FP16, fp16 matmuls run at ~1x fp32 and fp16 convolution backward ~100x slower): those entries run"
             " in fp32. Use 'bf16', or pass CoMPPrecision(allow_slow_fp16=True) to insist.",
-            UserWarning,
             stacklevel=3,
         )
         entries = {s: ("fp32" if p is Dtype.FP16 else p.value) for s, p in plan.entries}
@@ -261,7 +258,7 @@ class CoMPPrecision(Precision):
             raise UnsupportedSetupError("Loss scaling for fp16 plans is not compatible with the LBFGS optimizer.")
         closure_result = closure()
         skip_unscaling = closure_result is None and model.automatic_optimization
-        if not _optimizer_handles_unscaling(optimizer) and not skip_unscaling:
+        if not optimizer_handles_unscaling(optimizer) and not skip_unscaling:
             self.scaler.unscale_(optimizer)  # type: ignore[arg-type]
         self._after_closure(model, optimizer)
         if skip_unscaling:
@@ -280,7 +277,7 @@ class CoMPPrecision(Precision):
         clip_val: int | float = 0.0,
         gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
     ) -> None:
-        if clip_val > 0 and self.scaler is not None and _optimizer_handles_unscaling(optimizer):
+        if clip_val > 0 and self.scaler is not None and optimizer_handles_unscaling(optimizer):
             raise UnsupportedSetupError(
                 f"{type(optimizer).__qualname__} unscales gradients internally (a 'fused' optimizer), so gradients"
                 " cannot be clipped under an fp16 plan. Use a non-fused optimizer or a bf16 plan."
@@ -304,11 +301,19 @@ class CoMPPrecision(Precision):
         """Restore the plan and re-apply it to the model, then restore the scaler.
 
         Raises:
-            PlanError: if the state is malformed.
+            PlanError: if the state is malformed, of another version, or has unknown keys.
             PlanMismatchError: if the stored plan was made for a different model.
         """
         if not isinstance(state_dict, Mapping) or "plan" not in state_dict:
             raise PlanError(f"Malformed CoMPPrecision state {state_dict!r}: expected a mapping with a 'plan' key.")
+        version = state_dict.get("version", _STATE_VERSION)
+        if version != _STATE_VERSION:
+            raise PlanError(f"Cannot load a CoMPPrecision state of version {version!r}: this version reads"
+                            f" {_STATE_VERSION}. Load it with the lightning-comp that wrote it.")
+        unknown = sorted(set(state_dict) - {"version", "plan", "scaler", "skipped_steps", "optimizer_steps"})
+        if unknown:
+            raise PlanError(f"Unknown keys {unknown} in a CoMPPrecision state: it was written by another version of"
+                            " lightning-comp.")
         self.set_plan(PrecisionPlan.from_dict(state_dict["plan"]))
         scaler_state = state_dict.get("scaler")
         if scaler_state:

@@ -8,8 +8,7 @@ the operators concerned and both devices, and suggests searching again.
 
 from __future__ import annotations
 
-import warnings
-
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
 from lightning_comp.devices import DeviceClass
@@ -59,5 +58,5 @@ def check_plan_device(plan: PrecisionPlan, model: nn.Module, device: DeviceClass
     )
     if key not in _WARNED:
         _WARNED.add(key)
-        warnings.warn(message, UserWarning, stacklevel=stacklevel + 1)
+        rank_zero_warn(message, stacklevel=stacklevel + 1)
     return message

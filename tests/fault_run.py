@@ -171,14 +171,14 @@ class Killer(pl.Callback):
         self.root, self.search = root, search
 
     def kill(self, trainer: pl.Trainer, where: str) -> None:
-        state = self.search._state
+        state = self.search.state
         info = {
             "where": where,
             "epoch": trainer.current_epoch,
             "global_step": trainer.global_step,
-            "phase": state["phase"],
-            "profile_done": state["profile"] is not None,
-            "trials": [(t["label"], t["verdict"]) for t in state["trials"]],
+            "phase": state.phase,
+            "profile_done": state.profile is not None,
+            "trials": [(t.label, t.verdict) for t in state.trials],
         }
         (self.root / "killed.json").write_text(json.dumps(info))
         sys.stdout.flush()
@@ -190,7 +190,8 @@ class Killer(pl.Callback):
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
         # runs before CoMPSearch's hook (this callback comes first), i.e. before the batch stage
-        if self.kind == "profile" and self.search._state["phase"] != "done" and self.search._state["profile"] is None \
+        state = self.search.state
+        if self.kind == "profile" and state.phase != "done" and state.profile is None \
                 and trainer.current_epoch >= SEARCH_WARMUP_EPOCHS and batch_idx == 0:
             pl_module.calls_left = self.numbers[0]
             pl_module.on_kill = lambda: self.kill(trainer, "profile")
@@ -259,8 +260,8 @@ def main(argv: list[str] | None = None) -> int:
         "current_epoch": trainer.current_epoch,
         "global_step": trainer.global_step,
         "max_epochs": trainer.max_epochs,
-        "trials": [(t["label"], t["verdict"]) for t in search._state["trials"]],
-        "extension_epochs": search._state["extension_epochs"],
+        "trials": [(t.label, t.verdict) for t in search.state.trials],
+        "extension_epochs": search.state.extension_epochs,
         "val_loss": float(trainer.callback_metrics["val_loss"]),
         "digest": param_digest(model),
     }

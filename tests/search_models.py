@@ -52,10 +52,10 @@ class SearchProbe(Callback):
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.plans.append({s: p.value for s, p in trainer.precision_plugin.plan.entries})
         self.batches.append(0)
-        state = self.search._state
-        if len(state["trials"]) > self._trials_seen and len(state["trials"]) > 1 and state["snapshot"] is not None:
-            self.rewinds_exact.append(TrainingSnapshot.from_state(state["snapshot"]).matches(trainer, pl_module))
-        self._trials_seen = len(state["trials"])
+        state = self.search.state
+        if len(state.trials) > self._trials_seen and len(state.trials) > 1 and state.snapshot is not None:
+            self.rewinds_exact.append(TrainingSnapshot.from_state(state.snapshot).matches(trainer, pl_module))
+        self._trials_seen = len(state.trials)
 
     def on_train_batch_end(self, *args: Any) -> None:
         self.batches[-1] += 1

@@ -19,6 +19,8 @@ from fault_run import MAX_EPOCHS, InfBNMLP, OverflowMLP, fixed_loaders
 
 from lightning_comp import CoMPPrecision, CoMPSearch, TrainingSnapshot
 from lightning_comp.dtypes import Precision
+from lightning_comp.search import SearchConfig, TrialRecord
+from lightning_comp.search.trials import judge_trial
 
 FAULT_RUN = Path(__file__).resolve().parent / "fault_run.py"
 
@@ -70,16 +72,16 @@ class RewindProbe(pl.Callback):
         self._reference_end: dict[str, Any] | None = None
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        state = self.search._state
+        state = self.search.state
         scaler = trainer.precision_plugin.scaler
         self.scaler_at_start[trainer.current_epoch] = None if scaler is None else scaler.state_dict()
-        trials = state["trials"]
-        if len(trials) > self._trials_seen and len(trials) > 1:
-            snapshot = TrainingSnapshot.from_state(state["snapshot"])
+        trials = state.trials
+        if len(trials) > self._trials_seen and len(trials) > 1 and state.snapshot is not None:
+            snapshot = TrainingSnapshot.from_state(state.snapshot)
             exact = snapshot.matches(trainer, pl_module, scaler)
             if snapshot.scaler is None and scaler is not None:  # a fresh scaler for each fp16 trial
                 exact = exact and scaler.state_dict() == torch.amp.GradScaler("cpu").state_dict()
-            self.rewinds.append((trainer.current_epoch, trials[-1]["label"], exact))
+            self.rewinds.append((trainer.current_epoch, trials[-1].label, exact))
         self._trials_seen = len(trials)
         self._check_back_to_reference(trainer, pl_module)
 
@@ -88,20 +90,20 @@ class RewindProbe(pl.Callback):
         self.finite_at_end[trainer.current_epoch] = all(bool(torch.isfinite(t).all()) for t in tensors)
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        state = self.search._state
-        if state["reference_end"] is not None and self._reference_end is None:  # the reference trial just ended
-            self._reference_end = copy.deepcopy(state["reference_end"])
+        state = self.search.state
+        if state.reference_end is not None and self._reference_end is None:  # the reference trial just ended
+            self._reference_end = copy.deepcopy(state.reference_end)
         self._check_back_to_reference(trainer, pl_module)
 
     def _check_back_to_reference(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Once the search has gone back to the reference trial's end (at once if the fit ends, else at the next
         epoch start), the live state must equal the one captured when that trial ended."""
-        state = self.search._state
-        if self._reference_end is None or state["phase"] != "done":
+        state = self.search.state
+        if self._reference_end is None or state.phase != "done":
             return
-        if state["kept_trial"] != 0:  # the search ended another way
+        if state.kept_trial != 0:  # the search ended another way
             self._reference_end = None
-        elif state["pending_restore"] is None:
+        elif state.pending_restore is None:
             snapshot = TrainingSnapshot.from_state(self._reference_end)
             exact = snapshot.matches(trainer, pl_module, trainer.precision_plugin.scaler)
             self.rewinds.append((trainer.current_epoch, "back to the reference's end", exact))
@@ -121,7 +123,7 @@ def _all_but(include: list[str]) -> list[str]:
 
 
 def _trials(search: CoMPSearch) -> list[tuple[str, str, str]]:
-    return [(t["label"], t["verdict"], t["reason"]) for t in search._state["trials"]]
+    return [(t.label, t.verdict, t.reason) for t in search.state.trials]
 
 
 # ------------------------------------------------------------------------------------- non-finite trials (bf16)
@@ -154,7 +156,7 @@ def test_inf_trial_is_rejected_and_every_state_is_rewound_bit_for_bit(tmp_path: 
     assert probe.rewinds and all(exact for _, _, exact in probe.rewinds), probe.rewinds
     assert plugin.plan.precision_of("bad", torch.nn.Linear) is Precision.FP32
     if include == ["bad"]:  # no candidate converged: training goes on from the end of the FP32 reference trial
-        assert search._state["finish_reason"] == "no candidate converged"
+        assert search.state.finish_reason == "no candidate converged"
         assert plugin.plan.is_all_fp32 and probe.rewinds[-1][1] == "back to the reference's end"
     else:  # l2 passed; bad was inferred unsafe without a trial of its own; the l2 trial's progress is kept
         assert plugin.plan.precision_of("l2", torch.nn.Linear) is Precision.BF16
@@ -164,7 +166,7 @@ def test_inf_trial_is_rejected_and_every_state_is_rewound_bit_for_bit(tmp_path: 
     if trainer.current_epoch - 1 not in poisoned:  # the last epoch trained (rather than ended a rejected trial)
         assert math.isfinite(float(trainer.callback_metrics["val_loss"]))
     assert trainer.lr_scheduler_configs[0].scheduler.last_epoch == max_epochs
-    assert trainer.current_epoch == max_epochs + search._state["extension_epochs"]
+    assert trainer.current_epoch == max_epochs + search.state.extension_epochs
 
 
 # ----------------------------------------------------------------------------------------------- fp16 overflow
@@ -183,13 +185,17 @@ def test_fp16_overflow_skipped_steps_and_inf_reject_trials_and_each_trial_gets_a
     train, val = fixed_loaders(n_train=256)
     trainer.fit(OverflowMLP(), train, val)
 
-    trials = {tuple(t["group"] or ()): t for t in search._state["trials"]}
-    assert trials[("big",)]["verdict"] == "fail" and trials[("big",)]["reason"] == "NaN/Inf loss or metric"
+    trials = {tuple(t.group or ()): t for t in search.state.trials}
+    labels = [t.label for t in search.state.trials]  # several groups of 1: the labels still tell them apart
+    assert len(set(labels)) == len(labels), labels
+    record = search.record
+    assert record is not None and record["chosen_trial"] == trials[("l2",)].label
+    assert trials[("big",)].verdict == "fail" and trials[("big",)].reason == "NaN/Inf loss or metric"
     for group in (("hot", "l2"), ("hot",)):
         trial = trials[group]
-        assert trial["verdict"] == "fail" and trial["reason"] == "fp16 loss scaler skipped 100% of steps", trial
-        assert trial["skipped_steps"] == trial["steps"] > 0
-    assert trials[("l2",)]["verdict"] == "pass" and trials[("l2",)]["skipped_steps"] == 0
+        assert trial.verdict == "fail" and trial.reason == "fp16 loss scaler skipped 100% of steps", trial
+        assert trial.steps is not None and trial.skipped_steps == trial.steps > 0
+    assert trials[("l2",)].verdict == "pass" and trials[("l2",)].skipped_steps == 0
     resolved = plugin.plan.resolve(trainer.lightning_module)
     assert {n: p.value for n, p in resolved.items() if n in ("big", "hot", "l2")} == \
         {"big": "fp32", "hot": "fp32", "l2": "fp16"}
@@ -201,11 +207,12 @@ def test_fp16_overflow_skipped_steps_and_inf_reject_trials_and_each_trial_gets_a
 
 
 def test_skipped_fraction_threshold_is_configurable() -> None:
-    search = CoMPSearch(max_skipped_fraction=0.5, verbose=False)
-    trial = {"metric": 1.0, "nonfinite_loss": False, "skipped_steps": 3, "group": None}
-    assert search._judge(trial, steps=8) == ("pass", "reference")  # 37.5% <= 50%
-    trial["skipped_steps"] = 5
-    assert search._judge(trial, steps=8) == ("fail", "fp16 loss scaler skipped 62% of steps")
+    config = SearchConfig(max_skipped_fraction=0.5, verbose=False)
+    trial = TrialRecord(label="fp32 reference", group=None, plan={}, start_epoch=0, start_step=0, metric=1.0,
+                        skipped_steps=3)
+    assert judge_trial(config, trial, steps=8, reference=None) == ("pass", "reference")  # 37.5% <= 50%
+    trial.skipped_steps = 5
+    assert judge_trial(config, trial, steps=8, reference=None) == ("fail", "fp16 loss scaler skipped 62% of steps")
 
 
 # ---------------------------------------------------------------------------------------------- SIGKILL + resume
@@ -221,7 +228,8 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     done = _run(tmp, "--out", str(tmp / "result.json"))
     assert done.returncode == 0, done.stderr[-3000:]
     result: dict[str, Any] = json.loads((tmp / "result.json").read_text())
-    assert result["trials"] == [["fp32 reference", "pass"], ["all candidates", "fail"], ["group of 1", "pass"]]
+    assert result["trials"] == [["fp32 reference", "pass"], ["all candidates", "fail"],
+                                ["group of 1 (trial 2)", "pass"]]
     assert result["current_epoch"] == MAX_EPOCHS + 2 and result["plan"]["l2"] == "bf16"
     assert result["plan"]["l3"] == "fp32"
     return result
@@ -245,7 +253,7 @@ def test_sigkill_anywhere_in_the_search_resumes_to_the_same_result(tmp_path: Pat
         ("epoch_start:3", {"where": "epoch_start", "epoch": 3, "trials": [[ref, "pass"], [all_, "fail"]]},
          (2, "searching", [[ref, "pass"], [all_, "fail"]])),  # the checkpoint written as that trial ended
         ("batch:4:2", {"where": "batch", "epoch": 4, "phase": "done"},
-         (3, "done", [[ref, "pass"], [all_, "fail"], ["group of 1", "pass"]])),  # after the search finished
+         (3, "done", [[ref, "pass"], [all_, "fail"], ["group of 1 (trial 2)", "pass"]])),  # after the search finished
     ]
     resume: list[str] = []
     for point, where, in_checkpoint in points:
@@ -277,7 +285,7 @@ def test_sigkill_after_a_mid_epoch_checkpoint_resumes_to_the_same_plan_and_epoch
     killed = _run(root, "--kill", "batch:3:4", "--every-n-train-steps", "3")
     assert killed.returncode == -9, killed.stderr[-3000:]
     info = json.loads((root / "killed.json").read_text())
-    assert info["epoch"] == 3 and info["trials"][-1] == ["group of 1", None]  # the trial that will be kept
+    assert info["epoch"] == 3 and info["trials"][-1] == ["group of 1 (trial 2)", None]  # the trial that will be kept
     assert info["global_step"] % 3 == 2  # two steps after the last checkpoint: those are redone after resuming
     resumed = _run(root, "--resume", "--every-n-train-steps", "3", "--out", str(tmp_path / "resumed.json"))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
@@ -322,7 +330,7 @@ def test_crash_with_a_pending_rewind_in_the_checkpoint_resumes_to_the_same_weigh
     weights = torch.load(last, weights_only=True)["state_dict"]
     assert not all(bool(torch.isfinite(t).all()) for t in weights.values() if t.is_floating_point())
     trainer, search, model = run(tmp_path / "b", crash=False, ckpt_path=last)
-    assert search._state["pending_restore"] is None
+    assert search.state.pending_restore is None
     assert (trainer.current_epoch, trainer.global_step) == (expected_trainer.current_epoch,
                                                             expected_trainer.global_step)
     assert param_digest(model) == param_digest(expected_model)

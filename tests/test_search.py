@@ -21,6 +21,9 @@ from lightning_comp.errors import SearchConfigError, UnsupportedSetupError
 from lightning_comp.group_search import GroupSearch
 from lightning_comp.operators import iter_operators
 from lightning_comp.report import format_record
+from lightning_comp.search import SearchConfig
+from lightning_comp.search.batch_stage import BatchStage
+from lightning_comp.search.comparison import whole_step_winner
 
 
 class _Crash(Callback):
@@ -108,7 +111,7 @@ def test_decision_record_is_written_and_in_checkpoint(offset_run: dict[str, Any]
     train, val = loaders()
     resumed.fit(WideMLP(), train, val, ckpt_path=str(path))
     assert plugin.plan == offset_run["plugin"].plan
-    assert len(search._state["trials"]) == len(offset_run["search"]._state["trials"])
+    assert len(search.state.trials) == len(offset_run["search"].state.trials)
     # and a saved plan can be reused for a new run without any search
     reuse = CoMPPrecision(plan=Path(offset_run["dir"]) / "comp_plan.json")
     fresh = search_trainer(tmp_path / "reuse", [], max_epochs=1, plugin=reuse)
@@ -295,10 +298,8 @@ def test_group_search_respects_the_trial_budget() -> None:
 
 
 # ------------------------------------------------------------------------------------- whole-step alternatives
-def _searcher() -> CoMPSearch:
-    search = CoMPSearch(verbose=False)
-    search._low = Precision.BF16
-    return search
+def _stage(**kwargs: Any) -> BatchStage:
+    return BatchStage(SearchConfig(verbose=False, **kwargs), Precision.BF16, CoMPPrecision())
 
 
 def test_whole_step_alternatives_are_distinct_plans_without_excluded_operators() -> None:
@@ -307,9 +308,8 @@ def test_whole_step_alternatives_are_distinct_plans_without_excluded_operators()
     order, lowerable = list(modules), list(modules)
     decisions = {"0": {"decision": "candidate"}, "1": {"decision": "fill"}, "2": {"decision": "candidate"},
                  "3": {"decision": "fp32"}, "4": {"decision": "fp32", "excluded": True}}
-    search = _searcher()
-    search._state["runs"] = [{"before": "0", "after": "2", "operators": ["1"]}]
-    alternatives = search._alternatives(modules, lowerable, order, decisions, ("0", "2"))
+    runs = [{"before": "0", "after": "2", "operators": ["1"]}]
+    alternatives = _stage().alternatives(modules, lowerable, order, decisions, ("0", "2"), runs)
     lowered = {label: {s for s, p in plan.entries if p is Precision.BF16} for label, plan in alternatives.items()}
     # all_low leaves the excluded head out; compute = the Linears allowed (without the LayerNorm fill)
     assert lowered == {"all_low": {"0", "1", "2", "3"}, "compute": {"0", "2"}}
@@ -329,10 +329,11 @@ def test_whole_step_winner_needs_the_margin_over_fp32_and_the_candidates(step: d
                                                                        expected: str | None) -> None:
     labels = [k for k in step if k not in ("fp32", "candidates")]
     median = {k: v * 1.1 for k, v in step.items()}
-    assert _searcher()._whole_step_winner(step, median, labels, "candidates" in step) == expected
+    config = SearchConfig()
+    assert whole_step_winner(config, step, median, {}, labels, "candidates" in step) == expected
     if expected is not None:  # a win in the fastest round alone is not enough: the median round must agree
         median[expected] = median["fp32"]
-        assert _searcher()._whole_step_winner(step, median, labels, "candidates" in step) != expected
+        assert whole_step_winner(config, step, median, {}, labels, "candidates" in step) != expected
 
 
 @pytest.mark.parametrize(
@@ -346,11 +347,10 @@ def test_whole_step_winner_needs_the_margin_over_fp32_and_the_candidates(step: d
 )
 def test_memory_objective_adopts_the_leanest_whole_step_within_the_slowdown(
         saved: dict[str, float], step: dict[str, float], expected: str | None) -> None:
-    search = CoMPSearch(verbose=False, objective="memory")
-    search._low = Precision.BF16
+    config = SearchConfig(objective="memory")
     times = {k: step.get(k, 100.0) for k in saved}
     labels = [k for k in saved if k not in ("fp32", "candidates")]
-    assert search._memory_winner(saved, times, times, labels, "candidates" in saved) == expected
+    assert whole_step_winner(config, times, times, saved, labels, "candidates" in saved) == expected
 
 
 @pytest.mark.slow
@@ -386,7 +386,38 @@ def test_memory_objective_records_whole_step_saved_bytes_on_the_trainer_path(tmp
 )
 def test_balanced_objective_weighs_time_and_memory_of_whole_steps(
         saved: dict[str, float], step: dict[str, float], expected: str | None) -> None:
-    search = CoMPSearch(verbose=False, objective="balanced")
-    search._low = Precision.BF16
+    config = SearchConfig(objective="balanced")
     labels = [k for k in saved if k not in ("fp32", "candidates")]
-    assert search._balanced_winner(saved, step, step, labels, True) == expected
+    assert whole_step_winner(config, step, step, saved, labels, True) == expected
+
+
+# ----------------------------------------------------------------------------------------------- resume state
+STATE_V1 = Path(__file__).parent / "data" / "search_state_v1.json"  # written by the search before it was a package
+
+
+def test_a_search_state_written_before_the_typed_state_still_resumes() -> None:
+    old = json.loads(STATE_V1.read_text())
+    search = CoMPSearch(verbose=False)
+    search.load_state_dict(old)
+    state = search.state
+    assert state.phase == "done" and state.chosen is not None
+    assert [(t.label, t.verdict) for t in state.trials] == [(t["label"], t["verdict"]) for t in old["trials"]]
+    assert all(isinstance(t.group, tuple) for t in state.trials[1:]) and state.trials[0].group is None
+    assert search.chosen_plan == PrecisionPlan.from_dict(old["chosen"])
+    again = search.state_dict()  # the checkpoint form keeps every key and value it read (trials gain defaults)
+    assert {k: v for k, v in again.items() if k != "trials"} == {k: v for k, v in old.items() if k != "trials"}
+    for new, before in zip(again["trials"], old["trials"], strict=True):
+        assert {k: new[k] for k in before} == before
+    record = search.record
+    assert record is not None and record["chosen_trial"] == old["chosen_label"]
+
+
+@pytest.mark.parametrize("where", ["state", "trial"])
+def test_unknown_keys_in_a_search_state_are_an_error_naming_them(where: str) -> None:
+    old = json.loads(STATE_V1.read_text())
+    if where == "state":
+        old["surprise"] = 1
+    else:
+        old["trials"][1]["surprise"] = 1
+    with pytest.raises(SearchConfigError, match=r"Unknown keys \['surprise'\]"):
+        CoMPSearch(verbose=False).load_state_dict(old)

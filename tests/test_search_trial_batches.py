@@ -17,6 +17,8 @@ from search_models import TOLERANCE, SearchProbe, WideMLP, fixed_search, loaders
 
 from lightning_comp import CoMPPrecision, CoMPSearch
 from lightning_comp.errors import SearchConfigError
+from lightning_comp.search import SearchConfig
+from lightning_comp.search.trials import trial_batches
 
 BATCHES = 3  # of 8 per epoch (2048 samples, batch 256)
 
@@ -63,7 +65,7 @@ def test_trials_of_batches_find_the_unsafe_operator_and_keep_a_plain_runs_progre
     assert all(batch_trials["probe"].rewinds_exact) and batch_trials["probe"].rewinds_exact
     assert batch_trials["val_loss"] <= batch_trials["fp32_val_loss"] * (1 + TOLERANCE)
     # every trial, the FP32 reference included, was judged after BATCHES optimizer steps, not a whole epoch's 8
-    assert all(t["steps"] == BATCHES for t in search._state["trials"])
+    assert all(t.steps == BATCHES for t in search.state.trials)
 
 
 @pytest.mark.slow
@@ -167,13 +169,13 @@ def test_max_steps_budget_gets_the_rewound_trials_steps_back(batch_trials: dict[
                          [(0.25, 45, 11), (12, 45, 12), (1.0, 8, None), (100, 8, None), (0.01, 8, 1), (None, 8, None),
                           (4, float("inf"), None)])
 def test_trial_length_as_a_count_or_a_fraction_of_the_epoch(wanted: Any, epoch: Any, expected: int | None) -> None:
-    assert CoMPSearch(trial_batches=wanted)._trial_batches(epoch) == expected
+    assert trial_batches(SearchConfig(trial_batches=wanted), epoch) == expected
 
 
 def test_trial_length_is_whole_optimizer_steps_under_gradient_accumulation() -> None:
-    assert CoMPSearch(trial_batches=3)._trial_batches(16, accumulate=2) == 4
-    assert CoMPSearch(trial_batches=0.25)._trial_batches(45, accumulate=4) == 12
-    assert CoMPSearch(trial_batches=7)._trial_batches(8, accumulate=4) is None  # rounds up to the whole epoch
+    assert trial_batches(SearchConfig(trial_batches=3), 16, accumulate=2) == 4
+    assert trial_batches(SearchConfig(trial_batches=0.25), 45, accumulate=4) == 12
+    assert trial_batches(SearchConfig(trial_batches=7), 8, accumulate=4) is None  # rounds up to the whole epoch
 
 
 @pytest.mark.slow
@@ -188,7 +190,7 @@ def test_trials_of_batches_with_gradient_accumulation_end_on_an_optimizer_step(t
     record = search.record
     assert record is not None and all(t["batches"] == 4 for t in record["trials"])  # 3 rounded up to 2 steps
     rejected = [t for t in record["trials"] if not t["kept"]]
-    assert all(t["steps"] == 2 for t in search._state["trials"])  # every trial was judged after 2 optimizer steps
+    assert all(t.steps == 2 for t in search.state.trials)  # every trial was judged after 2 optimizer steps
     assert sorted(probe.batches) == sorted([4] * len(rejected) + [8] * (len(probe.batches) - len(rejected)))
     assert probe.rewinds_exact and all(probe.rewinds_exact)
 
@@ -213,7 +215,7 @@ def test_trials_of_batches_with_the_users_own_validation_inside_the_epoch(batch_
     assert search.phase == "done"
     assert search.chosen_plan is not None
     assert search.chosen_plan.entries == batch_trials["search"].chosen_plan.entries
-    trial_epochs = {t["start_epoch"] for t in search._state["trials"]}
+    trial_epochs = {t.start_epoch for t in search.state.trials}
     for epoch in range(trainer.current_epoch):
         at = [ready for e, ready in seen if e == epoch]
         assert (BATCHES in at) == (epoch in trial_epochs), (epoch, at)  # a trial's own validation

@@ -1,0 +1,270 @@
+"""The outputs of ``benchmarks/compare.py``: Markdown, CSV and JSON files, console lines and the machine description."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from compare_analysis import _step_peak, round_ratio
+from compare_suite import MODES
+
+
+def machine_info() -> dict[str, Any]:
+    """Versions, CPU model and its BF16/FP16/AMX flags, thread counts and the device class of this machine."""
+    import lightning
+    import torch
+
+    info: dict[str, Any] = {
+        "python": platform.python_version(), "torch": torch.__version__, "lightning": lightning.__version__,
+        "platform": platform.platform(), "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+        "cuda": torch.cuda.is_available(),
+    }
+    try:
+        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+        for line in lscpu.splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() in ("Model name", "CPU(s)", "Core(s) per socket", "Thread(s) per core", "Flags"):
+                value = value.strip()
+                if key.strip() == "Flags":
+                    value = " ".join(f for f in value.split() if "amx" in f or "bf16" in f or "fp16" in f)
+                info[f"lscpu {key.strip()}"] = value
+    except (OSError, subprocess.SubprocessError):
+        pass
+    from lightning_comp.cpu_features import cpu_features
+    from lightning_comp.devices import device_class
+
+    features = cpu_features()
+    for name in ("amx_tile", "avx512_bf16", "amx_fp16"):
+        info[f"is_{name}_supported"] = name in features
+
+    info["device_class"] = device_class("cuda" if torch.cuda.is_available() else "cpu").to_dict()
+    if torch.cuda.is_available():
+        info["cuda_device"] = torch.cuda.get_device_name()
+        info["cuda_capability"] = list(torch.cuda.get_device_capability())
+    return info
+
+
+def _load() -> list[float]:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return []
+
+
+def short_lines(key: str, m: dict[str, Any]) -> str:
+    """One console line per mode of an analysed model: throughput, memory, final val_loss."""
+    lines = []
+    for mode, e in m["modes"].items():
+        if "error" in e:
+            lines.append(f"    {mode:<11} ERROR")
+            continue
+        t, mem, val = e["throughput"], e["memory"], e["final_validation"]
+        lines.append(f"    {mode:<11} {t['samples_per_s']:9.1f} samples/s [{t['min']:.1f}-{t['max']:.1f}]"
+                     f"  step peak {_step_peak(e) / 2**20:7.1f} MiB  RSS +{mem['increment_bytes'] / 2**20:7.1f} MiB"
+                     f"  val_loss {val.get('val_loss', math.nan):.4f}")
+    return "\n".join(lines)
+
+
+def _fmt(value: Any, spec: str = ".2f") -> str:
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "n/a"
+    return format(value, spec)
+
+
+def markdown(report: dict[str, Any]) -> str:
+    """The report as Markdown: run details, the table per model and mode, the search table, the targets."""
+    m = report["machine"]
+    lines = [
+        f"# CoMP vs FP32 / AMP / BF16: results of `{report['command']}`",
+        "",
+        f"- date: {report['date']}; total {report['total_seconds']:.0f} s",
+        f"- machine: {m.get('lscpu Model name', platform.processor())}, {m.get('lscpu CPU(s)', m['cpu_count'])} CPUs,"
+        f" torch {m['torch']} ({m['torch_threads']} threads), lightning {m['lightning']}, device {report['device']}"
+        + (f" ({m.get('cuda_device')})" if report["device"] == "cuda" else ""),
+        f"- load average (1/5/15 min) at start {report['load_average_start']}, at end {report['load_average_end']}",
+        f"- search settings (from `lightning_comp/conf/precision/comp.yaml`): tolerance {report['tolerance']}"
+        f" ({report['tolerance_mode']}) on val_loss",
+    ]
+    for mode, why in report["skipped_modes"].items():
+        lines.append(f"- `{mode}` {why}")
+    for key, model in report["models"].items():
+        for mode, why in model.get("skipped_modes", {}).items():
+            lines.append(f"- {key} `{mode}` {why}")
+    lines += ["", "| model | mode | samples/s (median) | spread (min-max over rounds) | vs FP32 | vs AMP |"
+              " step peak tensor mem (MiB) | saved for bwd (MiB) | process RSS: peak / +over baseline (MiB) |"
+              " val_loss | val metric | steps |", "|" + "---|" * 12]
+    for key, model in report["models"].items():
+        modes = model["modes"]
+        fp32 = modes.get("fp32", {}).get("throughput")
+        amp = modes.get("bf16-mixed", {}).get("throughput")
+        for mode, e in modes.items():
+            if "error" in e:
+                lines.append(f"| {key} | {MODES[mode].label} | error | | | | | | | | | |")
+                continue
+            t = e["throughput"]
+            vs32 = round_ratio(t, fp32)["median"] if fp32 else math.nan
+            vsamp = round_ratio(t, amp)["median"] if amp else math.nan
+            saved = e["saved_for_backward"] or {}
+            val = e["final_validation"]
+            metric = model["metric"]
+            lines.append(
+                f"| {key} | {MODES[mode].label} | {_fmt(t['samples_per_s'], '.1f')} |"
+                f" {_fmt(t['min'], '.1f')}-{_fmt(t['max'], '.1f')} | {_fmt(vs32)} | {_fmt(vsamp)} |"
+                f" {_fmt(_step_peak(e) / 2**20, '.1f')} |"
+                f" {_fmt(saved.get('activation_bytes', math.nan) / 2**20, '.1f')} |"
+                f" {_fmt(e['memory']['peak_bytes'] / 2**20, '.0f')} /"
+                f" +{_fmt(e['memory']['increment_bytes'] / 2**20, '.0f')} |"
+                f" {_fmt(val.get('val_loss'), '.4f')} | {metric} {_fmt(val.get(metric), '.4f')} | {e['steps']} |")
+    lines += ["", "## CoMP search", "", "| model | chosen | lowered / operators | cost (s, measured) |"
+              " cost at full epochs (s) | 20 epochs at the plan's step time (s) | share | measured 20-epoch fit |"
+              " trials |", "|" + "---|" * 9]
+    for key, model in report["models"].items():
+        s = model["search"]
+        if "error" in s:
+            lines.append(f"| {key} | search failed | | | | | | | |")
+            continue
+        x = s["extrapolated"]
+        trials = "; ".join(f"{t['label']}: {t['verdict']}" for t in s["trials"])
+        lines.append(f"| {key}{' (default example)' if s['default_example'] else ''} | {s['chosen_trial']} |"
+                     f" {len(s['lowered_operators'])} / {s['num_operators']} |"
+                     f" {_fmt(s['measured']['search_seconds'], '.1f')}"
+                     f" | {_fmt(x['search_seconds_full_epochs'], '.1f')} | {_fmt(x['run_20_epochs_seconds'], '.0f')} |"
+                     f" {_fmt(100 * x['share_of_20_epoch_run'], '.1f')} % | {_real_cell(s.get('real_run'))} |"
+                     f" {trials} |")
+    lines += ["", "## Ratios and targets", "", "| target | model | value | threshold | met |", "|---|---|---|---|---|"]
+    for c in report["targets"]["checks"]:
+        met = "n/a" if c["met"] is None else "yes" if c["met"] else "**no**"
+        note = f" ({c['note']})" if c["note"] else ""
+        lines.append(f"| {c['target']}{note} | {c['model'] or 'suite'} | {_fmt(c['value'], '.3f')} |"
+                     f" {c['op']} {c['threshold']} | {met} |")
+    return "\n".join(lines) + "\n"
+
+
+def _real_cell(real: dict[str, Any] | None) -> str:
+    if not real:
+        return "-"
+    return (f"{real['total_seconds']:.1f} s (search {real['search_seconds']:.1f} s + FP32 warm-up over the plan"
+            f" {real.get('warmup_overhead_seconds') or 0.0:.1f} s) of {real['fit_seconds']:.0f} s"
+            f" ({real['epochs_trained']} epochs) = {100 * real['total_share_of_fit']:.1f} %")
+
+
+CSV_FIELDS = ("model", "mode", "samples_per_s", "samples_per_s_min", "samples_per_s_max", "pooled_samples_per_s",
+              "median_step_ms", "vs_fp32", "vs_amp", "step_peak_tensor_mib", "rss_increment_mib", "rss_peak_mib",
+              "rss_steady_increment_mib", "saved_activations_mib",
+              "saved_parameters_mib", "val_loss", "val_metric_name", "val_metric", "steps", "converges_like_fp32",
+              "cast_ms_profiled_step", "forward_hooks")
+
+
+def csv_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per model and mode, keyed by ``CSV_FIELDS`` (a failed mode has only ``model`` and ``mode``)."""
+    rows = []
+    for key, model in report["models"].items():
+        modes = model["modes"]
+        fp32 = modes.get("fp32", {}).get("throughput")
+        amp = modes.get("bf16-mixed", {}).get("throughput")
+        for mode, e in modes.items():
+            if "error" in e:
+                rows.append({"model": key, "mode": mode})
+                continue
+            t, saved, val = e["throughput"], e["saved_for_backward"] or {}, e["final_validation"]
+            rows.append({
+                "model": key, "mode": mode, "samples_per_s": t["samples_per_s"], "samples_per_s_min": t["min"],
+                "samples_per_s_max": t["max"], "pooled_samples_per_s": t["pooled_samples_per_s"],
+                "median_step_ms": t["median_step_ms"],
+                "vs_fp32": round_ratio(t, fp32)["median"] if fp32 else "",
+                "vs_amp": round_ratio(t, amp)["median"] if amp else "",
+                "step_peak_tensor_mib": _step_peak(e) / 2**20,
+                "rss_increment_mib": e["memory"]["increment_bytes"] / 2**20,
+                "rss_peak_mib": e["memory"]["peak_bytes"] / 2**20,
+                "rss_steady_increment_mib": (e["memory"].get("steady_increment_bytes") or math.nan) / 2**20,
+                "saved_activations_mib": saved.get("activation_bytes", 0) / 2**20,
+                "saved_parameters_mib": saved.get("parameter_bytes", 0) / 2**20,
+                "val_loss": val.get("val_loss"), "val_metric_name": model["metric"],
+                "val_metric": val.get(model["metric"]),
+                "steps": e["steps"], "converges_like_fp32": e.get("converges_like_fp32"),
+                "cast_ms_profiled_step": (e.get("profile") or {}).get("cast_self_ms"),
+                "forward_hooks": e.get("forward_hooks"),
+            })
+    return rows
+
+
+def write_outputs(report: dict[str, Any], out_dir: Path, img_dir: Path, prefix: str, plots: bool) -> list[Path]:
+    """Write ``<prefix>_raw.json``, ``<prefix>.json`` (without the raw record), ``.csv``, ``.md`` and the plots.
+
+    Args:
+        report: The report.
+        out_dir: The folder of the JSON, CSV and Markdown files.
+        img_dir: The folder of the PNG plots.
+        prefix: The stem of every file name.
+        plots: Whether to draw the plots.
+
+    Returns:
+        The paths written.
+    """
+    import csv
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    json_path = out_dir / f"{prefix}.json"
+    raw_path = out_dir / f"{prefix}_raw.json"
+    raw_path.write_text(json.dumps(report, default=_json_default) + "\n")
+    json_path.write_text(json.dumps({k: v for k, v in report.items() if k != "raw"}, indent=1,
+                                    default=_json_default) + "\n")
+    paths.append(raw_path)
+    csv_path = out_dir / f"{prefix}.csv"
+    with csv_path.open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=CSV_FIELDS)
+        writer.writeheader()
+        for row in csv_rows(report):
+            writer.writerow({k: _csv_value(row.get(k)) for k in CSV_FIELDS})
+    md_path = out_dir / f"{prefix}.md"
+    md_path.write_text(markdown(report))
+    paths += [json_path, csv_path, md_path]
+    if plots:
+        from compare_plots import plot_all
+
+        img_dir.mkdir(parents=True, exist_ok=True)
+        paths += plot_all(report, img_dir, prefix)
+    return paths
+
+
+def _csv_value(value: Any) -> Any:
+    if isinstance(value, float):
+        return "" if not math.isfinite(value) else f"{value:.6g}"
+    return "" if value is None else value
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, (set, tuple)):
+        return list(value)
+    return str(value)
+
+
+def print_ratios(report: dict[str, Any]) -> None:
+    """Print CoMP's throughput and memory ratios per model and whether each target is met."""
+    print("\nCoMP throughput ratios (median of per-round ratios; min-max over rounds):")
+    for key, model in report["models"].items():
+        r = model["ratios"]
+        parts = []
+        for other, label in (("bf16-mixed", "CoMP/AMP"), ("fp32", "CoMP/FP32"), ("bf16-true", "CoMP/bf16-true"),
+                             ("16-mixed", "CoMP/16-mixed")):
+            x = r.get(f"throughput_vs_{other}")
+            if x:
+                parts.append(f"{label} {x['median']:.3f} [{x['min']:.2f}-{x['max']:.2f}]")
+        mem = r.get("memory_step_peak_vs_bf16-mixed")
+        if mem is not None:
+            parts.append(f"step-peak-mem CoMP/AMP {mem:.3f} (RSS increment {r['memory_increment_vs_bf16-mixed']:.3f})")
+        print(f"  {key:<6} " + "  ".join(parts))
+    print(f"  geomean CoMP/AMP over the suite: {report['targets']['geomean_vs_amp']:.3f}")
+    print("\nTargets:")
+    for c in report["targets"]["checks"]:
+        met = "n/a" if c["met"] is None else "met" if c["met"] else "MISSED"
+        print(f"  [{met:>6}] {c['target']:<55} {c['model'] or 'suite':<6} {_fmt(c['value'], '.3f')}"
+              f" {c['op']} {c['threshold']}  {c['note']}")

@@ -1,0 +1,166 @@
+"""One measuring run of ``benchmarks/compare.py``: every model of the suite under every precision mode.
+
+How each number is measured (per model):
+
+1. **CoMP search.** A fresh process trains the model with ``CoMPPrecision()`` + ``CoMPSearch``, using the search
+   settings of the shipped default example (``lightning_comp/conf/precision/comp.yaml``). The default example's model
+   (``gpt``) searches on full epochs; the others on epochs shortened to ``search_batches`` batches (validation
+   shortened in the same proportion), and their cost is scaled to full epochs. The share of a 20-epoch run divides
+   the search cost by 20 full epochs at the chosen plan's measured step time (a real 20-epoch run per model does not
+   fit the time budget).
+2. **Interleaved training.** One fresh process per mode (``32-true``, ``bf16-mixed``, ``bf16-true``, ``16-mixed`` if
+   the device has fast FP16, and ``CoMPPrecision(plan=<chosen>)``), all from the same seed, initial weights and
+   batches. A coordinator hands a baton to one process at a time, which trains ``segment`` optimizer steps and hands
+   it back; the order rotates every round, so all modes see the same machine conditions while each keeps a process
+   (and a memory peak) of its own. Round 0 is warm-up. Each batch is timed from ``on_train_batch_start`` to
+   ``on_train_batch_end`` (forward, backward, clipping, optimizer step; synchronised on CUDA). Throughput = batch
+   size / median batch time of a round; summary = median over rounds (spread: min-max); ratios between modes are
+   medians of per-round ratios.
+3. **Memory.** The peak tensor memory of one steady training step: parameters, gradients and optimizer state at the
+   step's start plus the peak of live tensors during the step from ``torch.profiler`` memory events (on CUDA,
+   ``torch.cuda.max_memory_allocated``). Bytes saved for backward over one step come from
+   ``torch.autograd.graph.saved_tensors_hooks`` (unique storages; parameters, saved by reference, counted apart).
+   The process's peak RSS (Linux ``VmHWM``) and its rise over the pre-training RSS are recorded too: they include
+   allocator retention and vary from run to run, so the target is judged on the tensor metric.
+4. **Convergence.** All modes train the same number of optimizer steps and validate on the same batches every
+   ``val_every`` steps; the final validation loss is compared with FP32 under the search's tolerance.
+
+One step per mode (in the warm-up round) also runs under ``torch.profiler`` to attribute time to casts
+(``aten::_to_copy``/``aten::copy_``). ``benchmarks/compare_diagnose.py`` digs further into a miss.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import math
+import os
+import sys
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any
+
+from compare_analysis import analyse_raw, evaluate_targets
+from compare_report import _load, machine_info, short_lines
+from compare_suite import DEFAULT_MODELS, ROOT, SUITE, ModelSpec, smoke_spec
+from compare_workers import _search_kwargs, mp_context, run_interleaved, run_search
+
+
+def modes_that_cannot_run(spec: ModelSpec, modes: list[str], device_type: str) -> dict[str, str]:
+    """Lightning precisions that cannot run ``spec``'s model on this device, with why (CoMP always can).
+
+    CPU autocast has no BF16 ``nn.LSTM`` kernel on CPUs without AVX512-BF16 (pytorch/pytorch#88136), so Lightning's
+    ``bf16-mixed`` dies inside oneDNN there; what runs is decided by the package's own kernel probe.
+    """
+    if device_type != "cpu" or "bf16-mixed" not in modes:
+        return {}
+    import torch
+
+    from lightning_comp import zoo
+    from lightning_comp.devices import device_class
+    from lightning_comp.dtypes import Precision
+    from lightning_comp.operators import Lowering, lowering_for
+
+    with torch.device("meta"):
+        model = getattr(zoo, spec.model)(**spec.model_kwargs)
+    lstms = [m for m in model.modules() if isinstance(m, torch.nn.LSTM)]
+    if lstms and lowering_for(lstms[0], Precision.BF16, "cpu") is not Lowering.AUTOCAST:
+        return {"bf16-mixed": f"skipped: CPU autocast has no BF16 nn.LSTM kernel on this CPU"
+                              f" ({device_class('cpu').describe()}); Lightning's bf16-mixed would fail inside oneDNN"}
+    return {}
+
+
+def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
+    """Search and train every model of the selection under every mode that can run here, and analyse as it goes.
+
+    Args:
+        args: The command-line options.
+
+    Returns:
+        The report: machine, settings, specs, the raw record per model, the analysed models and the targets.
+    """
+    import torch
+
+    from lightning_comp.dtypes import Precision, device_supports_fast
+
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    modes = ["fp32", "bf16-mixed", "bf16-true"]
+    skipped: dict[str, str] = {}
+    if device_supports_fast(Precision.FP16, device_type):
+        modes.append("16-mixed")
+    else:
+        skipped["16-mixed"] = (
+            f"skipped: this {device_type} has no fast FP16 (no AMX-FP16): FP16 matmul"
+            " runs at ~1x FP32, FP16 Conv2d backward uses oneDNN's reference kernel (~100x slower), nn.LSTM has no"
+            " FP16 CPU kernel, and Lightning silently turns precision='16-mixed' into 'bf16-mixed' on CPU."
+            if device_type == "cpu" else f"skipped: no fast FP16 on this {device_type}")
+    modes.append("comp")
+    if args.modes:
+        modes = [m for m in modes if m in args.modes.split(",")]
+    keys = DEFAULT_MODELS if args.models in (None, "default") else tuple(SUITE) if args.models == "all" \
+        else tuple(args.models.split(","))
+    specs = [smoke_spec(SUITE[k]) if args.smoke else SUITE[k] for k in keys]
+    if args.steps_scale != 1.0:
+        specs = [replace(s, steps=max(2 * s.segment, int(round(s.steps * args.steps_scale / s.segment)) * s.segment))
+                 for s in specs]
+    ctx = mp_context()
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    search_kwargs = _search_kwargs({}, "")
+    tolerance = float(search_kwargs.get("tolerance", 0.02))
+    tolerance_mode = str(search_kwargs.get("tolerance_mode", "relative"))
+    started = time.perf_counter()
+    report: dict[str, Any] = {
+        "date": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "command": "python " + " ".join([os.path.relpath(sys.argv[0], ROOT)] + sys.argv[1:]),
+        "machine": machine_info(),
+        "device": device_type,
+        "load_average_start": _load(),
+        "smoke": bool(args.smoke),
+        "modes": modes,
+        "skipped_modes": skipped,
+        "search_settings": {k: v for k, v in search_kwargs.items() if k not in ("record_dir", "verbose")},
+        "tolerance": tolerance, "tolerance_mode": tolerance_mode,
+        "specs": {s.key: asdict(s) for s in specs},
+        "models": {},
+        "raw": {},
+    }
+    for spec in specs:
+        t0 = time.perf_counter()
+        print(f"[compare] {spec.key}: search ...", flush=True)
+        search: dict[str, Any] = {"error": "CoMP not benchmarked"}
+        plan = None
+        if "comp" in modes:
+            search = run_search(ctx, spec, args, out_dir / f"compare_search_{spec.key}")
+            if "error" in search:
+                print(f"[compare] {spec.key}: search failed:\n{search['error']}", flush=True)
+            else:
+                plan = search["plan"]
+                rec = search.get("record") or {}
+                print(f"[compare] {spec.key}: search chose {rec.get('chosen_trial')!r}, lowered"
+                      f" {len(rec.get('lowered_operators', []))}/{rec.get('num_operators')} operators,"
+                      f" cost {rec.get('cost', {}).get('search_seconds', math.nan):.1f} s", flush=True)
+        run_modes = [m for m in modes if m != "comp" or plan is not None]
+        cannot_run = modes_that_cannot_run(spec, run_modes, device_type)
+        for mode, why in cannot_run.items():
+            print(f"[compare] {spec.key}/{mode} {why}", flush=True)
+        run_modes = [m for m in run_modes if m not in cannot_run]
+        print(f"[compare] {spec.key}: interleaved training of {', '.join(run_modes)} ...", flush=True)
+        runs, orders = run_interleaved(ctx, spec, run_modes, plan, args)
+        for mode, result in runs.items():
+            if "error" in result:
+                print(f"[compare] {spec.key}/{mode} failed:\n{result['error']}", flush=True)
+        raw = {"search": search, "runs": runs, "orders": orders, "seconds": time.perf_counter() - t0,
+               "load_average_after": _load()}
+        report["raw"][spec.key] = raw
+        analysed = analyse_raw(spec, raw, tolerance, tolerance_mode)
+        analysed["skipped_modes"] = cannot_run
+        report["models"][spec.key] = analysed
+        print(f"[compare] {spec.key}: done in {analysed['seconds']:.0f} s; load {analysed['load_average_after']}",
+              flush=True)
+        print(short_lines(spec.key, analysed), flush=True)
+    report["targets"] = evaluate_targets(report["models"], tolerance)
+    report["load_average_end"] = _load()
+    report["total_seconds"] = time.perf_counter() - started
+    return report

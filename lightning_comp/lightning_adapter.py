@@ -1,0 +1,122 @@
+"""Every private Lightning attribute lightning-comp reads or writes, in one place.
+
+The search has to steer Lightning's fit loop (extend ``max_epochs``/``max_steps``, cut an epoch short, validate in
+the middle of one, re-seed samplers after a rewind) and the plugin has to know whether a fused optimizer unscales
+itself. Lightning has no public API for these, so each access is a small function here, and
+``tests/test_lightning_adapter.py`` checks every one of them against the installed Lightning, so an upgrade that
+moves one fails loudly in one named test instead of silently mis-steering a search. Supported range: see
+``pyproject.toml`` (``lightning>=2.4,<2.7``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.fabric.plugins.precision.amp import _optimizer_handles_unscaling
+from lightning.fabric.utilities.data import _set_sampler_epoch
+from lightning.pytorch.callbacks import Callback
+
+__all__ = [
+    "batches_done_this_epoch",
+    "batches_done_in_total",
+    "callbacks",
+    "epoch_length",
+    "iter_stateful_callbacks",
+    "optimizer_handles_unscaling",
+    "set_callbacks",
+    "set_epoch_length",
+    "set_max_epochs",
+    "set_max_steps",
+    "set_sampler_epochs",
+    "set_val_check_batch",
+    "train_dataloaders",
+    "val_check_batch",
+    "val_check_time_interval",
+]
+
+
+# ------------------------------------------------------------------------------------------------ fit loop limits
+def set_max_epochs(trainer: pl.Trainer, max_epochs: int) -> None:
+    """Set the fit loop's ``max_epochs`` (public attribute of ``FitLoop``)."""
+    trainer.fit_loop.max_epochs = max_epochs
+
+
+def set_max_steps(trainer: pl.Trainer, max_steps: int) -> None:
+    """Set ``max_steps``: ``FitLoop.max_steps`` is a read-only view of the epoch loop's attribute."""
+    trainer.fit_loop.epoch_loop.max_steps = max_steps
+
+
+def epoch_length(trainer: pl.Trainer) -> int | float:
+    """Batches the current epoch will run (``FitLoop.max_batches``, ``inf`` for an iterable without length)."""
+    length = trainer.fit_loop.max_batches
+    return float("inf") if length is None else length
+
+
+def set_epoch_length(trainer: pl.Trainer, batches: int | float) -> None:
+    """End the current epoch after ``batches`` batches (``FitLoop.max_batches``; reset at the next epoch)."""
+    trainer.fit_loop.max_batches = batches
+
+
+def batches_done_this_epoch(trainer: pl.Trainer) -> int:
+    """Training batches started in the current epoch (``epoch_loop.batch_progress.current.ready``)."""
+    return int(trainer.fit_loop.epoch_loop.batch_progress.current.ready)
+
+
+def batches_done_in_total(trainer: pl.Trainer) -> int:
+    """Training batches started since the fit began (``epoch_loop.batch_progress.total.ready``)."""
+    return int(trainer.fit_loop.epoch_loop.batch_progress.total.ready)
+
+
+# ------------------------------------------------------------------------------------------------------ validation
+def val_check_batch(trainer: pl.Trainer) -> int | float | None:
+    """After how many batches the epoch loop validates (``Trainer.val_check_batch``, set by the data connector)."""
+    return trainer.val_check_batch
+
+
+def set_val_check_batch(trainer: pl.Trainer, batches: int | float | None) -> None:
+    """Validate after ``batches`` batches (``Trainer.val_check_batch``)."""
+    trainer.val_check_batch = batches
+
+
+def val_check_time_interval(trainer: pl.Trainer) -> Any:
+    """``Trainer._val_check_time_interval`` (a time-based ``val_check_interval``), ``None`` where there is none."""
+    return getattr(trainer, "_val_check_time_interval", None)
+
+
+# ----------------------------------------------------------------------------------------------------- dataloaders
+def train_dataloaders(trainer: pl.Trainer) -> list[Any]:
+    """The fit loop's training dataloaders (``FitLoop._combined_loader.flattened``), empty before they exist."""
+    loader = getattr(trainer.fit_loop, "_combined_loader", None)
+    return list(getattr(loader, "flattened", None) or [])
+
+
+def set_sampler_epochs(trainer: pl.Trainer, epoch: int) -> None:
+    """Tell every training dataloader's (distributed) sampler the epoch, as Lightning does at an epoch start."""
+    for dataloader in train_dataloaders(trainer):
+        _set_sampler_epoch(dataloader, epoch)
+
+
+# --------------------------------------------------------------------------------------------------------- callbacks
+def callbacks(trainer: pl.Trainer) -> list[Callback]:
+    """A copy of ``trainer.callbacks`` (set in ``Trainer.__init__``; unknown to type checkers)."""
+    return list(trainer.callbacks)  # type: ignore[attr-defined]
+
+
+def set_callbacks(trainer: pl.Trainer, new: list[Callback]) -> None:
+    """Replace ``trainer.callbacks`` (a hook loop that is running keeps iterating the list it started with)."""
+    trainer.callbacks = new  # type: ignore[attr-defined]
+
+
+def iter_stateful_callbacks(trainer: pl.Trainer) -> Iterator[Callback]:
+    """The Trainer's callbacks that have state of their own (a non-empty ``state_dict()``)."""
+    for callback in callbacks(trainer):
+        if callback.state_dict():
+            yield callback
+
+
+# ------------------------------------------------------------------------------------------------------- precision
+def optimizer_handles_unscaling(optimizer: Any) -> bool:
+    """Whether ``optimizer`` unscales gradients itself (a fused optimizer with ``_step_supports_amp_scaling``)."""
+    return bool(_optimizer_handles_unscaling(optimizer))

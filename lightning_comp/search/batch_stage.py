@@ -1,0 +1,261 @@
+"""The batch stage: which operators are worth a convergence trial, measured on one batch of the user's training.
+
+At the first batch of the search, the training step is run repeatedly on that batch, in FP32 and with every
+operator lowered, to measure each operator's forward and backward time and the bytes it saves for backward.
+Operators whose low-precision cost (casts included) does not beat FP32 by the margin stay FP32 and are never
+trialled. Cheap operators (norms, activations) between two lowered operators are lowered too when that costs no
+time, so activations stay low across the run. The candidate plan is then timed as a whole step beside the all-low
+and the compute-only plans (:mod:`lightning_comp.search.comparison` decides); if nothing beats FP32, the search ends.
+"""
+
+from __future__ import annotations
+
+import functools
+import statistics
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+
+from lightning_comp.casting import StepKind
+from lightning_comp.devices import model_device
+from lightning_comp.dtypes import Precision
+from lightning_comp.errors import SearchConfigError
+from lightning_comp.operators import Lowering, OperatorKind, classify, iter_operators, lowering_for
+from lightning_comp.plan import PrecisionPlan
+from lightning_comp.plugin import CoMPPrecision
+from lightning_comp.profiling import OperatorProfiler, ProfileResult, StepTimer
+from lightning_comp.search.comparison import judge_operator, plan_pays, whole_step_winner
+from lightning_comp.search.config import Objective, SearchConfig
+from lightning_comp.search.ranks import agree, reduce_mean, reduce_profile
+from lightning_comp.search.trials import plan_for
+from lightning_comp.snapshot import capture_rng, restore_rng
+
+__all__ = ["BatchStage", "cheap_runs"]
+
+_HEAVY_KINDS = (OperatorKind.COMPUTE, OperatorKind.EMBEDDING, OperatorKind.OTHER)
+
+
+class BatchStage:
+    """Measures the operators of a model on one batch and decides the candidates of the epoch stage.
+
+    Args:
+        config: the search's settings.
+        low: the 16-bit precision searched.
+        plugin: the plugin that puts each measured plan into effect.
+    """
+
+    def __init__(self, config: SearchConfig, low: Precision, plugin: CoMPPrecision) -> None:
+        self.config = config
+        self.low = low
+        self.plugin = plugin
+
+    def run(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int,
+            restore: Callable[[], None]) -> dict[str, Any]:
+        """Measure and decide; ``restore`` puts the run's state back afterwards (the stage trains nothing).
+
+        Returns:
+            Rank 0's ``decisions`` per operator, ``candidates``, their ``gains``, whole-step ``step_ms`` and
+            ``step_saved_bytes``, cheap-operator ``runs``, the execution ``order`` and ``memory`` per configuration.
+        """
+        plugin, low, config = self.plugin, self.low, self.config
+        device = model_device(pl_module)
+        modules = dict(iter_operators(pl_module))
+        lowerable = [n for n, m in modules.items() if lowering_for(m, low, device) not in (None, Lowering.NONE)]
+        all_low = PrecisionPlan.from_dict({n: low.value for n in lowerable})
+        rng = capture_rng()
+        step = TrainingStepRunner(pl_module, batch, batch_idx)
+        try:
+            profiler = OperatorProfiler(pl_module, device.type, config.profile_steps, config.profile_warmup)
+            results = profiler.profile(
+                {"fp32": lambda: plugin._set_search_plan(PrecisionPlan()),
+                 "low": lambda: plugin._set_search_plan(all_low)}, step
+            )
+            reduce_profile(trainer, results)
+            decisions, runs = self.select(modules, lowerable, results)
+            order = results["fp32"].order
+            candidates = tuple(n for n in order if decisions.get(n, {}).get("decision") == "candidate")
+            alternatives = self.alternatives(modules, lowerable, order, decisions, candidates, runs)
+            timer = StepTimer(device.type, config.profile_steps, config.profile_warmup)
+            configs: dict[str, Any] = {"fp32": lambda: plugin._set_search_plan(PrecisionPlan())}
+            plans = dict(alternatives)
+            if candidates:
+                plans = {"candidates": plan_for(low, runs, candidates), **plans}
+            for label, plan in plans.items():
+                configs[label] = functools.partial(_activate, plugin, plan)
+            times = timer.time(configs, step)
+            step_ms = {k: reduce_mean(trainer, min(v)) for k, v in times.items()}
+            median_ms = {k: reduce_mean(trainer, statistics.median(v)) for k, v in times.items()}
+            step_saved: dict[str, float] = {}
+            if config.objective is not Objective.THROUGHPUT:
+                saved = timer.saved_bytes(pl_module, configs, step)
+                step_saved = {k: reduce_mean(trainer, float(v)) for k, v in saved.items()}
+            winner = whole_step_winner(config, step_ms, median_ms, step_saved, list(alternatives), bool(candidates))
+            if winner is not None:
+                candidates, runs = self.adopt(winner, alternatives[winner], order, decisions, step_ms, step_saved)
+            elif candidates and not plan_pays(config, step_ms, median_ms):
+                for name in candidates:
+                    if not decisions[name].get("forced"):
+                        decisions[name]["decision"] = "fp32"
+                        decisions[name]["reason"] = (
+                            f"candidate plan as a whole not better than fp32 ({step_ms['candidates']:.3f} ms vs"
+                            f" {step_ms['fp32']:.3f} ms per step)")
+                candidates = tuple(n for n in candidates if decisions[n].get("forced"))
+        finally:
+            restore()
+            restore_rng(rng)
+            plugin._set_search_plan(PrecisionPlan().with_provenance(role="trial", trial="fp32 reference"))
+        memory = {label: {"saved_bytes": r.saved_bytes, "peak_bytes": r.peak_bytes} for label, r in results.items()}
+        payload: dict[str, Any] = {"decisions": decisions, "candidates": list(candidates),
+                                   "gains": {n: decisions[n]["gain_ms"] for n in candidates}, "step_ms": step_ms,
+                                   "step_saved_bytes": step_saved, "runs": runs, "order": order, "memory": memory}
+        return agree(trainer, payload)
+
+    def alternatives(self, modules: dict[str, torch.nn.Module], lowerable: list[str], order: list[str],
+                     decisions: dict[str, dict[str, Any]], candidates: tuple[str, ...],
+                     runs: list[dict[str, Any]]) -> dict[str, PrecisionPlan]:
+        """Whole-step alternatives to the per-operator candidate plan, timed side by side with it.
+
+        Per-operator timings miss effects that only show in a whole step: casts vanish inside long low-precision
+        runs (``all_low``), and cheap operators lowered between lowered ones can cost more than the casts they
+        save, e.g. a bf16 LayerNorm on a CPU (``compute``: the compute operators alone). Only plans that differ
+        from the candidate plan and from each other are timed.
+        """
+        low = self.low.value
+        allowed = [n for n in order if n in lowerable and not decisions[n].get("excluded")]
+        heavy = [n for n in allowed if classify(modules[n]) in _HEAVY_KINDS]
+        options = {
+            "all_low": PrecisionPlan.from_dict({n: low for n in allowed}),
+            "compute": PrecisionPlan.from_dict({n: low for n in heavy}),
+        }
+        seen = {plan_for(self.low, runs, candidates).entries} if candidates else set()
+        seen.add(PrecisionPlan().entries)
+        out: dict[str, PrecisionPlan] = {}
+        for label, plan in options.items():
+            if plan.entries not in seen:
+                seen.add(plan.entries)
+                out[label] = plan
+        return out
+
+    def adopt(self, winner: str, plan: PrecisionPlan, order: list[str], decisions: dict[str, dict[str, Any]],
+              step_ms: dict[str, float], saved: dict[str, float] | None = None,
+              ) -> tuple[tuple[str, ...], list[dict[str, Any]]]:
+        """Make the operators of ``plan`` the candidates (no cheap-operator fills: the plan was timed as is)."""
+        lowered = {selector for selector, precision in plan.entries if precision is not Precision.FP32}
+        what = {"all_low": f"the all-{self.low} plan", "compute": "the plan of compute operators only"}[winner]
+        better = {Objective.THROUGHPUT: "faster as a whole", Objective.MEMORY: "leaner as a whole",
+                  Objective.BALANCED: "better in time x memory as a whole"}[self.config.objective]
+        timing = f"({step_ms[winner]:.3f} vs {step_ms['fp32']:.3f} ms per step in fp32"
+        timing += f", {step_ms['candidates']:.3f} ms for the candidates)" if "candidates" in step_ms else ")"
+        if saved:
+            incumbent = "candidates" if "candidates" in saved else "fp32"
+            timing += (f"; {saved[winner] / 2**20:.1f} MiB saved for backward vs {saved[incumbent] / 2**20:.1f} MiB"
+                       f" for the {incumbent}")
+        for name in order:
+            if name in lowered:
+                decisions[name].update(decision="candidate", reason=f"lowered as in {what}, {better} {timing}")
+            elif decisions.get(name, {}).get("decision") in ("candidate", "fill") and not decisions[name].get("forced"):
+                decisions[name].update(decision="fp32", reason=f"left fp32: {what} is {better} {timing}")
+        candidates = tuple(n for n in order if n in lowered or decisions[n].get("forced"))
+        return candidates, []
+
+    def select(self, modules: dict[str, torch.nn.Module], lowerable: list[str],
+               results: dict[str, ProfileResult]) -> tuple[dict[str, dict[str, Any]], list[dict[str, Any]]]:
+        """Each operator's decision from its measurements, and the runs of cheap operators between candidates."""
+        config = self.config
+        fp32, low = results["fp32"].operators, results["low"].operators
+        decisions: dict[str, dict[str, Any]] = {}
+        fillable: set[str] = set()
+        include, exclude = config.included, config.excluded
+        for name, module in modules.items():
+            kind = classify(module)
+            entry: dict[str, Any] = {"type": type(module).__name__, "kind": kind.value,
+                                     "params": sum(p.numel() for p in module.parameters())}
+            a, b = fp32.get(name), low.get(name)
+            if a is not None:
+                entry["fp32"] = a.to_dict()
+            if b is not None:
+                entry["low"] = b.to_dict()
+            entry["gain_ms"] = 0.0
+            if name not in lowerable:
+                entry.update(decision="fp32", reason="shape-only" if kind is OperatorKind.SHAPE
+                             else f"no {self.low} kernel on this device")
+            elif exclude.matches(name, module):
+                entry.update(decision="fp32", reason="excluded by CoMPSearch(exclude=...)", excluded=True)
+            elif include.matches(name, module):
+                entry.update(decision="candidate", reason="included by CoMPSearch(include=...)", forced=True,
+                             gain_ms=(a.total_ms - b.total_ms) if a is not None and b is not None else 0.0)
+            elif a is None or b is None:
+                entry.update(decision="fp32", reason="not run in the training step")
+            elif kind in _HEAVY_KINDS:
+                entry.update(judge_operator(config, a.total_ms, b.total_ms, a.saved_bytes, b.saved_bytes))
+            else:
+                cheap_ok = b.compute_ms <= a.compute_ms * (1 + config.speed_margin) + config.min_gain_ms
+                entry.update(decision="fill" if cheap_ok else "fp32",
+                             reason="lowered only between lowered operators" if cheap_ok
+                             else f"slower in {self.low} ({b.compute_ms:.4f} vs {a.compute_ms:.4f} ms)")
+                if cheap_ok:
+                    fillable.add(name)
+            decisions[name] = entry
+        return decisions, cheap_runs(results["fp32"].order, decisions, fillable, modules)
+
+
+def cheap_runs(order: list[str], decisions: dict[str, dict[str, Any]], fillable: set[str],
+               modules: dict[str, torch.nn.Module]) -> list[dict[str, Any]]:
+    """Maximal runs of fillable cheap operators between two candidate operators, in execution order."""
+    runs = []
+    before: str | None = None
+    pending: list[str] = []
+    for name in order:
+        decision = decisions.get(name, {}).get("decision")
+        if decision == "candidate":
+            if before is not None and pending:
+                runs.append({"before": before, "after": name, "operators": list(pending)})
+            before, pending = name, []
+        elif name in fillable:
+            pending.append(name)
+        elif classify(modules[name]) is OperatorKind.SHAPE:
+            continue
+        else:
+            before, pending = None, []
+    return runs
+
+
+def _activate(plugin: CoMPPrecision, plan: PrecisionPlan) -> Any:
+    """Put ``plan`` into effect and return the context of a calibrated training step (for ``StepTimer``)."""
+    plugin._set_search_plan(plan)
+    return plugin.executor.step(StepKind.TRAIN)
+
+
+class TrainingStepRunner:
+    """Runs the user's ``training_step`` plus backward on one batch, without logging, stepping or gradient sync."""
+
+    def __init__(self, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        self.pl_module = pl_module
+        self.batch = batch
+        self.batch_idx = batch_idx
+
+    def __call__(self) -> None:
+        module = self.pl_module
+        module.log = _ignore  # type: ignore[method-assign]
+        module.log_dict = _ignore  # type: ignore[method-assign]
+        try:
+            output = module.training_step(self.batch, self.batch_idx)
+            loss = output.get("loss") if isinstance(output, Mapping) else output
+            if module.automatic_optimization:
+                if not isinstance(loss, torch.Tensor):
+                    raise SearchConfigError(
+                        "CoMPSearch profiles the training step, but training_step returned"
+                        f" {type(output).__name__} instead of a loss tensor (or a dict with 'loss')."
+                    )
+                loss.backward()
+        finally:
+            del module.log
+            del module.log_dict
+            for param in module.parameters():
+                param.grad = None
+
+
+def _ignore(*args: Any, **kwargs: Any) -> None:
+    return None

@@ -1,0 +1,426 @@
+"""``CoMPSearch``: the Lightning callback of the search. It holds the Lightning hooks and delegates every step.
+
+The search runs inside the user's ``trainer.fit`` and never changes the model's code:
+
+1. **Warm-up.** The first ``warmup_epochs`` train in FP32 as usual (early metrics are too noisy to judge by).
+2. **Batch stage** (:mod:`~lightning_comp.search.batch_stage`, decisions in :mod:`~lightning_comp.search.comparison`):
+   which operators are worth a trial, measured on one batch.
+3. **Epoch stage** (:mod:`~lightning_comp.search.trials`): FP32 reference and candidate trials from one snapshot,
+   judged on the monitored validation metric; unsafe operators isolated by adaptive group testing.
+4. **Rewind and keep** (:mod:`~lightning_comp.search.loop`): rejected trials are rewound bit-exactly and given back
+   through ``max_epochs``; ``EarlyStopping`` is paused meanwhile (:mod:`lightning_comp.callback_pause`).
+
+The decision record (:mod:`~lightning_comp.search.record`) is kept in the callback state, written as JSON next to
+the logs, logged to the Trainer's loggers and printed on rank 0. Under DDP every rank takes every decision from the
+same numbers (:mod:`~lightning_comp.search.ranks`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback, EarlyStopping
+from lightning.pytorch.utilities import rank_zero_warn
+from typing_extensions import override
+
+from lightning_comp import lightning_adapter as lightning
+from lightning_comp.callback_pause import CallbackPause
+from lightning_comp.devices import device_class, model_device
+from lightning_comp.dtypes import Precision
+from lightning_comp.group_search import GroupSearch
+from lightning_comp.plan import PrecisionPlan
+from lightning_comp.plugin import CoMPPrecision
+from lightning_comp.search.batch_stage import BatchStage
+from lightning_comp.search.checks import (
+    check_low_precision,
+    check_monitor,
+    check_optimization,
+    check_selectors,
+    check_trainer,
+    no_validation_at_trial_end,
+    nothing_to_search,
+)
+from lightning_comp.search.config import Objective, SearchConfig
+from lightning_comp.search.loop import LoopBudget, no_epoch_follows
+from lightning_comp.search.record import build_record, publish
+from lightning_comp.search.state import Phase, SearchState
+from lightning_comp.search.trials import TrialDriver
+from lightning_comp.snapshot import TrainingSnapshot
+
+__all__ = ["CoMPSearch"]
+
+_TIMING_SKIP_BATCHES = 2
+
+
+class CoMPSearch(Callback):
+    """Search a per-operator precision plan for the model being trained, then train with it.
+
+    Use with the plugin: ``Trainer(plugins=[CoMPPrecision()], callbacks=[CoMPSearch()])``.
+
+    Args:
+        monitor: validation metric that judges convergence (logged in ``validation_step``; under DDP log it with
+            ``sync_dist=True``).
+        mode: ``"min"`` if lower is better (losses), ``"max"`` if higher is better (accuracy).
+        tolerance: how much worse than the FP32 reference trial a candidate may end. Relative by default: ``0.02``
+            accepts ``val_loss <= 1.02 * reference`` (mode min) or ``acc >= 0.98 * reference`` (mode max).
+        tolerance_mode: ``"relative"`` (fraction of ``|reference|``) or ``"absolute"`` (metric units).
+        warmup_epochs: FP32 epochs before the search starts (kept as training; at least 1 recommended so every trial
+            sees the same batch order).
+        trial_epochs: epochs each convergence trial trains.
+        trial_batches: if set (a number of batches, or a fraction of the epoch such as ``0.25``, as with
+            ``Trainer(limit_train_batches)``), each trial trains only the first that many batches of an epoch and is
+            judged by a validation run right there. A rejected trial ends its epoch early and is rewound (its epoch is
+            given back through ``max_epochs``, as for whole-epoch trials); the trial that is kept goes on to the end
+            of its epoch with its plan, so the kept progress still equals a plain run's. Cuts the cost of the FP32
+            reference trial to that many batches. Needs ``trial_epochs=1`` and validation at every epoch end.
+        profile_steps: measured training steps per configuration in the batch stage (minima are used).
+        profile_warmup: unmeasured steps per configuration before those.
+        low_precision: ``"auto"`` (BF16 on CPUs with AVX512-BF16/AMX and on CUDA >= sm80, FP16 on CUDA sm70-sm75,
+            FP32 without a search where no 16-bit precision is native, e.g. AVX2-only CPUs), ``"bf16"`` or ``"fp16"``.
+            Decided from the device the model trains on, once Lightning has placed it.
+        objective: ``"throughput"``, ``"memory"`` (saved-for-backward bytes) or ``"balanced"``. Per operator first;
+            then the candidate plan is compared as a whole step with the all-low and the compute-only plans: by time
+            (``"throughput"``), by bytes saved for backward within ``max_memory_slowdown`` of FP32 (``"memory"``), or
+            by the geometric mean of both ratios to FP32 (``"balanced"``).
+        speed_margin: fraction by which lowering must beat FP32 before it is preferred (noise guard).
+        min_gain_ms: smallest per-step time gain (ms) an operator must show to be lowered.
+        max_trials: budget of candidate trials (the reference trial not counted).
+        max_skipped_fraction: FP16 trials whose loss scaler skips more than this fraction of steps are rejected.
+        max_memory_slowdown: with ``objective="memory"``, the largest slowdown accepted for an operator, and for a
+            whole-step plan against FP32.
+        include: plan selectors (names, globs, ``"type:Linear"``) of operators to trial in low precision whatever
+            the batch stage measures (convergence still decides).
+        exclude: plan selectors of operators never to lower (kept FP32 without trials), e.g. a sensitive head.
+        record_dir: where to write ``comp_search.json`` and ``comp_plan.json`` (default: the Trainer's log dir).
+        verbose: print the decision table on rank 0.
+
+    Note:
+        ``EarlyStopping`` callbacks are paused from the search's first trial until the model holds its final state
+        (the kept trial, or the rewound snapshot): they neither count the trials' validations against their patience
+        nor stop the fit on a rejected trial's NaN. Their state travels in the search's checkpoint state meanwhile.
+        ``ModelCheckpoint`` keeps saving during the search, so a run killed inside it resumes the search; a
+        monitored "best" checkpoint can therefore be a trial that the search later rewound.
+
+    Raises:
+        SearchConfigError: on an invalid argument (the message names it and the valid values).
+    """
+
+    def __init__(
+        self,
+        monitor: str = "val_loss",
+        mode: str = "min",
+        tolerance: float = 0.02,
+        tolerance_mode: str = "relative",
+        warmup_epochs: int = 1,
+        trial_epochs: int = 1,
+        trial_batches: int | float | None = None,
+        profile_steps: int = 4,
+        profile_warmup: int = 1,
+        low_precision: str = "auto",
+        objective: str = "throughput",
+        speed_margin: float = 0.05,
+        min_gain_ms: float = 0.005,
+        max_trials: int = 12,
+        max_skipped_fraction: float = 0.05,
+        max_memory_slowdown: float = 1.5,
+        include: Sequence[str] = (),
+        exclude: Sequence[str] = (),
+        record_dir: str | None = None,
+        verbose: bool = True,
+    ) -> None:
+        self.config = SearchConfig(
+            monitor=monitor,
+            mode=mode,
+            tolerance=tolerance,
+            tolerance_mode=tolerance_mode,
+            warmup_epochs=warmup_epochs,
+            trial_epochs=trial_epochs,
+            trial_batches=trial_batches,
+            profile_steps=profile_steps,
+            profile_warmup=profile_warmup,
+            low_precision=low_precision,
+            objective=Objective(objective) if objective in Objective._value2member_map_ else objective,  # type: ignore[arg-type]
+            speed_margin=speed_margin,
+            min_gain_ms=min_gain_ms,
+            max_trials=max_trials,
+            max_skipped_fraction=max_skipped_fraction,
+            max_memory_slowdown=max_memory_slowdown,
+            include=tuple(include) if not isinstance(include, str) else include,  # type: ignore[arg-type]
+            exclude=tuple(exclude) if not isinstance(exclude, str) else exclude,  # type: ignore[arg-type]
+            record_dir=None if record_dir is None else str(record_dir),
+            verbose=verbose,
+        )
+        self._plugin: CoMPPrecision | None = None
+        self._low: Precision | None = None
+        self._budget = LoopBudget()
+        self._batch_started: float | None = None
+        self._fit_started: float | None = None
+        self._monitor_checked = False
+        # EarlyStopping must not judge trials that are rewound (nor stop the fit on a rejected trial's NaN)
+        self._early_stopping = CallbackPause(_is_early_stopping)
+        self._paused_states: dict[str, dict[str, Any]] = {}  # their states, from a checkpoint written during a pause
+        self._state = SearchState()
+        self._trials: TrialDriver | None = None
+
+    # -------------------------------------------------------------------------------------------- public state
+    @property
+    def state_key(self) -> str:
+        """Constant, so a checkpoint resumes the search whatever arguments the callback is built with."""
+        return "CoMPSearch"
+
+    @property
+    def phase(self) -> str:
+        """``"pending"`` (warm-up), ``"searching"`` or ``"done"``."""
+        return self._state.phase
+
+    @property
+    def state(self) -> SearchState:
+        """Where the search stands: phase, trials (:class:`TrialRecord`), extensions (for inspection; read only)."""
+        return self._state
+
+    @property
+    def chosen_plan(self) -> PrecisionPlan | None:
+        """The plan the search chose, once it is done."""
+        chosen = self._state.chosen
+        return None if chosen is None else PrecisionPlan.from_dict(chosen)
+
+    @property
+    def record(self) -> dict[str, Any] | None:
+        """The decision record (JSON-able) once the search is done, else ``None``."""
+        if self._state.phase != Phase.DONE:
+            return None
+        return build_record(self._state, self.config)
+
+    # --------------------------------------------------------------------------------------------- setup hooks
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit":
+            self._plugin = check_trainer(trainer, self.config)
+            check_optimization(pl_module)
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        assert self._plugin is not None
+        self._fit_started = time.perf_counter()
+        device = device_class(model_device(pl_module))  # Lightning has placed the model by now
+        self._low = self.config.resolve_low_precision(device)
+        check_low_precision(self.config, self._low, device, self._plugin,
+                            starting=self._state.phase == Phase.PENDING)
+        self._trials = TrialDriver(self.config, self._state, self._plugin, self._low, self._budget,
+                                   self._early_stopping, self._publish)
+        self._budget.remember(trainer)
+        self._trials.extend(trainer)
+        check_selectors(self.config, pl_module)
+        state = self._state
+        if state.phase == Phase.DONE and state.chosen is not None:
+            self._plugin._set_search_plan(PrecisionPlan.from_dict(state.chosen))
+        elif self._low is None and state.phase == Phase.PENDING:
+            self._trials.finish(trainer, PrecisionPlan(), "fp32", reason="no 16-bit precision pays on this device")
+        elif state.phase == Phase.PENDING and self._low is not None:
+            why = nothing_to_search(self.config, self._low, pl_module)
+            if why is not None:  # finish at once: no profiling, no trials, no extra epochs
+                rank_zero_warn(f"CoMPSearch: {why}. Training continues in fp32 without a search.")
+                self._trials.finish(trainer, PrecisionPlan(), "fp32", reason=why)
+        if state.in_search:  # resumed inside the search
+            self._early_stopping.pause(trainer, self._paused_states)
+
+    # -------------------------------------------------------------------------------------------- epoch hooks
+    @override
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        state, trials = self._state, self._driver
+        if state.phase == Phase.DONE:
+            trials.apply_pending_restore(trainer, pl_module)
+            return
+        if state.phase == Phase.PENDING:
+            if trainer.current_epoch < self.config.warmup_epochs:
+                return
+            state.phase = Phase.SEARCHING
+            state.search_start_epoch = trainer.current_epoch
+            state.warmup_batches = lightning.batches_done_in_total(trainer)
+            state.snapshot = TrainingSnapshot.capture(trainer, pl_module, self._scaler()).to_state()
+            self._early_stopping.pause(trainer)
+            trials.start(trainer, pl_module, label="fp32 reference", group=None, rewind_first=False)
+            return
+        current = state.current_trial
+        if current is not None and trials.due(current, trainer.current_epoch):
+            trials.close(trainer, pl_module)  # resumed from a checkpoint written before the verdict
+            if state.phase == Phase.DONE:
+                trials.apply_pending_restore(trainer, pl_module)
+                return
+            current = None
+        if current is None:
+            trials.start_next(trainer, pl_module)
+
+    @override
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        if self._state.phase != Phase.SEARCHING:
+            return
+        if self._state.profile is None:
+            self._batch_stage(trainer, pl_module, batch, batch_idx)
+            if self._state.phase != Phase.SEARCHING:
+                return
+        current = self._state.current_trial
+        if current is not None and current.batches:
+            self._budget.validate_after(trainer, current.batches)
+        _synchronize(pl_module)
+        self._batch_started = time.perf_counter()
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        current = self._state.current_trial
+        if current is None or self._state.phase != Phase.SEARCHING:
+            return
+        if self._batch_started is not None and batch_idx >= _TIMING_SKIP_BATCHES:
+            _synchronize(pl_module)
+            current.batch_ms.append((time.perf_counter() - self._batch_started) * 1e3)
+        self._batch_started = None
+        loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
+        if isinstance(loss, torch.Tensor) and not bool(torch.isfinite(loss.detach()).all()):
+            current.nonfinite_loss = True
+
+    @override
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not self._monitor_checked:  # fail on the sanity check already, before any epoch is spent
+            check_monitor(self.config, trainer)
+            self._monitor_checked = True
+        if trainer.sanity_checking or self._state.phase != Phase.SEARCHING:
+            return
+        current = self._state.current_trial
+        if current is None:
+            return
+        if current.batches and lightning.batches_done_this_epoch(trainer) != current.batches:
+            return  # a validation of the user's own schedule, not the one that ends this trial
+        check_monitor(self.config, trainer)
+        current.metrics[str(trainer.current_epoch)] = float(trainer.callback_metrics[self.config.monitor])
+        if current.batches:
+            self._close_trial_of_batches(trainer, pl_module)
+
+    def _close_trial_of_batches(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Judge a trial of ``trial_batches`` batches; end its epoch here unless it is the trial that is kept."""
+        state = self._state
+        index = len(state.trials) - 1
+        self._driver.close(trainer, pl_module)
+        self._budget.restore_validation(trainer)
+        if state.phase == Phase.DONE and state.kept_trial == index:
+            return  # the chosen trial trains on to the end of its epoch: its progress is kept whole
+        self._budget.end_epoch_after_this_batch(trainer)
+        if state.phase == Phase.DONE and no_epoch_follows(trainer):
+            self._driver.apply_pending_restore(trainer, pl_module)  # no epoch start follows to apply it
+
+    @override
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._budget.restore_epoch_length(trainer)  # a rejected trial of batches cut this epoch short
+        current = self._state.current_trial
+        if self._state.phase != Phase.SEARCHING or current is None:
+            return
+        if self._driver.due(current, trainer.current_epoch + 1):
+            self._driver.close(trainer, pl_module)  # may extend max_epochs/max_steps: ask what follows afterwards
+            if no_epoch_follows(trainer):
+                # No epoch follows whose start would apply a pending rewind (the last trial was rejected and the
+                # run ends here): apply it now, so the model the fit returns and the last checkpoint are not the
+                # rejected trial's.
+                self._driver.apply_pending_restore(trainer, pl_module)
+            return
+        stopping = trainer.should_stop or 0 < trainer.max_steps <= trainer.global_step
+        last_epoch = current.start_epoch + self.config.trial_epochs - 1
+        if trainer.current_epoch >= last_epoch and str(last_epoch) not in current.metrics and not stopping:
+            raise no_validation_at_trial_end(self.config, trainer, last_epoch)
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._state.phase == Phase.DONE:  # training stopped before the epoch start that would apply a rewind
+            self._driver.apply_pending_restore(trainer, pl_module)
+        elif self._state.phase == Phase.SEARCHING:
+            last = self._state.trials[-1].label if self._state.trials else None
+            rank_zero_warn(
+                f"CoMPSearch: training stopped during the search (trainer.should_stop, max_time or max_steps), in or"
+                f" after trial {last!r}. The model holds the state and plan of that trial, which the search may have"
+                " rejected. Resume from a checkpoint written during the search (e.g. last.ckpt) to finish it."
+            )
+        self._early_stopping.resume(trainer)
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._early_stopping.resume(trainer)  # hand the Trainer back with its callbacks
+
+    @override
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._fit_started is not None:
+            self._state.fit_seconds = float(self._state.fit_seconds) + time.perf_counter() - self._fit_started
+            self._fit_started = None
+        if self._state.phase == Phase.DONE:
+            self._publish(trainer, True)
+
+    # ------------------------------------------------------------------------------------------------ helpers
+    @property
+    def _driver(self) -> TrialDriver:
+        assert self._trials is not None, "CoMPSearch hooks ran before on_fit_start"
+        return self._trials
+
+    def _scaler(self) -> Any:
+        return None if self._plugin is None else self._plugin.scaler
+
+    def _publish(self, trainer: pl.Trainer, final: bool) -> None:
+        publish(trainer, self._state, self.config, final)
+
+    def _batch_stage(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        assert self._plugin is not None and self._low is not None
+        state = self._state
+        started = time.perf_counter()
+        snapshot = state.snapshot
+        assert snapshot is not None
+
+        def restore() -> None:
+            TrainingSnapshot.from_state(snapshot).restore(trainer, pl_module, self._scaler(), rng=False)
+
+        result = BatchStage(self.config, self._low, self._plugin).run(trainer, pl_module, batch, batch_idx, restore)
+        state.runs = result["runs"]
+        state.profile = {key: result[key] for key in ("step_ms", "step_saved_bytes", "order", "memory")}
+        state.profile = {"operators": result["decisions"], **state.profile}
+        search = GroupSearch(tuple(result["candidates"]), result["gains"], self.config.max_trials)
+        state.group_search = search.state_dict()
+        state.low_precision = self._low.value
+        state.profiling_seconds = time.perf_counter() - started
+        reference = state.current_trial
+        if reference is not None:
+            reference.profiling_seconds = state.profiling_seconds
+        if search.done:  # nothing worth a trial: this epoch is plain FP32 training and is kept
+            assert reference is not None
+            reference.verdict, reference.reason = "pass", "no candidate operators: trained in fp32"
+            reference.seconds = 0.0
+            self._driver.finish(trainer, PrecisionPlan(), "fp32 reference",
+                                reason="no operator pays in low precision", kept=True)
+
+    # --------------------------------------------------------------------------------------------- checkpoint
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        state = self._state.to_dict()
+        if self._early_stopping.active:  # Lightning saves only the states of callbacks in trainer.callbacks
+            state["paused_callbacks"] = self._early_stopping.states()
+        return state
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Resume the search from a checkpoint's state.
+
+        Raises:
+            SearchConfigError: on another state version, or unknown keys (named).
+        """
+        values = dict(state_dict)
+        self._paused_states = dict(values.pop("paused_callbacks", None) or {})
+        self._state = SearchState.from_dict(values)
+
+
+def _is_early_stopping(callback: Callback) -> bool:
+    return isinstance(callback, EarlyStopping)
+
+
+def _synchronize(pl_module: pl.LightningModule) -> None:
+    if model_device(pl_module).type == "cuda":
+        torch.cuda.synchronize()

@@ -1,0 +1,118 @@
+"""``CoMPSearch``'s settings: one validated, immutable :class:`SearchConfig`."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from enum import Enum
+
+from lightning_comp.devices import DeviceClass
+from lightning_comp.dtypes import Precision, parse_precision
+from lightning_comp.errors import PlanError, SearchConfigError
+from lightning_comp.selectors import Selectors
+
+__all__ = ["Objective", "SearchConfig"]
+
+
+class Objective(str, Enum):
+    """What the batch stage optimises."""
+
+    THROUGHPUT = "throughput"  # lower an operator when it gets faster
+    MEMORY = "memory"  # lower an operator when it saves memory for backward (and is not much slower)
+    BALANCED = "balanced"  # lower an operator when the geometric mean of its time and memory ratios improves
+
+
+@dataclass(frozen=True)
+class SearchConfig:
+    """Validated settings of :class:`CoMPSearch` (see its docstring for the meaning of each field)."""
+
+    monitor: str = "val_loss"
+    mode: str = "min"
+    tolerance: float = 0.02
+    tolerance_mode: str = "relative"
+    warmup_epochs: int = 1
+    trial_epochs: int = 1
+    trial_batches: int | float | None = None
+    profile_steps: int = 4
+    profile_warmup: int = 1
+    low_precision: str = "auto"
+    objective: Objective = Objective.THROUGHPUT
+    speed_margin: float = 0.05
+    min_gain_ms: float = 0.005
+    max_trials: int = 12
+    max_skipped_fraction: float = 0.05
+    max_memory_slowdown: float = 1.5
+    include: tuple[str, ...] = ()
+    exclude: tuple[str, ...] = ()
+    record_dir: str | None = None
+    verbose: bool = True
+
+    def __post_init__(self) -> None:
+        def fail(name: str, valid: str) -> None:
+            raise SearchConfigError(f"CoMPSearch({name}={getattr(self, name)!r}) is invalid: {valid}.")
+
+        if not isinstance(self.monitor, str) or not self.monitor:
+            fail("monitor", "it must be the name of a metric logged during validation, e.g. 'val_loss'")
+        if self.mode not in ("min", "max"):
+            fail("mode", "use 'min' (lower is better, e.g. a loss) or 'max' (e.g. accuracy)")
+        if not isinstance(self.tolerance, (int, float)) or not math.isfinite(self.tolerance) or self.tolerance < 0:
+            fail("tolerance", "it must be a finite number >= 0")
+        if self.tolerance_mode not in ("relative", "absolute"):
+            fail("tolerance_mode", "use 'relative' (a fraction of the reference metric) or 'absolute'")
+        for name, low in (("warmup_epochs", 0), ("trial_epochs", 1), ("profile_steps", 1), ("profile_warmup", 0),
+                          ("max_trials", 1)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                fail(name, f"it must be an integer >= {low}")
+        if self.trial_batches is not None:
+            value = self.trial_batches
+            count = isinstance(value, int) and not isinstance(value, bool) and value >= 1
+            fraction = isinstance(value, float) and 0.0 < value <= 1.0
+            if not (count or fraction):
+                fail("trial_batches", "it must be None (whole epochs), a number of batches >= 1, or a fraction of the"
+                     " epoch in (0, 1]")
+            if self.trial_epochs != 1:
+                fail("trial_batches", f"trials of a number of batches need trial_epochs=1, not {self.trial_epochs}")
+        if self.low_precision not in ("auto", "bf16", "fp16"):
+            fail("low_precision", "use 'auto' (what pays on the device), 'bf16' or 'fp16'")
+        try:
+            object.__setattr__(self, "objective", Objective(self.objective))
+        except ValueError:
+            fail("objective", "use 'throughput', 'memory' or 'balanced'")
+        for name in ("speed_margin", "min_gain_ms", "max_skipped_fraction"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not 0 <= value < 1e6:
+                fail(name, "it must be a number >= 0")
+        if not self.max_memory_slowdown >= 1:
+            fail("max_memory_slowdown", "it must be >= 1 (the slowdown accepted for memory)")
+        for name in ("include", "exclude"):
+            value = getattr(self, name)
+            if isinstance(value, str) or not all(isinstance(v, str) for v in value):
+                fail(name, "it must be a list of plan selectors (operator names, globs or 'type:ClassName')")
+            object.__setattr__(self, name, tuple(value))
+            try:
+                Selectors.of(value)
+            except PlanError as err:
+                raise SearchConfigError(f"CoMPSearch({name}=...): {err}") from None
+
+    @property
+    def included(self) -> Selectors:
+        """Operators to trial in low precision whatever the batch stage measures."""
+        return Selectors.of(self.include)
+
+    @property
+    def excluded(self) -> Selectors:
+        """Operators never lowered."""
+        return Selectors.of(self.exclude)
+
+    def resolve_low_precision(self, device: DeviceClass) -> Precision | None:
+        """The 16-bit precision to search with on ``device`` (``None`` when none is native there).
+
+        ``"auto"`` prefers BF16 (no loss scaling), then FP16; an explicit ``"bf16"``/``"fp16"`` is taken as is.
+        """
+        if self.low_precision != "auto":
+            return parse_precision(self.low_precision)
+        for precision in (Precision.BF16, Precision.FP16):
+            if device.is_native(precision):
+                return precision
+        return None
