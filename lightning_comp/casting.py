@@ -1,16 +1,15 @@
 """Executing a precision plan on a model through forward pre/post hooks.
 
 :class:`PlanExecutor` registers one pre-hook and one post-hook per operator and puts each operator's precision into
-effect the way that suits it (:class:`~lightning_comp.operators.Lowering`): an autocast region for matmul, conv,
-LSTM and attention; a cast of the input for norms and element-wise operators; low-precision copies of the FP32
-parameters for other modules with weights. Master weights are never modified: they stay FP32 and receive FP32
-gradients through the differentiable casts.
+effect the way that suits it (:class:`~lightning_comp.operators.Lowering`): an autocast region for matmul, conv and
+attention (and for recurrent operators where it runs on the device); a cast of the input for norms and element-wise
+operators; low-precision copies of the FP32 parameters for other modules with weights. Master weights are never
+modified: they stay FP32 and receive FP32 gradients through the differentiable casts.
 
-**Cast boundaries.** A low-precision operator's output stays in the low dtype only where every consumer of it is an
-operator of the same low precision; anywhere else (an FP32 operator, a functional op outside any operator, the loss,
-the caller) it is cast back to FP32. The consumers are found by tracing the first step of each kind
-(train/validation/test/predict) after a plan is applied, with a ``TorchFunctionMode`` that sees every torch call made
-outside operators. Calls outside a step, and operators the trace did not see, always cast back to FP32.
+**Cast boundaries** (:mod:`lightning_comp.cast_boundaries`). A low-precision operator's output stays in the low
+dtype only where every consumer of it is an operator of the same low precision; anywhere else it is cast back to
+FP32. The consumers are found by tracing the first step of each kind (train/validation/test/predict) after a plan
+is applied. Calls outside a step, and operators the trace did not see, always cast back to FP32.
 """
 
 from __future__ import annotations
@@ -19,7 +18,6 @@ import sys
 import weakref
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
-from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
@@ -27,33 +25,31 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 from torch.nn.utils.stateless import _reparametrize_module
-from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
+from lightning_comp.cast_boundaries import (
+    LOW_DTYPES,
+    ConsumerTracer,
+    HookedOperator,
+    cast_floating,
+    has_low,
+    iter_tensors,
+)
 from lightning_comp.devices import device_class, model_device
 from lightning_comp.dtypes import Precision
 from lightning_comp.errors import PlanError
-from lightning_comp.operators import Lowering, OperatorKind, classify, iter_operators, lowering_for
+from lightning_comp.operators import Lowering, classify, iter_operators, lowering_for
 from lightning_comp.plan import PrecisionPlan
 from lightning_comp.weight_casts import WeightCastRecorder
 
 __all__ = ["StepKind", "PlanExecutor", "cast_floating"]
 
-_LOW_DTYPES = (torch.bfloat16, torch.float16)
 # Autocast-lowered modules whose forward reads its own parameters: their 16-bit weight copies are made by the executor
 # (so they can be re-cast in backward instead of kept); other autocast-lowered modules are left to autocast.
 _RECASTABLE = (nn.Linear, nn.modules.conv._ConvNd)
 # The executor whose hooks are on each model. A model carries one plan at a time: applying another executor (a new
 # CoMPPrecision for the same model, e.g. a second Trainer) takes the previous one's hooks off first.
 _OWNERS: weakref.WeakKeyDictionary[nn.Module, PlanExecutor] = weakref.WeakKeyDictionary()
-# Tensor metadata reads that neither consume values nor create tensors: they never force a cast boundary.
-_METADATA_GETTERS = frozenset({"shape", "dtype", "device", "requires_grad", "is_leaf", "ndim", "layout", "grad_fn",
-                               "is_cuda", "is_sparse", "is_quantized", "is_meta", "names", "grad", "_version"})
-_METADATA_METHODS = frozenset({"size", "dim", "numel", "stride", "is_contiguous", "is_floating_point",
-                               "element_size", "__len__", "data_ptr", "get_device", "__repr__", "__format__",
-                               "storage_offset", "nelement", "ndimension", "is_complex"})
-
-
 class StepKind(str, Enum):
     """The kind of Lightning step a forward belongs to; cast boundaries are calibrated per kind."""
 
@@ -63,139 +59,7 @@ class StepKind(str, Enum):
     PREDICT = "predict"
 
 
-def cast_floating(obj: Any, dtype: torch.dtype, only: tuple[torch.dtype, ...] | None = None) -> Any:
-    """Cast every floating tensor in a nested structure (tensor, tuple, list, dict, namedtuple) to ``dtype``.
-
-    Args:
-        obj: the structure.
-        dtype: target dtype.
-        only: if given, cast only tensors whose dtype is in ``only``.
-    """
-    if isinstance(obj, torch.Tensor):
-        if obj.is_floating_point() and obj.dtype != dtype and (only is None or obj.dtype in only):
-            return obj.to(dtype)
-        return obj
-    if isinstance(obj, tuple):
-        items = [cast_floating(o, dtype, only) for o in obj]
-        return type(obj)(*items) if hasattr(obj, "_fields") else tuple(items)
-    if isinstance(obj, list):
-        return [cast_floating(o, dtype, only) for o in obj]
-    if isinstance(obj, dict):
-        return {k: cast_floating(v, dtype, only) for k, v in obj.items()}
-    return obj
-
-
-def _iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, (tuple, list)):
-        for o in obj:
-            yield from _iter_tensors(o)
-    elif isinstance(obj, dict):
-        for o in obj.values():
-            yield from _iter_tensors(o)
-
-
-def _has_low(obj: Any) -> bool:
-    return any(t.dtype in _LOW_DTYPES for t in _iter_tensors(obj))
-
-
-@dataclass(eq=False)
-class _Operator:
-    """Run-time state of one hooked operator."""
-
-    name: str
-    module: nn.Module
-    kind: OperatorKind
-    precision: Precision
-    lowering: Lowering
-    contexts: list[AbstractContextManager[Any]] = field(default_factory=list)
-
-    @property
-    def low(self) -> bool:
-        return self.lowering is not Lowering.NONE
-
-    @property
-    def transparent(self) -> bool:
-        return self.kind is OperatorKind.SHAPE
-
-
-class _ConsumerTracer(TorchFunctionMode):
-    """Records, for one step, which operators consume each low-precision operator's output."""
-
-    def __init__(self, operators: dict[str, _Operator]) -> None:
-        super().__init__()
-        self.operators = operators
-        self.depth = 0
-        # Keyed by id(); each entry keeps a weak reference so that an id reused by a new tensor after the old one
-        # died is not mistaken for it. (Holding the outputs alive instead would keep every low activation of the
-        # calibration step until its end: +150-200 MiB on a small GPT/CNN.)
-        self.producers: dict[int, frozenset[str]] = {}
-        self.refs: dict[int, weakref.ref[torch.Tensor]] = {}
-        self.consumed: set[str] = set()
-        self.escaped: set[str] = set()
-        self.pending: list[frozenset[str]] = []
-        self.ineffective: set[str] = set()
-        # Per call: the operators an output is attributed to, and which calls had no output used inside the step
-        # (returned to the caller, e.g. from ``predict_step``): those must return in FP32 too.
-        self.call_of: dict[int, int] = {}
-        self.call_names: list[frozenset[str]] = []
-        self.unused_calls: set[int] = set()
-
-    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        if self.depth == 0 and self.producers and not _is_metadata(func):
-            for tensor in _iter_tensors((args, kwargs)):
-                if self._known(tensor):
-                    self.escaped.update(self.producers[id(tensor)])
-                    self.unused_calls.discard(self.call_of[id(tensor)])
-        return func(*args, **kwargs)
-
-    def enter(self, op: _Operator, args: Any, kwargs: Any) -> None:
-        self.depth += 1
-        sources: set[str] = set()
-        for tensor in _iter_tensors((args, kwargs)):
-            if not self._known(tensor):
-                continue
-            self.unused_calls.discard(self.call_of[id(tensor)])
-            for producer in self.producers[id(tensor)]:
-                sources.add(producer)
-                self.consumed.add(producer)
-                if op.transparent:
-                    continue
-                if not (op.low and op.precision is self.operators[producer].precision):
-                    self.escaped.add(producer)
-        self.pending.append(frozenset(sources))
-
-    def exit(self, op: _Operator, output: Any) -> None:
-        sources = self.pending.pop() if self.pending else frozenset()
-        attributed = sources if op.transparent else (frozenset({op.name}) if op.low else frozenset())
-        if attributed:
-            call = len(self.call_names)
-            self.call_names.append(attributed)
-            self.unused_calls.add(call)
-            for tensor in _iter_tensors(output):
-                self.producers[id(tensor)] = attributed
-                self.call_of[id(tensor)] = call
-                self.refs[id(tensor)] = weakref.ref(tensor)
-        self.depth -= 1
-
-    def _known(self, tensor: torch.Tensor) -> bool:
-        """Whether ``tensor`` is an output this tracer recorded (and not a new tensor that reuses a dead one's id)."""
-        ref = self.refs.get(id(tensor))
-        return ref is not None and ref() is tensor
-
-    def chained(self) -> frozenset[str]:
-        """Low-precision operators whose output may stay in the low dtype."""
-        unused = {name for call in self.unused_calls for name in self.call_names[call]}
-        return frozenset(
-            name for name, op in self.operators.items()
-            if op.low and not op.transparent and name in self.consumed and name not in self.escaped
-            and name not in unused
-        )
-
-
-def _note_failing_operator(op: _Operator, device: torch.device | None) -> None:
+def _note_failing_operator(op: HookedOperator, device: torch.device | None) -> None:
     """Add to an exception raised inside a lowered operator which operator, precision and device it was."""
     error = sys.exc_info()[1]
     if error is None or getattr(error, "_comp_operator", None) is not None or not hasattr(error, "add_note"):
@@ -207,13 +71,6 @@ def _note_failing_operator(op: _Operator, device: torch.device | None) -> None:
         f" {op.precision.value} ({op.lowering.value} lowering) on {where}. Assign it 'fp32' in the plan, or exclude"
         " it from the search with CoMPSearch(exclude=[...])."
     )
-
-
-def _is_metadata(func: Any) -> bool:
-    name = getattr(func, "__name__", "")
-    if name == "__get__":
-        return getattr(getattr(func, "__self__", None), "__name__", "") in _METADATA_GETTERS
-    return name in _METADATA_METHODS
 
 
 class PlanExecutor:
@@ -231,13 +88,14 @@ class PlanExecutor:
         self.recast_weights_in_backward = bool(recast_weights_in_backward)
         self._weight_casts = WeightCastRecorder()
         self._handles: list[RemovableHandle] = []
-        self._operators: dict[str, _Operator] = {}
+        self._operators: dict[str, HookedOperator] = {}
         self._plan: PrecisionPlan | None = None
         self._model: nn.Module | None = None
         self._device: torch.device | None = None
         self._chained: dict[StepKind, frozenset[str]] = {}
         self._current_chained: frozenset[str] = frozenset()
-        self._tracer: _ConsumerTracer | None = None
+        self._last_step_chained: frozenset[str] = frozenset()  # what the latest step's forward chained
+        self._tracer: ConsumerTracer | None = None
         self._warned_ineffective: set[str] = set()
         self._calibrations: dict[tuple[Any, ...], dict[StepKind, frozenset[str]]] = {}
 
@@ -293,7 +151,7 @@ class PlanExecutor:
         target = model_device(model) if device is None else torch.device(device)
         bound = plan if plan.fingerprint is not None else plan.bind(model, target)
         bound.validate(model)
-        operators: dict[str, _Operator] = {}
+        operators: dict[str, HookedOperator] = {}
         unsupported = []
         for name, module in iter_operators(model):
             precision = bound.precision_of(name, type(module))
@@ -301,7 +159,7 @@ class PlanExecutor:
             if lowering is None:
                 unsupported.append(f"{name or '<root>'} ({type(module).__name__}, {precision.value})")
                 continue
-            operators[name] = _Operator(name, module, classify(module), precision, lowering)
+            operators[name] = HookedOperator(name, module, classify(module), precision, lowering)
         if unsupported:
             raise PlanError(
                 f"{len(unsupported)} operator(s) have no kernel for their planned precision on {target}"
@@ -335,21 +193,46 @@ class PlanExecutor:
                 self._handles.append(op.module.register_forward_hook(self._make_post_hook(op), always_call=True))
         return bound
 
-    def remove(self) -> None:
-        """Remove every hook and forget calibration; the model is left exactly as it was."""
+    def detach(self) -> None:
+        """Take the hooks off the model but keep the plan, precisions and calibration for inspection.
+
+        The model then computes in FP32 (and deep copies of it carry no hook); :meth:`apply` puts the hooks back.
+        """
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
         for op in self._operators.values():
             while op.contexts:
                 op.contexts.pop().__exit__(None, None, None)
+        if self._model is not None and _OWNERS.get(self._model) is self:
+            del _OWNERS[self._model]
+
+    def remove(self) -> None:
+        """Remove every hook and forget calibration; the model is left exactly as it was."""
+        self.detach()
         self._operators = {}
         self._chained = {}
         self._current_chained = frozenset()
         self._plan = None
         self._device = None
-        if self._model is not None and _OWNERS.get(self._model) is self:
-            del _OWNERS[self._model]
+
+    @contextmanager
+    def recomputing(self) -> Iterator[None]:
+        """Backward of the latest step: forwards re-run in it (activation checkpointing) chain and save lowered
+        operators' outputs exactly as that step's forward did, so they recompute the same dtypes."""
+        if not self._handles:
+            yield
+            return
+        self._current_chained = self._last_step_chained
+        try:
+            with self.weight_cast_recording():
+                yield
+        finally:
+            self._current_chained = frozenset()
+
+    def weight_cast_recording(self) -> AbstractContextManager[Any]:
+        """Save lowered weights for backward as recipes, as training steps do (for profiling outside a step)."""
+        return self._weight_casts.recording() if self.recast_weights_in_backward and self._handles else nullcontext()
 
     @contextmanager
     def step(self, kind: StepKind) -> Iterator[None]:
@@ -360,14 +243,15 @@ class PlanExecutor:
         recording = (self._weight_casts.recording() if self.recast_weights_in_backward
                      else nullcontext())
         if kind in self._chained:
-            self._current_chained = self._chained[kind]
+            self._current_chained = self._last_step_chained = self._chained[kind]
             try:
                 with recording:
                     yield
             finally:
                 self._current_chained = frozenset()
             return
-        tracer = _ConsumerTracer(self._operators)
+        self._last_step_chained = frozenset()  # a calibrating step hands every output on in fp32
+        tracer = ConsumerTracer(self._operators)
         self._tracer = tracer
         try:
             with tracer, recording:
@@ -390,18 +274,19 @@ class PlanExecutor:
             )
 
     # ---------------------------------------------------------------------------------------------------- hooks
-    def _make_pre_hook(self, op: _Operator) -> Any:
+    def _make_pre_hook(self, op: HookedOperator) -> Any:
         dtype = op.precision.dtype
         lowering = op.lowering
         assert self._device is not None
         device_type = self._device.type  # hooks are rebuilt when the model moves (apply is called again)
-        # (attribute name, qualified name for error messages, parameter), resolved once rather than on every call
-        prefix = f"{op.name}." if op.name else ""
-        params = ([(n, prefix + n, p) for n, p in op.module.named_parameters()]
-                  if lowering is Lowering.PARAMS else [])
-        own_params = ([(n, prefix + n, p) for n, p in op.module.named_parameters(recurse=False)]
-                      if lowering is Lowering.AUTOCAST and isinstance(op.module, _RECASTABLE) else [])
+        prefix = f"{op.name}." if op.name else ""  # qualified names, for error messages
+        recast_own = lowering is Lowering.AUTOCAST and isinstance(op.module, _RECASTABLE)
         casts = self._weight_casts
+
+        def low_copies(module: nn.Module, recurse: bool) -> dict[str, torch.Tensor]:
+            # The parameters of the module being called, read at call time: a deep copy of the model (an EMA or
+            # teacher model) carries these hooks too and must compute with its own weights, not the original's.
+            return {n: casts.cast(prefix + n, p, dtype) for n, p in module.named_parameters(recurse=recurse)}
 
         def pre_hook(module: nn.Module, args: Any, kwargs: Any) -> Any:
             tracer = self._tracer
@@ -411,11 +296,10 @@ class PlanExecutor:
                 return None
             if lowering is Lowering.AUTOCAST:
                 ctx: AbstractContextManager[Any] = torch.autocast(device_type, dtype=dtype, cache_enabled=False)
-                if own_params and casts.active:  # autocast finds the weights already low and leaves them be
+                if recast_own and casts.active:  # autocast finds the weights already low and leaves them be
                     stack = ExitStack()
                     stack.enter_context(ctx)
-                    stack.enter_context(_reparametrize_module(
-                        module, {n: casts.cast(qualified, p, dtype) for n, qualified, p in own_params}))
+                    stack.enter_context(_reparametrize_module(module, low_copies(module, recurse=False)))
                     ctx = stack
                 else:
                     ctx.__enter__()
@@ -423,39 +307,39 @@ class PlanExecutor:
                 return None
             if lowering is Lowering.INPUT or lowering is Lowering.PARAMS:
                 args, kwargs = cast_floating(args, dtype), cast_floating(kwargs, dtype)
-                if params:
-                    copies = {n: casts.cast(qualified, p, dtype) for n, qualified, p in params}
+                copies = low_copies(module, recurse=True) if lowering is Lowering.PARAMS else {}
+                if copies:
                     ctx = _reparametrize_module(module, copies)
                     ctx.__enter__()
                     op.contexts.append(ctx)
                 return args, kwargs
-            if lowering is Lowering.NONE and _has_low((args, kwargs)):
+            if lowering is Lowering.NONE and has_low((args, kwargs)):
                 to_fp32 = torch.float32
-                return cast_floating(args, to_fp32, _LOW_DTYPES), cast_floating(kwargs, to_fp32, _LOW_DTYPES)
+                return cast_floating(args, to_fp32, LOW_DTYPES), cast_floating(kwargs, to_fp32, LOW_DTYPES)
             return None
 
         return pre_hook
 
-    def _make_post_hook(self, op: _Operator) -> Any:
+    def _make_post_hook(self, op: HookedOperator) -> Any:
         dtype = op.precision.dtype
         # an RNN's flat-weight list still points at the low copies once its parameters are swapped back
-        rnn = op.module if op.lowering is Lowering.PARAMS and isinstance(op.module, nn.RNNBase) else None
+        rnn = op.lowering is Lowering.PARAMS and isinstance(op.module, nn.RNNBase)
 
         def post_hook(module: nn.Module, args: Any, output: Any) -> Any:
             if op.contexts:
                 op.contexts.pop().__exit__(None, None, None)
-                if rnn is not None:
-                    rnn._update_flat_weights()
+                if rnn:
+                    module._update_flat_weights()  # type: ignore[operator]
             if output is None and op.low:
                 _note_failing_operator(op, self._device)  # always_call: forward raised, name the operator
             if op.low and not op.transparent and output is not None:
                 if op.lowering is Lowering.OUTPUT:
                     output = cast_floating(output, dtype)
                 tracer = self._tracer
-                if tracer is not None and not any(t.dtype == dtype for t in _iter_tensors(output)):
+                if tracer is not None and not any(t.dtype == dtype for t in iter_tensors(output)):
                     tracer.ineffective.add(op.name)
                 if op.name not in self._current_chained:
-                    output = cast_floating(output, torch.float32, _LOW_DTYPES)
+                    output = cast_floating(output, torch.float32, LOW_DTYPES)
             tracer = self._tracer
             if tracer is not None:
                 tracer.exit(op, output)

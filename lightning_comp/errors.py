@@ -6,7 +6,8 @@ once with an actionable message instead of training silently with a plan that is
 
 from __future__ import annotations
 
-__all__ = ["CoMPError", "PlanError", "PlanMismatchError", "PlanFileError", "SearchConfigError", "UnsupportedSetupError"]
+__all__ = ["CoMPError", "PlanError", "PlanMismatchError", "PlanFileError", "SearchConfigError", "SnapshotMismatchError",
+           "UnsupportedSetupError"]
 
 
 class CoMPError(Exception):
@@ -31,3 +32,7 @@ class SearchConfigError(CoMPError, ValueError):
 
 class UnsupportedSetupError(CoMPError, RuntimeError):
     """The Trainer setup cannot be served (e.g. an FSDP/DeepSpeed strategy, or a missing `CoMPPrecision`)."""
+
+
+class SnapshotMismatchError(CoMPError, RuntimeError):
+    """A training snapshot cannot be restored: the Trainer's optimizers, schedulers or callbacks changed since."""

@@ -13,20 +13,26 @@ from lightning.fabric.utilities.types import Optimizable
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities import GradClipAlgorithmType, rank_zero_warn
 from torch import Tensor, nn
-from torch.optim import LBFGS, Optimizer
+from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_comp.casting import PlanExecutor, StepKind
 from lightning_comp.devices import DeviceClass, device_class, model_device
 from lightning_comp.dtypes import Precision as Dtype
-from lightning_comp.errors import PlanError, UnsupportedSetupError
+from lightning_comp.errors import UnsupportedSetupError
 from lightning_comp.lightning_adapter import optimizer_handles_unscaling
+from lightning_comp.loss_scaling import (
+    PLUGIN_STATE_VERSION,
+    ScalerSlot,
+    check_plugin_state,
+    decline_slow_fp16,
+    scaled_optimizer_step,
+)
 from lightning_comp.plan import PrecisionPlan, plan_from_any
 from lightning_comp.portability import check_plan_device
 
 __all__ = ["CoMPPrecision"]
 
-_STATE_VERSION = 1
 PlanLike = PrecisionPlan | Mapping[str, Any] | str | os.PathLike[str] | None
 
 
@@ -71,12 +77,10 @@ class CoMPPrecision(Precision):
         self._requested: PrecisionPlan = plan_from_any(plan)
         self._plan: PrecisionPlan = self._requested
         self.allow_slow_fp16 = bool(allow_slow_fp16)
-        self.scaler: torch.amp.GradScaler | None = scaler
-        self._user_scaler = scaler is not None
+        self._scaler = ScalerSlot(scaler)
         self._executor = PlanExecutor(recast_weights_in_backward=recast_weights_in_backward)
         self._model: nn.Module | None = None
         self._placed: torch.device | None = None  # the device the hooks and the scaler were built for
-        self._scaler_device: str | None = None
         self._check_device = True
         self.skipped_steps = 0
         self.optimizer_steps = 0
@@ -88,9 +92,15 @@ class CoMPPrecision(Precision):
         return self._plan
 
     @property
+    def scaler(self) -> torch.amp.GradScaler | None:
+        """The loss scaler (FP16 plans only, or the one passed to the constructor)."""
+        return self._scaler.scaler
+
+    @property
     def device(self) -> DeviceClass | None:
-        """The class of the device the plan runs on (``None`` until the model is placed and hooked)."""
-        return None if self._placed is None else device_class(self._placed)
+        """The class of the device the plan runs (or last ran) on (``None`` until the model is placed and hooked)."""
+        device = self._executor.device
+        return None if device is None else device_class(device)
 
     @property
     def executor(self) -> PlanExecutor:
@@ -130,10 +140,10 @@ class CoMPPrecision(Precision):
         assert self._model is not None
         device = model_device(self._model)
         target = device_class(device)
-        plan = self._decline_slow_fp16(self._requested, target)
+        plan = decline_slow_fp16(self._requested, target, self.allow_slow_fp16)
         self._plan = self._executor.apply(self._model, plan, device)
         self._placed = device
-        self._sync_scaler(device.type)
+        self._scaler.sync(self._plan.uses(Dtype.FP16), device.type)
         if self._check_device:
             accepted = frozenset({Dtype.FP16}) if self.allow_slow_fp16 else frozenset()
             check_plan_device(self._plan, self._model, target, stacklevel=4, accepted=accepted)
@@ -153,36 +163,6 @@ class CoMPPrecision(Precision):
         """Re-hook if the model computes somewhere else than the hooks were built for (Lightning moved it)."""
         if self._model is not None and model_device(self._model) != self._placed:
             self._apply()
-
-    def _decline_slow_fp16(self, plan: PrecisionPlan, device: DeviceClass) -> PrecisionPlan:
-        if self.allow_slow_fp16 or not plan.uses(Dtype.FP16) or device.is_native(Dtype.FP16):
-            return plan
-        rank_zero_warn(
-            f"The plan assigns fp16 but this device, {device.describe()}, has no fast fp16 (on CPUs without"
-            " AMX-FP16, fp16 matmuls run at ~1x fp32 and fp16 convolution backward ~100x slower): those entries run"
-            " in fp32. Use 'bf16', or pass CoMPPrecision(allow_slow_fp16=True) to insist.",
-            stacklevel=3,
-        )
-        entries = {s: ("fp32" if p is Dtype.FP16 else p.value) for s, p in plan.entries}
-        default = Dtype.FP32 if plan.default is Dtype.FP16 else plan.default
-        declined = PrecisionPlan.from_dict(entries, default=default)
-        return declined.with_provenance(**plan.provenance, declined_fp16=True)
-
-    def _sync_scaler(self, device_type: str) -> None:
-        """A loss scaler for fp16 plans, built for the device the model computes on (its state kept on a move)."""
-        if self._plan.uses(Dtype.FP16):
-            if self.scaler is None:
-                self.scaler = torch.amp.GradScaler(device=device_type)
-            elif not self._user_scaler and self._scaler_device != device_type:
-                moved = torch.amp.GradScaler(device=device_type)
-                state = self.scaler.state_dict()
-                if state:
-                    moved.load_state_dict(state)
-                self.scaler = moved
-            self._scaler_device = device_type
-        elif not self._user_scaler:
-            self.scaler = None
-            self._scaler_device = None
 
     # ------------------------------------------------------------------------------------------ Lightning hooks
     @override
@@ -248,27 +228,23 @@ class CoMPPrecision(Precision):
         return super().pre_backward(tensor, module)
 
     @override
+    def backward(self, tensor: Tensor, model: pl.LightningModule, optimizer: Any, *args: Any,  # type: ignore[override]
+                 **kwargs: Any) -> None:
+        """Backward as the base plugin does it, with forwards that activation checkpointing re-runs in it computing
+        the dtypes of the step's own forward."""
+        with self._executor.recomputing():
+            super().backward(tensor, model, optimizer, *args, **kwargs)
+
+    @override
     def optimizer_step(  # type: ignore[override]
         self, optimizer: Optimizable, model: pl.LightningModule, closure: Callable[[], Any], **kwargs: Any
     ) -> Any:
         self.optimizer_steps += 1
         if self.scaler is None:
             return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
-        if isinstance(optimizer, LBFGS):
-            raise UnsupportedSetupError("Loss scaling for fp16 plans is not compatible with the LBFGS optimizer.")
-        closure_result = closure()
-        skip_unscaling = closure_result is None and model.automatic_optimization
-        if not optimizer_handles_unscaling(optimizer) and not skip_unscaling:
-            self.scaler.unscale_(optimizer)  # type: ignore[arg-type]
-        self._after_closure(model, optimizer)
-        if skip_unscaling:
-            return closure_result
-        scale_before = self.scaler.get_scale()
-        step_output = self.scaler.step(optimizer, **kwargs)  # type: ignore[arg-type]
-        self.scaler.update()
-        if self.scaler.get_scale() < scale_before:
-            self.skipped_steps += 1
-        return step_output
+        output, skipped = scaled_optimizer_step(self.scaler, optimizer, model, closure, self._after_closure, **kwargs)
+        self.skipped_steps += int(skipped)
+        return output
 
     @override
     def clip_gradients(
@@ -289,7 +265,7 @@ class CoMPPrecision(Precision):
     def state_dict(self) -> dict[str, Any]:
         """The plan (plain Python types, loadable with ``weights_only=True``), scaler state and step counters."""
         return {
-            "version": _STATE_VERSION,
+            "version": PLUGIN_STATE_VERSION,
             "plan": self._plan.to_dict(),
             "scaler": None if self.scaler is None else self.scaler.state_dict(),
             "skipped_steps": self.skipped_steps,
@@ -304,25 +280,22 @@ class CoMPPrecision(Precision):
             PlanError: if the state is malformed, of another version, or has unknown keys.
             PlanMismatchError: if the stored plan was made for a different model.
         """
-        if not isinstance(state_dict, Mapping) or "plan" not in state_dict:
-            raise PlanError(f"Malformed CoMPPrecision state {state_dict!r}: expected a mapping with a 'plan' key.")
-        version = state_dict.get("version", _STATE_VERSION)
-        if version != _STATE_VERSION:
-            raise PlanError(f"Cannot load a CoMPPrecision state of version {version!r}: this version reads"
-                            f" {_STATE_VERSION}. Load it with the lightning-comp that wrote it.")
-        unknown = sorted(set(state_dict) - {"version", "plan", "scaler", "skipped_steps", "optimizer_steps"})
-        if unknown:
-            raise PlanError(f"Unknown keys {unknown} in a CoMPPrecision state: it was written by another version of"
-                            " lightning-comp.")
+        check_plugin_state(state_dict)
         self.set_plan(PrecisionPlan.from_dict(state_dict["plan"]))
-        scaler_state = state_dict.get("scaler")
-        if scaler_state:
-            if self.scaler is None and self._model is None and self._plan.uses(Dtype.FP16):
-                self.scaler = torch.amp.GradScaler(device="cuda" if torch.cuda.is_available() else "cpu")
-            if self.scaler is not None:  # None: the plan in force has no fp16 (e.g. declined on this device)
-                self.scaler.load_state_dict(scaler_state)
+        self._scaler.load(state_dict.get("scaler"), self._plan.uses(Dtype.FP16), self._model is not None)
         self.skipped_steps = int(state_dict.get("skipped_steps", 0))
         self.optimizer_steps = int(state_dict.get("optimizer_steps", 0))
+
+    @override
+    def teardown(self) -> None:
+        """Take the hooks off the model at the end of every fit/validate/test/predict.
+
+        The model the user gets back computes in FP32 and is safe to deep-copy (EMA, teacher models); the plan stays
+        inspectable (:attr:`plan`, ``executor.precisions()``) and the next stage, or :meth:`set_plan`, hooks it again.
+        """
+        self._executor.detach()
+        self._placed = None
+        super().teardown()
 
     def _set_search_plan(self, plan: PlanLike) -> PrecisionPlan:
         """:meth:`set_plan` for the search's own trial plans (no emulation warning: the search chose to try them)."""

@@ -17,7 +17,7 @@ import statistics
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from lightning_comp.casting import _iter_tensors
+from lightning_comp.cast_boundaries import iter_tensors as _iter_tensors
 from lightning_comp.operators import iter_operators
 
 __all__ = ["OperatorMeasurement", "ProfileResult", "OperatorProfiler", "StepTimer"]
@@ -232,7 +232,8 @@ class OperatorProfiler:
         """Time ``step`` under each configuration.
 
         Args:
-            configs: label -> a function that puts the configuration into effect (e.g. applies a plan).
+            configs: label -> a function that puts the configuration into effect (e.g. applies a plan); if it
+                returns a context manager, each measured step runs inside it.
             step: runs one forward and backward pass of the model.
 
         Returns:
@@ -244,13 +245,15 @@ class OperatorProfiler:
         orders: dict[str, list[str]] = {}
         for round_index in range(self.warmup + self.rounds):
             for label, activate in configs.items():
-                activate()
+                context = activate()
                 recorder = _RoundRecorder(self.model, self.clock)
                 if self.clock.cuda:
                     torch.cuda.reset_peak_memory_stats()
                 try:
                     start = self.clock.now()
-                    with torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda t: t):
+                    # the configuration's own context (e.g. weight-cast recording) goes inside the recorder's
+                    # saved-tensor hooks, so the recorder counts what that configuration really keeps for backward
+                    with torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda t: t), _entered(context):
                         step()
                     end = self.clock.now()
                     self.clock.finish()
@@ -323,6 +326,11 @@ def _new_storage_bytes(tensor: torch.Tensor, skip: set[int], seen: set[int]) -> 
         return 0
     seen.add(ptr)
     return storage.nbytes()
+
+
+def _entered(context: Any) -> Any:
+    """``context`` if it is a context manager, else a no-op one."""
+    return context if hasattr(context, "__enter__") else nullcontext()
 
 
 @contextmanager

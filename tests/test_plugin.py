@@ -190,26 +190,54 @@ def test_all_fp32_plan_trains_bit_identically_to_no_plugin(make_mixed: Any, make
 
 
 # ------------------------------------------------------------------------------ step kinds and re-application
+class _HookCounter(pl.Callback):
+    """The forward hooks on the model at every batch of every stage."""
+
+    def __init__(self) -> None:
+        self.counts: dict[str, list[int]] = {}
+
+    def _count(self, stage: str, pl_module: pl.LightningModule) -> None:
+        self.counts.setdefault(stage, []).append(count_forward_hooks(pl_module))
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        self._count("train", pl_module)
+
+    def on_validation_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        self._count("validation", pl_module)
+
+    def on_test_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        self._count("test", pl_module)
+
+    def on_predict_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        self._count("predict", pl_module)
+
+
 def test_validate_test_predict_and_hooks_stay_constant(make_mlp: Any, make_regression_loader: Any,
                                                        fast_trainer_kwargs: dict[str, Any]) -> None:
     model = make_mlp()
     plan = {"type:Linear": "bf16", "type:ReLU": "bf16"}
     plugin = CoMPPrecision(plan)
     loader = make_regression_loader()
-    trainer = pl.Trainer(max_epochs=1, plugins=[plugin], num_sanity_val_steps=0, **fast_trainer_kwargs)
     expected_hooks = 2 * 5  # one pre/post pair on each of the 5 operators
-    counts = []
+    counting = _HookCounter()
+    trainer = pl.Trainer(max_epochs=1, plugins=[plugin], num_sanity_val_steps=0, callbacks=[counting],
+                         **fast_trainer_kwargs)
+    after = []  # after each stage the hooks are off: the model returned to the user computes in fp32
     for _ in range(2):
         trainer.fit(model, loader, loader)
-        counts.append(count_forward_hooks(model))
+        after.append(count_forward_hooks(model))
         assert trainer.validate(model, loader, verbose=False)[0]["val_loss"] > 0
-        counts.append(count_forward_hooks(model))
+        after.append(count_forward_hooks(model))
         assert trainer.test(model, loader, verbose=False)[0]["test_loss"] > 0
-        counts.append(count_forward_hooks(model))
+        after.append(count_forward_hooks(model))
         preds = trainer.predict(model, loader)
         assert preds is not None and all(p.dtype == FP32 and p.shape == (16, 1) for p in preds)
-        counts.append(count_forward_hooks(model))
+        after.append(count_forward_hooks(model))
         trainer.fit_loop.max_epochs += 1
+    assert after == [0] * 8
+    assert set(counting.counts) == {"train", "validation", "test", "predict"}
+    assert all(c == expected_hooks for counts in counting.counts.values() for c in counts), counting.counts
+    counts = []
     for _ in range(3):
         plugin.set_plan(plan)
         counts.append(count_forward_hooks(model))
@@ -233,7 +261,8 @@ def test_a_new_plugin_for_the_same_model_replaces_the_old_plan(make_mlp: Any, ma
     pl.Trainer(max_steps=2, plugins=[second], callbacks=[observer], **fast_trainer_kwargs).fit(
         model, make_regression_loader()
     )
-    assert observer.hooks_at_train_start == count_forward_hooks(model) == 10  # not 20: the old hooks are gone
+    assert observer.hooks_at_train_start == 10  # not 20: the old hooks are gone
+    assert count_forward_hooks(model) == 0  # and the second plugin took its own off at the end of the fit
     addmms = [r for r in observer.recorder.ops if r.op == "addmm"]
     assert len(addmms) == 3 and all(r.inputs == [FP32, FP32, FP32] for r in addmms)  # the new plan, not the old
     assert observer.recorder.ops_of("net.1", "relu")[0].inputs == [BF16]
@@ -293,7 +322,7 @@ def test_checkpoint_round_trip_and_resume(tmp_path: Path, make_mlp: Any, make_re
     assert resumed.optimizer_steps == 8 and trainer2.global_step == 8
     assert observer.hooks_at_train_start == 10  # re-applied before the first resumed step, not twice
     assert observer.hooks_per_batch == [10] * 4
-    assert count_forward_hooks(resumed_model) == resumed.executor.num_hooks == 10
+    assert count_forward_hooks(resumed_model) == resumed.executor.num_hooks == 0  # taken off at teardown
     assert resumed.executor.precisions()["net.0"].is_low and not resumed.executor.precisions()["net.4"].is_low
     assert observer.param_dtypes == observer.grad_dtypes == {FP32}
     # validate/test from the checkpoint restore the plan too
@@ -330,7 +359,7 @@ def test_failed_set_plan_keeps_the_previous_plan(make_mlp: Any, make_regression_
     before = plugin.plan
     with pytest.raises(PlanMismatchError, match="'net.9'"):
         plugin.set_plan({"net.9": "bf16"})
-    assert plugin.plan == before and count_forward_hooks(model) == 10
+    assert plugin.plan == before and count_forward_hooks(model) == 0  # nothing applied: still as the fit left it
     trainer.fit_loop.epoch_loop.max_steps = 2
     trainer.fit(model, make_regression_loader())  # the next fit re-applies the previous, valid plan
     assert plugin.plan == before
@@ -399,7 +428,7 @@ def test_fp16_loss_scaling_skips_overflowing_steps_and_checkpoints_the_scaler(
     assert all(p.dtype == FP32 for p in model.parameters())
     # fp16 really computes: the Linear matmuls see fp16 operands
     dtype_recorder.attach(model)
-    with plugin.executor.step(StepKind.TRAIN), dtype_recorder:
+    with plugin.train_step_context(), dtype_recorder:  # the plugin hooks the model again for a step
         model.net(torch.randn(2, 8))
     assert dtype_recorder.ops_of("net.0", "addmm")[0].inputs == [FP16, FP16, FP16]
     dtype_recorder.detach()
@@ -455,7 +484,7 @@ def test_plan_from_file_and_gradient_clipping(tmp_path: Path, make_mlp: Any, mak
     model = make_mlp()
     trainer = pl.Trainer(max_steps=2, plugins=[plugin], gradient_clip_val=1e-3, **fast_trainer_kwargs)
     trainer.fit(model, make_regression_loader())
-    assert plugin.plan.fingerprint is not None and plugin.executor.num_hooks == 10
+    assert plugin.plan.fingerprint is not None and plugin.executor.precisions()["net.0"].dtype == BF16
 
 
 def test_deepspeed_engine_is_refused() -> None:

@@ -68,12 +68,14 @@ class BatchStage:
         step = TrainingStepRunner(pl_module, batch, batch_idx)
         try:
             profiler = OperatorProfiler(pl_module, device.type, config.profile_steps, config.profile_warmup)
+            # weight copies saved as recipes, as in training (recast_weights_in_backward): not counted as saved bytes
             results = profiler.profile(
-                {"fp32": lambda: plugin._set_search_plan(PrecisionPlan()),
-                 "low": lambda: plugin._set_search_plan(all_low)}, step
+                {"fp32": functools.partial(_with_weight_recording, plugin, PrecisionPlan()),
+                 "low": functools.partial(_with_weight_recording, plugin, all_low)}, step
             )
             reduce_profile(trainer, results)
-            decisions, runs = self.select(modules, lowerable, results)
+            # every rank must time the same whole-step plans (each timing is a collective): rank 0's decisions
+            decisions, runs = agree(trainer, self.select(modules, lowerable, results))
             order = results["fp32"].order
             candidates = tuple(n for n in order if decisions.get(n, {}).get("decision") == "candidate")
             alternatives = self.alternatives(modules, lowerable, order, decisions, candidates, runs)
@@ -220,6 +222,12 @@ def cheap_runs(order: list[str], decisions: dict[str, dict[str, Any]], fillable:
         else:
             before, pending = None, []
     return runs
+
+
+def _with_weight_recording(plugin: CoMPPrecision, plan: PrecisionPlan) -> Any:
+    """Put ``plan`` into effect; return the context in which training saves lowered weights (for the profiler)."""
+    plugin._set_search_plan(plan)
+    return plugin.executor.weight_cast_recording()
 
 
 def _activate(plugin: CoMPPrecision, plan: PrecisionPlan) -> Any:

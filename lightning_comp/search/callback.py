@@ -23,7 +23,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import Callback, EarlyStopping
+from lightning.pytorch.callbacks import Callback, EarlyStopping, ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
@@ -31,7 +31,6 @@ from lightning_comp import lightning_adapter as lightning
 from lightning_comp.callback_pause import CallbackPause
 from lightning_comp.devices import device_class, model_device
 from lightning_comp.dtypes import Precision
-from lightning_comp.group_search import GroupSearch
 from lightning_comp.plan import PrecisionPlan
 from lightning_comp.plugin import CoMPPrecision
 from lightning_comp.search.batch_stage import BatchStage
@@ -42,9 +41,8 @@ from lightning_comp.search.checks import (
     check_selectors,
     check_trainer,
     no_validation_at_trial_end,
-    nothing_to_search,
 )
-from lightning_comp.search.config import Objective, SearchConfig
+from lightning_comp.search.config import SearchConfig
 from lightning_comp.search.loop import LoopBudget, no_epoch_follows
 from lightning_comp.search.record import build_record, publish
 from lightning_comp.search.state import Phase, SearchState
@@ -97,6 +95,14 @@ class CoMPSearch(Callback):
         exclude: plan selectors of operators never to lower (kept FP32 without trials), e.g. a sensitive head.
         record_dir: where to write ``comp_search.json`` and ``comp_plan.json`` (default: the Trainer's log dir).
         verbose: print the decision table on rank 0.
+        snapshot_device: where the search keeps its snapshots of the run (model, optimizer state, buffers):
+            ``None`` keeps them where the tensors are, ``"cpu"`` spares accelerator memory (slower rewinds).
+
+    A rewind restores, bit for bit: parameters and buffers (non-persistent ones too), every optimizer, LR scheduler
+    and the loss scaler, the RNGs, the training dataloaders' own generators (so every trial sees the reference's
+    batches), and the state of every stateful callback (``WorkerScaledLR``, weight averaging/EMA, any callback with
+    a ``state_dict``) except ``ModelCheckpoint`` (checkpoints written during a trial stay on disk) and
+    ``EarlyStopping`` (paused during the search).
 
     Note:
         ``EarlyStopping`` callbacks are paused from the search's first trial until the model holds its final state
@@ -131,29 +137,10 @@ class CoMPSearch(Callback):
         exclude: Sequence[str] = (),
         record_dir: str | None = None,
         verbose: bool = True,
+        snapshot_device: str | None = None,
     ) -> None:
-        self.config = SearchConfig(
-            monitor=monitor,
-            mode=mode,
-            tolerance=tolerance,
-            tolerance_mode=tolerance_mode,
-            warmup_epochs=warmup_epochs,
-            trial_epochs=trial_epochs,
-            trial_batches=trial_batches,
-            profile_steps=profile_steps,
-            profile_warmup=profile_warmup,
-            low_precision=low_precision,
-            objective=Objective(objective) if objective in Objective._value2member_map_ else objective,  # type: ignore[arg-type]
-            speed_margin=speed_margin,
-            min_gain_ms=min_gain_ms,
-            max_trials=max_trials,
-            max_skipped_fraction=max_skipped_fraction,
-            max_memory_slowdown=max_memory_slowdown,
-            include=tuple(include) if not isinstance(include, str) else include,  # type: ignore[arg-type]
-            exclude=tuple(exclude) if not isinstance(exclude, str) else exclude,  # type: ignore[arg-type]
-            record_dir=None if record_dir is None else str(record_dir),
-            verbose=verbose,
-        )
+        arguments = {name: value for name, value in locals().items() if name not in ("self", "__class__")}
+        self.config = SearchConfig(**arguments)  # validates every argument, naming the bad one
         self._plugin: CoMPPrecision | None = None
         self._low: Precision | None = None
         self._budget = LoopBudget()
@@ -211,21 +198,12 @@ class CoMPSearch(Callback):
         check_low_precision(self.config, self._low, device, self._plugin,
                             starting=self._state.phase == Phase.PENDING)
         self._trials = TrialDriver(self.config, self._state, self._plugin, self._low, self._budget,
-                                   self._early_stopping, self._publish)
+                                   self._early_stopping, self._publish, self._capture)
         self._budget.remember(trainer)
         self._trials.extend(trainer)
         check_selectors(self.config, pl_module)
-        state = self._state
-        if state.phase == Phase.DONE and state.chosen is not None:
-            self._plugin._set_search_plan(PrecisionPlan.from_dict(state.chosen))
-        elif self._low is None and state.phase == Phase.PENDING:
-            self._trials.finish(trainer, PrecisionPlan(), "fp32", reason="no 16-bit precision pays on this device")
-        elif state.phase == Phase.PENDING and self._low is not None:
-            why = nothing_to_search(self.config, self._low, pl_module)
-            if why is not None:  # finish at once: no profiling, no trials, no extra epochs
-                rank_zero_warn(f"CoMPSearch: {why}. Training continues in fp32 without a search.")
-                self._trials.finish(trainer, PrecisionPlan(), "fp32", reason=why)
-        if state.in_search:  # resumed inside the search
+        self._trials.begin_fit(trainer, pl_module)
+        if self._state.in_search:  # resumed inside the search
             self._early_stopping.pause(trainer, self._paused_states)
 
     # -------------------------------------------------------------------------------------------- epoch hooks
@@ -236,14 +214,8 @@ class CoMPSearch(Callback):
             trials.apply_pending_restore(trainer, pl_module)
             return
         if state.phase == Phase.PENDING:
-            if trainer.current_epoch < self.config.warmup_epochs:
-                return
-            state.phase = Phase.SEARCHING
-            state.search_start_epoch = trainer.current_epoch
-            state.warmup_batches = lightning.batches_done_in_total(trainer)
-            state.snapshot = TrainingSnapshot.capture(trainer, pl_module, self._scaler()).to_state()
-            self._early_stopping.pause(trainer)
-            trials.start(trainer, pl_module, label="fp32 reference", group=None, rewind_first=False)
+            if trainer.current_epoch >= self.config.warmup_epochs:
+                trials.begin_search(trainer, pl_module)
             return
         current = state.current_trial
         if current is not None and trials.due(current, trainer.current_epoch):
@@ -299,19 +271,7 @@ class CoMPSearch(Callback):
         check_monitor(self.config, trainer)
         current.metrics[str(trainer.current_epoch)] = float(trainer.callback_metrics[self.config.monitor])
         if current.batches:
-            self._close_trial_of_batches(trainer, pl_module)
-
-    def _close_trial_of_batches(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Judge a trial of ``trial_batches`` batches; end its epoch here unless it is the trial that is kept."""
-        state = self._state
-        index = len(state.trials) - 1
-        self._driver.close(trainer, pl_module)
-        self._budget.restore_validation(trainer)
-        if state.phase == Phase.DONE and state.kept_trial == index:
-            return  # the chosen trial trains on to the end of its epoch: its progress is kept whole
-        self._budget.end_epoch_after_this_batch(trainer)
-        if state.phase == Phase.DONE and no_epoch_follows(trainer):
-            self._driver.apply_pending_restore(trainer, pl_module)  # no epoch start follows to apply it
+            self._driver.close_trial_of_batches(trainer, pl_module)
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -366,6 +326,14 @@ class CoMPSearch(Callback):
     def _scaler(self) -> Any:
         return None if self._plugin is None else self._plugin.scaler
 
+    def _capture(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
+        """A snapshot of the run for rewinds (every stateful callback but this one, checkpoints and early stopping)."""
+        def rewound(callback: Callback) -> bool:
+            return callback is not self and not isinstance(callback, (ModelCheckpoint, EarlyStopping))
+
+        return TrainingSnapshot.capture(trainer, pl_module, self._scaler(), callbacks=rewound,
+                                        device=self.config.snapshot_device).to_state()
+
     def _publish(self, trainer: pl.Trainer, final: bool) -> None:
         publish(trainer, self._state, self.config, final)
 
@@ -380,22 +348,7 @@ class CoMPSearch(Callback):
             TrainingSnapshot.from_state(snapshot).restore(trainer, pl_module, self._scaler(), rng=False)
 
         result = BatchStage(self.config, self._low, self._plugin).run(trainer, pl_module, batch, batch_idx, restore)
-        state.runs = result["runs"]
-        state.profile = {key: result[key] for key in ("step_ms", "step_saved_bytes", "order", "memory")}
-        state.profile = {"operators": result["decisions"], **state.profile}
-        search = GroupSearch(tuple(result["candidates"]), result["gains"], self.config.max_trials)
-        state.group_search = search.state_dict()
-        state.low_precision = self._low.value
-        state.profiling_seconds = time.perf_counter() - started
-        reference = state.current_trial
-        if reference is not None:
-            reference.profiling_seconds = state.profiling_seconds
-        if search.done:  # nothing worth a trial: this epoch is plain FP32 training and is kept
-            assert reference is not None
-            reference.verdict, reference.reason = "pass", "no candidate operators: trained in fp32"
-            reference.seconds = 0.0
-            self._driver.finish(trainer, PrecisionPlan(), "fp32 reference",
-                                reason="no operator pays in low precision", kept=True)
+        self._driver.after_batch_stage(trainer, result, time.perf_counter() - started)
 
     # --------------------------------------------------------------------------------------------- checkpoint
     @override

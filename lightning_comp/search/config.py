@@ -6,6 +6,8 @@ import math
 from dataclasses import dataclass
 from enum import Enum
 
+import torch
+
 from lightning_comp.devices import DeviceClass
 from lightning_comp.dtypes import Precision, parse_precision
 from lightning_comp.errors import PlanError, SearchConfigError
@@ -46,8 +48,12 @@ class SearchConfig:
     exclude: tuple[str, ...] = ()
     record_dir: str | None = None
     verbose: bool = True
+    snapshot_device: str | None = None
 
     def __post_init__(self) -> None:
+        if self.record_dir is not None:
+            object.__setattr__(self, "record_dir", str(self.record_dir))  # a Path is welcome, a str is stored
+
         def fail(name: str, valid: str) -> None:
             raise SearchConfigError(f"CoMPSearch({name}={getattr(self, name)!r}) is invalid: {valid}.")
 
@@ -73,6 +79,11 @@ class SearchConfig:
                      " epoch in (0, 1]")
             if self.trial_epochs != 1:
                 fail("trial_batches", f"trials of a number of batches need trial_epochs=1, not {self.trial_epochs}")
+        if self.snapshot_device is not None:
+            try:
+                torch.device(self.snapshot_device)
+            except (RuntimeError, TypeError):
+                fail("snapshot_device", "use None (keep snapshots where the tensors are) or a device such as 'cpu'")
         if self.low_precision not in ("auto", "bf16", "fp16"):
             fail("low_precision", "use 'auto' (what pays on the device), 'bf16' or 'fp16'")
         try:

@@ -7,6 +7,7 @@ what they trained, so the user's training is not shortened.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import lightning.pytorch as pl
@@ -28,18 +29,34 @@ class LoopBudget:
         self._val_check_batch: int | float | None = None  # the Trainer's, while a trial of batches changes it
         self._changed_val_check = False
         self._epoch_length: int | float | None = None  # the Trainer's, while a rejected trial of batches cuts one
+        self._extended: weakref.ref[pl.Trainer] | None = None  # the Trainer whose limits this budget set last
+        self._set_epochs: int | None = None
+        self._set_steps: int | None = None
 
     def remember(self, trainer: pl.Trainer) -> None:
-        """Read the user's limits at the start of a fit (before any extension is applied)."""
-        self.user_max_epochs = trainer.fit_loop.max_epochs
-        self.user_max_steps = trainer.fit_loop.max_steps
+        """Read the user's limits at the start of a fit.
+
+        A second ``fit`` on a Trainer this budget already extended finds the extended limits there: they are read
+        back as the user's own (unless the user changed them since), so the extension is not counted twice.
+        """
+        max_epochs: int | None = trainer.fit_loop.max_epochs
+        max_steps: int | None = trainer.fit_loop.max_steps
+        if self._extended is not None and self._extended() is trainer:
+            if max_epochs == self._set_epochs:
+                max_epochs = self.user_max_epochs
+            if max_steps == self._set_steps:
+                max_steps = self.user_max_steps
+        self.user_max_epochs, self.user_max_steps = max_epochs, max_steps
 
     def extend(self, trainer: pl.Trainer, epochs: int, steps: int) -> None:
         """Set the limits to the user's plus ``epochs`` and ``steps`` (unlimited ones stay unlimited)."""
+        self._extended = weakref.ref(trainer)
         if self.user_max_epochs is not None and self.user_max_epochs >= 0:
-            lightning.set_max_epochs(trainer, self.user_max_epochs + int(epochs))
+            self._set_epochs = self.user_max_epochs + int(epochs)
+            lightning.set_max_epochs(trainer, self._set_epochs)
         if self.user_max_steps is not None and self.user_max_steps > 0:
-            lightning.set_max_steps(trainer, self.user_max_steps + int(steps))
+            self._set_steps = self.user_max_steps + int(steps)
+            lightning.set_max_steps(trainer, self._set_steps)
 
     def validate_after(self, trainer: pl.Trainer, batches: int) -> None:
         """Validate after ``batches`` batches of this epoch (a trial of batches ends there)."""

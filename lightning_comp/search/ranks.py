@@ -27,17 +27,23 @@ def reduce_mean(trainer: pl.Trainer, value: float) -> float:
 
 
 def reduce_profile(trainer: pl.Trainer, results: dict[str, ProfileResult]) -> None:
-    """Average per-operator times over ranks, in place."""
+    """Average per-operator times and saved-for-backward bytes over ranks, in place.
+
+    Bytes matter as much as times: the memory and balanced objectives decide from them, and batches of different
+    shapes on different ranks save different amounts.
+    """
     if trainer.world_size <= 1:
         return
     for result in results.values():
         names = sorted(result.operators)
         values = torch.tensor([[result.operators[n].forward_ms, result.operators[n].backward_ms,
-                                result.operators[n].compute_ms] for n in names], dtype=torch.float64)
+                                result.operators[n].compute_ms, float(result.operators[n].saved_bytes)]
+                               for n in names], dtype=torch.float64)
         reduced = trainer.strategy.reduce(values.to(trainer.strategy.root_device), reduce_op="mean").cpu()
         for name, row in zip(names, reduced.tolist()):
             m = result.operators[name]
-            m.forward_ms, m.backward_ms, m.compute_ms = row
+            m.forward_ms, m.backward_ms, m.compute_ms = row[:3]
+            m.saved_bytes = int(round(row[3]))
 
 
 def agree(trainer: pl.Trainer, obj: T) -> T:

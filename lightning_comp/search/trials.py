@@ -15,17 +15,19 @@ from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
+from lightning.pytorch.utilities import rank_zero_warn
 
+from lightning_comp import lightning_adapter as lightning
 from lightning_comp.callback_pause import CallbackPause
 from lightning_comp.dtypes import Precision
 from lightning_comp.group_search import GroupSearch
 from lightning_comp.plan import PrecisionPlan
 from lightning_comp.plugin import CoMPPrecision
+from lightning_comp.search.checks import nothing_to_search
 from lightning_comp.search.config import SearchConfig
-from lightning_comp.search.loop import LoopBudget, rewind
+from lightning_comp.search.loop import LoopBudget, no_epoch_follows, rewind
 from lightning_comp.search.ranks import agree
 from lightning_comp.search.state import Phase, SearchState, TrialRecord
-from lightning_comp.snapshot import TrainingSnapshot
 
 __all__ = ["TrialDriver", "judge_trial", "plan_for", "trial_batches"]
 
@@ -91,10 +93,12 @@ class TrialDriver:
         budget: the loop budget (epochs and steps given back for rejected trials).
         pause: the EarlyStopping pause, resumed once the model holds its final state.
         publish: writes and logs the decision record.
+        capture: takes a snapshot of the run (for the reference trial's end).
     """
 
     def __init__(self, config: SearchConfig, state: SearchState, plugin: CoMPPrecision, low: Precision | None,
-                 budget: LoopBudget, pause: CallbackPause, publish: Callable[[pl.Trainer, bool], None]) -> None:
+                 budget: LoopBudget, pause: CallbackPause, publish: Callable[[pl.Trainer, bool], None],
+                 capture: Callable[[pl.Trainer, pl.LightningModule], dict[str, Any]]) -> None:
         self.config = config
         self.state = state
         self.plugin = plugin
@@ -102,6 +106,7 @@ class TrialDriver:
         self.budget = budget
         self.pause = pause
         self.publish = publish
+        self.capture = capture
 
     def extend(self, trainer: pl.Trainer) -> None:
         """Apply the state's extensions to the Trainer's limits."""
@@ -137,6 +142,51 @@ class TrialDriver:
         state.extension_epochs += self.config.trial_epochs  # provisional: given back if this trial is kept
         self.extend(trainer)
 
+    def begin_fit(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """At a fit's start: put a chosen plan back, or end a search that cannot find anything here at once."""
+        state = self.state
+        if state.phase == Phase.DONE and state.chosen is not None:
+            self.plugin._set_search_plan(PrecisionPlan.from_dict(state.chosen))
+        elif state.phase == Phase.PENDING and self.low is None:
+            self.finish(trainer, PrecisionPlan(), "fp32", reason="no 16-bit precision pays on this device")
+        elif state.phase == Phase.PENDING and self.low is not None:
+            why = nothing_to_search(self.config, self.low, pl_module)
+            if why is not None:  # finish at once: no profiling, no trials, no extra epochs
+                rank_zero_warn(f"CoMPSearch: {why}. Training continues in fp32 without a search.")
+                self.finish(trainer, PrecisionPlan(), "fp32", reason=why)
+
+    def begin_search(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Start the search at this epoch: snapshot the run, pause EarlyStopping, start the FP32 reference trial."""
+        state = self.state
+        state.phase = Phase.SEARCHING
+        state.search_start_epoch = trainer.current_epoch
+        state.warmup_batches = lightning.batches_done_in_total(trainer)
+        state.snapshot = self.capture(trainer, pl_module)
+        self.pause.pause(trainer)
+        self.start(trainer, pl_module, label="fp32 reference", group=None, rewind_first=False)
+
+    def after_batch_stage(self, trainer: pl.Trainer, result: dict[str, Any], seconds: float) -> None:
+        """Take the batch stage's result: the candidates and the group testing over them, or the end of the search
+        when nothing is worth a trial (the reference trial's epoch is then plain FP32 training, and kept)."""
+        assert self.low is not None
+        state = self.state
+        state.runs = result["runs"]
+        state.profile = {"operators": result["decisions"],
+                         **{key: result[key] for key in ("step_ms", "step_saved_bytes", "order", "memory")}}
+        search = GroupSearch(tuple(result["candidates"]), result["gains"], self.config.max_trials)
+        state.group_search = search.state_dict()
+        state.low_precision = self.low.value
+        state.profiling_seconds = seconds
+        reference = state.current_trial
+        if reference is not None:
+            reference.profiling_seconds = seconds
+        if search.done:
+            assert reference is not None
+            reference.verdict, reference.reason = "pass", "no candidate operators: trained in fp32"
+            reference.seconds = 0.0
+            self.finish(trainer, PrecisionPlan(), "fp32 reference", reason="no operator pays in low precision",
+                        kept=True)
+
     def start_next(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Start the trial adaptive group testing asks for next."""
         assert self.state.group_search is not None
@@ -169,7 +219,7 @@ class TrialDriver:
         trial.verdict, trial.reason = verdict, reason
         if trial.is_reference:
             if not trial.batches:  # a reference of batches is never continued: its epoch was cut short
-                state.reference_end = TrainingSnapshot.capture(trainer, pl_module, self.plugin.scaler).to_state()
+                state.reference_end = self.capture(trainer, pl_module)
             return
         assert state.group_search is not None and trial.group is not None
         search = GroupSearch.from_state(state.group_search)
@@ -186,6 +236,18 @@ class TrialDriver:
         else:  # the latest passing trial of exactly that group
             label = next((t.label for t in reversed(state.trials) if t.group == result and t.verdict == "pass"), "")
             self.finish(trainer, self.plan(result), label, reason="best passing group", restore="snapshot")
+
+    def close_trial_of_batches(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Judge a trial of ``trial_batches`` batches; end its epoch here unless it is the trial that is kept."""
+        state = self.state
+        index = len(state.trials) - 1
+        self.close(trainer, pl_module)
+        self.budget.restore_validation(trainer)
+        if state.phase == Phase.DONE and state.kept_trial == index:
+            return  # the chosen trial trains on to the end of its epoch: its progress is kept whole
+        self.budget.end_epoch_after_this_batch(trainer)
+        if state.phase == Phase.DONE and no_epoch_follows(trainer):
+            self.apply_pending_restore(trainer, pl_module)  # no epoch start follows to apply it
 
     def finish(self, trainer: pl.Trainer, plan: PrecisionPlan, label: str, reason: str, kept: bool = False,
                restore: str | None = None) -> None:

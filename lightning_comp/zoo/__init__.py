@@ -19,9 +19,8 @@ Hydra option       class                      data (option, kind)          opera
 from lightning_comp.zoo.callbacks import EpochTimer
 from lightning_comp.zoo.data import DATA_KINDS, InMemoryDataModule, MNIST1DDataModule, load_mnist1d
 from lightning_comp.zoo.images import CLASS_NAMES, ShapesDataModule, make_shapes
+from lightning_comp.zoo.language_models import CharGPT, CharLSTM
 from lightning_comp.zoo.models import (
-    CharGPT,
-    CharLSTM,
     ClassifierModule,
     Conv1DClassifier,
     ConvNetBN,
