@@ -25,6 +25,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_comp import CoMPPrecision, CoMPSearch, device_class
+from lightning_comp.operators import iter_operators, lowering_for
 
 LOWERED = ("lstm", "gru", "conv", "bn", "ln", "fc", "head")
 # the aten ops that do each operator's arithmetic (what must run in the planned dtype)
@@ -128,7 +129,8 @@ def main(out: Path) -> None:
     observe = Observe()
     model = SequenceNet()
     _trainer(root, plugin, [observe], max_epochs=2).fit(model, _loader(1), _loader(2))
-    lowering = {name: op.lowering.value for name, op in plugin.executor._operators.items()}  # noqa: SLF001
+    lowering = {name: lowering_for(module, plugin.executor.precisions()[name], "cpu").value  # type: ignore[union-attr]
+                for name, module in iter_operators(model)}
     work: dict[str, list[str]] = {}
     for name in LOWERED:
         dtypes = {str(d) for r in observe.recorder.ops_of(name, *WORK_OPS[name]) for d in r.inputs}

@@ -27,6 +27,7 @@ from lightning_comp.errors import (
     SearchConfigError,
     UnsupportedSetupError,
 )
+from lightning_comp.search.checks import check_trainer
 
 FAST_FP16_CPU = device_supports_fast(Precision.FP16, "cpu")
 # Every lowerable operator of WideMLP: with these excluded a search has nothing to trial and finishes at once.
@@ -304,9 +305,7 @@ def test_search_refuses_sharded_strategies_by_name(name: str) -> None:
 
 def test_search_accepts_ddp(tmp_path: Path) -> None:
     trainer = _trainer(tmp_path, CoMPPrecision(), strategy=DDPStrategy())
-    search = _search()
-    search.setup(trainer, WideMLP(width=32), "fit")  # no process group is needed to check the setup
-    assert search._plugin is trainer.precision_plugin
+    assert check_trainer(trainer, _search().config) is trainer.precision_plugin  # no process group needed
 
 
 def test_deepspeed_engine_is_refused_by_the_plugin() -> None:

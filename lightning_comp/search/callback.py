@@ -24,7 +24,6 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback, EarlyStopping, ModelCheckpoint
-from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 from lightning_comp import lightning_adapter as lightning
@@ -40,13 +39,12 @@ from lightning_comp.search.checks import (
     check_optimization,
     check_selectors,
     check_trainer,
-    no_validation_at_trial_end,
 )
 from lightning_comp.search.config import SearchConfig
-from lightning_comp.search.loop import LoopBudget, no_epoch_follows
+from lightning_comp.search.loop import LoopBudget
 from lightning_comp.search.record import build_record, publish
 from lightning_comp.search.state import Phase, SearchState
-from lightning_comp.search.trials import TrialDriver
+from lightning_comp.search.trials import TrialDriver, warn_stopped_inside_the_search
 from lightning_comp.snapshot import TrainingSnapshot
 
 __all__ = ["CoMPSearch"]
@@ -276,33 +274,15 @@ class CoMPSearch(Callback):
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._budget.restore_epoch_length(trainer)  # a rejected trial of batches cut this epoch short
-        current = self._state.current_trial
-        if self._state.phase != Phase.SEARCHING or current is None:
-            return
-        if self._driver.due(current, trainer.current_epoch + 1):
-            self._driver.close(trainer, pl_module)  # may extend max_epochs/max_steps: ask what follows afterwards
-            if no_epoch_follows(trainer):
-                # No epoch follows whose start would apply a pending rewind (the last trial was rejected and the
-                # run ends here): apply it now, so the model the fit returns and the last checkpoint are not the
-                # rejected trial's.
-                self._driver.apply_pending_restore(trainer, pl_module)
-            return
-        stopping = trainer.should_stop or 0 < trainer.max_steps <= trainer.global_step
-        last_epoch = current.start_epoch + self.config.trial_epochs - 1
-        if trainer.current_epoch >= last_epoch and str(last_epoch) not in current.metrics and not stopping:
-            raise no_validation_at_trial_end(self.config, trainer, last_epoch)
+        if self._state.phase == Phase.SEARCHING and self._state.current_trial is not None:
+            self._driver.end_of_epoch(trainer, pl_module)
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._state.phase == Phase.DONE:  # training stopped before the epoch start that would apply a rewind
             self._driver.apply_pending_restore(trainer, pl_module)
         elif self._state.phase == Phase.SEARCHING:
-            last = self._state.trials[-1].label if self._state.trials else None
-            rank_zero_warn(
-                f"CoMPSearch: training stopped during the search (trainer.should_stop, max_time or max_steps), in or"
-                f" after trial {last!r}. The model holds the state and plan of that trial, which the search may have"
-                " rejected. Resume from a checkpoint written during the search (e.g. last.ckpt) to finish it."
-            )
+            warn_stopped_inside_the_search(self._state)
         self._early_stopping.resume(trainer)
 
     @override

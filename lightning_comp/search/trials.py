@@ -23,13 +23,13 @@ from lightning_comp.dtypes import Precision
 from lightning_comp.group_search import GroupSearch
 from lightning_comp.plan import PrecisionPlan
 from lightning_comp.plugin import CoMPPrecision
-from lightning_comp.search.checks import nothing_to_search
+from lightning_comp.search.checks import no_validation_at_trial_end, nothing_to_search
 from lightning_comp.search.config import SearchConfig
 from lightning_comp.search.loop import LoopBudget, no_epoch_follows, rewind
 from lightning_comp.search.ranks import agree
 from lightning_comp.search.state import Phase, SearchState, TrialRecord
 
-__all__ = ["TrialDriver", "judge_trial", "plan_for", "trial_batches"]
+__all__ = ["TrialDriver", "judge_trial", "plan_for", "trial_batches", "warn_stopped_inside_the_search"]
 
 
 def plan_for(low: Precision, runs: list[dict[str, Any]], group: tuple[str, ...] | None) -> PrecisionPlan:
@@ -237,6 +237,27 @@ class TrialDriver:
             label = next((t.label for t in reversed(state.trials) if t.group == result and t.verdict == "pass"), "")
             self.finish(trainer, self.plan(result), label, reason="best passing group", restore="snapshot")
 
+    def end_of_epoch(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Close the current trial if its last epoch ends here (and it was validated), else check it will be.
+
+        Raises:
+            SearchConfigError: when the trial's last epoch ended without the validation that judges it.
+        """
+        current = self.state.current_trial
+        assert current is not None
+        if self.due(current, trainer.current_epoch + 1):
+            self.close(trainer, pl_module)  # may extend max_epochs/max_steps: ask what follows afterwards
+            if no_epoch_follows(trainer):
+                # No epoch follows whose start would apply a pending rewind (the last trial was rejected and the
+                # run ends here): apply it now, so the model the fit returns and the last checkpoint are not the
+                # rejected trial's.
+                self.apply_pending_restore(trainer, pl_module)
+            return
+        stopping = trainer.should_stop or 0 < trainer.max_steps <= trainer.global_step
+        last_epoch = current.start_epoch + self.config.trial_epochs - 1
+        if trainer.current_epoch >= last_epoch and str(last_epoch) not in current.metrics and not stopping:
+            raise no_validation_at_trial_end(self.config, trainer, last_epoch)
+
     def close_trial_of_batches(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Judge a trial of ``trial_batches`` batches; end its epoch here unless it is the trial that is kept."""
         state = self.state
@@ -301,3 +322,13 @@ class TrialDriver:
         state.snapshot = None
         state.reference_end = None
         self.pause.resume(trainer)  # the model holds its final state: EarlyStopping judges from here on
+
+
+def warn_stopped_inside_the_search(state: SearchState) -> None:
+    """Warn that a fit ended while a trial ran: the model holds a trial's state, which the search may reject."""
+    last = state.trials[-1].label if state.trials else None
+    rank_zero_warn(
+        f"CoMPSearch: training stopped during the search (trainer.should_stop, max_time or max_steps), in or"
+        f" after trial {last!r}. The model holds the state and plan of that trial, which the search may have"
+        " rejected. Resume from a checkpoint written during the search (e.g. last.ckpt) to finish it."
+    )

@@ -210,3 +210,26 @@ def test_the_benchmark_smoke_run_on_cuda(tmp_path: Path) -> None:
     for key, model in report["models"].items():
         for mode, entry in model["modes"].items():
             assert "error" not in entry, f"{key}/{mode}: {entry.get('error')}"
+
+
+class _SnapshotDevices(Callback):
+    def __init__(self, search: CoMPSearch) -> None:
+        self.search = search
+        self.devices: set[str] = set()
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        snapshot = self.search.state.snapshot
+        if snapshot is not None:
+            self.devices |= {t.device.type for t in snapshot["model"].values()}
+
+
+def test_snapshots_stay_on_the_cpu_when_asked(tmp_path: Path) -> None:
+    pl.seed_everything(0)
+    search = fixed_search(low_precision="auto", snapshot_device="cpu")
+    probe = _SnapshotDevices(search)
+    trainer = _trainer(tmp_path, CoMPPrecision(), [search, probe], max_epochs=4, enable_checkpointing=False)
+    train, val = loaders(n_train=512, n_val=256)
+    trainer.fit(WideMLP(width=256), train, val)
+    assert probe.devices == {"cpu"}
+    assert search.record is not None and any(t["verdict"] == "fail" for t in search.record["trials"])  # rewound
+    assert all(p.device.type == "cuda" for p in trainer.lightning_module.parameters())
