@@ -5,6 +5,7 @@ Everything here is small on purpose: the whole suite runs on 2 shared CPU cores.
 
 from __future__ import annotations
 
+import inspect
 import math
 import random
 from collections.abc import Callable, Iterator
@@ -20,6 +21,10 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.data import DataLoader, TensorDataset
 
 SEED = 0
+#: ``Trainer.fit(..., weights_only=True)`` where Lightning has the argument (2.5+); older ones load with torch's
+#: default, which is ``weights_only=True`` in torch 2.6+ anyway.
+_FIT_PARAMETERS = inspect.signature(pl.Trainer.fit).parameters
+WEIGHTS_ONLY: dict[str, Any] = {"weights_only": True} if "weights_only" in _FIT_PARAMETERS else {}
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

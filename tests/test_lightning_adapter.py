@@ -68,7 +68,11 @@ def test_progress_validation_schedule_and_epoch_length_steer_a_real_fit() -> Non
 
 
 def test_time_based_validation_interval_is_seen() -> None:
-    trainer = pl.Trainer(accelerator="cpu", val_check_interval="00:00:00:10", logger=False)
+    try:
+        trainer = pl.Trainer(accelerator="cpu", val_check_interval="00:00:00:10", logger=False)
+    except (TypeError, ValueError):  # Lightning < 2.6 has no time-based val_check_interval; nothing to see then
+        assert adapter.val_check_time_interval(pl.Trainer(accelerator="cpu", logger=False)) is None
+        pytest.skip(f"lightning {lightning.__version__} has no time-based val_check_interval")
     assert adapter.val_check_time_interval(trainer) is not None
 
 

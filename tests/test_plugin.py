@@ -10,7 +10,7 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
-from conftest import MIXED_OPERATORS, DtypeRecorder, TinyMLP, count_forward_hooks
+from conftest import MIXED_OPERATORS, WEIGHTS_ONLY, DtypeRecorder, TinyMLP, count_forward_hooks
 from torch import nn
 
 from lightning_comp import CoMPPrecision, PlanError, PlanMismatchError, PrecisionPlan, StepKind, UnsupportedSetupError
@@ -317,7 +317,7 @@ def test_checkpoint_round_trip_and_resume(tmp_path: Path, make_mlp: Any, make_re
     resumed = CoMPPrecision()  # no plan given: it must come from the checkpoint
     observer = _Observer(batch=-1)
     trainer2 = pl.Trainer(max_epochs=2, plugins=[resumed], callbacks=[observer], **fast_trainer_kwargs)
-    trainer2.fit(resumed_model, loader, ckpt_path=path, weights_only=True)
+    trainer2.fit(resumed_model, loader, ckpt_path=path, **WEIGHTS_ONLY)
     assert resumed.plan == plugin.plan
     assert resumed.optimizer_steps == 8 and trainer2.global_step == 8
     assert observer.hooks_at_train_start == 10  # re-applied before the first resumed step, not twice
@@ -328,7 +328,7 @@ def test_checkpoint_round_trip_and_resume(tmp_path: Path, make_mlp: Any, make_re
     # validate/test from the checkpoint restore the plan too
     fresh = CoMPPrecision()
     pl.Trainer(plugins=[fresh], **fast_trainer_kwargs).validate(make_mlp(), loader, ckpt_path=path, verbose=False,
-                                                                 weights_only=True)
+                                                                 **WEIGHTS_ONLY)
     assert fresh.plan == plugin.plan
 
 
@@ -440,7 +440,7 @@ def test_fp16_loss_scaling_skips_overflowing_steps_and_checkpoints_the_scaler(
     assert state["skipped_steps"] == plugin.skipped_steps
     resumed = CoMPPrecision(allow_slow_fp16=True)
     trainer2 = pl.Trainer(max_steps=5, plugins=[resumed], **fast_trainer_kwargs)
-    trainer2.fit(Net(), make_regression_loader(), ckpt_path=path, weights_only=True)
+    trainer2.fit(Net(), make_regression_loader(), ckpt_path=path, **WEIGHTS_ONLY)
     assert resumed.scaler is not None and resumed.skipped_steps >= plugin.skipped_steps
     assert resumed.scaler.get_scale() <= state["scaler"]["scale"] * 2  # restored (not the 2**16 default)
 
@@ -466,7 +466,7 @@ def test_resuming_an_fp16_checkpoint_without_opt_in_drops_the_scaler(
     declining = CoMPPrecision()
     with pytest.warns(UserWarning, match="fp16"):
         pl.Trainer(max_steps=2, plugins=[declining], **fast_trainer_kwargs).fit(
-            make_mlp(), make_regression_loader(), ckpt_path=tmp_path / "a.ckpt", weights_only=True
+            make_mlp(), make_regression_loader(), ckpt_path=tmp_path / "a.ckpt", **WEIGHTS_ONLY
         )
     assert not declining.plan.uses("fp16") and declining.scaler is None
 
