@@ -9,6 +9,7 @@ from lightning_comp.errors import (
     PlanFileError,
     PlanMismatchError,
     SearchConfigError,
+    SnapshotMismatchError,
     UnsupportedSetupError,
 )
 from lightning_comp.grad_compression import (
@@ -22,7 +23,8 @@ from lightning_comp.lr_schedule import WorkerScaledLR, WorkerScaledLRConfig, wor
 from lightning_comp.operators import Lowering, OperatorInfo, OperatorKind, discover_operators, register_atomic
 from lightning_comp.plan import OperatorFingerprint, PrecisionPlan
 from lightning_comp.plugin import CoMPPrecision
-from lightning_comp.search import CoMPSearch, Objective, SearchConfig
+from lightning_comp.search import CoMPSearch, Objective, SearchConfig, SearchState, TrialRecord
+from lightning_comp.selectors import Selectors
 from lightning_comp.snapshot import TrainingSnapshot
 
 __version__ = "0.1.0.dev0"
@@ -54,6 +56,10 @@ __all__ = [
     "PrecisionPlan",
     "SearchConfig",
     "SearchConfigError",
+    "SearchState",
+    "Selectors",
+    "SnapshotMismatchError",
+    "TrialRecord",
     "StepKind",
     "TrainingSnapshot",
     "UnsupportedSetupError",
