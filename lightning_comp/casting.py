@@ -283,10 +283,16 @@ class PlanExecutor:
         recast_own = lowering is Lowering.AUTOCAST and isinstance(op.module, _RECASTABLE)
         casts = self._weight_casts
 
+        # (attribute name, qualified name, parameter) of the hooked module, resolved once for the hot path
+        own = {recurse: [(n, prefix + n, p) for n, p in op.module.named_parameters(recurse=recurse)]
+               for recurse in (False, True)}
+
         def low_copies(module: nn.Module, recurse: bool) -> dict[str, torch.Tensor]:
-            # The parameters of the module being called, read at call time: a deep copy of the model (an EMA or
-            # teacher model) carries these hooks too and must compute with its own weights, not the original's.
-            return {n: casts.cast(prefix + n, p, dtype) for n, p in module.named_parameters(recurse=recurse)}
+            # The parameters of the module being called: a deep copy of the model (an EMA or teacher model) carries
+            # these hooks too and must compute with its own weights, not the original's.
+            params = own[recurse] if module is op.module else [
+                (n, prefix + n, p) for n, p in module.named_parameters(recurse=recurse)]
+            return {n: casts.cast(qualified, p, dtype) for n, qualified, p in params}
 
         def pre_hook(module: nn.Module, args: Any, kwargs: Any) -> Any:
             tracer = self._tracer

@@ -16,6 +16,7 @@ from enum import Enum
 import torch
 from torch import nn
 
+from lightning_comp.devices import model_device
 from lightning_comp.dtypes import Precision
 from lightning_comp.kernel_probes import recurrent_lowering
 
@@ -193,12 +194,7 @@ def has_floating_work(model: nn.Module) -> bool:
 
 def module_device_type(module: nn.Module, default: str = "cpu") -> str:
     """The device type of the first parameter or buffer of ``module`` (``default`` if it has none)."""
-    for param in module.parameters():
-        return param.device.type
-    for buffer in module.buffers():
-        return buffer.device.type
-    return default
-
+    return model_device(module, default).type
 
 
 def is_floating(tensor: object) -> bool:

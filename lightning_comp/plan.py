@@ -1,14 +1,8 @@
 """The precision plan: an immutable assignment of a precision to each operator of a model.
 
-A plan is a set of *entries* ``selector -> precision`` plus a default. A selector is one of:
-
-- an exact operator name, as in ``named_modules()`` (``"encoder.layers.0.linear1"``);
-- a glob pattern over operator names (``"encoder.*.linear?"``, any selector containing ``*``, ``?`` or ``[``);
-- a type selector ``"type:ClassName"`` matching operators whose class, or any base class, has that name
-  (``"type:Linear"``, ``"type:_ConvNd"``).
-
-Precedence: an exact name beats a glob, a glob beats a type selector, and a type selector beats the default. Among
-several matching globs the longest pattern wins; among type selectors, the class nearest in the MRO wins.
+A plan is a set of *entries* ``selector -> precision`` plus a default. Selectors (exact operator names, globs,
+``"type:ClassName"``) and their precedence are described in :mod:`lightning_comp.selectors`; any entry beats the
+default.
 
 Plans made for a model (:meth:`PrecisionPlan.for_model`, or any plan a search produces) carry the model's operator
 fingerprint, the torch version and the class of the device they were made on (:class:`~lightning_comp.DeviceClass`),
