@@ -45,7 +45,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_comp import CoMPPrecision, PrecisionPlan, device_class
-from lightning_comp.cpu_features import cpu_features
+from lightning_comp.cpu_features import cpu_features, cpu_name
 
 RESULTS = Path(__file__).resolve().parent / "results" / "overhead.json"
 TARGET_FP32_OVERHEAD = 0.03
@@ -214,16 +214,6 @@ def bench_b(rounds: int, steps: int, warmup: int) -> dict[str, Any]:
     return result
 
 
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
 def _table(name: str, result: dict[str, Any], baseline: str) -> str:
     lines = [
         f"\n== {name} ==",
@@ -270,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
             "lightning": pl.__version__,
             "threads": torch.get_num_threads(),
             "machine": platform.machine(),
-            "cpu": _cpu_model(),
+            "cpu": cpu_name(),
             "amx_bf16": "amx_tile" in cpu_features(),
             "avx512_bf16": "avx512_bf16" in cpu_features(),
             "device_class": device_class("cpu").to_dict(),

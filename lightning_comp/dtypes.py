@@ -80,8 +80,6 @@ def device_supports_fast(precision: Precision, device_type: str) -> bool:
     """
     if precision is Precision.FP32:
         return True
-    if device_type == "cuda" and not torch.cuda.is_available():
-        return False
     from lightning_comp.devices import device_class  # devices builds on this module
 
     return device_class(device_type).is_native(precision)

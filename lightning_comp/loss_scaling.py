@@ -74,7 +74,8 @@ class ScalerSlot:
         if not state:
             return
         if self.scaler is None and not model_known and uses_fp16:
-            self.scaler = torch.amp.GradScaler(device="cuda" if torch.cuda.is_available() else "cpu")
+            self._device = "cuda" if torch.cuda.is_available() else "cpu"  # a guess: sync() moves it once placed
+            self.scaler = torch.amp.GradScaler(device=self._device)
         if self.scaler is not None:  # None: the plan in force has no fp16 (e.g. declined on this device)
             self.scaler.load_state_dict(dict(state))
 

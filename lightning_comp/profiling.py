@@ -335,9 +335,5 @@ def _entered(context: Any) -> Any:
 
 @contextmanager
 def _activated(activate: Callable[[], Any]) -> Iterator[None]:
-    context = activate()
-    if hasattr(context, "__enter__"):
-        with context:
-            yield
-    else:
+    with _entered(activate()):
         yield

@@ -21,11 +21,6 @@ from lightning_comp.errors import UnsupportedSetupError
 from lightning_comp.portability import check_plan_device
 
 
-def _quiet(**kwargs: Any) -> dict[str, Any]:
-    return dict(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
-                enable_checkpointing=False, **kwargs)
-
-
 # ------------------------------------------------------------------------------------------ manual optimization
 class _Manual(WideMLP):
     def __init__(self) -> None:
@@ -64,12 +59,13 @@ def test_plugin_state_of_another_version_or_with_unknown_keys_is_refused() -> No
         plugin.load_state_dict({**state, "extra": 1})
 
 
-def test_worker_scaled_lr_loads_the_workers_it_saved_and_warns_when_they_change() -> None:
+def test_worker_scaled_lr_loads_the_workers_it_saved_and_warns_when_they_change(
+        fast_trainer_kwargs: dict[str, Any]) -> None:
     state = {"base_lrs": [[0.05]], "steps": [3], "workers": 8}  # what a run on 8 workers saved
     resumed = WorkerScaledLR()
     resumed.load_state_dict(state)
     assert resumed.checkpoint_workers == 8
-    trainer = pl.Trainer(max_steps=1, callbacks=[resumed], **_quiet())
+    trainer = pl.Trainer(max_steps=1, callbacks=[resumed], **fast_trainer_kwargs)
     with pytest.warns(UserWarning, match=r"trained with N=8 workers, this run has N=1 .*workers=8"):
         trainer.fit(TinyMLP(), regression_loader())
 
@@ -124,10 +120,10 @@ def test_a_deep_copy_of_a_hooked_model_computes_with_its_own_weights() -> None:
     assert all(p.abs().sum() > 0 for p in model.parameters())
 
 
-def test_the_model_returned_by_fit_carries_no_hooks(tmp_path: Path) -> None:
+def test_the_model_returned_by_fit_carries_no_hooks(fast_trainer_kwargs: dict[str, Any]) -> None:
     model = TinyMLP()
     plugin = CoMPPrecision({"type:Linear": "bf16"})
-    pl.Trainer(max_steps=2, plugins=[plugin], **_quiet()).fit(model, regression_loader())
+    pl.Trainer(max_steps=2, plugins=[plugin], **fast_trainer_kwargs).fit(model, regression_loader())
     copy_ = copy.deepcopy(model)
     assert not any(m._forward_pre_hooks or m._forward_hooks for m in (*model.modules(), *copy_.modules()))
     assert plugin.executor.precisions()["net.0"].is_low  # the plan is still there to inspect
@@ -213,11 +209,12 @@ class _Checkpointed(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.01)
 
 
-def test_activation_checkpointing_recomputes_the_dtypes_of_the_forward() -> None:
+def test_activation_checkpointing_recomputes_the_dtypes_of_the_forward(
+        fast_trainer_kwargs: dict[str, Any]) -> None:
     model = _Checkpointed()
     plugin = CoMPPrecision({"l1": "bf16", "act": "bf16", "l2": "bf16"})
     with torch.utils.checkpoint.set_checkpoint_early_stop(False):  # the recompute runs the whole block
-        pl.Trainer(max_steps=3, plugins=[plugin], **_quiet()).fit(model, regression_loader())
+        pl.Trainer(max_steps=3, plugins=[plugin], **fast_trainer_kwargs).fit(model, regression_loader())
     dtypes = model.seen
     assert len(dtypes) == 6  # forward and recompute of 3 steps
     for forward, recompute in zip(dtypes[0::2], dtypes[1::2]):

@@ -7,6 +7,7 @@ import json
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import lightning.pytorch as pl
 import pytest
@@ -137,7 +138,7 @@ def test_a_plan_records_the_device_class_it_was_made_on(tmp_path: Path) -> None:
     assert json.loads((tmp_path / "plan.json").read_text())["version"] == 2
 
 
-def test_plans_of_format_version_1_still_load(tmp_path: Path) -> None:
+def test_plans_of_format_version_1_still_load(tmp_path: Path, fast_trainer_kwargs: dict[str, Any]) -> None:
     model = TinyMLP()
     old = PrecisionPlan.for_model(model, {"net.0": "bf16"}).to_dict()
     old["version"] = 1
@@ -147,8 +148,7 @@ def test_plans_of_format_version_1_still_load(tmp_path: Path) -> None:
     plan = PrecisionPlan.load(path)
     assert plan.device is None and plan.device_type == "cpu" and plan.entries == (("net.0", BF16),)
     plugin = CoMPPrecision(path)
-    pl.Trainer(max_steps=1, plugins=[plugin], accelerator="cpu", logger=False, enable_progress_bar=False,
-               enable_model_summary=False, enable_checkpointing=False).fit(model, regression_loader())
+    pl.Trainer(max_steps=1, plugins=[plugin], **fast_trainer_kwargs).fit(model, regression_loader())
     assert plugin.executor.precisions()["net.0"] is BF16
     old["device"] = _AVX2.to_dict()  # a version-1 file cannot carry a device class
     path.write_text(json.dumps(old))
@@ -175,8 +175,8 @@ def test_a_plan_moved_to_a_device_that_emulates_its_precision_warns_once() -> No
                                  accepted=frozenset({FP16})) is None
 
 
-def test_the_plugin_warns_when_it_loads_a_plan_made_where_bf16_was_native(monkeypatch: pytest.MonkeyPatch,
-                                                                            fresh_probe: None) -> None:
+def test_the_plugin_warns_when_it_loads_a_plan_made_where_bf16_was_native(
+        monkeypatch: pytest.MonkeyPatch, fresh_probe: None, fast_trainer_kwargs: dict[str, Any]) -> None:
     model = TinyMLP()
     plan = PrecisionPlan.from_dict(PrecisionPlan.for_model(model, {"net.2": "bf16"}).to_dict()
                                    | {"device": _AMX.to_dict()})
@@ -184,8 +184,7 @@ def test_the_plugin_warns_when_it_loads_a_plan_made_where_bf16_was_native(monkey
     plugin = CoMPPrecision(plan)
     pattern = r"made on cpu AVX512 .* computes 1 operator\(s\) in bf16 on cpu AVX2 .*net\.2"
     with pytest.warns(UserWarning, match=pattern):
-        pl.Trainer(max_steps=1, plugins=[plugin], accelerator="cpu", logger=False, enable_progress_bar=False,
-                   enable_model_summary=False, enable_checkpointing=False).fit(model, regression_loader())
+        pl.Trainer(max_steps=1, plugins=[plugin], **fast_trainer_kwargs).fit(model, regression_loader())
     assert plugin.executor.precisions()["net.2"] is BF16  # still trains with the plan: correct, only slower
 
 

@@ -166,3 +166,19 @@ def test_moving_the_model_between_steps_re_hooks_it(dtype_recorder: Any) -> None
     assert out.device.type == "meta" and out.dtype == torch.float32
     matmuls = dtype_recorder.ops_of("net.0", "addmm", "mm", "linear")
     assert matmuls and all(torch.bfloat16 in r.inputs for r in matmuls)
+
+
+def test_a_scaler_loaded_before_placement_follows_the_model_to_its_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A checkpoint's fp16 scaler loaded before the model is known is built for a guessed device; once the model is
+    placed elsewhere, the scaler is rebuilt there."""
+    from lightning_comp.loss_scaling import ScalerSlot
+
+    slot = ScalerSlot()
+    state = {**torch.amp.GradScaler("cpu").state_dict(), "scale": 1024.0}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the guess: cuda
+    slot.load(state, uses_fp16=True, model_known=False)
+    monkeypatch.undo()
+    assert slot.scaler is not None and slot.scaler._device == "cuda"  # noqa: SLF001
+    slot.sync(uses_fp16=True, device_type="cpu")  # the model trains on the CPU
+    assert slot.scaler is not None and slot.scaler._device == "cpu"  # noqa: SLF001
+    assert slot.scaler.get_scale() == 1024.0  # the checkpoint's scale came along

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from enum import Enum
@@ -106,12 +107,12 @@ class SearchConfig:
             except PlanError as err:
                 raise SearchConfigError(f"CoMPSearch({name}=...): {err}") from None
 
-    @property
+    @functools.cached_property
     def included(self) -> Selectors:
         """Operators to trial in low precision whatever the batch stage measures."""
         return Selectors.of(self.include)
 
-    @property
+    @functools.cached_property
     def excluded(self) -> Selectors:
         """Operators never lowered."""
         return Selectors.of(self.exclude)
