@@ -2,19 +2,21 @@
 
 Timing is by forward pre/post hooks (forward) and by gradient hooks on each operator's output (backward: the time
 from the moment an operator's output gradient is ready to the next such moment is charged to that operator, which
-matches the autograd engine's reverse execution order). On CUDA, times come from CUDA events; on CPU from
-``time.perf_counter``. The memory an operator holds for backward is the bytes of the tensors it saves
+matches the autograd engine's reverse execution order). What a millisecond counts is the clock's
+(:mod:`lightning_comp.clocks`): CUDA events, wall time, or the measuring thread's CPU time; wall time is kept beside
+a CPU-time measurement. The memory an operator holds for backward is the bytes of the tensors it saves
 (``torch.autograd.graph.saved_tensors_hooks``), not counting tensors that alias parameters.
 
-Measurements are interleaved across configurations and warm-up rounds are dropped. Each figure is the *minimum*
-over the measured rounds: on a shared machine, noise (preemption, other processes' threads) only ever adds time,
-so the minimum estimates an operation's own cost best.
+Measurements are interleaved across configurations and warm-up rounds are dropped. Every measured round is kept
+(``ProfileResult.rounds``), so comparisons can be made round by round (:mod:`lightning_comp.search.estimates`); the
+summary figure of each operator is the *minimum* over the rounds: noise only ever adds time. More rounds can be
+added to a finished profile (:meth:`OperatorProfiler.extend`) when the first ones cannot tell two configurations
+apart.
 """
 
 from __future__ import annotations
 
 import statistics
-import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
@@ -26,9 +28,19 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from lightning_comp.cast_boundaries import iter_tensors as _iter_tensors
+from lightning_comp.clocks import Clock, ClockKind, make_clock
 from lightning_comp.operators import iter_operators
 
-__all__ = ["OperatorMeasurement", "ProfileResult", "OperatorProfiler", "StepTimer"]
+__all__ = ["OperatorMeasurement", "ProfileResult", "OperatorProfiler", "StepTimer", "StepTimes", "clock_for"]
+
+
+def clock_for(clock: Clock | str) -> Clock:
+    """``clock`` itself, or for a device type the clock that times it by default (``"cuda"``: CUDA events when
+    CUDA is available, else wall time)."""
+    if not isinstance(clock, str):
+        return clock
+    cuda = clock == "cuda" and torch.cuda.is_available()
+    return make_clock(ClockKind.CUDA if cuda else ClockKind.WALL)
 
 
 @dataclass
@@ -40,6 +52,7 @@ class OperatorMeasurement:
     backward_ms: float = 0.0
     saved_bytes: int = 0
     calls: int = 0
+    wall_ms: float = 0.0  # forward plus backward in real time (equals total_ms unless the clock counts CPU time)
 
     @property
     def total_ms(self) -> float:
@@ -53,6 +66,7 @@ class OperatorMeasurement:
             "compute_ms": round(self.compute_ms, 5),
             "backward_ms": round(self.backward_ms, 5),
             "total_ms": round(self.total_ms, 5),
+            "wall_ms": round(self.wall_ms, 5),
             "saved_bytes": int(self.saved_bytes),
             "calls": int(self.calls),
         }
@@ -60,12 +74,25 @@ class OperatorMeasurement:
 
 @dataclass
 class ProfileResult:
-    """Per-operator measurements and the execution order of operators for one configuration."""
+    """Per-operator measurements and the execution order of operators for one configuration.
+
+    Attributes:
+        operators: per operator, the minimum over the rounds.
+        order: operators in the order they first ran.
+        step_ms: the fastest round's step time (with the per-operator hooks in place).
+        peak_bytes: peak device memory of a step (CUDA only).
+        rounds: every measured round's per-operator measurements, in order (paired across configurations).
+    """
 
     operators: dict[str, OperatorMeasurement] = field(default_factory=dict)
     order: list[str] = field(default_factory=list)
     step_ms: float = 0.0
-    peak_bytes: int | None = None  # peak device memory of a step (CUDA only)
+    peak_bytes: int | None = None
+    rounds: list[dict[str, OperatorMeasurement]] = field(default_factory=list)
+
+    def series(self, name: str, attribute: str = "total_ms") -> list[float]:
+        """One operator's ``attribute`` per round (0.0 in a round where it did not run)."""
+        return [float(getattr(r[name], attribute)) if name in r else 0.0 for r in self.rounds]
 
     @property
     def saved_bytes(self) -> int:
@@ -73,33 +100,10 @@ class ProfileResult:
         return sum(m.saved_bytes for m in self.operators.values())
 
 
-class _Clock:
-    """Timestamps that are correct on CPU (perf_counter) and on CUDA (events on the current stream)."""
-
-    def __init__(self, device_type: str) -> None:
-        self.cuda = device_type == "cuda" and torch.cuda.is_available()
-
-    def now(self) -> Any:
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            return event
-        return time.perf_counter()
-
-    def finish(self) -> None:
-        if self.cuda:
-            torch.cuda.synchronize()
-
-    def elapsed_ms(self, start: Any, end: Any) -> float:
-        if self.cuda:
-            return float(start.elapsed_time(end))
-        return (end - start) * 1e3
-
-
 class _RoundRecorder:
     """Hooks that time every operator of a model during one forward+backward."""
 
-    def __init__(self, model: nn.Module, clock: _Clock) -> None:
+    def __init__(self, model: nn.Module, clock: Clock) -> None:
         self.clock = clock
         self.handles: list[RemovableHandle] = []
         self.stack: list[str] = []
@@ -187,11 +191,13 @@ class _RoundRecorder:
                     continue
                 m.forward_ms += self.clock.elapsed_ms(t0, t3)
                 m.compute_ms += self.clock.elapsed_ms(t1, t2)
+                m.wall_ms += self.clock.wall_ms(t0, t3)
             out[name] = m
         events = self.grad_events + [(backward_end, "")]
         for (start, name), (end, _) in zip(events, events[1:]):
             if name in out:
                 out[name].backward_ms += max(0.0, self.clock.elapsed_ms(start, end))
+                out[name].wall_ms += max(0.0, self.clock.wall_ms(start, end))
         return out
 
 
@@ -206,6 +212,7 @@ def _min_measurements(rounds: Sequence[dict[str, OperatorMeasurement]]) -> dict[
             backward_ms=min(m.backward_ms for m in series),
             saved_bytes=int(statistics.median(m.saved_bytes for m in series)),
             calls=max(m.calls for m in series),
+            wall_ms=min(m.wall_ms for m in series),
         )
     return out
 
@@ -215,16 +222,17 @@ class OperatorProfiler:
 
     Args:
         model: the model whose operators are timed.
-        device_type: ``"cpu"`` or ``"cuda"``.
-        rounds: measured rounds per configuration (the minimum is taken).
+        clock: the clock (:mod:`lightning_comp.clocks`), or a device type (``"cpu"``/``"cuda"``) for its default.
+        rounds: measured rounds per configuration.
         warmup: unmeasured rounds per configuration before the measured ones.
     """
 
-    def __init__(self, model: nn.Module, device_type: str, rounds: int = 5, warmup: int = 2) -> None:
+    def __init__(self, model: nn.Module, clock: Clock | str, rounds: int = 5, warmup: int = 2) -> None:
         self.model = model
-        self.clock = _Clock(device_type)
+        self.clock = clock_for(clock)
         self.rounds = rounds
         self.warmup = warmup
+        self._cuda = self.clock.kind is ClockKind.CUDA
 
     def profile(
         self, configs: dict[str, Callable[[], Any]], step: Callable[[], None]
@@ -237,17 +245,26 @@ class OperatorProfiler:
             step: runs one forward and backward pass of the model.
 
         Returns:
-            label -> per-operator minima and the operators' execution order.
+            label -> per-operator minima, every round, and the operators' execution order.
         """
-        collected: dict[str, list[dict[str, OperatorMeasurement]]] = {label: [] for label in configs}
+        results = {label: ProfileResult() for label in configs}
+        self._run(results, configs, step, self.warmup, self.rounds)
+        return results
+
+    def extend(self, results: dict[str, ProfileResult], configs: dict[str, Callable[[], Any]],
+               step: Callable[[], None], rounds: int) -> None:
+        """Add ``rounds`` measured rounds (no warm-up) to ``results`` from :meth:`profile`, in place."""
+        self._run(results, configs, step, 0, rounds)
+
+    def _run(self, results: dict[str, ProfileResult], configs: dict[str, Callable[[], Any]],
+             step: Callable[[], None], warmup: int, rounds: int) -> None:
         steps: dict[str, list[float]] = {label: [] for label in configs}
         peaks: dict[str, list[int]] = {label: [] for label in configs}
-        orders: dict[str, list[str]] = {}
-        for round_index in range(self.warmup + self.rounds):
+        for round_index in range(warmup + rounds):
             for label, activate in configs.items():
                 context = activate()
                 recorder = _RoundRecorder(self.model, self.clock)
-                if self.clock.cuda:
+                if self._cuda:
                     torch.cuda.reset_peak_memory_stats()
                 try:
                     start = self.clock.now()
@@ -259,42 +276,75 @@ class OperatorProfiler:
                     self.clock.finish()
                 finally:
                     recorder.remove()
-                if round_index >= self.warmup:
-                    collected[label].append(recorder.measurements(end))
+                if round_index >= warmup:
+                    result = results[label]
+                    result.rounds.append(recorder.measurements(end))
+                    result.order = result.order or recorder.order
                     steps[label].append(self.clock.elapsed_ms(start, end))
-                    orders[label] = recorder.order
-                    if self.clock.cuda:
+                    if self._cuda:
                         peaks[label].append(int(torch.cuda.max_memory_allocated()))
-        return {
-            label: ProfileResult(
-                _min_measurements(collected[label]), orders[label], min(steps[label]),
-                max(peaks[label]) if peaks[label] else None,
-            )
-            for label in configs
-        }
+        for label, result in results.items():
+            result.operators = _min_measurements(result.rounds)
+            fastest = min(steps[label], default=result.step_ms)
+            result.step_ms = min(result.step_ms, fastest) if result.step_ms else fastest
+            if peaks[label]:
+                result.peak_bytes = max(peaks[label] + ([result.peak_bytes] if result.peak_bytes else []))
+
+
+@dataclass
+class StepTimes:
+    """Whole-step times of several configurations, per measured round (paired across configurations).
+
+    Attributes:
+        ms: label -> step times as the clock counts them.
+        wall_ms: label -> the same steps' real time.
+    """
+
+    ms: dict[str, list[float]] = field(default_factory=dict)
+    wall_ms: dict[str, list[float]] = field(default_factory=dict)
 
 
 class StepTimer:
-    """Times whole training steps of several configurations, interleaved, with no per-operator hooks."""
+    """Times whole training steps of several configurations, interleaved, with no per-operator hooks.
 
-    def __init__(self, device_type: str, rounds: int = 5, warmup: int = 2) -> None:
-        self.clock = _Clock(device_type)
+    Args:
+        clock: the clock, or a device type for its default.
+        rounds: measured rounds per configuration.
+        warmup: unmeasured rounds per configuration before the measured ones.
+    """
+
+    def __init__(self, clock: Clock | str, rounds: int = 5, warmup: int = 2) -> None:
+        self.clock = clock_for(clock)
         self.rounds = rounds
         self.warmup = warmup
 
-    def time(self, configs: dict[str, Callable[[], Any]], step: Callable[[], None]) -> dict[str, list[float]]:
-        """Run ``step`` under each configuration; return label -> measured step times in milliseconds."""
-        times: dict[str, list[float]] = {label: [] for label in configs}
-        for round_index in range(self.warmup + self.rounds):
+    def time(self, configs: dict[str, Callable[[], Any]], step: Callable[[], None],
+             into: StepTimes | None = None, rounds: int | None = None, warmup: int | None = None) -> StepTimes:
+        """Run ``step`` under each configuration.
+
+        Args:
+            configs: label -> a function that puts the configuration into effect (may return a context manager).
+            step: one training step.
+            into: earlier times to add the new rounds to (in place); a new :class:`StepTimes` if ``None``.
+            rounds: measured rounds (default: the timer's).
+            warmup: unmeasured rounds first (default: the timer's).
+        """
+        out = into if into is not None else StepTimes()
+        for label in configs:
+            out.ms.setdefault(label, [])
+            out.wall_ms.setdefault(label, [])
+        warm = self.warmup if warmup is None else warmup
+        for round_index in range(warm + (self.rounds if rounds is None else rounds)):
             for label, activate in configs.items():
                 with _activated(activate):
                     start = self.clock.now()
                     step()
                     end = self.clock.now()
                     self.clock.finish()
-                if round_index >= self.warmup:
-                    times[label].append(self.clock.elapsed_ms(start, end))
-        return times
+                if round_index >= warm:
+                    out.ms[label].append(self.clock.elapsed_ms(start, end))
+                    out.wall_ms[label].append(self.clock.wall_ms(start, end))
+        return out
 
     def saved_bytes(self, model: nn.Module, configs: dict[str, Callable[[], Any]],
                     step: Callable[[], None]) -> dict[str, int]:

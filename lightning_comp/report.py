@@ -46,13 +46,28 @@ def format_record(record: dict[str, Any]) -> str:
         for name, op in operators.items():
             fp32, lowm = op.get("fp32", {}), op.get("low", {})
             rows.append((name or "<root>", op["type"], _ms(fp32.get("total_ms")), _ms(lowm.get("total_ms")),
-                         fp32.get("saved_bytes", ""), lowm.get("saved_bytes", ""), op["decision"], op["reason"]))
-        out += ["", f"Batch stage (fwd+bwd ms per step, bytes saved for backward; fp32 vs {low}):",
-                format_table(("operator", "type", "fp32 ms", f"{low} ms", "fp32 B", f"{low} B", "decision", "why"),
-                             rows)]
+                         _ratio(op), fp32.get("saved_bytes", ""), lowm.get("saved_bytes", ""), op["decision"],
+                         op["reason"]))
+        timing = record.get("timing") or {}
+        clock = f"; clock: {timing['reason']}" if timing.get("reason") else ""
+        out += ["", f"Batch stage (fwd+bwd ms per step, {low}/fp32 ratio [75% interval] over paired rounds, bytes"
+                    f" saved for backward{clock}):",
+                format_table(("operator", "type", "fp32 ms", f"{low} ms", "ratio", "fp32 B", f"{low} B", "decision",
+                              "why"), rows)]
     step_ms = record.get("step_ms") or {}
     if step_ms:
-        out.append("Whole step (min ms over rounds): " + ", ".join(f"{k} {v:.3f}" for k, v in step_ms.items()))
+        ratios = record.get("step_ratios") or {}
+        wall = record.get("step_wall_ms") or {}
+        parts = []
+        for k, v in step_ms.items():
+            text = f"{k} {v:.3f}"
+            if k in wall and abs(wall[k] - v) > 1e-9:
+                text += f" (wall {wall[k]:.3f})"
+            if k in ratios:
+                r = ratios[k]
+                text += f" x{r['ratio']:.2f} [{r['low']:.2f}, {r['high']:.2f}]"
+            parts.append(text)
+        out.append("Whole step (min ms over rounds; ratio to fp32 [75% interval]): " + ", ".join(parts))
     step_saved = record.get("step_saved_bytes") or {}
     if step_saved:
         out.append("Whole step (MiB saved for backward): "
@@ -79,6 +94,14 @@ def format_record(record: dict[str, Any]) -> str:
         + f"; max_epochs extended by {record.get('extension_epochs', 0)}"
     )
     return "\n".join(out)
+
+
+def _ratio(op: dict[str, Any]) -> str:
+    """``x0.52 [0.49, 0.55]`` from a decision's ratio and spread (empty when not measured)."""
+    if "time_ratio" not in op:
+        return ""
+    low, high = op.get("time_spread") or (op["time_ratio"], op["time_ratio"])
+    return f"x{op['time_ratio']:.2f} [{low:.2f}, {high:.2f}]"
 
 
 def _trial_length(record: dict[str, Any]) -> str:

@@ -16,7 +16,8 @@ Before it kills itself the script writes ``<root>/killed.json`` describing where
 whether the batch stage had finished), so the test can check that the kill point is the intended one.
 
 With ``--every-n-train-steps N`` the checkpoint is written every N optimizer steps (mid-epoch) instead of at epoch
-ends.
+ends. With ``--timed`` the search decides from its measurements (``TIMED_SEARCH_KWARGS``: nothing included or
+excluded); with ``--busy`` the whole run competes with processes that keep every CPU busy (``competitor.py``).
 
 Usage::
 
@@ -26,6 +27,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -41,6 +43,7 @@ from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from competitor import competing_load  # noqa: E402
 from search_models import Classifier, WideMLP, teacher_data  # noqa: E402
 
 # The search the script runs: WideMLP(offset=True) with candidates l2 (safe in bf16) and l3 (unsafe in bf16).
@@ -55,6 +58,8 @@ SEARCH_KWARGS: dict[str, Any] = {
     "profile_warmup": 1,
     "verbose": False,
 }
+# --timed: candidates come from the batch stage's measurements, whatever they are on this machine
+TIMED_SEARCH_KWARGS: dict[str, Any] = {**SEARCH_KWARGS, "include": [], "exclude": [], "profile_steps": 4}
 MAX_EPOCHS = 3
 SEARCH_WARMUP_EPOCHS = 1
 WIDTH = 256
@@ -179,6 +184,8 @@ class Killer(pl.Callback):
             "phase": state.phase,
             "profile_done": state.profile is not None,
             "trials": [(t.label, t.verdict) for t in state.trials],
+            "decisions": _decisions(state.profile),
+            "timing": (state.profile or {}).get("timing"),
         }
         (self.root / "killed.json").write_text(json.dumps(info))
         sys.stdout.flush()
@@ -204,6 +211,13 @@ class Killer(pl.Callback):
 
 
 
+def _decisions(profile: dict[str, Any] | None) -> dict[str, str] | None:
+    """The batch stage's decision per operator (``None`` before it ran)."""
+    if profile is None:
+        return None
+    return {name: op["decision"] for name, op in profile["operators"].items()}
+
+
 def param_digest(module: nn.Module) -> str:
     """SHA-256 over every parameter and buffer: equal digests mean bit-identical model states."""
     digest = hashlib.sha256()
@@ -225,12 +239,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None, type=Path)
     parser.add_argument("--every-n-train-steps", default=None, type=int,
                         help="checkpoint every N steps (mid-epoch) instead of at epoch ends")
+    parser.add_argument("--timed", action="store_true", help="decisions from measurements, not include/exclude")
+    parser.add_argument("--busy", action="store_true", help="compete with processes keeping every CPU busy")
     args = parser.parse_args(argv)
     args.root.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(1)  # less contention on the shared machine; results are exact either way
 
     pl.seed_everything(0, verbose=False)
-    search = CoMPSearch(warmup_epochs=SEARCH_WARMUP_EPOCHS, record_dir=str(args.root / "record"), **SEARCH_KWARGS)
+    search = CoMPSearch(warmup_epochs=SEARCH_WARMUP_EPOCHS, record_dir=str(args.root / "record"),
+                        **(TIMED_SEARCH_KWARGS if args.timed else SEARCH_KWARGS))
     plugin = CoMPPrecision()
     callbacks: list[pl.Callback] = []
     if args.kill:
@@ -253,7 +270,8 @@ def main(argv: list[str] | None = None) -> int:
     model = KillableWideMLP()
     train, val = fixed_loaders()
     ckpt = args.root / "ckpt" / "last.ckpt" if args.resume else None
-    trainer.fit(model, train, val, ckpt_path=None if ckpt is None else str(ckpt))
+    with competing_load() if args.busy else contextlib.nullcontext():
+        trainer.fit(model, train, val, ckpt_path=None if ckpt is None else str(ckpt))
     result = {
         "plan": {name: p.value for name, p in plugin.plan.resolve(model).items()},
         "phase": search.phase,
@@ -264,6 +282,8 @@ def main(argv: list[str] | None = None) -> int:
         "extension_epochs": search.state.extension_epochs,
         "val_loss": float(trainer.callback_metrics["val_loss"]),
         "digest": param_digest(model),
+        "decisions": _decisions(search.state.profile),
+        "timing": (search.state.profile or {}).get("timing"),
     }
     if args.out is not None:
         args.out.write_text(json.dumps(result, indent=2))

@@ -35,3 +35,32 @@ def test_in_place_activation_does_not_steal_the_backward() -> None:
     backward = _profile(model)
     assert backward["1"] == 0.0 and backward["3"] == 0.0
     assert all(backward[name] > 0.0 for name in ("0", "2"))
+
+
+def test_every_round_is_kept_paired_and_more_rounds_can_be_added_with_any_clock() -> None:
+    from lightning_comp.clocks import ClockKind, make_clock, single_intra_op_thread
+    from lightning_comp.profiling import StepTimer
+
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8))
+    x = torch.randn(16, 32)
+
+    def step() -> None:
+        model.zero_grad(set_to_none=True)
+        model(x).square().mean().backward()
+
+    configs = {"a": lambda: None, "b": lambda: None}
+    with single_intra_op_thread():
+        profiler = OperatorProfiler(model, make_clock(ClockKind.THREAD_CPU), rounds=3, warmup=1)
+        results = profiler.profile(configs, step)
+        assert [len(r.rounds) for r in results.values()] == [3, 3]
+        profiler.extend(results, configs, step, 2)
+    for result in results.values():
+        assert len(result.rounds) == 5 and len(result.series("0")) == 5
+        m = result.operators["0"]
+        assert m.total_ms == min(r["0"].total_ms for r in result.rounds) or m.forward_ms > 0
+        assert m.wall_ms > 0  # wall time kept beside the CPU time
+    assert results["a"].series("missing") == [0.0] * 5
+    timer = StepTimer("cpu", rounds=2, warmup=0)
+    times = timer.time(configs, step)
+    timer.time(configs, step, into=times, rounds=3, warmup=0)
+    assert {k: len(v) for k, v in times.ms.items()} == {"a": 5, "b": 5} and times.wall_ms["a"] == times.ms["a"]

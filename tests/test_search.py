@@ -23,7 +23,7 @@ from lightning_comp.operators import iter_operators
 from lightning_comp.report import format_record
 from lightning_comp.search import SearchConfig
 from lightning_comp.search.batch_stage import BatchStage
-from lightning_comp.search.comparison import whole_step_winner
+from lightning_comp.search.comparison import StepComparison, whole_step_winner
 
 
 class _Crash(Callback):
@@ -328,12 +328,18 @@ def test_whole_step_alternatives_are_distinct_plans_without_excluded_operators()
 def test_whole_step_winner_needs_the_margin_over_fp32_and_the_candidates(step: dict[str, float],
                                                                        expected: str | None) -> None:
     labels = [k for k in step if k not in ("fp32", "candidates")]
-    median = {k: v * 1.1 for k, v in step.items()}
     config = SearchConfig()
-    assert whole_step_winner(config, step, median, {}, labels, "candidates" in step) == expected
-    if expected is not None:  # a win in the fastest round alone is not enough: the median round must agree
-        median[expected] = median["fp32"]
-        assert whole_step_winner(config, step, median, {}, labels, "candidates" in step) != expected
+    steady = StepComparison(_rounds(step))
+    assert whole_step_winner(config, steady, {}, labels, "candidates" in step) == expected
+    if expected is not None:  # a win in some rounds is not enough: the interval of the per-round ratios must clear
+        noisy = _rounds(step)
+        noisy[expected][1:3] = [noisy["fp32"][1], noisy["fp32"][2] * 1.2]
+        assert whole_step_winner(config, StepComparison(noisy), {}, labels, "candidates" in step) != expected
+
+
+def _rounds(step: dict[str, float], count: int = 6) -> dict[str, list[float]]:
+    """Per-round times around ``step`` (a steady machine: within 0.2 % of each other)."""
+    return {k: [v * (1 + 0.002 * ((i * 7) % 3 - 1)) for i in range(count)] for k, v in step.items()}
 
 
 @pytest.mark.parametrize(
@@ -348,9 +354,9 @@ def test_whole_step_winner_needs_the_margin_over_fp32_and_the_candidates(step: d
 def test_memory_objective_adopts_the_leanest_whole_step_within_the_slowdown(
         saved: dict[str, float], step: dict[str, float], expected: str | None) -> None:
     config = SearchConfig(objective="memory")
-    times = {k: step.get(k, 100.0) for k in saved}
+    times = _rounds({k: step.get(k, 100.0) for k in saved})
     labels = [k for k in saved if k not in ("fp32", "candidates")]
-    assert whole_step_winner(config, times, times, saved, labels, "candidates" in saved) == expected
+    assert whole_step_winner(config, StepComparison(times), saved, labels, "candidates" in saved) == expected
 
 
 @pytest.mark.slow
@@ -388,7 +394,7 @@ def test_balanced_objective_weighs_time_and_memory_of_whole_steps(
         saved: dict[str, float], step: dict[str, float], expected: str | None) -> None:
     config = SearchConfig(objective="balanced")
     labels = [k for k in saved if k not in ("fp32", "candidates")]
-    assert whole_step_winner(config, step, step, saved, labels, True) == expected
+    assert whole_step_winner(config, StepComparison(_rounds(step)), saved, labels, True) == expected
 
 
 # ----------------------------------------------------------------------------------------------- resume state

@@ -11,24 +11,29 @@ and the compute-only plans (:mod:`lightning_comp.search.comparison` decides); if
 from __future__ import annotations
 
 import functools
-import statistics
-from collections.abc import Callable, Mapping
+import time
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 
 from lightning_comp.casting import StepKind
+from lightning_comp.clocks import ClockKind, single_intra_op_thread
 from lightning_comp.devices import model_device
 from lightning_comp.dtypes import Precision
 from lightning_comp.errors import SearchConfigError
+from lightning_comp.machine_load import LoadMeter
 from lightning_comp.operators import Lowering, OperatorKind, classify, iter_operators, lowering_for
 from lightning_comp.plan import PrecisionPlan
 from lightning_comp.plugin import CoMPPrecision
 from lightning_comp.profiling import OperatorProfiler, ProfileResult, StepTimer
-from lightning_comp.search.comparison import judge_operator, plan_pays, whole_step_winner
-from lightning_comp.search.config import Objective, SearchConfig
+from lightning_comp.search.comparison import StepComparison, judge_operator, plan_pays, whole_step_winner
+from lightning_comp.search.config import Objective, SearchConfig, Timing
+from lightning_comp.search.estimates import Verdict, paired_ratio
 from lightning_comp.search.ranks import agree, reduce_mean, reduce_profile
+from lightning_comp.search.timing import TimingChoice, choose_timing, cpu_clock, is_busy, sample_load
 from lightning_comp.search.trials import plan_for
 from lightning_comp.snapshot import capture_rng, restore_rng
 
@@ -56,63 +61,115 @@ class BatchStage:
         """Measure and decide; ``restore`` puts the run's state back afterwards (the stage trains nothing).
 
         Returns:
-            Rank 0's ``decisions`` per operator, ``candidates``, their ``gains``, whole-step ``step_ms`` and
-            ``step_saved_bytes``, cheap-operator ``runs``, the execution ``order`` and ``memory`` per configuration.
+            Rank 0's ``decisions`` per operator, ``candidates``, their ``gains``, whole-step ``step_ms`` (and
+            ``step_wall_ms``, ``step_ratios``, ``step_saved_bytes``), cheap-operator ``runs``, the execution
+            ``order``, ``memory`` per configuration, and the ``timing`` it measured with.
         """
+        plugin, config = self.plugin, self.config
+        device = model_device(pl_module)
+        rng = capture_rng()
+        step = TrainingStepRunner(pl_module, batch, batch_idx)
+        try:
+            plugin._set_search_plan(PrecisionPlan())
+            timing = agree(trainer, choose_timing(config.timing, device.type, lambda: sample_load(step)))
+            meter = LoadMeter()
+            meter.start()
+            payload = self.measure(trainer, pl_module, step, timing)
+            load = meter.stop()
+            if config.timing is Timing.AUTO and timing.clock is ClockKind.WALL and agree(trainer, is_busy(load)):
+                timing = cpu_clock("this process's CPU time with one intra-op thread: the machine became busy during"
+                                   f" the wall-time measurement ({load.describe()}), which was repeated", load)
+                payload = self.measure(trainer, pl_module, step, timing)
+        finally:
+            restore()
+            restore_rng(rng)
+            plugin._set_search_plan(PrecisionPlan().with_provenance(role="trial", trial="fp32 reference"))
+        payload["timing"] = timing.to_dict()
+        return agree(trainer, payload)
+
+    def measure(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: Callable[[], None],
+                timing: TimingChoice) -> dict[str, Any]:
+        """Per-operator and whole-step measurements with ``timing``'s clock, and the decisions they give."""
         plugin, low, config = self.plugin, self.low, self.config
         device = model_device(pl_module)
         modules = dict(iter_operators(pl_module))
         lowerable = [n for n, m in modules.items() if lowering_for(m, low, device) not in (None, Lowering.NONE)]
         all_low = PrecisionPlan.from_dict({n: low.value for n in lowerable})
-        rng = capture_rng()
-        step = TrainingStepRunner(pl_module, batch, batch_idx)
-        try:
-            profiler = OperatorProfiler(pl_module, device.type, config.profile_steps, config.profile_warmup)
+        clock = timing.make_clock()
+        with single_intra_op_thread(timing.single_thread):
+            profiler = OperatorProfiler(pl_module, clock, config.profile_steps, config.profile_warmup)
             # weight copies saved as recipes, as in training (recast_weights_in_backward): not counted as saved bytes
-            results = profiler.profile(
-                {"fp32": functools.partial(_with_weight_recording, plugin, PrecisionPlan()),
-                 "low": functools.partial(_with_weight_recording, plugin, all_low)}, step
-            )
+            configs: dict[str, Callable[[], Any]] = {
+                "fp32": functools.partial(_with_weight_recording, plugin, PrecisionPlan()),
+                "low": functools.partial(_with_weight_recording, plugin, all_low)}
+            started = time.perf_counter()
+            results = profiler.profile(configs, step)
+            budget = ExtraRounds(config, time.perf_counter() - started, config.profile_warmup + config.profile_steps)
+            while True:  # more rounds while an operator's comparison is undecided, within the budget
+                undecided = any(d.get("settled") is False for d in self.select(modules, lowerable, results)[0].values())
+                more = agree(trainer, budget.next_rounds() if undecided else 0)
+                if not more:
+                    break
+                with budget.spending():
+                    profiler.extend(results, configs, step, more)
             reduce_profile(trainer, results)
             # every rank must time the same whole-step plans (each timing is a collective): rank 0's decisions
             decisions, runs = agree(trainer, self.select(modules, lowerable, results))
             order = results["fp32"].order
             candidates = tuple(n for n in order if decisions.get(n, {}).get("decision") == "candidate")
             alternatives = self.alternatives(modules, lowerable, order, decisions, candidates, runs)
-            timer = StepTimer(device.type, config.profile_steps, config.profile_warmup)
-            configs: dict[str, Any] = {"fp32": lambda: plugin._set_search_plan(PrecisionPlan())}
             plans = dict(alternatives)
             if candidates:
                 plans = {"candidates": plan_for(low, runs, candidates), **plans}
+            step_configs: dict[str, Any] = {"fp32": lambda: plugin._set_search_plan(PrecisionPlan())}
             for label, plan in plans.items():
-                configs[label] = functools.partial(_activate, plugin, plan)
-            times = timer.time(configs, step)
-            step_ms = {k: reduce_mean(trainer, min(v)) for k, v in times.items()}
-            median_ms = {k: reduce_mean(trainer, statistics.median(v)) for k, v in times.items()}
+                step_configs[label] = functools.partial(_activate, plugin, plan)
+            timer = StepTimer(clock, config.profile_steps, config.profile_warmup)
+            started = time.perf_counter()
+            times = timer.time(step_configs, step)
+            budget = ExtraRounds(config, time.perf_counter() - started, config.profile_warmup + config.profile_steps)
+            while True:
+                steps = StepComparison(times.ms)
+                more = agree(trainer, budget.next_rounds() if self.whole_step_undecided(steps, list(plans)) else 0)
+                if not more:
+                    break
+                with budget.spending():
+                    timer.time(step_configs, step, into=times, rounds=more, warmup=0)
             step_saved: dict[str, float] = {}
             if config.objective is not Objective.THROUGHPUT:
-                saved = timer.saved_bytes(pl_module, configs, step)
+                saved = timer.saved_bytes(pl_module, step_configs, step)
                 step_saved = {k: reduce_mean(trainer, float(v)) for k, v in saved.items()}
-            winner = whole_step_winner(config, step_ms, median_ms, step_saved, list(alternatives), bool(candidates))
-            if winner is not None:
-                candidates, runs = self.adopt(winner, alternatives[winner], order, decisions, step_ms, step_saved)
-            elif candidates and not plan_pays(config, step_ms, median_ms):
+        step_ms = {k: reduce_mean(trainer, min(v)) for k, v in times.ms.items()}
+        winner = agree(trainer, whole_step_winner(config, steps, step_saved, list(alternatives), bool(candidates)))
+        if winner is not None:
+            candidates, runs = self.adopt(winner, alternatives[winner], order, decisions, step_ms, step_saved)
+        elif candidates:
+            verdict = agree(trainer, plan_pays(config, steps))
+            if verdict is not Verdict.BELOW:
+                ratio = steps.ratio("candidates", "fp32").describe()
+                why = ("cannot be told apart from fp32 as a whole step" if verdict is Verdict.UNDECIDED
+                       else "candidate plan as a whole not better than fp32")
                 for name in candidates:
                     if not decisions[name].get("forced"):
                         decisions[name]["decision"] = "fp32"
-                        decisions[name]["reason"] = (
-                            f"candidate plan as a whole not better than fp32 ({step_ms['candidates']:.3f} ms vs"
-                            f" {step_ms['fp32']:.3f} ms per step)")
+                        decisions[name]["reason"] = f"{why} (step time {ratio})"
                 candidates = tuple(n for n in candidates if decisions[n].get("forced"))
-        finally:
-            restore()
-            restore_rng(rng)
-            plugin._set_search_plan(PrecisionPlan().with_provenance(role="trial", trial="fp32 reference"))
         memory = {label: {"saved_bytes": r.saved_bytes, "peak_bytes": r.peak_bytes} for label, r in results.items()}
-        payload: dict[str, Any] = {"decisions": decisions, "candidates": list(candidates),
-                                   "gains": {n: decisions[n]["gain_ms"] for n in candidates}, "step_ms": step_ms,
-                                   "step_saved_bytes": step_saved, "runs": runs, "order": order, "memory": memory}
-        return agree(trainer, payload)
+        return {"decisions": decisions, "candidates": list(candidates),
+                "gains": {n: decisions[n]["gain_ms"] for n in candidates}, "step_ms": step_ms,
+                "step_wall_ms": {k: reduce_mean(trainer, min(v)) for k, v in times.wall_ms.items()},
+                "step_ratios": steps.ratios(), "step_saved_bytes": step_saved, "runs": runs, "order": order,
+                "memory": memory}
+
+    def whole_step_undecided(self, steps: StepComparison, labels: list[str]) -> bool:
+        """Whether a whole-step comparison that decides something could not tell its plans apart."""
+        margin = self.config.speed_margin
+        if self.config.objective is Objective.THROUGHPUT:
+            pairs = [(label, "fp32") for label in labels]
+            pairs += [(label, "candidates") for label in labels if label != "candidates" and "candidates" in labels]
+            return any(steps.faster(a, b, margin) is Verdict.UNDECIDED for a, b in pairs)
+        limit = self.config.max_memory_slowdown if self.config.objective is Objective.MEMORY else 1 - margin
+        return any(steps.ratio(label, "fp32").against(limit) is Verdict.UNDECIDED for label in labels)
 
     def alternatives(self, modules: dict[str, torch.nn.Module], lowerable: list[str], order: list[str],
                      decisions: dict[str, dict[str, Any]], candidates: tuple[str, ...],
@@ -175,10 +232,14 @@ class BatchStage:
             entry: dict[str, Any] = {"type": type(module).__name__, "kind": kind.value,
                                      "params": sum(p.numel() for p in module.parameters())}
             a, b = fp32.get(name), low.get(name)
+            time = None
             if a is not None:
                 entry["fp32"] = a.to_dict()
             if b is not None:
                 entry["low"] = b.to_dict()
+            if a is not None and b is not None:
+                time = paired_ratio(results["fp32"].series(name), results["low"].series(name))
+                entry.update(time_ratio=time.ratio, time_spread=[time.low, time.high], rounds=time.rounds)
             entry["gain_ms"] = 0.0
             if name not in lowerable:
                 entry.update(decision="fp32", reason="shape-only" if kind is OperatorKind.SHAPE
@@ -191,7 +252,8 @@ class BatchStage:
             elif a is None or b is None:
                 entry.update(decision="fp32", reason="not run in the training step")
             elif kind in _HEAVY_KINDS:
-                entry.update(judge_operator(config, a.total_ms, b.total_ms, a.saved_bytes, b.saved_bytes))
+                entry.update(judge_operator(config, a.total_ms, b.total_ms, a.saved_bytes, b.saved_bytes, time))
+                entry["own_decision"] = entry["decision"]  # from its own measurement, before whole-step checks
             else:
                 cheap_ok = b.compute_ms <= a.compute_ms * (1 + config.speed_margin) + config.min_gain_ms
                 entry.update(decision="fill" if cheap_ok else "fp32",
@@ -222,6 +284,41 @@ def cheap_runs(order: list[str], decisions: dict[str, dict[str, Any]], fillable:
         else:
             before, pending = None, []
     return runs
+
+
+class ExtraRounds:
+    """The budget of extra measured rounds: a fraction (``extra_profile_time``) of the first rounds' time.
+
+    Args:
+        config: the search's settings.
+        first_seconds: how long the first rounds took (warm-up included).
+        first_rounds: how many rounds that was.
+    """
+
+    MAX_CHUNK = 16  # rounds added at a time (tiny models: many rounds fit the budget; re-check between chunks)
+    MIN_SECONDS = 0.5  # small models get at least this much: their rounds are short and noisy, and cheap
+
+    def __init__(self, config: SearchConfig, first_seconds: float, first_rounds: int) -> None:
+        self.per_round = first_seconds / max(first_rounds, 1)
+        fraction = config.extra_profile_time
+        self.left = max(first_seconds * fraction, self.MIN_SECONDS) if fraction > 0 else 0.0
+        self.chunk = max(config.profile_steps, 2)
+
+    def next_rounds(self) -> int:
+        """How many rounds to add now (0: the budget is spent)."""
+        affordable = int(self.left // self.per_round) if self.per_round > 0 else self.MAX_CHUNK
+        return max(0, min(self.chunk, affordable, self.MAX_CHUNK))
+
+    @contextmanager
+    def spending(self) -> Iterator[None]:
+        """Charge the block's time to the budget."""
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            elapsed = time.perf_counter() - started
+            self.left -= elapsed
+            self.chunk = min(self.chunk * 2, self.MAX_CHUNK)
 
 
 def _with_weight_recording(plugin: CoMPPrecision, plan: PrecisionPlan) -> Any:

@@ -73,8 +73,19 @@ class CoMPSearch(Callback):
             given back through ``max_epochs``, as for whole-epoch trials); the trial that is kept goes on to the end
             of its epoch with its plan, so the kept progress still equals a plain run's. Cuts the cost of the FP32
             reference trial to that many batches. Needs ``trial_epochs=1`` and validation at every epoch end.
-        profile_steps: measured training steps per configuration in the batch stage (minima are used).
+        profile_steps: measured training steps per configuration in the batch stage. Every comparison is made
+            from paired rounds: the median per-round ratio and its confidence interval (see ``timing``).
         profile_warmup: unmeasured steps per configuration before those.
+        extra_profile_time: when the first ``profile_steps`` rounds cannot tell FP32 and low precision apart (the
+            interval of the per-round ratios straddles the margin), the batch stage measures more rounds, for at
+            most this fraction of the time the first rounds took (per-operator and whole-step measurements each).
+            An operator or plan still undecided then stays FP32, with the measured ratio and its spread in the
+            record. ``0`` disables the extra rounds.
+        timing: what the batch stage's clock counts on a CPU. ``"auto"`` (default): wall time with the user's
+            threads while the machine is quiet; once other processes take a quarter of a CPU or more (measured from
+            ``/proc/stat`` on Linux, before and during the measurements), the CPU time of the measuring thread with one
+            intra-op thread, which does not count time other processes take. ``"wall"`` or ``"cpu"`` force one.
+            On CUDA, CUDA events are used whatever this says.
         low_precision: ``"auto"`` (BF16 on CPUs with AVX512-BF16/AMX and on CUDA >= sm80, FP16 on CUDA sm70-sm75,
             FP32 without a search where no 16-bit precision is native, e.g. AVX2-only CPUs), ``"bf16"`` or ``"fp16"``.
             Decided from the device the model trains on, once Lightning has placed it.
@@ -136,6 +147,8 @@ class CoMPSearch(Callback):
         record_dir: str | None = None,
         verbose: bool = True,
         snapshot_device: str | None = None,
+        extra_profile_time: float = 0.5,
+        timing: str = "auto",
     ) -> None:
         arguments = {name: value for name, value in locals().items() if name not in ("self", "__class__")}
         self.config = SearchConfig(**arguments)  # validates every argument, naming the bad one

@@ -14,7 +14,7 @@ from lightning_comp.dtypes import Precision, parse_precision
 from lightning_comp.errors import PlanError, SearchConfigError
 from lightning_comp.selectors import Selectors
 
-__all__ = ["Objective", "SearchConfig"]
+__all__ = ["Objective", "SearchConfig", "Timing"]
 
 
 class Objective(str, Enum):
@@ -23,6 +23,14 @@ class Objective(str, Enum):
     THROUGHPUT = "throughput"  # lower an operator when it gets faster
     MEMORY = "memory"  # lower an operator when it saves memory for backward (and is not much slower)
     BALANCED = "balanced"  # lower an operator when the geometric mean of its time and memory ratios improves
+
+
+class Timing(str, Enum):
+    """What the batch stage's clock counts on a CPU (on CUDA it always uses CUDA events)."""
+
+    AUTO = "auto"  # wall time while the machine is quiet; this process's CPU time once other processes compete
+    WALL = "wall"  # real time with the user's intra-op threads
+    CPU = "cpu"  # CPU time of the measuring thread, with one intra-op thread
 
 
 @dataclass(frozen=True)
@@ -38,6 +46,8 @@ class SearchConfig:
     trial_batches: int | float | None = None
     profile_steps: int = 4
     profile_warmup: int = 1
+    extra_profile_time: float = 0.5
+    timing: Timing = Timing.AUTO
     low_precision: str = "auto"
     objective: Objective = Objective.THROUGHPUT
     speed_margin: float = 0.05
@@ -71,6 +81,14 @@ class SearchConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 fail(name, f"it must be an integer >= {low}")
+        value = self.extra_profile_time
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 100:
+            fail("extra_profile_time", "it must be a number in [0, 100]: the extra measuring time allowed when the"
+                 " first rounds cannot decide, as a fraction of the time they took")
+        try:
+            object.__setattr__(self, "timing", Timing(self.timing))
+        except ValueError:
+            fail("timing", "use 'auto' (wall time on a quiet machine, CPU time on a busy one), 'wall' or 'cpu'")
         if self.trial_batches is not None:
             value = self.trial_batches
             count = isinstance(value, int) and not isinstance(value, bool) and value >= 1

@@ -172,7 +172,8 @@ class TrialDriver:
         state = self.state
         state.runs = result["runs"]
         state.profile = {"operators": result["decisions"],
-                         **{key: result[key] for key in ("step_ms", "step_saved_bytes", "order", "memory")}}
+                         **{key: result[key] for key in ("step_ms", "step_wall_ms", "step_ratios", "step_saved_bytes",
+                                                   "order", "memory", "timing")}}
         search = GroupSearch(tuple(result["candidates"]), result["gains"], self.config.max_trials)
         state.group_search = search.state_dict()
         state.low_precision = self.low.value
