@@ -269,7 +269,9 @@ def test_sigkill_anywhere_in_the_search_resumes_to_the_same_result(tmp_path: Pat
         resume = ["--resume"]
     finished = _run(root, "--resume", "--out", str(tmp_path / "resumed.json"))
     assert finished.returncode == 0, finished.stderr[-3000:]
-    assert json.loads((tmp_path / "resumed.json").read_text()) == expected
+    resumed = json.loads((tmp_path / "resumed.json").read_text())
+    # the clock of a batch stage re-run after the profile:5 kill depends on the machine's load at that moment
+    assert {k: v for k, v in resumed.items() if k != "timing"} == {k: v for k, v in expected.items() if k != "timing"}
 
 
 @pytest.mark.slow

@@ -82,7 +82,7 @@ class CoMPSearch(Callback):
             An operator or plan still undecided then stays FP32, with the measured ratio and its spread in the
             record. ``0`` disables the extra rounds.
         timing: what the batch stage's clock counts on a CPU. ``"auto"`` (default): wall time with the user's
-            threads while the machine is quiet; once other processes take a quarter of a CPU or more (measured from
+            threads while the machine is quiet; once other processes take half a CPU or more (measured from
             ``/proc/stat`` on Linux, before and during the measurements), the CPU time of the measuring thread with one
             intra-op thread, which does not count time other processes take. ``"wall"`` or ``"cpu"`` force one.
             On CUDA, CUDA events are used whatever this says.

@@ -23,7 +23,7 @@ from lightning_comp.search.config import Timing
 
 __all__ = ["BUSY_CPUS", "TimingChoice", "choose_timing", "is_busy", "sample_load"]
 
-BUSY_CPUS = 0.25  # other processes using this much CPU, on average, make the machine busy
+BUSY_CPUS = 0.5  # other processes using half a CPU or more, on average, make the machine busy
 _SAMPLE_SECONDS = 0.25
 _SAMPLE_MAX_STEPS = 20
 
