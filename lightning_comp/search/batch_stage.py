@@ -232,14 +232,14 @@ class BatchStage:
             entry: dict[str, Any] = {"type": type(module).__name__, "kind": kind.value,
                                      "params": sum(p.numel() for p in module.parameters())}
             a, b = fp32.get(name), low.get(name)
-            time = None
+            ratio = None
             if a is not None:
                 entry["fp32"] = a.to_dict()
             if b is not None:
                 entry["low"] = b.to_dict()
             if a is not None and b is not None:
-                time = paired_ratio(results["fp32"].series(name), results["low"].series(name))
-                entry.update(time_ratio=time.ratio, time_spread=[time.low, time.high], rounds=time.rounds)
+                ratio = paired_ratio(results["fp32"].series(name), results["low"].series(name))
+                entry.update(time_ratio=ratio.ratio, time_spread=[ratio.low, ratio.high], rounds=ratio.rounds)
             entry["gain_ms"] = 0.0
             if name not in lowerable:
                 entry.update(decision="fp32", reason="shape-only" if kind is OperatorKind.SHAPE
@@ -252,7 +252,7 @@ class BatchStage:
             elif a is None or b is None:
                 entry.update(decision="fp32", reason="not run in the training step")
             elif kind in _HEAVY_KINDS:
-                entry.update(judge_operator(config, a.total_ms, b.total_ms, a.saved_bytes, b.saved_bytes, time))
+                entry.update(judge_operator(config, a.total_ms, b.total_ms, a.saved_bytes, b.saved_bytes, ratio))
                 entry["own_decision"] = entry["decision"]  # from its own measurement, before whole-step checks
             else:
                 cheap_ok = b.compute_ms <= a.compute_ms * (1 + config.speed_margin) + config.min_gain_ms
