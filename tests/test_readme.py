@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -50,5 +51,12 @@ def test_readme_python_snippets_run(tmp_path: Path, monkeypatch: pytest.MonkeyPa
         "train_loader": DataLoader(data, batch_size=16),
         "val_loader": DataLoader(data, batch_size=16),
     }
-    for snippet in snippets:
-        exec(compile(snippet, str(README), "exec"), namespace)  # noqa: S102 - executing our own documentation
+    # Snippets set process-wide variables (Lightning sets MASTER_PORT, seeding sets PL_GLOBAL_SEED). They are put back
+    # afterwards: a later test's DDP subprocess would inherit a port this process still holds (EADDRINUSE).
+    environment = dict(os.environ)
+    try:
+        for snippet in snippets:
+            exec(compile(snippet, str(README), "exec"), namespace)  # noqa: S102 - executing our own documentation
+    finally:
+        os.environ.clear()
+        os.environ.update(environment)
