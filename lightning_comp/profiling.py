@@ -233,6 +233,7 @@ class OperatorProfiler:
         self.rounds = rounds
         self.warmup = warmup
         self._cuda = self.clock.kind is ClockKind.CUDA
+        self.on_round: Callable[[], None] | None = None  # called after each round (warm-up ones too)
 
     def profile(
         self, configs: dict[str, Callable[[], Any]], step: Callable[[], None]
@@ -283,6 +284,8 @@ class OperatorProfiler:
                     steps[label].append(self.clock.elapsed_ms(start, end))
                     if self._cuda:
                         peaks[label].append(int(torch.cuda.max_memory_allocated()))
+            if self.on_round is not None:
+                self.on_round()
         for label, result in results.items():
             result.operators = _min_measurements(result.rounds)
             fastest = min(steps[label], default=result.step_ms)
@@ -317,6 +320,7 @@ class StepTimer:
         self.clock = clock_for(clock)
         self.rounds = rounds
         self.warmup = warmup
+        self.on_round: Callable[[], None] | None = None  # called after each round (warm-up ones too)
 
     def time(self, configs: dict[str, Callable[[], Any]], step: Callable[[], None],
              into: StepTimes | None = None, rounds: int | None = None, warmup: int | None = None) -> StepTimes:
@@ -344,6 +348,8 @@ class StepTimer:
                 if round_index >= warm:
                     out.ms[label].append(self.clock.elapsed_ms(start, end))
                     out.wall_ms[label].append(self.clock.wall_ms(start, end))
+            if self.on_round is not None:
+                self.on_round()
         return out
 
     def saved_bytes(self, model: nn.Module, configs: dict[str, Callable[[], Any]],

@@ -32,6 +32,7 @@ from lightning_comp.profiling import OperatorProfiler, ProfileResult, StepTimer
 from lightning_comp.search.comparison import StepComparison, judge_operator, plan_pays, whole_step_winner
 from lightning_comp.search.config import Objective, SearchConfig, Timing
 from lightning_comp.search.estimates import Verdict, paired_ratio
+from lightning_comp.search.progress import SearchProgress
 from lightning_comp.search.ranks import agree, reduce_mean, reduce_profile
 from lightning_comp.search.timing import TimingChoice, choose_timing, cpu_clock, is_busy, sample_load
 from lightning_comp.search.trials import plan_for
@@ -49,12 +50,15 @@ class BatchStage:
         config: the search's settings.
         low: the 16-bit precision searched.
         plugin: the plugin that puts each measured plan into effect.
+        progress: where measured rounds are shown (nothing is shown without it).
     """
 
-    def __init__(self, config: SearchConfig, low: Precision, plugin: CoMPPrecision) -> None:
+    def __init__(self, config: SearchConfig, low: Precision, plugin: CoMPPrecision,
+                 progress: SearchProgress | None = None) -> None:
         self.config = config
         self.low = low
         self.plugin = plugin
+        self.progress = progress
 
     def run(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int,
             restore: Callable[[], None]) -> dict[str, Any]:
@@ -81,6 +85,8 @@ class BatchStage:
                                    f" the wall-time measurement ({load.describe()}), which was repeated", load)
                 payload = self.measure(trainer, pl_module, step, timing)
         finally:
+            if self.progress is not None:
+                self.progress.close_stage()
             restore()
             restore_rng(rng)
             plugin._set_search_plan(PrecisionPlan().with_provenance(role="trial", trial="fp32 reference"))
@@ -96,8 +102,14 @@ class BatchStage:
         lowerable = [n for n, m in modules.items() if lowering_for(m, low, device) not in (None, Lowering.NONE)]
         all_low = PrecisionPlan.from_dict({n: low.value for n in lowerable})
         clock = timing.make_clock()
+        progress = self.progress
+        first = config.profile_warmup + config.profile_steps
+        if progress is not None:  # per-operator rounds, then whole-step rounds
+            progress.start_stage(len(lowerable), 2 * first)
         with single_intra_op_thread(timing.single_thread):
             profiler = OperatorProfiler(pl_module, clock, config.profile_steps, config.profile_warmup)
+            if progress is not None:
+                profiler.on_round = functools.partial(progress.round_done, f"per operator, fp32/{low.value}")
             # weight copies saved as recipes, as in training (recast_weights_in_backward): not counted as saved bytes
             configs: dict[str, Callable[[], Any]] = {
                 "fp32": functools.partial(_with_weight_recording, plugin, PrecisionPlan()),
@@ -110,6 +122,8 @@ class BatchStage:
                 more = agree(trainer, budget.next_rounds() if undecided else 0)
                 if not more:
                     break
+                if progress is not None:
+                    progress.extend_stage(more)
                 with budget.spending():
                     profiler.extend(results, configs, step, more)
             reduce_profile(trainer, results)
@@ -125,6 +139,8 @@ class BatchStage:
             for label, plan in plans.items():
                 step_configs[label] = functools.partial(_activate, plugin, plan)
             timer = StepTimer(clock, config.profile_steps, config.profile_warmup)
+            if progress is not None:
+                timer.on_round = functools.partial(progress.round_done, f"whole steps, {len(step_configs)} plans")
             started = time.perf_counter()
             times = timer.time(step_configs, step)
             budget = ExtraRounds(config, time.perf_counter() - started, config.profile_warmup + config.profile_steps)
@@ -133,6 +149,8 @@ class BatchStage:
                 more = agree(trainer, budget.next_rounds() if self.whole_step_undecided(steps, list(plans)) else 0)
                 if not more:
                     break
+                if progress is not None:
+                    progress.extend_stage(more)
                 with budget.spending():
                     timer.time(step_configs, step, into=times, rounds=more, warmup=0)
             step_saved: dict[str, float] = {}

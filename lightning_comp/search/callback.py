@@ -42,6 +42,7 @@ from lightning_comp.search.checks import (
 )
 from lightning_comp.search.config import SearchConfig
 from lightning_comp.search.loop import LoopBudget
+from lightning_comp.search.progress import SearchProgress
 from lightning_comp.search.record import build_record, publish
 from lightning_comp.search.state import Phase, SearchState
 from lightning_comp.search.trials import TrialDriver, warn_stopped_inside_the_search
@@ -248,6 +249,9 @@ class CoMPSearch(Callback):
             if self._state.phase != Phase.SEARCHING:
                 return
         current = self._state.current_trial
+        if current is not None and batch_idx == 0:
+            number = len(self._state.trials)
+            SearchProgress(trainer).trial(trainer, number, 1 + self.config.max_trials, current.label)
         if current is not None and current.batches:
             self._budget.validate_after(trainer, current.batches)
         _synchronize(pl_module)
@@ -340,7 +344,8 @@ class CoMPSearch(Callback):
         def restore() -> None:
             TrainingSnapshot.from_state(snapshot).restore(trainer, pl_module, self._scaler(), rng=False)
 
-        result = BatchStage(self.config, self._low, self._plugin).run(trainer, pl_module, batch, batch_idx, restore)
+        stage = BatchStage(self.config, self._low, self._plugin, SearchProgress(trainer))
+        result = stage.run(trainer, pl_module, batch, batch_idx, restore)
         self._driver.after_batch_stage(trainer, result, time.perf_counter() - started)
 
     # --------------------------------------------------------------------------------------------- checkpoint

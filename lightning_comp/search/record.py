@@ -13,6 +13,7 @@ from lightning_comp.dtypes import Precision
 from lightning_comp.plan import PrecisionPlan
 from lightning_comp.report import format_record
 from lightning_comp.search.config import SearchConfig
+from lightning_comp.search.record_loggers import log_record
 from lightning_comp.search.state import STATE_VERSION, SearchState
 
 __all__ = ["build_record", "publish", "warmup_overhead_seconds"]
@@ -104,7 +105,8 @@ def warmup_overhead_seconds(state: SearchState) -> float | None:
     return batches * max(0.0, float(reference) - float(chosen)) / 1e3
 
 def publish(trainer: pl.Trainer, state: SearchState, config: SearchConfig, final: bool) -> None:
-    """Write ``comp_search.json`` and ``comp_plan.json`` (rank 0); unless ``final``, log and print the record."""
+    """Write ``comp_search.json`` and ``comp_plan.json`` (rank 0); unless ``final``, send the record to the loggers
+    (:mod:`~lightning_comp.search.record_loggers`) and print it."""
     record = build_record(state, config)
     # Trainer.log_dir is a collective (it broadcasts from rank 0): every rank must ask for it.
     directory = Path(config.record_dir or trainer.log_dir or trainer.default_root_dir)
@@ -115,15 +117,6 @@ def publish(trainer: pl.Trainer, state: SearchState, config: SearchConfig, final
             PrecisionPlan.from_dict(record["chosen_plan"]).save(directory / "comp_plan.json")
     if final:
         return
-    for logger in trainer.loggers:
-        logger.log_metrics(
-            {
-                "comp/lowered_operators": float(len(record["lowered_operators"])),
-                "comp/trials": float(len(record["trials"])),
-                "comp/search_seconds": float(record["cost"]["search_seconds"]),
-            },
-            step=trainer.global_step,
-        )
-        logger.log_hyperparams({"comp_plan": record["chosen_plan"]["entries"] if record["chosen_plan"] else {}})
+    log_record(trainer, record)
     if config.verbose:
         rank_zero_info(format_record(record))

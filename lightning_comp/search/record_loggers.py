@@ -1,0 +1,127 @@
+"""The decision record in every attached Lightning logger, in the form that logger shows best.
+
+- Any logger: the chosen plan as flat hyperparameters (``comp/plan/<selector>: precision``, plus the searched
+  precision, objective and counts) and the search's summary scalars (operators lowered, trials, search seconds).
+- TensorBoard: the plan and the per-operator decisions as Markdown tables (TEXT tab), and each trial's metric and
+  median step time as scalars over the trial number (SCALARS tab, ``comp/trials/...``).
+- CSV: two flat tables beside ``metrics.csv``: ``comp_operators.csv`` (one row per operator: decision, times, ratio
+  and its interval, bytes, reason) and ``comp_trials.csv`` (one row per trial).
+"""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger
+
+__all__ = ["OPERATOR_COLUMNS", "TRIAL_COLUMNS", "log_record", "operator_rows", "plan_hyperparameters", "trial_rows"]
+
+OPERATOR_COLUMNS = ("operator", "type", "kind", "decision", "fp32_ms", "low_ms", "ratio", "ratio_low", "ratio_high",
+                    "rounds", "fp32_saved_bytes", "low_saved_bytes", "reason")
+TRIAL_COLUMNS = ("trial", "label", "low_operators", "metric", "reference", "verdict", "reason", "median_step_ms",
+                 "seconds", "skipped_steps", "kept")
+
+
+def plan_hyperparameters(record: dict[str, Any]) -> dict[str, Any]:
+    """Flat hyperparameters of the chosen plan: one ``comp/plan/<selector>`` per entry, and the search's setting."""
+    chosen = record.get("chosen_plan") or {}
+    params: dict[str, Any] = {f"comp/plan/{selector}": precision
+                              for selector, precision in (chosen.get("entries") or {}).items()}
+    params.update({
+        "comp/plan/<default>": chosen.get("default", "fp32"),
+        "comp/low_precision": record.get("low_precision") or "none",
+        "comp/objective": record.get("objective"),
+        "comp/chosen_trial": record.get("chosen_trial") or "",
+        "comp/lowered_operators": len(record.get("lowered_operators") or []),
+        "comp/clock": (record.get("timing") or {}).get("clock", ""),
+    })
+    return params
+
+
+def operator_rows(record: dict[str, Any]) -> list[dict[str, Any]]:
+    """One flat row per operator of the batch stage (``OPERATOR_COLUMNS``)."""
+    rows = []
+    for name, op in (record.get("operators") or {}).items():
+        spread = op.get("time_spread") or [None, None]
+        rows.append({
+            "operator": name, "type": op.get("type"), "kind": op.get("kind"), "decision": op.get("decision"),
+            "fp32_ms": (op.get("fp32") or {}).get("total_ms"), "low_ms": (op.get("low") or {}).get("total_ms"),
+            "ratio": op.get("time_ratio"), "ratio_low": spread[0], "ratio_high": spread[1],
+            "rounds": op.get("rounds"), "fp32_saved_bytes": (op.get("fp32") or {}).get("saved_bytes"),
+            "low_saved_bytes": (op.get("low") or {}).get("saved_bytes"), "reason": op.get("reason"),
+        })
+    return rows
+
+
+def trial_rows(record: dict[str, Any]) -> list[dict[str, Any]]:
+    """One flat row per convergence trial (``TRIAL_COLUMNS``)."""
+    return [{"trial": index, "label": t["label"], "low_operators": len(t["low_operators"]), "metric": t["metric"],
+             "reference": t["reference"], "verdict": t["verdict"], "reason": t["reason"],
+             "median_step_ms": t["median_step_ms"], "seconds": t["seconds"], "skipped_steps": t["skipped_steps"],
+             "kept": t["kept"]}
+            for index, t in enumerate(record.get("trials") or [])]
+
+
+def _markdown(columns: tuple[str, ...], rows: list[dict[str, Any]]) -> str:
+    def cell(value: Any) -> str:
+        if isinstance(value, float):
+            return f"{value:.4g}"
+        return "" if value is None else str(value).replace("|", "\\|")
+
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(cell(row[c]) for c in columns) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _tensorboard(logger: TensorBoardLogger, record: dict[str, Any], step: int) -> None:
+    writer = logger.experiment
+    entries = (record.get("chosen_plan") or {}).get("entries") or {}
+    plan_rows = [{"selector": s, "precision": p} for s, p in entries.items()]
+    writer.add_text("comp/plan", f"chosen: **{record.get('chosen_trial')}** ({record.get('finish_reason')})\n\n"
+                    + _markdown(("selector", "precision"), plan_rows), step)
+    ops = operator_rows(record)
+    if ops:
+        writer.add_text("comp/operators", _markdown(("operator", "type", "decision", "ratio", "ratio_low",
+                                                     "ratio_high", "reason"), ops), step)
+    for row in trial_rows(record):
+        if row["metric"] is not None:
+            writer.add_scalar("comp/trials/metric", float(row["metric"]), row["trial"])
+        if row["median_step_ms"] is not None:
+            writer.add_scalar("comp/trials/median_step_ms", float(row["median_step_ms"]), row["trial"])
+    writer.flush()
+
+
+def _write_csv(path: Path, columns: tuple[str, ...], rows: list[dict[str, Any]]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=columns)
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def log_record(trainer: pl.Trainer, record: dict[str, Any]) -> None:
+    """Send ``record`` to every logger of ``trainer`` (loggers write on rank 0 only)."""
+    step = trainer.global_step
+    for logger in trainer.loggers:
+        _log_common(logger, record, step)
+        if isinstance(logger, TensorBoardLogger) and trainer.is_global_zero:
+            _tensorboard(logger, record, step)
+        elif isinstance(logger, CSVLogger) and trainer.is_global_zero:
+            directory = Path(logger.log_dir)
+            _write_csv(directory / "comp_operators.csv", OPERATOR_COLUMNS, operator_rows(record))
+            _write_csv(directory / "comp_trials.csv", TRIAL_COLUMNS, trial_rows(record))
+
+
+def _log_common(logger: Logger, record: dict[str, Any], step: int) -> None:
+    logger.log_metrics(
+        {
+            "comp/lowered_operators": float(len(record["lowered_operators"])),
+            "comp/trials": float(len(record["trials"])),
+            "comp/search_seconds": float(record["cost"]["search_seconds"]),
+        },
+        step=step,
+    )
+    logger.log_hyperparams(plan_hyperparameters(record))
