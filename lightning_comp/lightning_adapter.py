@@ -120,3 +120,11 @@ def iter_stateful_callbacks(trainer: pl.Trainer) -> Iterator[Callback]:
 def optimizer_handles_unscaling(optimizer: Any) -> bool:
     """Whether ``optimizer`` unscales gradients itself (a fused optimizer with ``_step_supports_amp_scaling``)."""
     return bool(_optimizer_handles_unscaling(optimizer))
+
+
+def compiled(module: Any) -> bool:
+    """Whether ``module`` runs under ``torch.compile``: handed to ``fit`` compiled (Lightning unwraps it and keeps
+    the compile settings in ``_compiler_ctx``), or holding a compiled submodule (e.g. from ``configure_model``)."""
+    if getattr(module, "_compiler_ctx", None) is not None:
+        return True
+    return any(type(m).__name__ == "OptimizedModule" for m in module.modules())

@@ -20,7 +20,7 @@ from lightning_comp.casting import PlanExecutor, StepKind
 from lightning_comp.devices import DeviceClass, device_class, model_device
 from lightning_comp.dtypes import Precision as Dtype
 from lightning_comp.errors import UnsupportedSetupError
-from lightning_comp.lightning_adapter import optimizer_handles_unscaling
+from lightning_comp.lightning_adapter import compiled, optimizer_handles_unscaling
 from lightning_comp.loss_scaling import (
     PLUGIN_STATE_VERSION,
     ScalerSlot,
@@ -174,7 +174,15 @@ class CoMPPrecision(Precision):
 
         Raises:
             PlanMismatchError: if the plan does not fit ``module``.
+            UnsupportedSetupError: if ``module`` is compiled with ``torch.compile``.
         """
+        if compiled(module):
+            raise UnsupportedSetupError(
+                "CoMPPrecision cannot run a model compiled with torch.compile yet: it enters and leaves each"
+                " operator's autocast region in forward hooks, which TorchDynamo cannot trace (the first step would"
+                " fail with \"'autocast' object has no attribute 'prev'\"). Train this model without torch.compile"
+                " (neither torch.compile(model) before fit nor inside configure_model), or without CoMPPrecision."
+            )
         self._requested.validate(module)
         self._model = module
         self._placed = None

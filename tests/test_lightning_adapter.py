@@ -124,3 +124,20 @@ def test_the_installed_lightning_is_in_the_supported_range() -> None:
 def test_every_adapter_function_is_exported_and_documented(name: str) -> None:
     function = getattr(adapter, name)
     assert callable(function) and function.__doc__
+
+
+def test_a_model_compiled_for_fit_or_holding_a_compiled_submodule_is_seen() -> None:
+    from lightning.pytorch.utilities.compile import _maybe_unwrap_optimized
+    from torch import nn
+
+    plain = nn.Sequential(nn.Linear(2, 2))
+    assert not adapter.compiled(plain)
+    assert adapter.compiled(nn.Sequential(torch.compile(nn.Linear(2, 2))))  # e.g. from configure_model
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = nn.Linear(2, 2)
+
+    unwrapped = _maybe_unwrap_optimized(torch.compile(Module()))  # what Trainer.fit does with a compiled model
+    assert adapter.compiled(unwrapped) and not adapter.compiled(Module())
