@@ -32,7 +32,6 @@ class SearchProgress:
         shown = isinstance(bar, TQDMProgressBar) and bar.is_enabled and trainer.is_global_zero
         self._bar: TQDMProgressBar | None = bar if shown and isinstance(bar, TQDMProgressBar) else None
         self._stage: Tqdm | None = None
-        self._label = ""
 
     @property
     def shown(self) -> bool:
@@ -77,5 +76,5 @@ class SearchProgress:
             train: Any = bar.train_progress_bar
         except TypeError:  # not created yet (no training epoch shown)
             return
-        self._label = f" | CoMP trial {number} of at most {at_most}" + (f" ({label})" if label else "")
-        train.set_description(f"Epoch {trainer.current_epoch}{self._label}", refresh=False)
+        suffix = f" | CoMP trial {number} of at most {at_most}" + (f" ({label})" if label else "")
+        train.set_description(f"Epoch {trainer.current_epoch}{suffix}", refresh=False)
