@@ -26,47 +26,45 @@ from torch import nn
 
 from lightning_comp.devices import DeviceClass, device_class, model_device
 from lightning_comp.dtypes import Precision, parse_precision
-from lightning_comp.errors import PlanError, PlanFileError, PlanMismatchError
+from lightning_comp.errors import PlanError, PlanMismatchError
 from lightning_comp.fingerprint import OperatorFingerprint
 from lightning_comp.operators import classify, iter_operators
-from lightning_comp.selectors import Selectors, check_selector
+from lightning_comp.plan_entries import as_mapping, parse_entries, parse_saved, split_entries
+from lightning_comp.plan_files import (
+    PLAN_FORMAT,
+    PLAN_VERSION,
+    load_plan,
+    plain,
+    plan_from_serialised,
+    plan_to_dict,
+    save_plan,
+)
+from lightning_comp.plan_summary import plan_summary
+from lightning_comp.saved_precision import SavedPrecision, parse_saved_precision
+from lightning_comp.selectors import Selectors
 
 __all__ = ["OperatorFingerprint", "PrecisionPlan", "PLAN_FORMAT", "PLAN_VERSION"]
 
-PLAN_FORMAT = "lightning-comp/plan"
-PLAN_VERSION = 2
-_READABLE_VERSIONS = (1, 2)  # 1: before the device class was recorded
-
-
-def _parse_entries(mapping: Mapping[str, Any]) -> tuple[tuple[str, Precision], ...]:
-    if not isinstance(mapping, Mapping):
-        raise PlanError(f"Plan entries must be a mapping of selector -> precision, got {type(mapping).__name__}.")
-    entries = []
-    for selector, value in mapping.items():
-        check_selector(selector)
-        try:
-            precision = parse_precision(value)
-        except PlanError as err:
-            raise PlanError(f"Plan entry {selector!r}: {err}") from None
-        entries.append((selector, precision))
-    return tuple(sorted(entries))
-
-
 @dataclass(frozen=True)
 class PrecisionPlan:
-    """An immutable assignment of a precision (``fp32``/``bf16``/``fp16``) to each operator of a model.
+    """An immutable assignment of precisions to each operator of a model.
 
-    Build one with :meth:`from_dict`, :meth:`for_model` or :meth:`load`; never mutate it (use :meth:`with_entries`).
+    Two independent dimensions: the precision an operator computes in (``fp32``/``bf16``/``fp16``), and the
+    precision in which the tensors it saves for backward are stored (``fp32`` as computed, ``bf16``, ``fp8``; see
+    :mod:`lightning_comp.saved_precision`). Build one with :meth:`from_dict`, :meth:`for_model` or :meth:`load`;
+    never mutate it (use :meth:`with_entries` and :meth:`with_saved`).
 
     Attributes:
-        entries: ``(selector, precision)`` pairs, sorted by selector.
-        default: precision of every operator that no entry matches.
+        entries: ``(selector, precision)`` pairs of the compute dimension, sorted by selector.
+        default: compute precision of every operator that no entry matches.
         fingerprint: operators of the model the plan was made for, or ``None`` for a model-independent plan.
         torch_version: torch version the plan was made with, if bound to a model.
         device_type: device type (``"cpu"``, ``"cuda"``) the plan was made for, if bound to a model.
+        provenance: free-form JSON-able notes (who made the plan and from what evidence); not part of equality.
         device: the class of the device the plan was made on (CPU capability, CUDA compute capability, which
             16-bit precisions are native there), if bound to a model; ``None`` for plans of format version 1.
-        provenance: free-form JSON-able notes (who made the plan and from what evidence); not part of equality.
+        saved: ``(selector, saved precision)`` pairs of the saved-for-backward dimension, sorted by selector.
+        saved_default: saved precision of every operator that no ``saved`` entry matches.
     """
 
     entries: tuple[tuple[str, Precision], ...] = ()
@@ -76,13 +74,20 @@ class PrecisionPlan:
     device_type: str | None = None
     provenance: Mapping[str, Any] = field(default_factory=dict, compare=False, hash=False)
     device: DeviceClass | None = field(default=None, compare=False, hash=False)
+    saved: tuple[tuple[str, SavedPrecision], ...] = ()
+    saved_default: SavedPrecision = SavedPrecision.FP32
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "entries", _parse_entries(dict(self.entries)))
+        object.__setattr__(self, "entries", parse_entries(as_mapping(self.entries)))
+        object.__setattr__(self, "saved", parse_saved(as_mapping(self.saved)))
         try:
             object.__setattr__(self, "default", parse_precision(self.default))
         except PlanError as err:
             raise PlanError(f"Plan default: {err}") from None
+        try:
+            object.__setattr__(self, "saved_default", parse_saved_precision(self.saved_default))
+        except PlanError as err:
+            raise PlanError(f"Plan saved_default: {err}") from None
         object.__setattr__(self, "provenance", MappingProxyType(dict(self.provenance)))
         for name in ("torch_version", "device_type"):  # plain str: checkpoints must load with weights_only=True
             value = getattr(self, name)
@@ -91,16 +96,22 @@ class PrecisionPlan:
     def __reduce__(self) -> tuple[Any, ...]:
         # The read-only provenance view cannot be pickled or deep-copied (ddp_spawn pickles the plugin): rebuild.
         return (type(self), (self.entries, self.default, self.fingerprint, self.torch_version, self.device_type,
-                             dict(self.provenance), self.device))
+                             dict(self.provenance), self.device, self.saved, self.saved_default))
 
     # ----------------------------------------------------------------------------------------------- construction
     @classmethod
-    def from_dict(cls, mapping: Mapping[str, Any], default: object = "fp32") -> PrecisionPlan:
+    def from_dict(cls, mapping: Mapping[str, Any], default: object = "fp32", *,
+                  saved: Mapping[str, Any] | None = None, saved_default: object = "fp32") -> PrecisionPlan:
         """Build a plan from ``{selector: precision}``, or from the dictionary :meth:`to_dict` wrote.
+
+        An entry's value is a compute precision (``"bf16"``), or a mapping that sets both dimensions
+        (``{"compute": "bf16", "saved": "fp8"}``) or one of them (``{"saved": "bf16"}``).
 
         Args:
             mapping: selector -> precision (see the module docstring for selectors), or a serialised plan.
-            default: precision of operators no entry matches (ignored for a serialised plan, which has its own).
+            default: compute precision of operators no entry matches (ignored for a serialised plan).
+            saved: selector -> saved precision, added to the saved entries of ``mapping``.
+            saved_default: saved precision of operators no saved entry matches (ignored for a serialised plan).
 
         Raises:
             PlanError: on an unknown precision, a malformed selector or a malformed serialised plan.
@@ -108,12 +119,16 @@ class PrecisionPlan:
         if not isinstance(mapping, Mapping):
             raise PlanError(f"A plan must be built from a mapping, got {type(mapping).__name__}: {mapping!r}.")
         if mapping.get("format") == PLAN_FORMAT:
-            return cls._from_serialised(mapping)
+            return plan_from_serialised(cls, mapping)
         try:
             default_precision = parse_precision(default)
         except PlanError as err:
             raise PlanError(f"Plan default: {err}") from None
-        return cls(entries=_parse_entries(mapping), default=default_precision)
+        compute, saved_entries = split_entries(mapping)
+        if saved is not None:
+            saved_entries.update(as_mapping(saved))
+        return cls(entries=parse_entries(compute), default=default_precision, saved=parse_saved(saved_entries),
+                   saved_default=saved_default)  # type: ignore[arg-type]  # parsed in __post_init__
 
     @classmethod
     def for_model(
@@ -158,8 +173,16 @@ class PrecisionPlan:
     def with_entries(self, updates: Mapping[str, Any]) -> PrecisionPlan:
         """A copy of this plan with ``updates`` added or overriding entries of the same selector."""
         merged = dict(self.entries)
-        merged.update(_parse_entries(updates))
+        merged.update(parse_entries(updates))
         return replace(self, entries=tuple(merged.items()), provenance=dict(self.provenance))
+
+    def with_saved(self, updates: Mapping[str, Any], default: object | None = None) -> PrecisionPlan:
+        """A copy with ``updates`` (selector -> saved precision) added to the saved entries, and ``default`` as
+        the saved default if given."""
+        merged = dict(self.saved)
+        merged.update(parse_saved(updates))
+        return replace(self, saved=tuple(merged.items()), provenance=dict(self.provenance),
+                       saved_default=self.saved_default if default is None else default)  # type: ignore[arg-type]
 
     def with_provenance(self, **notes: Any) -> PrecisionPlan:
         """A copy with ``notes`` added to :attr:`provenance`."""
@@ -171,6 +194,11 @@ class PrecisionPlan:
         """Whether every operator computes in FP32 under this plan."""
         return self.default is Precision.FP32 and all(p is Precision.FP32 for _, p in self.entries)
 
+    @property
+    def compresses_saved(self) -> bool:
+        """Whether any operator saves its tensors for backward in a lower precision than computed."""
+        return self.saved_default.compresses or any(p.compresses for _, p in self.saved)
+
     def uses(self, precision: object) -> bool:
         """Whether ``precision`` appears in the plan (as an entry or the default)."""
         wanted = parse_precision(precision)
@@ -181,10 +209,20 @@ class PrecisionPlan:
         match = self._match(name, module_type)
         return self.default if match is None else match[1]
 
+    def saved_of(self, name: str, module_type: type | None = None) -> SavedPrecision:
+        """The precision in which the operator called ``name`` stores what it saves for backward."""
+        selector = self.saved_selectors.match(name, module_type)
+        return self.saved_default if selector is None else dict(self.saved)[selector]
+
     @functools.cached_property
     def selectors(self) -> Selectors:
-        """The plan's selectors (its entries' keys)."""
+        """The plan's compute selectors (its entries' keys)."""
         return Selectors(tuple(selector for selector, _ in self.entries))
+
+    @functools.cached_property
+    def saved_selectors(self) -> Selectors:
+        """The selectors of the plan's saved entries."""
+        return Selectors(tuple(selector for selector, _ in self.saved))
 
     def _match(self, name: str, module_type: type | None) -> tuple[str, Precision] | None:
         selector = self.selectors.match(name, module_type)
@@ -193,6 +231,18 @@ class PrecisionPlan:
     def resolve(self, model: nn.Module) -> dict[str, Precision]:
         """The precision of every operator of ``model`` under this plan (shape-only operators included)."""
         return {name: self.precision_of(name, type(module)) for name, module in iter_operators(model)}
+
+    def resolve_saved(self, model: nn.Module) -> dict[str, SavedPrecision]:
+        """The saved precision of every operator of ``model`` under this plan."""
+        return {name: self.saved_of(name, type(module)) for name, module in iter_operators(model)}
+
+    def explain_saved(self, model: nn.Module) -> dict[str, str]:
+        """For every operator, the saved entry that decided its saved precision (``"<default>"`` if none)."""
+        out = {}
+        for name, module in iter_operators(model):
+            selector = self.saved_selectors.match(name, type(module))
+            out[name] = "<default>" if selector is None else selector
+        return out
 
     def explain(self, model: nn.Module) -> dict[str, str]:
         """For every operator, the selector that decided its precision (``"<default>"`` if none)."""
@@ -203,8 +253,8 @@ class PrecisionPlan:
         return out
 
     def unmatched_entries(self, model: nn.Module) -> list[str]:
-        """Selectors of this plan that match no operator of ``model``."""
-        return self.selectors.unmatched(model)
+        """Selectors of this plan (of either dimension) that match no operator of ``model``."""
+        return sorted(set(self.selectors.unmatched(model)) | set(self.saved_selectors.unmatched(model)))
 
     def validate(self, model: nn.Module) -> None:
         """Check the plan fits ``model``.
@@ -222,6 +272,7 @@ class PrecisionPlan:
                     " or drop the fingerprint with `PrecisionPlan.from_dict(plan.to_dict()['entries'])`."
                 )
         self.selectors.validate(model)
+        self.saved_selectors.validate(model, what="saved plan entr")
 
     def low_operators(self, model: nn.Module) -> list[str]:
         """Names of the operators of ``model`` this plan runs in a 16-bit precision (shape-only ones excluded)."""
@@ -233,60 +284,11 @@ class PrecisionPlan:
 
     # -------------------------------------------------------------------------------------------- serialisation
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-able dictionary (plain Python types only) that :meth:`from_dict` turns back into this plan."""
-        return {
-            "format": PLAN_FORMAT,
-            "version": PLAN_VERSION,
-            "default": self.default.value,
-            "entries": {selector: precision.value for selector, precision in self.entries},
-            "fingerprint": None
-            if self.fingerprint is None
-            else {"digest": self.fingerprint.digest, "operators": [list(op) for op in self.fingerprint.operators]},
-            "torch_version": self.torch_version,
-            "device_type": self.device_type,
-            "device": None if self.device is None else self.device.to_dict(),
-            "provenance": _plain(dict(self.provenance)),
-        }
+        """A JSON-able dictionary (plain Python types only) that :meth:`from_dict` turns back into this plan.
 
-    @classmethod
-    def _from_serialised(cls, data: Mapping[str, Any]) -> PrecisionPlan:
-        version = data.get("version")
-        if version not in _READABLE_VERSIONS:
-            raise PlanError(f"Unsupported plan version {version!r}: this lightning-comp reads versions"
-                            f" {', '.join(map(str, _READABLE_VERSIONS))}.")
-        unknown = set(data) - {"format", "version", "default", "entries", "fingerprint", "torch_version",
-                               "device_type", "provenance", *(("device",) if version >= 2 else ())}
-        if unknown:
-            raise PlanError(f"Unknown keys {sorted(unknown)} in a serialised plan.")
-        fingerprint = None
-        raw = data.get("fingerprint")
-        if raw is not None:
-            if not isinstance(raw, Mapping) or not isinstance(raw.get("operators"), list):
-                raise PlanError(f"Malformed plan fingerprint {raw!r}: expected {{'operators': [[name, type], ...]}}.")
-            try:
-                fingerprint = OperatorFingerprint(tuple((str(n), str(t)) for n, t in raw["operators"]))
-            except (TypeError, ValueError):
-                raise PlanError(f"Malformed plan fingerprint operators {raw['operators']!r}.") from None
-            if "digest" in raw and raw["digest"] != fingerprint.digest:
-                raise PlanError(
-                    f"Plan fingerprint digest {raw['digest']!r} does not match its operator list"
-                    f" ({fingerprint.digest}): the file was edited or corrupted."
-                )
-        provenance = data.get("provenance") or {}
-        if not isinstance(provenance, Mapping):
-            raise PlanError(f"Plan provenance must be a mapping, got {provenance!r}.")
-        for key in ("torch_version", "device_type"):
-            if data.get(key) is not None and not isinstance(data[key], str):
-                raise PlanError(f"Plan {key} must be a string or null, got {data[key]!r}.")
-        return cls(
-            entries=_parse_entries(data.get("entries") or {}),
-            default=parse_precision(data.get("default", "fp32")),
-            fingerprint=fingerprint,
-            torch_version=data.get("torch_version"),
-            device_type=data.get("device_type"),
-            provenance=dict(provenance),
-            device=None if data.get("device") is None else DeviceClass.from_dict(data["device"]),
-        )
+        Written at the lowest format version that holds the plan (see :mod:`lightning_comp.plan_files`).
+        """
+        return plan_to_dict(self)
 
     def to_json(self) -> str:
         """The plan as an indented JSON document."""
@@ -294,12 +296,7 @@ class PrecisionPlan:
 
     def save(self, path: str | os.PathLike[str]) -> Path:
         """Write the plan as JSON to ``path`` (parent folders are created) and return the path."""
-        target = Path(path)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.with_suffix(target.suffix + ".tmp")
-        tmp.write_text(self.to_json() + "\n")
-        tmp.replace(target)
-        return target
+        return save_plan(self, path)
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> PrecisionPlan:
@@ -308,68 +305,21 @@ class PrecisionPlan:
         Raises:
             PlanFileError: if the file is missing, unreadable, not JSON, or JSON of the wrong shape.
         """
-        target = Path(path)
-        try:
-            text = target.read_text()
-        except FileNotFoundError:
-            raise PlanFileError(f"Plan file {str(target)!r} does not exist.") from None
-        except (OSError, UnicodeDecodeError) as err:
-            raise PlanFileError(f"Plan file {str(target)!r} cannot be read: {err}.") from None
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as err:
-            raise PlanFileError(f"Plan file {str(target)!r} is not valid JSON: {err}.") from None
-        if not isinstance(data, dict):
-            raise PlanFileError(
-                f"Plan file {str(target)!r} holds a JSON {type(data).__name__}; expected an object, either a saved"
-                " plan or {selector: precision}."
-            )
-        try:
-            return cls.from_dict(data)
-        except PlanError as err:
-            raise PlanFileError(f"Plan file {str(target)!r}: {err}") from None
+        return load_plan(cls, path)
 
     # ------------------------------------------------------------------------------------------------- display
     def summary(self, model: nn.Module | None = None) -> str:
-        """A readable table of the plan; with ``model``, one row per operator with its precision and why."""
-        if model is None:
-            rows = [(sel, p.value) for sel, p in self.entries] + [("<default>", self.default.value)]
-            width = max(len(r[0]) for r in rows)
-            return "\n".join([f"{'selector':<{width}}  precision", "-" * (width + 11)] +
-                             [f"{s:<{width}}  {p}" for s, p in rows])
-        explain = self.explain(model)
-        rows2 = []
-        for name, module in iter_operators(model):
-            params = sum(p.numel() for p in module.parameters())
-            precision = self.precision_of(name, type(module)).value
-            rows2.append((name or "<root>", type(module).__name__, f"{params:,}", precision, explain[name]))
-        header = ("operator", "type", "params", "precision", "decided by")
-        widths = [max(len(str(r[i])) for r in [header, *rows2]) for i in range(5)]
-        lines = ["  ".join(f"{h:<{w}}" for h, w in zip(header, widths)), "  ".join("-" * w for w in widths)]
-        lines += ["  ".join(f"{c:<{w}}" for c, w in zip(r, widths)) for r in rows2]
-        low = sum(1 for r in rows2 if r[3] != "fp32")
-        lines.append(f"{low} of {len(rows2)} operators in 16-bit precision")
-        return "\n".join(lines)
+        """A readable table of the plan; with ``model``, one row per operator with its precisions and why."""
+        return plan_summary(self, model)
 
     def __repr__(self) -> str:
         entries = ", ".join(f"{s!r}: {p.value!r}" for s, p in self.entries)
+        saved = ""
+        if self.compresses_saved:
+            saved = ", saved={" + ", ".join(f"{s!r}: {p.value!r}" for s, p in self.saved) + "}"
+            saved += f", saved_default={self.saved_default.value!r}"
         bound = f", fingerprint={self.fingerprint.digest}" if self.fingerprint else ""
-        return f"PrecisionPlan({{{entries}}}, default={self.default.value!r}{bound})"
-
-
-def _plain(value: Any) -> Any:
-    """Convert ``value`` to plain JSON types (dicts with str keys, lists, str, int, float, bool, None)."""
-    if isinstance(value, Mapping):
-        return {str(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple, set, frozenset)):
-        return [_plain(v) for v in value]
-    if isinstance(value, Precision):
-        return value.value
-    if isinstance(value, (str, int, float, bool)) or value is None:
-        return value
-    if isinstance(value, torch.Tensor) and value.numel() == 1:
-        return value.item()
-    return str(value)
+        return f"PrecisionPlan({{{entries}}}, default={self.default.value!r}{saved}{bound})"
 
 
 def plan_from_any(plan: PrecisionPlan | Mapping[str, Any] | str | os.PathLike[str] | None) -> PrecisionPlan:
@@ -379,7 +329,7 @@ def plan_from_any(plan: PrecisionPlan | Mapping[str, Any] | str | os.PathLike[st
     if isinstance(plan, PrecisionPlan):
         return plan
     if isinstance(plan, Mapping):
-        return PrecisionPlan.from_dict(_plain(plan))
+        return PrecisionPlan.from_dict(plain(plan))
     if isinstance(plan, (str, os.PathLike)):
         return PrecisionPlan.load(plan)
     raise PlanError(

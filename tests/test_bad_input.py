@@ -201,7 +201,7 @@ def _write(path: Path, content: object) -> Path:
         (b"\xff\xfe\x00garbage", "cannot be read: 'utf-8' codec can't decode"),
         ("{not json", "is not valid JSON: Expecting property name"),
         ([["l1", "bf16"]], "holds a JSON list; expected an object"),
-        ({"l1": {"precision": "bf16"}}, r"Plan entry 'l1': Unknown precision \{'precision': 'bf16'\}"),
+        ({"l1": {"precision": "bf16"}}, r"Plan entry 'l1': \{'precision': 'bf16'\} is not a precision.*'saved'"),
         ({"format": "lightning-comp/plan", "version": 1, "entries": ["l1"]}, "entries must be a mapping"),
         ({"format": "lightning-comp/plan", "entries": {}}, "Unsupported plan version None: this lightning-comp reads"),
     ],
