@@ -20,6 +20,7 @@ from torch.overrides import TorchFunctionMode
 
 from lightning_comp.dtypes import Precision
 from lightning_comp.operators import Lowering, OperatorKind
+from lightning_comp.saved_precision import SavedPrecision
 
 __all__ = ["ConsumerTracer", "HookedOperator", "LOW_DTYPES", "cast_floating", "has_low", "iter_tensors"]
 
@@ -79,6 +80,7 @@ class HookedOperator:
     precision: Precision
     lowering: Lowering
     contexts: list[AbstractContextManager[Any]] = field(default_factory=list)
+    saved: SavedPrecision = SavedPrecision.FP32
 
     @property
     def low(self) -> bool:

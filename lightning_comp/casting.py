@@ -40,6 +40,8 @@ from lightning_comp.dtypes import Precision
 from lightning_comp.errors import PlanError
 from lightning_comp.operators import Lowering, classify, iter_operators, lowering_for
 from lightning_comp.plan import PrecisionPlan
+from lightning_comp.saved_precision import SavedPrecision
+from lightning_comp.saved_tensors import DEFAULT_MIN_SAVED_BYTES, SavedTensorCompressor
 from lightning_comp.weight_casts import WeightCastRecorder
 
 __all__ = ["StepKind", "PlanExecutor", "cast_floating"]
@@ -66,10 +68,11 @@ def _note_failing_operator(op: HookedOperator, device: torch.device | None) -> N
         return
     error._comp_operator = op.name  # type: ignore[attr-defined]  # the innermost operator notes it, once
     where = "unknown device" if device is None else f"{device} [{device_class(device).describe()}]"
+    saving = f", saving for backward in {op.saved.value}" if op.saved.compresses else ""
     error.add_note(
         f"lightning-comp: raised inside operator {op.name or '<root>'!r} ({type(op.module).__name__}) computing in"
-        f" {op.precision.value} ({op.lowering.value} lowering) on {where}. Assign it 'fp32' in the plan, or exclude"
-        " it from the search with CoMPSearch(exclude=[...])."
+        f" {op.precision.value} ({op.lowering.value} lowering){saving} on {where}. Assign it 'fp32' in the plan,"
+        " or exclude it from the search with CoMPSearch(exclude=[...])."
     )
 
 
@@ -82,11 +85,15 @@ class PlanExecutor:
     Args:
         recast_weights_in_backward: inside steps, save lowered weights for backward as recipes and cast the FP32
             masters again in backward instead of keeping the 16-bit copies (see :mod:`lightning_comp.weight_casts`).
+        min_saved_bytes: operators whose plan entry saves ``bf16``/``fp8`` store smaller tensors as they are (see
+            :mod:`lightning_comp.saved_tensors`).
     """
 
-    def __init__(self, recast_weights_in_backward: bool = True) -> None:
+    def __init__(self, recast_weights_in_backward: bool = True,
+                 min_saved_bytes: int = DEFAULT_MIN_SAVED_BYTES) -> None:
         self.recast_weights_in_backward = bool(recast_weights_in_backward)
         self._weight_casts = WeightCastRecorder()
+        self._saved = SavedTensorCompressor(min_saved_bytes, is_weight_copy=self._weight_casts.made)
         self._handles: list[RemovableHandle] = []
         self._operators: dict[str, HookedOperator] = {}
         self._plan: PrecisionPlan | None = None
@@ -119,6 +126,15 @@ class PlanExecutor:
     def num_hooks(self) -> int:
         """How many hook handles are registered (2 per hooked operator)."""
         return len(self._handles)
+
+    @property
+    def saved_tensors(self) -> SavedTensorCompressor:
+        """The engine that stores operators' saved tensors at their planned saved precision."""
+        return self._saved
+
+    def saved_precisions(self) -> dict[str, SavedPrecision]:
+        """The saved precision of each hooked operator."""
+        return {name: op.saved for name, op in self._operators.items()}
 
     def precisions(self) -> dict[str, Precision]:
         """The effective precision of each hooked operator (FP32 where a low precision cannot apply)."""
@@ -159,7 +175,8 @@ class PlanExecutor:
             if lowering is None:
                 unsupported.append(f"{name or '<root>'} ({type(module).__name__}, {precision.value})")
                 continue
-            operators[name] = HookedOperator(name, module, classify(module), precision, lowering)
+            operators[name] = HookedOperator(name, module, classify(module), precision, lowering,
+                                             saved=bound.saved_of(name, type(module)))
         if unsupported:
             raise PlanError(
                 f"{len(unsupported)} operator(s) have no kernel for their planned precision on {target}"
@@ -175,6 +192,7 @@ class PlanExecutor:
         self._plan = bound
         self._model = model
         self._device = target
+        self._saved.watch(model)
         # Cast boundaries depend only on the model's call pattern and the plan: re-applying a plan seen before
         # (the search alternates plans) reuses its calibration instead of tracing again.
         key = (weakref.ref(model), bound.entries, bound.default, str(target))  # a dead model never matches
@@ -187,7 +205,7 @@ class PlanExecutor:
                 " low-precision kernel there. Training runs in fp32.",
                 stacklevel=2,
             )
-        if any(op.low for op in operators.values()):
+        if any(op.low or op.saved.compresses for op in operators.values()):
             for op in operators.values():
                 self._handles.append(op.module.register_forward_pre_hook(self._make_pre_hook(op), with_kwargs=True))
                 self._handles.append(op.module.register_forward_hook(self._make_post_hook(op), always_call=True))
@@ -249,6 +267,7 @@ class PlanExecutor:
                     yield
             finally:
                 self._current_chained = frozenset()
+                self._saved.clear()
             return
         self._last_step_chained = frozenset()  # a calibrating step hands every output on in fp32
         tracer = ConsumerTracer(self._operators)
@@ -258,6 +277,7 @@ class PlanExecutor:
                 yield
         finally:
             self._tracer = None
+            self._saved.clear()
         self._chained[kind] = tracer.chained()
         self._warn_ineffective(tracer.ineffective)
 
@@ -294,35 +314,42 @@ class PlanExecutor:
                 (n, prefix + n, p) for n, p in module.named_parameters(recurse=recurse)]
             return {n: casts.cast(qualified, p, dtype) for n, qualified, p in params}
 
+        saved = op.saved
+        compressor = self._saved
+
         def pre_hook(module: nn.Module, args: Any, kwargs: Any) -> Any:
             tracer = self._tracer
             if tracer is not None:
                 tracer.enter(op, args, kwargs)
             if op.transparent:
                 return None
+            stack = ExitStack()
+            entered = True  # something to undo in the post-hook
+            result = None
             if lowering is Lowering.AUTOCAST:
-                ctx: AbstractContextManager[Any] = torch.autocast(device_type, dtype=dtype, cache_enabled=False)
+                stack.enter_context(torch.autocast(device_type, dtype=dtype, cache_enabled=False))
                 if recast_own and casts.active:  # autocast finds the weights already low and leaves them be
-                    stack = ExitStack()
-                    stack.enter_context(ctx)
                     stack.enter_context(_reparametrize_module(module, low_copies(module, recurse=False)))
-                    ctx = stack
-                else:
-                    ctx.__enter__()
-                op.contexts.append(ctx)
-                return None
-            if lowering is Lowering.INPUT or lowering is Lowering.PARAMS:
+            elif lowering is Lowering.INPUT or lowering is Lowering.PARAMS:
                 args, kwargs = cast_floating(args, dtype), cast_floating(kwargs, dtype)
                 copies = low_copies(module, recurse=True) if lowering is Lowering.PARAMS else {}
+                entered = bool(copies)
                 if copies:
-                    ctx = _reparametrize_module(module, copies)
-                    ctx.__enter__()
-                    op.contexts.append(ctx)
-                return args, kwargs
-            if lowering is Lowering.NONE and has_low((args, kwargs)):
-                to_fp32 = torch.float32
-                return cast_floating(args, to_fp32, LOW_DTYPES), cast_floating(kwargs, to_fp32, LOW_DTYPES)
-            return None
+                    stack.enter_context(_reparametrize_module(module, copies))
+                result = args, kwargs
+            else:
+                entered = False
+                if lowering is Lowering.NONE and has_low((args, kwargs)):
+                    to_fp32 = torch.float32
+                    result = cast_floating(args, to_fp32, LOW_DTYPES), cast_floating(kwargs, to_fp32, LOW_DTYPES)
+            if saved.compresses:
+                hooks = compressor.context(saved)
+                if hooks is not None:
+                    stack.enter_context(hooks)
+                    entered = True
+            if entered:
+                op.contexts.append(stack)
+            return result
 
         return pre_hook
 
@@ -336,7 +363,7 @@ class PlanExecutor:
                 op.contexts.pop().__exit__(None, None, None)
                 if rnn:
                     module._update_flat_weights()  # type: ignore[operator]
-            if output is None and op.low:
+            if output is None and (op.low or op.saved.compresses):
                 _note_failing_operator(op, self._device)  # always_call: forward raised, name the operator
             if op.low and not op.transparent and output is not None:
                 if op.lowering is Lowering.OUTPUT:

@@ -30,6 +30,7 @@ from lightning_comp.loss_scaling import (
 )
 from lightning_comp.plan import PrecisionPlan, plan_from_any
 from lightning_comp.portability import check_plan_device
+from lightning_comp.saved_tensors import DEFAULT_MIN_SAVED_BYTES
 
 __all__ = ["CoMPPrecision"]
 
@@ -58,6 +59,8 @@ class CoMPPrecision(Precision):
             backward instead of their 16-bit weight copy, and backward casts the FP32 master again: 2 bytes per
             lowered parameter less memory held through forward, for one extra cast per weight and step. Gradients
             are bit-identical either way. ``False`` keeps the copies (autocast's behaviour).
+        min_saved_bytes: operators whose plan entry saves ``bf16``/``fp8`` for backward store tensors smaller than
+            this many bytes as they are (their pack and unpack cost more than the bytes they would save).
 
     Raises:
         PlanError: if ``plan`` cannot be read.
@@ -72,13 +75,15 @@ class CoMPPrecision(Precision):
         allow_slow_fp16: bool = False,
         scaler: torch.amp.GradScaler | None = None,
         recast_weights_in_backward: bool = True,
+        min_saved_bytes: int = DEFAULT_MIN_SAVED_BYTES,
     ) -> None:
         super().__init__()
         self._requested: PrecisionPlan = plan_from_any(plan)
         self._plan: PrecisionPlan = self._requested
         self.allow_slow_fp16 = bool(allow_slow_fp16)
         self._scaler = ScalerSlot(scaler)
-        self._executor = PlanExecutor(recast_weights_in_backward=recast_weights_in_backward)
+        self._executor = PlanExecutor(recast_weights_in_backward=recast_weights_in_backward,
+                                      min_saved_bytes=min_saved_bytes)
         self._model: nn.Module | None = None
         self._placed: torch.device | None = None  # the device the hooks and the scaler were built for
         self._check_device = True

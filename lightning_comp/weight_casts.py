@@ -86,6 +86,10 @@ class WeightCastRecorder:
             self._active = False
             self._copies.clear()
 
+    def made(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` is (a view of) a weight copy made by :meth:`cast` in the current step."""
+        return self._recipe(tensor) is not None
+
     def _recipe(self, tensor: torch.Tensor) -> _Recipe | None:
         base = tensor._base if tensor._base is not None else tensor
         entry = self._copies.get(id(base))
