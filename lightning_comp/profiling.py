@@ -50,9 +50,10 @@ class OperatorMeasurement:
     forward_ms: float = 0.0
     compute_ms: float = 0.0  # forward excluding the casts the plan inserts around the operator
     backward_ms: float = 0.0
-    saved_bytes: int = 0
+    saved_bytes: int = 0  # storages this operator was the first to save in the step
     calls: int = 0
     wall_ms: float = 0.0  # forward plus backward in real time (equals total_ms unless the clock counts CPU time)
+    own_saved_bytes: int = 0  # every storage this operator saves, shared with other operators or not
 
     @property
     def total_ms(self) -> float:
@@ -68,6 +69,7 @@ class OperatorMeasurement:
             "total_ms": round(self.total_ms, 5),
             "wall_ms": round(self.wall_ms, 5),
             "saved_bytes": int(self.saved_bytes),
+            "own_saved_bytes": int(self.own_saved_bytes),
             "calls": int(self.calls),
         }
 
@@ -110,6 +112,8 @@ class _RoundRecorder:
         self.marks: dict[str, list[list[Any]]] = defaultdict(list)  # per call: [t0, t1, t2, t3]
         self.grad_events: list[tuple[Any, str]] = []
         self.saved: dict[str, int] = defaultdict(int)
+        self.own: dict[str, int] = defaultdict(int)
+        self._own_seen: dict[str, set[int]] = defaultdict(set)
         self.order: list[str] = []
         self._param_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
         self._seen_storages: set[int] = set()
@@ -171,7 +175,9 @@ class _RoundRecorder:
 
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.stack:
-            self.saved[self.stack[-1]] += _new_storage_bytes(tensor, self._param_storages, self._seen_storages)
+            name = self.stack[-1]
+            self.saved[name] += _new_storage_bytes(tensor, self._param_storages, self._seen_storages)
+            self.own[name] += _new_storage_bytes(tensor, self._param_storages, self._own_seen[name])
         return tensor
 
     def remove(self) -> None:
@@ -185,7 +191,8 @@ class _RoundRecorder:
         """Per-operator times for this round (sums over calls)."""
         out: dict[str, OperatorMeasurement] = {}
         for name, calls in self.marks.items():
-            m = OperatorMeasurement(calls=len(calls), saved_bytes=self.saved.get(name, 0))
+            m = OperatorMeasurement(calls=len(calls), saved_bytes=self.saved.get(name, 0),
+                                    own_saved_bytes=self.own.get(name, 0))
             for t0, t1, t2, t3 in calls:
                 if t3 is None:
                     continue
@@ -211,6 +218,7 @@ def _min_measurements(rounds: Sequence[dict[str, OperatorMeasurement]]) -> dict[
             compute_ms=min(m.compute_ms for m in series),
             backward_ms=min(m.backward_ms for m in series),
             saved_bytes=int(statistics.median(m.saved_bytes for m in series)),
+            own_saved_bytes=int(statistics.median(m.own_saved_bytes for m in series)),
             calls=max(m.calls for m in series),
             wall_ms=min(m.wall_ms for m in series),
         )

@@ -26,7 +26,9 @@ def format_record(record: dict[str, Any]) -> str:
     low = record.get("low_precision") or "low"
     out = [
         f"CoMPSearch: chose '{record.get('chosen_trial')}' ({record.get('finish_reason')}):"
-        f" {len(record.get('lowered_operators', []))} of {record.get('num_operators', 0)} operators in {low}",
+        f" {len(record.get('lowered_operators', []))} of {record.get('num_operators', 0)} operators in {low}"
+        + (f", {len(record['saved_lowered'])} save for backward in "
+           f"{'/'.join(sorted(set(record['saved_lowered'].values())))}" if record.get("saved_lowered") else ""),
         "",
         "Convergence trials (monitor {m}, mode {mo}, tolerance {t} {tm}; {length}):".format(
             m=record["monitor"], mo=record["mode"], t=record["tolerance"], tm=record["tolerance_mode"],
@@ -54,6 +56,7 @@ def format_record(record: dict[str, Any]) -> str:
                     f" saved for backward{clock}):",
                 format_table(("operator", "type", "fp32 ms", f"{low} ms", "ratio", "fp32 B", f"{low} B", "decision",
                               "why"), rows)]
+    out += _saved_section(operators, record.get("saved_step") or {})
     step_ms = record.get("step_ms") or {}
     if step_ms:
         ratios = record.get("step_ratios") or {}
@@ -94,6 +97,28 @@ def format_record(record: dict[str, Any]) -> str:
         + f"; max_epochs extended by {record.get('extension_epochs', 0)}"
     )
     return "\n".join(out)
+
+
+def _saved_section(operators: dict[str, Any], check: dict[str, Any]) -> list[str]:
+    """The saved-for-backward decisions (memory and balanced objectives), if the search made any."""
+    rows = []
+    for name, op in operators.items():
+        saved = op.get("saved")
+        if not saved:
+            continue
+        nbytes, times = saved.get("bytes", {}), saved.get("time_ratio", {})
+        rows.append((name or "<root>", op["type"], *(nbytes.get(k, "") for k in ("fp32", "bf16", "fp8")),
+                     *(f"x{times[k][0]:.2f}" if k in times else "" for k in ("bf16", "fp8")), saved["decision"],
+                     saved["reason"]))
+    if not rows:
+        return []
+    lines = ["", "Saved for backward (bytes each operator saves as computed / bf16 / fp8, its time ratio to saving as"
+                 " computed):",
+             format_table(("operator", "type", "as computed B", "bf16 B", "fp8 B", "bf16 time", "fp8 time", "saved",
+                           "why"), rows)]
+    if check:
+        lines.append(f"Saved lowerings as a whole step: {check['verdict']} ({check.get('description', '')})")
+    return lines
 
 
 def _ratio(op: dict[str, Any]) -> str:

@@ -19,7 +19,6 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-from lightning_comp.casting import StepKind
 from lightning_comp.clocks import ClockKind, single_intra_op_thread
 from lightning_comp.devices import model_device
 from lightning_comp.dtypes import Precision
@@ -29,11 +28,13 @@ from lightning_comp.operators import Lowering, OperatorKind, classify, iter_oper
 from lightning_comp.plan import PrecisionPlan
 from lightning_comp.plugin import CoMPPrecision
 from lightning_comp.profiling import OperatorProfiler, ProfileResult, StepTimer
+from lightning_comp.search.activation import activate, with_weight_recording
 from lightning_comp.search.comparison import StepComparison, judge_operator, plan_pays, whole_step_winner
 from lightning_comp.search.config import Objective, SearchConfig, Timing
 from lightning_comp.search.estimates import Verdict, paired_ratio
 from lightning_comp.search.progress import SearchProgress
 from lightning_comp.search.ranks import agree, reduce_mean, reduce_profile
+from lightning_comp.search.saved_stage import SavedStage, merge_candidates
 from lightning_comp.search.timing import TimingChoice, choose_timing, cpu_clock, is_busy, sample_load
 from lightning_comp.search.trials import plan_for
 from lightning_comp.snapshot import capture_rng, restore_rng
@@ -65,7 +66,8 @@ class BatchStage:
         """Measure and decide; ``restore`` puts the run's state back afterwards (the stage trains nothing).
 
         Returns:
-            Rank 0's ``decisions`` per operator, ``candidates``, their ``gains``, whole-step ``step_ms`` (and
+            Rank 0's ``decisions`` per operator, ``candidates`` (``"saved:<name>"`` for a saved-precision
+            lowering, whose precision ``saved`` gives), their ``gains``, whole-step ``step_ms`` (and
             ``step_wall_ms``, ``step_ratios``, ``step_saved_bytes``), cheap-operator ``runs``, the execution
             ``order``, ``memory`` per configuration, and the ``timing`` it measured with.
         """
@@ -112,8 +114,8 @@ class BatchStage:
                 profiler.on_round = functools.partial(progress.round_done, f"per operator, fp32/{low.value}")
             # weight copies saved as recipes, as in training (recast_weights_in_backward): not counted as saved bytes
             configs: dict[str, Callable[[], Any]] = {
-                "fp32": functools.partial(_with_weight_recording, plugin, PrecisionPlan()),
-                "low": functools.partial(_with_weight_recording, plugin, all_low)}
+                "fp32": functools.partial(with_weight_recording, plugin, PrecisionPlan()),
+                "low": functools.partial(with_weight_recording, plugin, all_low)}
             started = time.perf_counter()
             results = profiler.profile(configs, step)
             budget = ExtraRounds(config, time.perf_counter() - started, config.profile_warmup + config.profile_steps)
@@ -137,7 +139,7 @@ class BatchStage:
                 plans = {"candidates": plan_for(low, runs, candidates), **plans}
             step_configs: dict[str, Any] = {"fp32": lambda: plugin._set_search_plan(PrecisionPlan())}
             for label, plan in plans.items():
-                step_configs[label] = functools.partial(_activate, plugin, plan)
+                step_configs[label] = functools.partial(activate, plugin, plan)
             timer = StepTimer(clock, config.profile_steps, config.profile_warmup)
             if progress is not None:
                 timer.on_round = functools.partial(progress.round_done, f"whole steps, {len(step_configs)} plans")
@@ -173,8 +175,17 @@ class BatchStage:
                         decisions[name]["reason"] = f"{why} (step time {ratio})"
                 candidates = tuple(n for n in candidates if decisions[n].get("forced"))
         memory = {label: {"saved_bytes": r.saved_bytes, "peak_bytes": r.peak_bytes} for label, r in results.items()}
-        return {"decisions": decisions, "candidates": list(candidates),
-                "gains": {n: decisions[n]["gain_ms"] for n in candidates}, "step_ms": step_ms,
+        gains = {n: decisions[n]["gain_ms"] for n in candidates}
+        lowered_saved: dict[str, Any] = {"choices": {}, "gains": {}, "step": {}}
+        if config.saved_options():
+            base = plan_for(low, runs, candidates) if candidates else PrecisionPlan()
+            with single_intra_op_thread(timing.single_thread):
+                lowered_saved = SavedStage(config, plugin, progress).measure(
+                    trainer, pl_module, step, clock, base, modules, order, decisions)
+            candidates = tuple(merge_candidates(order, candidates, lowered_saved["choices"]))
+            gains.update(lowered_saved["gains"])
+        return {"decisions": decisions, "candidates": list(candidates), "saved": lowered_saved["choices"],
+                "saved_step": lowered_saved["step"], "gains": gains, "step_ms": step_ms,
                 "step_wall_ms": {k: reduce_mean(trainer, min(v)) for k, v in times.wall_ms.items()},
                 "step_ratios": steps.ratios(), "step_saved_bytes": step_saved, "runs": runs, "order": order,
                 "memory": memory}
@@ -337,18 +348,6 @@ class ExtraRounds:
             elapsed = time.perf_counter() - started
             self.left -= elapsed
             self.chunk = min(self.chunk * 2, self.MAX_CHUNK)
-
-
-def _with_weight_recording(plugin: CoMPPrecision, plan: PrecisionPlan) -> Any:
-    """Put ``plan`` into effect; return the context in which training saves lowered weights (for the profiler)."""
-    plugin._set_search_plan(plan)
-    return plugin.executor.weight_cast_recording()
-
-
-def _activate(plugin: CoMPPrecision, plan: PrecisionPlan) -> Any:
-    """Put ``plan`` into effect and return the context of a calibrated training step (for ``StepTimer``)."""
-    plugin._set_search_plan(plan)
-    return plugin.executor.step(StepKind.TRAIN)
 
 
 class TrainingStepRunner:

@@ -93,7 +93,9 @@ class CoMPSearch(Callback):
         objective: ``"throughput"``, ``"memory"`` (saved-for-backward bytes) or ``"balanced"``. Per operator first;
             then the candidate plan is compared as a whole step with the all-low and the compute-only plans: by time
             (``"throughput"``), by bytes saved for backward within ``max_memory_slowdown`` of FP32 (``"memory"``), or
-            by the geometric mean of both ratios to FP32 (``"balanced"``).
+            by the geometric mean of both ratios to FP32 (``"balanced"``). ``"memory"`` and ``"balanced"`` also
+            choose, per operator, the precision its tensors saved for backward are stored in (``saved_precision``),
+            and trial those choices like compute precision.
         speed_margin: fraction by which lowering must beat FP32 before it is preferred (noise guard).
         min_gain_ms: smallest per-step time gain (ms) an operator must show to be lowered.
         max_trials: budget of candidate trials (the reference trial not counted).
@@ -107,6 +109,11 @@ class CoMPSearch(Callback):
         verbose: print the decision table on rank 0.
         snapshot_device: where the search keeps its snapshots of the run (model, optimizer state, buffers):
             ``None`` keeps them where the tensors are, ``"cpu"`` spares accelerator memory (slower rewinds).
+        saved_precision: with ``objective="memory"``/``"balanced"``, the precisions an operator's saved tensors
+            may be stored in: ``"auto"`` (``fp8`` or ``bf16``, the smaller that pays per operator), ``"bf16"``,
+            ``"fp8"``, or ``"off"`` (saved as computed). Ignored with ``objective="throughput"``.
+        include_saved: plan selectors of operators whose saved lowering is trialled whatever the batch stage
+            measures (at ``fp8`` with ``"auto"``); convergence still decides.
 
     A rewind restores, bit for bit: parameters and buffers (non-persistent ones too), every optimizer, LR scheduler
     and the loss scaler, the RNGs, the training dataloaders' own generators (so every trial sees the reference's
@@ -150,6 +157,8 @@ class CoMPSearch(Callback):
         snapshot_device: str | None = None,
         extra_profile_time: float = 0.5,
         timing: str = "auto",
+        saved_precision: str = "auto",
+        include_saved: Sequence[str] = (),
     ) -> None:
         arguments = {name: value for name, value in locals().items() if name not in ("self", "__class__")}
         self.config = SearchConfig(**arguments)  # validates every argument, naming the bad one

@@ -12,9 +12,13 @@ import torch
 from lightning_comp.devices import DeviceClass
 from lightning_comp.dtypes import Precision, parse_precision
 from lightning_comp.errors import PlanError, SearchConfigError
+from lightning_comp.saved_precision import SavedPrecision
 from lightning_comp.selectors import Selectors
 
 __all__ = ["Objective", "SearchConfig", "Timing"]
+
+_SAVED_OPTIONS = {"auto": (SavedPrecision.FP8, SavedPrecision.BF16), "bf16": (SavedPrecision.BF16,),
+                  "fp8": (SavedPrecision.FP8,), "off": ()}
 
 
 class Objective(str, Enum):
@@ -23,6 +27,7 @@ class Objective(str, Enum):
     THROUGHPUT = "throughput"  # lower an operator when it gets faster
     MEMORY = "memory"  # lower an operator when it saves memory for backward (and is not much slower)
     BALANCED = "balanced"  # lower an operator when the geometric mean of its time and memory ratios improves
+    # memory and balanced also choose the precision each operator saves its tensors for backward in
 
 
 class Timing(str, Enum):
@@ -60,6 +65,8 @@ class SearchConfig:
     record_dir: str | None = None
     verbose: bool = True
     snapshot_device: str | None = None
+    saved_precision: str = "auto"
+    include_saved: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.record_dir is not None:
@@ -115,7 +122,12 @@ class SearchConfig:
                 fail(name, "it must be a number >= 0")
         if not self.max_memory_slowdown >= 1:
             fail("max_memory_slowdown", "it must be >= 1 (the slowdown accepted for memory)")
-        for name in ("include", "exclude"):
+        if self.saved_precision not in _SAVED_OPTIONS:
+            fail("saved_precision", "use 'auto' (bf16 or fp8, whichever pays per operator), 'bf16', 'fp8' or 'off'"
+                 " (the memory and balanced objectives then leave saved tensors as computed)")
+        if self.include_saved and self.saved_precision == "off":
+            fail("include_saved", "it needs saved_precision other than 'off'")
+        for name in ("include", "exclude", "include_saved"):
             value = getattr(self, name)
             if isinstance(value, str) or not all(isinstance(v, str) for v in value):
                 fail(name, "it must be a list of plan selectors (operator names, globs or 'type:ClassName')")
@@ -129,6 +141,17 @@ class SearchConfig:
     def included(self) -> Selectors:
         """Operators to trial in low precision whatever the batch stage measures."""
         return Selectors.of(self.include)
+
+    @functools.cached_property
+    def included_saved(self) -> Selectors:
+        """Operators whose saved-precision lowering is trialled whatever the batch stage measures."""
+        return Selectors.of(self.include_saved)
+
+    def saved_options(self) -> tuple[SavedPrecision, ...]:
+        """The saved precisions the memory and balanced objectives try, smallest first (empty: none)."""
+        if self.objective is Objective.THROUGHPUT:
+            return ()
+        return _SAVED_OPTIONS[self.saved_precision]
 
     @functools.cached_property
     def excluded(self) -> Selectors:

@@ -60,6 +60,8 @@ def build_record(state: SearchState, config: SearchConfig) -> dict[str, Any]:
         "chosen_trial": state.chosen_label,
         "finish_reason": state.finish_reason,
         "lowered_operators": [] if chosen is None else [s for s, p in chosen["entries"].items() if p != "fp32"],
+        "saved_lowered": {} if chosen is None else {s: p for s, p in (chosen.get("saved") or {}).items()
+                                                    if p != "fp32"},
         "num_operators": len(profile.get("operators", {})),
         "operators": profile.get("operators", {}),
         "timing": profile.get("timing"),
@@ -67,6 +69,7 @@ def build_record(state: SearchState, config: SearchConfig) -> dict[str, Any]:
         "step_wall_ms": profile.get("step_wall_ms", {}),
         "step_ratios": profile.get("step_ratios", {}),
         "step_saved_bytes": profile.get("step_saved_bytes", {}),
+        "saved_step": profile.get("saved_step") or {},
         "memory": profile.get("memory", {}),
         "trials": trials,
         "extension_epochs": state.extension_epochs,

@@ -128,6 +128,7 @@ class SearchState:
         kept_trial: index of the trial whose progress was kept, if any.
         finish_reason: why the search ended as it did.
         warmup_batches: training batches before the search started.
+        saved_choices: operator -> saved precision of the saved-precision candidates (keys ``"saved:<name>"``).
     """
 
     phase: str = Phase.PENDING
@@ -149,6 +150,7 @@ class SearchState:
     kept_trial: int | None = None
     finish_reason: str | None = None
     warmup_batches: int = 0
+    saved_choices: dict[str, str] = field(default_factory=dict)
 
     @property
     def current_trial(self) -> TrialRecord | None:
@@ -168,6 +170,8 @@ class SearchState:
         for f in fields(self):
             out[f.name] = getattr(self, f.name)
         out["trials"] = [t.to_dict() for t in self.trials]
+        if not self.saved_choices:  # searches of the compute dimension only write exactly version 1's keys
+            del out["saved_choices"]
         return out
 
     @classmethod

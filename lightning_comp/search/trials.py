@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import lightning.pytorch as pl
@@ -20,6 +20,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from lightning_comp import lightning_adapter as lightning
 from lightning_comp.callback_pause import CallbackPause
 from lightning_comp.dtypes import Precision
+from lightning_comp.errors import SearchConfigError
 from lightning_comp.group_search import GroupSearch
 from lightning_comp.plan import PrecisionPlan
 from lightning_comp.plugin import CoMPPrecision
@@ -27,21 +28,31 @@ from lightning_comp.search.checks import no_validation_at_trial_end, nothing_to_
 from lightning_comp.search.config import SearchConfig
 from lightning_comp.search.loop import LoopBudget, no_epoch_follows, rewind
 from lightning_comp.search.ranks import agree
+from lightning_comp.search.saved_stage import split_group
 from lightning_comp.search.state import Phase, SearchState, TrialRecord
 
 __all__ = ["TrialDriver", "judge_trial", "plan_for", "trial_batches", "warn_stopped_inside_the_search"]
 
 
-def plan_for(low: Precision, runs: list[dict[str, Any]], group: tuple[str, ...] | None) -> PrecisionPlan:
-    """The plan that lowers ``group`` to ``low``, plus the cheap operators of ``runs`` between two lowered ones."""
+def plan_for(low: Precision, runs: list[dict[str, Any]], group: tuple[str, ...] | None,
+             saved: Mapping[str, str] | None = None) -> PrecisionPlan:
+    """The plan that lowers ``group`` to ``low``, plus the cheap operators of ``runs`` between two lowered ones.
+
+    Keys ``"saved:<name>"`` of ``group`` lower what ``<name>`` saves for backward to ``saved[<name>]``.
+    """
     if not group:
         return PrecisionPlan()
-    lowered = set(group)
-    entries = {name: low.value for name in group}
+    names, saved_names = split_group(group)
+    lowered = set(names)
+    entries = {name: low.value for name in names}
     for run in runs:
         if run["before"] in lowered and run["after"] in lowered:
             entries.update({name: low.value for name in run["operators"]})
-    return PrecisionPlan.from_dict(entries)
+    missing = [name for name in saved_names if not saved or name not in saved]
+    if missing:
+        raise SearchConfigError(f"Saved-precision candidates {missing} have no saved precision in the search state"
+                                f" ({dict(saved or {})!r}); the checkpoint is inconsistent.")
+    return PrecisionPlan.from_dict(entries, saved={name: saved[name] for name in saved_names} if saved else None)
 
 
 def trial_batches(config: SearchConfig, epoch_length: int | float, accumulate: int = 1) -> int | None:
@@ -117,7 +128,7 @@ class TrialDriver:
         if not group:
             return PrecisionPlan()
         assert self.low is not None
-        return plan_for(self.low, self.state.runs, group)
+        return plan_for(self.low, self.state.runs, group, self.state.saved_choices)
 
     def due(self, trial: TrialRecord, epochs_finished: int) -> bool:
         """Whether ``trial`` has trained its epochs and been validated at the end of its last one."""
@@ -171,9 +182,10 @@ class TrialDriver:
         assert self.low is not None
         state = self.state
         state.runs = result["runs"]
+        state.saved_choices = dict(result.get("saved") or {})
         state.profile = {"operators": result["decisions"],
                          **{key: result[key] for key in ("step_ms", "step_wall_ms", "step_ratios", "step_saved_bytes",
-                                                   "order", "memory", "timing")}}
+                                                   "order", "memory", "timing", "saved_step")}}
         search = GroupSearch(tuple(result["candidates"]), result["gains"], self.config.max_trials)
         state.group_search = search.state_dict()
         state.low_precision = self.low.value
