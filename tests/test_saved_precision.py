@@ -22,7 +22,14 @@ from lightning_comp import PrecisionPlan
 from lightning_comp.casting import PlanExecutor, StepKind
 from lightning_comp.errors import PlanError, PlanMismatchError
 from lightning_comp.operators import iter_operators
-from lightning_comp.saved_precision import FP8_MAX, SavedPrecision, compress, decompress, parse_saved_precision
+from lightning_comp.saved_precision import (
+    FP8_MAX,
+    SavedPrecision,
+    compress,
+    decode_fp8,
+    decompress,
+    parse_saved_precision,
+)
 from lightning_comp.zoo import VOCAB_SIZE, CharGPT, CharLSTM, Conv1DClassifier, ConvNetBN, GRUClassifier, NarrowMLP
 
 
@@ -45,6 +52,25 @@ def test_codec_round_trip_keeps_dtype_and_signal_at_any_magnitude(saved: SavedPr
     assert back.dtype == torch.float32 and back.shape == x.shape and torch.isfinite(back).all()
     assert packed.data.element_size() == saved.bytes_per_element
     assert sqnr(x, back) > bound
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("magnitude", [1e-4, 1.0, 1e4])
+def test_fp8_codec_of_16_bit_tensors_keeps_their_dtype_at_the_ends_of_their_range(dtype: torch.dtype,
+                                                                                 magnitude: float) -> None:
+    x = (torch.randn(4096, generator=torch.Generator().manual_seed(2)) * magnitude).to(dtype)
+    back = decompress(compress(x, SavedPrecision.FP8))
+    assert back.dtype == dtype and torch.isfinite(back).all() and sqnr(x, back) > 25.0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_fp8_table_decoding_is_bit_exact_for_every_code(dtype: torch.dtype) -> None:
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).reshape(16, 16)
+    reference = codes.to(dtype)
+    decoded = decode_fp8(codes, dtype)
+    assert decoded.dtype == dtype and decoded.shape == (16, 16)
+    assert torch.equal(decoded.view(-1)[~reference.view(-1).isnan()], reference.view(-1)[~reference.view(-1).isnan()])
+    assert torch.equal(decoded.isnan(), reference.isnan()) and torch.equal(decoded.signbit(), reference.signbit())
 
 
 def test_fp8_codec_is_zero_safe_and_uses_the_whole_range() -> None:
