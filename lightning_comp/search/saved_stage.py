@@ -137,7 +137,11 @@ class SavedStage:
         """
         config, plugin = self.config, self.plugin
         eligible = self.eligible(modules, order)
-        options = config.saved_options()
+        # bf16 shrinks only what an operator computing in fp32 saves: not worth profiling when every one is lowered
+        options = tuple(s for s in config.saved_options() if s is not SavedPrecision.BF16
+                        or any(not base.precision_of(n, type(modules[n])).is_low for n in eligible))
+        if not options:  # saved_precision="bf16" with every operator already computing in 16 bits
+            return {"choices": {}, "gains": {}, "step": {}}
         plans = {"fp32": base, **{s.value: base.with_saved({n: s.value for n in eligible}) for s in options}}
         configs: dict[str, Callable[[], Any]] = {
             label: functools.partial(with_weight_recording, plugin, plan) for label, plan in plans.items()}
@@ -160,7 +164,7 @@ class SavedStage:
                         for s in options if name in results[s.value].operators}
             entry = judge_saved(config, a.own_saved_bytes, measured)
             if included.matches(name, modules[name]) and entry["decision"] == "fp32":
-                forced = options[0].value
+                forced = options[0].value  # the smallest (fp8 with saved_precision="auto")
                 entry.update(decision=forced, reason=f"included by CoMPSearch(include_saved=...) at {forced}",
                              forced=True)
             decisions.setdefault(name, {})["saved"] = entry
