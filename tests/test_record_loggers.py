@@ -14,7 +14,7 @@ from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from search_models import WideMLP, fixed_search, loaders
 
 from lightning_comp import CoMPPrecision
-from lightning_comp.search.record_loggers import OPERATOR_COLUMNS, TRIAL_COLUMNS, plan_hyperparameters
+from lightning_comp.search.record_loggers import OPERATOR_COLUMNS, TRIAL_COLUMNS, operator_rows, plan_hyperparameters
 
 
 @pytest.mark.slow
@@ -73,6 +73,11 @@ def test_plan_hyperparameters_are_flat_and_name_every_entry() -> None:
     assert params["comp/plan/<default>"] == "fp32" and params["comp/lowered_operators"] == 1
     assert all(not isinstance(v, (dict, list)) for v in params.values())
     assert plan_hyperparameters({})["comp/low_precision"] == "none"
+    record["chosen_plan"]["saved"] = {"l2": "fp8"}  # a plan of the memory axis names its saved lowerings too
+    assert plan_hyperparameters(record)["comp/saved/l2"] == "fp8"
+    rows = operator_rows({"operators": {"l2": {"type": "Linear", "decision": "candidate",
+                                               "saved": {"decision": "fp8", "reason": "pays"}}}})
+    assert rows[0]["saved"] == "fp8" and rows[0]["saved_reason"] == "pays" and set(rows[0]) == set(OPERATOR_COLUMNS)
 
 
 @pytest.mark.slow

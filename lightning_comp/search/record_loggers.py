@@ -1,6 +1,7 @@
 """The decision record in every attached Lightning logger, in the form that logger shows best.
 
-- Any logger: the chosen plan as flat hyperparameters (``comp/plan/<selector>: precision``, plus the searched
+- Any logger: the chosen plan as flat hyperparameters (``comp/plan/<selector>: precision``, ``comp/saved/<selector>:
+  saved precision`` where the plan stores saved tensors lower, plus the searched
   precision, objective and counts) and the search's summary scalars (operators lowered, trials, search seconds).
 - TensorBoard: the plan and the per-operator decisions as Markdown tables (TEXT tab), and each trial's metric and
   median step time as scalars over the trial number (SCALARS tab, ``comp/trials/...``).
@@ -20,7 +21,7 @@ from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger
 __all__ = ["OPERATOR_COLUMNS", "TRIAL_COLUMNS", "log_record", "operator_rows", "plan_hyperparameters", "trial_rows"]
 
 OPERATOR_COLUMNS = ("operator", "type", "kind", "decision", "fp32_ms", "low_ms", "ratio", "ratio_low", "ratio_high",
-                    "rounds", "fp32_saved_bytes", "low_saved_bytes", "reason")
+                    "rounds", "fp32_saved_bytes", "low_saved_bytes", "reason", "saved", "saved_reason")
 TRIAL_COLUMNS = ("trial", "label", "low_operators", "metric", "reference", "verdict", "reason", "median_step_ms",
                  "seconds", "skipped_steps", "kept")
 
@@ -30,6 +31,7 @@ def plan_hyperparameters(record: dict[str, Any]) -> dict[str, Any]:
     chosen = record.get("chosen_plan") or {}
     params: dict[str, Any] = {f"comp/plan/{selector}": precision
                               for selector, precision in (chosen.get("entries") or {}).items()}
+    params.update({f"comp/saved/{selector}": saved for selector, saved in (chosen.get("saved") or {}).items()})
     params.update({
         "comp/plan/<default>": chosen.get("default", "fp32"),
         "comp/low_precision": record.get("low_precision") or "none",
@@ -52,6 +54,8 @@ def operator_rows(record: dict[str, Any]) -> list[dict[str, Any]]:
             "ratio": op.get("time_ratio"), "ratio_low": spread[0], "ratio_high": spread[1],
             "rounds": op.get("rounds"), "fp32_saved_bytes": (op.get("fp32") or {}).get("saved_bytes"),
             "low_saved_bytes": (op.get("low") or {}).get("saved_bytes"), "reason": op.get("reason"),
+            # the saved-for-backward dimension (objective memory/balanced; empty otherwise)
+            "saved": (op.get("saved") or {}).get("decision"), "saved_reason": (op.get("saved") or {}).get("reason"),
         })
     return rows
 
@@ -78,10 +82,12 @@ def _markdown(columns: tuple[str, ...], rows: list[dict[str, Any]]) -> str:
 
 def _tensorboard(logger: TensorBoardLogger, record: dict[str, Any], step: int) -> None:
     writer = logger.experiment
-    entries = (record.get("chosen_plan") or {}).get("entries") or {}
-    plan_rows = [{"selector": s, "precision": p} for s, p in entries.items()]
+    chosen = record.get("chosen_plan") or {}
+    entries, saved = chosen.get("entries") or {}, chosen.get("saved") or {}
+    plan_rows = [{"selector": s, "precision": entries.get(s, ""), "saved": saved.get(s, "")}
+                 for s in sorted(set(entries) | set(saved))]
     writer.add_text("comp/plan", f"chosen: **{record.get('chosen_trial')}** ({record.get('finish_reason')})\n\n"
-                    + _markdown(("selector", "precision"), plan_rows), step)
+                    + _markdown(("selector", "precision", "saved"), plan_rows), step)
     ops = operator_rows(record)
     if ops:
         writer.add_text("comp/operators", _markdown(("operator", "type", "decision", "ratio", "ratio_low",

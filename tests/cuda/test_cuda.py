@@ -233,3 +233,33 @@ def test_snapshots_stay_on_the_cpu_when_asked(tmp_path: Path) -> None:
     assert probe.devices == {"cpu"}
     assert search.record is not None and any(t["verdict"] == "fail" for t in search.record["trials"])  # rewound
     assert all(p.device.type == "cuda" for p in trainer.lightning_module.parameters())
+
+
+@pytest.mark.parametrize("saved", ["bf16", "fp8"])
+def test_saved_tensors_are_stored_compressed_on_cuda_without_host_synchronisation(saved: str) -> None:
+    """The codecs decide scales on the device: packing a step's activations never waits for the GPU."""
+    from conftest import sqnr
+
+    from lightning_comp.casting import PlanExecutor, StepKind
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 10)).cuda()
+    x, y = torch.randn(512, 256, device="cuda"), torch.randint(0, 10, (512,), device="cuda")
+
+    def grads(plan: PrecisionPlan) -> list[torch.Tensor]:
+        executor = PlanExecutor(min_saved_bytes=0)
+        executor.apply(model, plan)
+        model.zero_grad()
+        with executor.step(StepKind.TRAIN):
+            loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        executor.remove()
+        return [p.grad.clone() for p in model.parameters()]
+
+    reference = grads(PrecisionPlan())
+    torch.cuda.set_sync_debug_mode("error")  # any implicit device-to-host synchronisation raises
+    try:
+        lowered = grads(PrecisionPlan.from_dict({}, saved_default=saved))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert min(sqnr(r, g) for r, g in zip(reference, lowered)) > (35.0 if saved == "bf16" else 15.0)
