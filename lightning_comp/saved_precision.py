@@ -6,10 +6,11 @@ precision of the activations it *saves* for backward (:class:`SavedPrecision`): 
 with one FP32 scale per tensor (a quarter of float32). The two dimensions are independent: an FP32 LayerNorm may
 save BF16, a BF16 matmul may save FP8.
 
-The FP8 codec scales each tensor so its largest magnitude maps to e4m3's largest finite value (448), so it never
-overflows; an all-zero tensor keeps scale 1. A tensor holding NaN or Inf comes back as NaN everywhere, so
-the gradients it feeds are NaN and a search trial's NaN check rejects the plan instead of a silent clamp hiding
-it. No codec synchronises a CUDA stream: every decision is made on the device.
+The FP8 codec scales each tensor by a power of two that maps its largest magnitude into e4m3's top binade
+(224, 448], so it never overflows and the scaling itself is exact; an all-zero tensor keeps scale 1. A tensor
+holding NaN or Inf comes back as NaN everywhere, so the gradients it feeds are NaN and a search trial's NaN check
+rejects the plan instead of a silent clamp hiding it. No codec synchronises a CUDA stream: every decision is made on
+the device.
 """
 
 from __future__ import annotations
@@ -118,10 +119,11 @@ def compress(tensor: torch.Tensor, saved: SavedPrecision) -> CompressedTensor:
                 amax = value.new_zeros((), dtype=torch.float32)
             finite = torch.isfinite(amax)
             usable = finite & (amax > _TINY)
+            # A power of two at or above amax / 448: scaling by it is exact in every float format (no bias from a
+            # rounded scale), and the largest magnitude lands in (224, 448], so nothing overflows without a clamp.
             # NaN/Inf anywhere: a NaN scale makes every value NaN in backward (the NaN check sees it, nothing hides it)
-            inverse = torch.where(usable, amax / FP8_MAX, torch.where(finite, 1.0, torch.nan))
-            # Scaled in the tensor's own dtype (no float32 copy): the largest magnitude lands within rounding of 448,
-            # and e4m3fn rounds everything below 464 to a finite value, so no clamp is needed.
+            power = torch.exp2(torch.ceil(torch.log2(amax / FP8_MAX)))
+            inverse = torch.where(usable, power, torch.where(finite, 1.0, torch.nan))
             # (float16 is scaled in float32: 448 / amax overflows its range for small tensors)
             scaled = value.float() if value.dtype == torch.float16 else value
             data = torch.mul(scaled, inverse.reciprocal().to(scaled.dtype)).to(FP8_DTYPE)

@@ -73,12 +73,15 @@ def test_fp8_table_decoding_is_bit_exact_for_every_code(dtype: torch.dtype) -> N
     assert torch.equal(decoded.isnan(), reference.isnan()) and torch.equal(decoded.signbit(), reference.signbit())
 
 
-def test_fp8_codec_is_zero_safe_and_uses_the_whole_range() -> None:
+def test_fp8_codec_is_zero_safe_and_scales_exactly_into_the_top_binade() -> None:
     zero = torch.zeros(64)
     assert torch.equal(decompress(compress(zero, SavedPrecision.FP8)), zero)
-    x = torch.tensor([-3.0, 0.5, 2.0])
+    x = torch.tensor([-3.0, 0.5, 2.0, 448.0 / 1024])
     packed = compress(x, SavedPrecision.FP8)
-    assert packed.data.float().abs().max().item() == FP8_MAX  # the largest magnitude maps to e4m3's largest value
+    assert packed.inverse_scale is not None
+    assert FP8_MAX / 2 < packed.data.float().abs().max().item() <= FP8_MAX  # the largest magnitude in (224, 448]
+    assert torch.log2(packed.inverse_scale).item().is_integer()  # a power of two: scaling adds no rounding
+    assert torch.equal(decompress(packed), x)  # these values are exact in e4m3 once scaled, so they come back exactly
 
 
 @pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
