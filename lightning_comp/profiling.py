@@ -18,8 +18,7 @@ from __future__ import annotations
 
 import statistics
 from collections import defaultdict
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager, nullcontext
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,19 +27,11 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from lightning_comp.cast_boundaries import iter_tensors as _iter_tensors
-from lightning_comp.clocks import Clock, ClockKind, make_clock
+from lightning_comp.clocks import Clock, ClockKind
 from lightning_comp.operators import iter_operators
+from lightning_comp.step_timing import StepTimer, StepTimes, clock_for, entered, new_storage_bytes
 
 __all__ = ["OperatorMeasurement", "ProfileResult", "OperatorProfiler", "StepTimer", "StepTimes", "clock_for"]
-
-
-def clock_for(clock: Clock | str) -> Clock:
-    """``clock`` itself, or for a device type the clock that times it by default (``"cuda"``: CUDA events when
-    CUDA is available, else wall time)."""
-    if not isinstance(clock, str):
-        return clock
-    cuda = clock == "cuda" and torch.cuda.is_available()
-    return make_clock(ClockKind.CUDA if cuda else ClockKind.WALL)
 
 
 @dataclass
@@ -84,6 +75,7 @@ class ProfileResult:
         step_ms: the fastest round's step time (with the per-operator hooks in place).
         peak_bytes: peak device memory of a step (CUDA only).
         rounds: every measured round's per-operator measurements, in order (paired across configurations).
+        sharing: per operator, the other operators that save a tensor it saves too (first measured round).
     """
 
     operators: dict[str, OperatorMeasurement] = field(default_factory=dict)
@@ -91,6 +83,7 @@ class ProfileResult:
     step_ms: float = 0.0
     peak_bytes: int | None = None
     rounds: list[dict[str, OperatorMeasurement]] = field(default_factory=list)
+    sharing: dict[str, set[str]] = field(default_factory=dict)  # operator -> others that save one of its tensors
 
     def series(self, name: str, attribute: str = "total_ms") -> list[float]:
         """One operator's ``attribute`` per round (0.0 in a round where it did not run)."""
@@ -176,9 +169,17 @@ class _RoundRecorder:
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.stack:
             name = self.stack[-1]
-            self.saved[name] += _new_storage_bytes(tensor, self._param_storages, self._seen_storages)
-            self.own[name] += _new_storage_bytes(tensor, self._param_storages, self._own_seen[name])
+            self.saved[name] += new_storage_bytes(tensor, self._param_storages, self._seen_storages)
+            self.own[name] += new_storage_bytes(tensor, self._param_storages, self._own_seen[name])
         return tensor
+
+    def sharing(self) -> dict[str, set[str]]:
+        """Per operator, the other operators that saved one of the same storages in this round."""
+        savers: dict[int, set[str]] = defaultdict(set)
+        for name, storages in self._own_seen.items():
+            for ptr in storages:
+                savers[ptr].add(name)
+        return {name: set().union(*(savers[p] for p in storages)) - {name} for name, storages in self._own_seen.items()}
 
     def remove(self) -> None:
         for handle in self.handles:
@@ -279,7 +280,7 @@ class OperatorProfiler:
                     start = self.clock.now()
                     # the configuration's own context (e.g. weight-cast recording) goes inside the recorder's
                     # saved-tensor hooks, so the recorder counts what that configuration really keeps for backward
-                    with torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda t: t), _entered(context):
+                    with torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda t: t), entered(context):
                         step()
                     end = self.clock.now()
                     self.clock.finish()
@@ -289,6 +290,7 @@ class OperatorProfiler:
                     result = results[label]
                     result.rounds.append(recorder.measurements(end))
                     result.order = result.order or recorder.order
+                    result.sharing = result.sharing or recorder.sharing()
                     steps[label].append(self.clock.elapsed_ms(start, end))
                     if self._cuda:
                         peaks[label].append(int(torch.cuda.max_memory_allocated()))
@@ -300,104 +302,3 @@ class OperatorProfiler:
             result.step_ms = min(result.step_ms, fastest) if result.step_ms else fastest
             if peaks[label]:
                 result.peak_bytes = max(peaks[label] + ([result.peak_bytes] if result.peak_bytes else []))
-
-
-@dataclass
-class StepTimes:
-    """Whole-step times of several configurations, per measured round (paired across configurations).
-
-    Attributes:
-        ms: label -> step times as the clock counts them.
-        wall_ms: label -> the same steps' real time.
-    """
-
-    ms: dict[str, list[float]] = field(default_factory=dict)
-    wall_ms: dict[str, list[float]] = field(default_factory=dict)
-
-
-class StepTimer:
-    """Times whole training steps of several configurations, interleaved, with no per-operator hooks.
-
-    Args:
-        clock: the clock, or a device type for its default.
-        rounds: measured rounds per configuration.
-        warmup: unmeasured rounds per configuration before the measured ones.
-    """
-
-    def __init__(self, clock: Clock | str, rounds: int = 5, warmup: int = 2) -> None:
-        self.clock = clock_for(clock)
-        self.rounds = rounds
-        self.warmup = warmup
-        self.on_round: Callable[[], None] | None = None  # called after each round (warm-up ones too)
-
-    def time(self, configs: dict[str, Callable[[], Any]], step: Callable[[], None],
-             into: StepTimes | None = None, rounds: int | None = None, warmup: int | None = None) -> StepTimes:
-        """Run ``step`` under each configuration.
-
-        Args:
-            configs: label -> a function that puts the configuration into effect (may return a context manager).
-            step: one training step.
-            into: earlier times to add the new rounds to (in place); a new :class:`StepTimes` if ``None``.
-            rounds: measured rounds (default: the timer's).
-            warmup: unmeasured rounds first (default: the timer's).
-        """
-        out = into if into is not None else StepTimes()
-        for label in configs:
-            out.ms.setdefault(label, [])
-            out.wall_ms.setdefault(label, [])
-        warm = self.warmup if warmup is None else warmup
-        for round_index in range(warm + (self.rounds if rounds is None else rounds)):
-            for label, activate in configs.items():
-                with _activated(activate):
-                    start = self.clock.now()
-                    step()
-                    end = self.clock.now()
-                    self.clock.finish()
-                if round_index >= warm:
-                    out.ms[label].append(self.clock.elapsed_ms(start, end))
-                    out.wall_ms[label].append(self.clock.wall_ms(start, end))
-            if self.on_round is not None:
-                self.on_round()
-        return out
-
-    def saved_bytes(self, model: nn.Module, configs: dict[str, Callable[[], Any]],
-                    step: Callable[[], None]) -> dict[str, int]:
-        """Bytes autograd saves for backward in one step of each configuration (unique storages, parameters excluded).
-
-        Run after :meth:`time`, so every configuration's cast boundaries are calibrated.
-        """
-        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-        out: dict[str, int] = {}
-        for label, activate in configs.items():
-            seen: set[int] = set()
-            sizes: list[int] = []
-
-            def pack(tensor: torch.Tensor, seen: set[int] = seen, sizes: list[int] = sizes) -> torch.Tensor:
-                sizes.append(_new_storage_bytes(tensor, params, seen))
-                return tensor
-
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _activated(activate):
-                step()
-            out[label] = sum(sizes)
-        return out
-
-
-def _new_storage_bytes(tensor: torch.Tensor, skip: set[int], seen: set[int]) -> int:
-    """Bytes of ``tensor``'s storage the first time it is saved (0 for a storage in ``skip``, e.g. a parameter)."""
-    storage = tensor.untyped_storage()
-    ptr = storage.data_ptr()
-    if ptr in skip or ptr in seen:
-        return 0
-    seen.add(ptr)
-    return storage.nbytes()
-
-
-def _entered(context: Any) -> Any:
-    """``context`` if it is a context manager, else a no-op one."""
-    return context if hasattr(context, "__enter__") else nullcontext()
-
-
-@contextmanager
-def _activated(activate: Callable[[], Any]) -> Iterator[None]:
-    with _entered(activate()):
-        yield

@@ -24,7 +24,7 @@ from lightning_comp.errors import SearchConfigError
 from lightning_comp.saved_precision import CompressedTensor, SavedPrecision
 from lightning_comp.search.config import SearchConfig
 from lightning_comp.search.estimates import RatioEstimate
-from lightning_comp.search.saved_stage import judge_saved, merge_candidates, split_group
+from lightning_comp.search.saved_stage import judge_saved, merge_candidates, split_group, unshared_choices
 from lightning_comp.search.trials import plan_for
 
 
@@ -74,6 +74,28 @@ def test_saved_candidates_sit_beside_their_operator_and_build_the_plan() -> None
     assert plan.saved_of("l2") is SavedPrecision.FP32  # only what the group holds
     with pytest.raises(SearchConfigError, match=r"\['a1'\] have no saved precision"):
         plan_for(Precision.BF16, [], ("saved:a1",), {})
+
+
+def test_a_lowering_whose_tensor_another_operator_keeps_is_dropped() -> None:
+    sharing = {"relu": {"fc"}, "fc": {"relu"}, "norm": set(), "act": {"proj"}, "proj": {"act"}}
+    dropped = unshared_choices({"fc": "fp8", "norm": "fp8", "act": "fp8", "proj": "fp8"}, sharing, forced=set())
+    assert set(dropped) == {"fc"} and "also saved by relu" in dropped["fc"]  # relu keeps it: both forms held
+    assert unshared_choices({"fc": "fp8"}, sharing, forced={"fc"}) == {}  # include_saved forces it anyway
+    # dropping one makes its partner unshared in turn
+    chain = {"a": {"b"}, "b": {"a", "c"}, "c": {"b"}}
+    assert set(unshared_choices({"a": "fp8", "b": "fp8"}, chain, forced=set())) == {"a", "b"}
+
+
+def test_the_profiler_reports_which_operators_save_the_same_tensor() -> None:
+    from lightning_comp.profiling import OperatorProfiler
+
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+    x = torch.randn(16, 32)
+    results = OperatorProfiler(model, "cpu", rounds=1, warmup=0).profile(
+        {"fp32": lambda: None}, lambda: model(x).sum().backward())
+    sharing = results["fp32"].sharing
+    assert sharing["1"] == {"2"} and sharing["2"] == {"1"}  # ReLU saves its output, the Linear after it its input
+    assert sharing["0"] == set()
 
 
 def test_saved_search_options_are_validated_and_only_memory_and_balanced_use_them() -> None:

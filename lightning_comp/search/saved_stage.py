@@ -6,8 +6,9 @@ candidate plan, the training step is profiled with every eligible operator savin
 operators included: compressing a shared tensor pays only when all of them do) and its time, pack and unpack
 included. An operator's saved lowering becomes a candidate when it saves at least ``speed_margin`` of its
 bytes and its time stays within the objective's bound (:func:`judge_saved`); of two that qualify the smaller wins.
-The plan with every such lowering is then timed as a whole step beside the candidate plan, and kept only if it is
-leaner (memory) or better in time x memory (balanced) as a whole.
+A lowering is dropped when another operator keeps one of its saved tensors as computed (both forms would be held:
+:func:`unshared_choices`). The plan with every remaining lowering is then timed as a whole step beside the candidate
+plan, and kept only if it is leaner (memory) or better in time x memory (balanced) as a whole.
 
 Saved lowerings join the compute candidates in the epoch stage's group testing as keys ``"saved:<operator>"``, in
 execution order beside their operator, so a layer whose gradients suffer is isolated like any other candidate.
@@ -36,7 +37,8 @@ from lightning_comp.search.estimates import RatioEstimate, Verdict, compare_to, 
 from lightning_comp.search.progress import SearchProgress
 from lightning_comp.search.ranks import agree, reduce_mean, reduce_profile
 
-__all__ = ["SAVED_PREFIX", "SavedStage", "judge_saved", "merge_candidates", "saved_key", "split_group"]
+__all__ = ["SAVED_PREFIX", "SavedStage", "judge_saved", "merge_candidates", "saved_key", "split_group",
+           "unshared_choices"]
 
 SAVED_PREFIX = "saved:"
 
@@ -59,6 +61,36 @@ def merge_candidates(order: Sequence[str], candidates: Sequence[str], choices: d
     out = [key for name in order
            for key in ((name,) if name in compute else ()) + ((saved_key(name),) if name in choices else ())]
     return out + [name for name in candidates if name not in out]  # forced candidates that did not run
+
+
+def unshared_choices(choices: dict[str, str], sharing: dict[str, set[str]], forced: set[str]) -> dict[str, str]:
+    """The lowerings in ``choices`` that cannot pay because another operator keeps the same tensor as computed.
+
+    A tensor saved by two operators is held once; if one of them stores it compressed and the other as computed,
+    both forms are held and nothing is saved. Such a lowering is dropped (unless forced), which may make others
+    unshared in turn, so this repeats until nothing changes.
+
+    Args:
+        choices: operator -> saved precision chosen from its own measurement.
+        sharing: operator -> the other operators that save one of its tensors (:attr:`ProfileResult.sharing`).
+        forced: operators whose lowering ``include_saved`` forces (never dropped).
+
+    Returns:
+        operator -> why its lowering is dropped.
+    """
+    kept, dropped = dict(choices), {}
+    changed = True
+    while changed:
+        changed = False
+        for name in sorted(kept):
+            holders = sorted(other for other in sharing.get(name, ()) if other not in kept)
+            if holders and name not in forced:
+                shown = ", ".join(holders[:3]) + (f" and {len(holders) - 3} more" if len(holders) > 3 else "")
+                dropped[name] = (f"saves as computed: a tensor it saves is also saved by {shown}, which keep(s) it"
+                                 " as computed, so both forms would be held")
+                del kept[name]
+                changed = True
+    return dropped
 
 
 def judge_saved(config: SearchConfig, base_bytes: int, options: dict[SavedPrecision, tuple[int, RatioEstimate]],
@@ -163,14 +195,20 @@ class SavedStage:
                             paired_ratio(results["fp32"].series(name), results[s.value].series(name)))
                         for s in options if name in results[s.value].operators}
             entry = judge_saved(config, a.own_saved_bytes, measured)
-            if included.matches(name, modules[name]) and entry["decision"] == "fp32":
-                forced = options[0].value  # the smallest (fp8 with saved_precision="auto")
-                entry.update(decision=forced, reason=f"included by CoMPSearch(include_saved=...) at {forced}",
-                             forced=True)
+            if included.matches(name, modules[name]):
+                entry["forced"] = True
+                if entry["decision"] == "fp32":
+                    smallest = options[0].value  # fp8 with saved_precision="auto"
+                    entry.update(decision=smallest, reason=f"included by CoMPSearch(include_saved=...) at {smallest}")
             decisions.setdefault(name, {})["saved"] = entry
             if entry["decision"] != "fp32":
                 choices[name] = entry["decision"]
                 gains[saved_key(name)] = float(entry["gain"])
+        forced = {n for n in choices if decisions[n]["saved"].get("forced")}
+        for name, why in unshared_choices(choices, results["fp32"].sharing, forced).items():
+            decisions[name]["saved"].update(decision="fp32", reason=why)
+            del choices[name]
+            gains.pop(saved_key(name))
         choices, gains = agree(trainer, (choices, gains))
         check = self.whole_step(trainer, pl_module, step, clock, base, choices) if choices else {}
         if check and check["verdict"] != "pays":
