@@ -24,7 +24,13 @@ from lightning_comp.errors import SearchConfigError
 from lightning_comp.saved_precision import CompressedTensor, SavedPrecision
 from lightning_comp.search.config import SearchConfig
 from lightning_comp.search.estimates import RatioEstimate
-from lightning_comp.search.saved_stage import judge_saved, merge_candidates, split_group, unshared_choices
+from lightning_comp.search.saved_stage import (
+    judge_saved,
+    merge_candidates,
+    sharing_groups,
+    split_group,
+    unshared_choices,
+)
 from lightning_comp.search.trials import plan_for
 
 
@@ -86,6 +92,12 @@ def test_a_lowering_whose_tensor_another_operator_keeps_is_dropped() -> None:
     assert set(unshared_choices({"a": "fp8", "b": "fp8"}, chain, forced=set())) == {"a", "b"}
 
 
+def test_operators_that_save_the_same_tensors_form_one_group_in_execution_order() -> None:
+    sharing = {"relu": {"fc"}, "fc": {"relu", "drop"}, "drop": {"fc"}, "norm": set()}
+    assert sharing_groups(["norm", "relu", "fc", "drop", "head"], sharing) == [
+        ("norm",), ("relu", "fc", "drop"), ("head",)]
+
+
 def test_the_profiler_reports_which_operators_save_the_same_tensor() -> None:
     from lightning_comp.profiling import OperatorProfiler
 
@@ -128,8 +140,11 @@ def test_group_testing_isolates_the_layer_whose_saved_tensors_break_convergence(
     assert record is not None and record["saved_lowered"] == {"l2": "fp8", "l4": "fp8"}
     for name in ("l2", "l3", "l4"):
         entry = record["operators"][name]["saved"]
-        assert entry["forced"] and entry["bytes"]["fp32"] == 256 * 256 * 4  # each saves its 256x256 input
-        assert entry["bytes"]["fp8"] == 256 * 256  # a quarter (the 4-byte scale is not a saved tensor)
+        # each saves its 256x256 input; l2 and l4 share theirs with the ReLU before them and are judged with it
+        members = len(entry.get("group", [name]))
+        assert members == (1 if name == "l3" else 2), entry
+        assert entry["forced"] and entry["bytes"]["fp32"] == members * 256 * 256 * 4
+        assert entry["bytes"]["fp8"] == members * 256 * 256  # a quarter (the 4-byte scale is not a saved tensor)
     # the plan travels in the checkpoint, and a resumed run restores it without searching again
     path = tmp_path / "done.ckpt"
     trainer.save_checkpoint(path)

@@ -2,13 +2,14 @@
 
 Runs for ``objective="memory"`` and ``objective="balanced"`` once the compute candidates are known. On top of the
 candidate plan, the training step is profiled with every eligible operator saving as computed, ``bf16`` and
-``fp8`` (interleaved rounds, as for compute precision): per operator, the bytes it saves (tensors it shares with other
-operators included: compressing a shared tensor pays only when all of them do) and its time, pack and unpack
-included. An operator's saved lowering becomes a candidate when it saves at least ``speed_margin`` of its
-bytes and its time stays within the objective's bound (:func:`judge_saved`); of two that qualify the smaller wins.
-A lowering is dropped when another operator keeps one of its saved tensors as computed (both forms would be held:
-:func:`unshared_choices`). The plan with every remaining lowering is then timed as a whole step beside the candidate
-plan, and kept only if it is leaner (memory) or better in time x memory (balanced) as a whole.
+``fp8`` (interleaved rounds, as for compute precision): per operator, the bytes it saves and its time, pack and
+unpack included. Operators that save the same tensor (a ReLU's output is the next Linear's saved input) are judged
+as one group (:func:`sharing_groups`): only together do they free it. A saved lowering becomes a candidate when it
+saves at least ``speed_margin`` of the bytes and the time stays within the objective's bound (:func:`judge_saved`);
+of two that qualify the smaller wins. A lowering another operator would still hold as computed is dropped
+(:func:`unshared_choices`: both forms would be held). The plan with every remaining lowering is then timed as a
+whole step beside the candidate plan, and kept only if it is leaner (memory) or better in time x memory (balanced)
+as a whole.
 
 Saved lowerings join the compute candidates in the epoch stage's group testing as keys ``"saved:<operator>"``, in
 execution order beside their operator, so a layer whose gradients suffer is isolated like any other candidate.
@@ -28,7 +29,7 @@ from lightning_comp.clocks import Clock
 from lightning_comp.operators import OperatorKind, classify
 from lightning_comp.plan import PrecisionPlan
 from lightning_comp.plugin import CoMPPrecision
-from lightning_comp.profiling import OperatorProfiler, StepTimer
+from lightning_comp.profiling import OperatorProfiler, ProfileResult, StepTimer
 from lightning_comp.saved_precision import SavedPrecision
 from lightning_comp.search.activation import activate, with_weight_recording
 from lightning_comp.search.comparison import StepComparison
@@ -37,8 +38,8 @@ from lightning_comp.search.estimates import RatioEstimate, Verdict, compare_to, 
 from lightning_comp.search.progress import SearchProgress
 from lightning_comp.search.ranks import agree, reduce_mean, reduce_profile
 
-__all__ = ["SAVED_PREFIX", "SavedStage", "judge_saved", "merge_candidates", "saved_key", "split_group",
-           "unshared_choices"]
+__all__ = ["SAVED_PREFIX", "SavedStage", "judge_saved", "merge_candidates", "saved_key", "sharing_groups",
+           "split_group", "unshared_choices"]
 
 SAVED_PREFIX = "saved:"
 
@@ -61,6 +62,32 @@ def merge_candidates(order: Sequence[str], candidates: Sequence[str], choices: d
     out = [key for name in order
            for key in ((name,) if name in compute else ()) + ((saved_key(name),) if name in choices else ())]
     return out + [name for name in candidates if name not in out]  # forced candidates that did not run
+
+
+def sharing_groups(names: Sequence[str], sharing: dict[str, set[str]]) -> list[tuple[str, ...]]:
+    """``names`` grouped by the tensors they save: connected through :attr:`ProfileResult.sharing`, in order."""
+    position = {name: i for i, name in enumerate(names)}
+    seen: set[str] = set()
+    groups = []
+    for name in names:
+        if name in seen:
+            continue
+        group, todo = set(), [name]
+        while todo:
+            current = todo.pop()
+            if current in group or current not in position:
+                continue
+            group.add(current)
+            todo.extend(sharing.get(current, ()))
+        seen |= group
+        groups.append(tuple(sorted(group, key=position.__getitem__)))
+    return groups
+
+
+def _summed(result: ProfileResult, names: Sequence[str]) -> list[float]:
+    """The per-round total time of ``names`` together."""
+    series = [result.series(name) for name in names]
+    return [sum(values) for values in zip(*series)]
 
 
 def unshared_choices(choices: dict[str, str], sharing: dict[str, set[str]], forced: set[str]) -> dict[str, str]:
@@ -187,23 +214,28 @@ class SavedStage:
         included = config.included_saved
         choices: dict[str, str] = {}
         gains: dict[str, float] = {}
-        for name in eligible:
-            a = results["fp32"].operators.get(name)
-            if a is None:
-                continue
-            measured = {s: (results[s.value].operators[name].own_saved_bytes,
-                            paired_ratio(results["fp32"].series(name), results[s.value].series(name)))
-                        for s in options if name in results[s.value].operators}
-            entry = judge_saved(config, a.own_saved_bytes, measured)
-            if included.matches(name, modules[name]):
-                entry["forced"] = True
-                if entry["decision"] == "fp32":
-                    smallest = options[0].value  # fp8 with saved_precision="auto"
-                    entry.update(decision=smallest, reason=f"included by CoMPSearch(include_saved=...) at {smallest}")
-            decisions.setdefault(name, {})["saved"] = entry
-            if entry["decision"] != "fp32":
-                choices[name] = entry["decision"]
-                gains[saved_key(name)] = float(entry["gain"])
+        ran = [n for n in eligible if n in results["fp32"].operators]
+        for group in sharing_groups(ran, results["fp32"].sharing):
+            # operators that save the same tensor are judged together: only together do they free it
+            measured = {s: (sum(results[s.value].operators[n].own_saved_bytes for n in group),
+                            paired_ratio(_summed(results["fp32"], group), _summed(results[s.value], group)))
+                        for s in options if all(n in results[s.value].operators for n in group)}
+            shared = judge_saved(config, sum(results["fp32"].operators[n].own_saved_bytes for n in group), measured)
+            for name in group:
+                entry = dict(shared, gain=shared["gain"] / len(group))
+                if len(group) > 1:
+                    entry.update(group=list(group), reason=f"{shared['reason']} (judged with {', '.join(group)}:"
+                                                           " they save the same tensors)")
+                if included.matches(name, modules[name]):
+                    entry["forced"] = True
+                    if entry["decision"] == "fp32":
+                        smallest = options[0].value  # fp8 with saved_precision="auto"
+                        entry.update(decision=smallest,
+                                     reason=f"included by CoMPSearch(include_saved=...) at {smallest}")
+                decisions.setdefault(name, {})["saved"] = entry
+                if entry["decision"] != "fp32":
+                    choices[name] = entry["decision"]
+                    gains[saved_key(name)] = float(entry["gain"])
         forced = {n for n in choices if decisions[n]["saved"].get("forced")}
         for name, why in unshared_choices(choices, results["fp32"].sharing, forced).items():
             decisions[name]["saved"].update(decision="fp32", reason=why)
