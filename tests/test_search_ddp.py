@@ -19,8 +19,11 @@ _DIST_VARS = {"LOCAL_RANK", "RANK", "GLOBAL_RANK", "WORLD_SIZE", "NODE_RANK", "G
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-@pytest.mark.parametrize(("strategy", "trial_batches"), [("ddp", None), ("ddp_spawn", None), ("ddp", 2)])
-def test_every_rank_runs_the_same_plan(strategy: str, trial_batches: int | None, tmp_path: Path) -> None:
+@pytest.mark.parametrize(("strategy", "trial_batches", "objective"),
+                         [("ddp", None, "throughput"), ("ddp_spawn", None, "throughput"), ("ddp", 2, "throughput"),
+                          ("ddp", None, "memory")])
+def test_every_rank_runs_the_same_plan(strategy: str, trial_batches: int | None, objective: str,
+                                       tmp_path: Path) -> None:
     proc = None
     for _attempt in range(2):  # a second try only when the rendezvous itself failed (a port race on a shared host)
         with socket.socket() as sock:  # a port of our own: other 2-process jobs may run at the same time
@@ -31,7 +34,7 @@ def test_every_rank_runs_the_same_plan(strategy: str, trial_batches: int | None,
         env = {k: v for k, v in os.environ.items() if k not in _DIST_VARS and not k.startswith(("TORCHELASTIC", "PL_"))}
         env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         try:
-            extra = [str(trial_batches)] if trial_batches else []
+            extra = [str(trial_batches or 0), objective]
             args = [sys.executable, str(SCRIPT), strategy, str(tmp_path), *extra]
             proc = subprocess.run(args, cwd=tmp_path, env=env,
                                   capture_output=True, text=True, timeout=300, start_new_session=True)
@@ -52,6 +55,9 @@ def test_every_rank_runs_the_same_plan(strategy: str, trial_batches: int | None,
     assert ranks[0]["params"] == ranks[1]["params"]  # synchronous data parallel: identical weights
     assert ranks[0]["phase"] == "done"
     assert len({json.dumps(plan, sort_keys=True) for _, plan, _ in ranks[0]["epochs"]}) > 1  # trials did run
+    if objective == "memory":  # only the pinned saved lowerings were trialled; compute stays fp32
+        final = ranks[0]["final"]
+        assert final and set(final) <= {"saved:l2", "saved:l3", "saved:l4"} and set(final.values()) == {"fp8"}
     batches = [b for _, _, b in ranks[0]["epochs"]]
     if trial_batches:  # each rank has 4 batches per epoch; rejected trials of 2 batches cut theirs short together
         assert 2 in batches and set(batches) == {2, 4}
