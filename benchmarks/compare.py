@@ -1,16 +1,22 @@
 """CoMP against FP32, AMP (``bf16-mixed``), pure BF16 (``bf16-true``) and, where fast, ``16-mixed``: side by side.
 
 One run of this script trains every model of a suite under every precision mode and writes a Markdown table, a JSON
-record (plus the raw measurements), a CSV and PNG plots. Reproduce ``docs/benchmark.md`` with::
+record (plus the raw measurements), a CSV and PNG plots. CoMP runs in three modes, each with the plan of its own
+search: ``comp`` (``objective="throughput"``, the shipped default), ``comp-balanced`` and ``comp-memory`` (which also
+lower the precision of saved-for-backward tensors; the report's "Memory axis" table). Reproduce ``docs/benchmark.md``
+with::
 
-    python benchmarks/compare.py                   # full suite: ~7 min on 2 quiet CPU cores, ~10-15 with noise
+    python benchmarks/compare.py                   # full suite: ~7 min on 2 quiet CPU cores before the two
+                                                   # memory-axis modes (two more searches per model: longer now)
     python benchmarks/compare.py --models cnn,gpt  # a subset
+    python benchmarks/compare.py --models gpt,cnn --modes fp32,bf16-mixed,comp,comp-memory   # some modes only
     python benchmarks/compare.py --smoke           # tiny models, a few steps (what tests/test_benchmark_smoke.py runs)
     python benchmarks/compare.py --reanalyse benchmarks/results/compare_raw.json   # re-render without measuring
 
 How each number is measured: ``compare_run.py``. The other pieces: ``compare_suite.py`` (models, modes, paths),
 ``compare_workers.py`` (the worker processes and their coordinator), ``compare_probes.py`` (what a worker measures),
-``compare_analysis.py`` (throughput, ratios, targets), ``compare_report.py`` (Markdown, CSV, JSON, console lines) and
+``compare_analysis.py`` (throughput, ratios, targets), ``compare_searches.py`` (what each CoMP search cost and
+chose), ``compare_report.py`` (Markdown, CSV, JSON, console lines) and
 ``compare_plots.py`` (PNG plots).
 """
 
@@ -25,7 +31,7 @@ from pathlib import Path
 from compare_analysis import reanalyse
 from compare_report import markdown, print_ratios, write_outputs
 from compare_run import run_benchmark
-from compare_suite import DEFAULT_MODELS, IMG_DIR, RESULTS_DIR, SUITE
+from compare_suite import DEFAULT_MODELS, IMG_DIR, MODES, RESULTS_DIR, SUITE
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -43,7 +49,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help=f"comma-separated keys of {sorted(SUITE)}, 'default' ({','.join(DEFAULT_MODELS)})"
                              " or 'all'")
     parser.add_argument("--modes", default=None,
-                        help="comma-separated subset of fp32,bf16-mixed,bf16-true,16-mixed,comp")
+                        help=f"comma-separated subset of {','.join(MODES)}")
     parser.add_argument("--smoke", action="store_true", help="tiny models and a few steps (seconds per model)")
     parser.add_argument("--steps-scale", type=float, default=1.0, help="multiply every model's step count")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads in every worker")
@@ -103,7 +109,10 @@ def main(argv: list[str] | None = None) -> int:
     print_ratios(report)
     print("\nwrote:\n  " + "\n  ".join(str(p) for p in paths))
     failed = [f"{k}/{m}" for k, model in report["models"].items() for m, e in model["modes"].items() if "error" in e]
-    failed += [f"{k}/search" for k, model in report["models"].items() if "error" in model["search"]]
+    failed += [f"{k}/search" for k, model in report["models"].items() if "error" in model["search"]
+               and model["search"]["error"] != "CoMP not benchmarked"]
+    failed += [f"{k}/{m} search" for k, model in report["models"].items()
+               for m, s in model.get("searches", {}).items() if "error" in s]
     if failed:
         print(f"\nfailed runs: {', '.join(failed)}", file=sys.stderr)
         return 1

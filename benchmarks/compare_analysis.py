@@ -1,8 +1,10 @@
 """The analysis of ``benchmarks/compare.py``'s raw measurements: throughput, ratios, search cost and the targets.
 
 Throughput = batch size / median batch time of a round (round 0, the warm-up, and the probed steps left out); summary
-= median over rounds (spread: min-max); ratios between modes are medians of per-round ratios. ``reanalyse`` rebuilds a
-whole report from a ``compare_raw.json`` without measuring again.
+= median over rounds (spread: min-max); ratios between modes are medians of per-round ratios. ``ratios`` holds the
+throughput-searched CoMP mode's ratios to every other mode; ``ratios_by_mode`` every CoMP mode's ratios to AMP
+(``bf16-mixed``) and whether it converges like FP32 (the memory axis). ``reanalyse`` rebuilds a whole report from a
+``compare_raw.json`` without measuring again (older files, without the memory-axis modes, included).
 """
 
 from __future__ import annotations
@@ -10,10 +12,12 @@ from __future__ import annotations
 import json
 import math
 import statistics
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from compare_suite import ModelSpec
+from compare_searches import mode_searches, search_summary
+from compare_suite import COMP_MODES, MODES, ModelSpec
 
 # Targets of the issue (ratios measured in one run).
 TARGET_GEOMEAN_VS_AMP = 1.15
@@ -23,7 +27,12 @@ TARGET_VS_BF16_TRUE = 0.95
 TARGET_MEMORY_VS_AMP = 0.8
 MEMORY_TARGET_MODELS = ("cnn", "gpt")
 TARGET_SEARCH_SHARE = 0.10
-REFERENCE_EPOCHS = 20
+# The memory axis (MEMORY_TARGET_MODELS): per CoMP mode, the largest step peak tensor memory and the smallest
+# throughput relative to AMP, and whether its final val_loss must stay within the search's tolerance of FP32.
+AXIS_TARGETS: dict[str, dict[str, Any]] = {
+    "comp-memory": {"memory_vs_amp": 0.70, "throughput_vs_amp": 0.90, "val_within_tolerance": True},
+    "comp-balanced": {"memory_vs_amp": 0.85, "throughput_vs_amp": 1.0, "val_within_tolerance": False},
+}
 
 
 def _median(values: list[float]) -> float:
@@ -92,18 +101,20 @@ def _within(value: float, reference: float, tolerance: float, mode: str, relativ
 
 
 def analyse_model(spec: ModelSpec, search: dict[str, Any], runs: dict[str, Any],
-                  tolerance: float, tolerance_mode: str) -> dict[str, Any]:
-    """Throughput, memory and convergence per mode, CoMP's ratios to the other modes and the search's summary.
+                  tolerance: float, tolerance_mode: str, searches: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Throughput, memory and convergence per mode, CoMP's ratios to the other modes and the searches' summaries.
 
     Args:
         spec: The model.
-        search: The search worker's result (or an ``error``).
+        search: The throughput search's worker result (``comp``; or an ``error``).
         runs: The training workers' results by mode.
         tolerance: The search's val_loss tolerance, for "converges like FP32".
         tolerance_mode: ``relative`` or absolute.
+        searches: The other CoMP modes' search results by mode (``comp-balanced``, ``comp-memory``; may be absent).
 
     Returns:
-        ``modes``, ``ratios``, ``search``, ``metric`` and ``metric_mode``.
+        ``modes``, ``ratios`` (``comp`` to the other modes), ``ratios_by_mode`` (every CoMP mode to AMP), ``search``
+        (``comp``'s), ``searches`` (the other CoMP modes'), ``metric`` and ``metric_mode``.
     """
     batch = int(spec.data_kwargs["batch_size"])
     from lightning_comp import zoo
@@ -130,7 +141,7 @@ def analyse_model(spec: ModelSpec, search: dict[str, Any], runs: dict[str, Any],
             "fit_seconds": result.get("fit_seconds"),
             "train_loss_last": next((b["loss"] for b in reversed(result["batches"]) if b["loss"] is not None), None),
         }
-        for key in ("plan_lowered", "hooked_operators"):
+        for key in ("plan_lowered", "plan_saved", "hooked_operators"):
             if key in result:
                 entry[key] = result[key]
         out["modes"][mode] = entry
@@ -161,111 +172,76 @@ def analyse_model(spec: ModelSpec, search: dict[str, Any], runs: dict[str, Any],
     if "bf16-true" in ok and "fp32" in ok:
         ratios["bf16_true_vs_fp32"] = round_ratio(modes["bf16-true"]["throughput"], modes["fp32"]["throughput"])
     out["ratios"] = ratios
+    out["ratios_by_mode"] = ratios_by_mode(modes, fp32_loss, tolerance_mode)
     out["search"] = search_summary(spec, search, modes)
+    out["searches"] = {mode: search_summary(spec, result, modes, mode) for mode, result in (searches or {}).items()}
     return out
 
 
-def search_summary(spec: ModelSpec, search: dict[str, Any], modes: dict[str, Any]) -> dict[str, Any]:
-    """The search's cost (measured, and extrapolated to full epochs and a 20-epoch run), its trials and decisions.
+def ratios_by_mode(modes: dict[str, Any], fp32_loss: float, tolerance_mode: str) -> dict[str, Any]:
+    """Each CoMP mode's ratios to AMP (``bf16-mixed``) and its convergence against FP32.
 
     Args:
-        spec: The model.
-        search: The search worker's result (or an ``error``).
-        modes: The analysed modes (the step times of ``comp`` and ``fp32`` price the epochs).
+        modes: The analysed modes (``converges_like_fp32`` already set).
+        fp32_loss: FP32's final val_loss (NaN where FP32 did not run).
+        tolerance_mode: ``relative`` (``val_loss_vs_fp32`` is a ratio) or absolute (a difference).
 
     Returns:
-        The summary, or ``{"error": ...}``.
+        By CoMP mode that ran: ``throughput_vs_bf16-mixed`` (median of per-round ratios, with min/max),
+        ``memory_step_peak_vs_bf16-mixed``, ``saved_bytes_vs_bf16-mixed`` (each where AMP ran), ``val_loss_vs_fp32``
+        and ``converges_like_fp32``.
     """
-    if "error" in search:
-        return {"error": search["error"]}
-    record = search.get("record") or {}
-    cost = record.get("cost") or {}
-    sizes = search["sizes"]
-    scale = sizes["train_batches_per_epoch"] / max(1, search["search_train_batches"])
-    profiling = float(cost.get("profiling_seconds") or 0.0)
-    rejected_recorded = float(cost.get("rejected_trial_seconds") or 0.0)
-    search_recorded = float(cost.get("search_seconds") or 0.0)
-    # Since commit bb58650 the record counts the batch stage once (before, the reference trial's seconds contained
-    # it and search_seconds = profiling + rejected counted it twice); older records are flagged here.
-    trials_raw = record.get("trials", [])
-    double_counted = bool(trials_raw and not trials_raw[0].get("kept") and profiling > 0
-                          and (trials_raw[0].get("seconds") or 0.0) >= profiling
-                          and search_recorded > float(search.get("fit_seconds") or math.inf))
-    rejected = rejected_recorded
-    search_seconds = search_recorded
-    comp_ms = modes.get("comp", {}).get("throughput", {}).get("median_step_ms", math.nan)
-    fp32_ms = modes.get("fp32", {}).get("throughput", {}).get("median_step_ms", math.nan)
-    full_epoch_comp = sizes["train_batches_per_epoch"] * comp_ms / 1e3
-    full_epoch_fp32 = sizes["train_batches_per_epoch"] * fp32_ms / 1e3
-    search_full = profiling + rejected * scale
-    run20 = REFERENCE_EPOCHS * full_epoch_comp
-    warmup_epochs = int(search["search_kwargs"].get("warmup_epochs", 1))
-    # What a user pays beyond training with the plan from step 0: the search's cost plus the FP32 warm-up epoch(s),
-    # which run slower than the plan would.
-    warmup_penalty = warmup_epochs * max(0.0, full_epoch_fp32 - full_epoch_comp)
-    trials = [{k: t.get(k) for k in ("label", "verdict", "reason", "metric", "reference", "seconds", "median_step_ms",
-                                     "kept", "low_operators")} for t in record.get("trials", [])]
-    operators = record.get("operators", {})
-    reasons: dict[str, int] = {}
-    for info in operators.values():
-        key = f"{info.get('decision')}: {str(info.get('reason', '')).split(' (')[0].split(':')[0]}"
-        reasons[key] = reasons.get(key, 0) + 1
-    return {
-        "chosen_trial": record.get("chosen_trial"),
-        "finish_reason": record.get("finish_reason"),
-        "lowered_operators": record.get("lowered_operators", []),
-        "num_operators": record.get("num_operators"),
-        "decision_counts": reasons,
-        "profile_step_ms": record.get("step_ms", {}),
-        "trials": trials,
-        "measured": {"profiling_seconds": profiling, "rejected_trial_seconds": rejected,
-                     "search_seconds": search_seconds, "record_search_seconds": search_recorded,
-                     "record_double_counts_profiling": double_counted,
-                     "fit_seconds": search.get("fit_seconds"),
-                     "wall_seconds_incl_process_start": search.get("wall_seconds"),
-                     "search_train_batches": search["search_train_batches"],
-                     "search_val_batches": search["search_val_batches"],
-                     "share_of_this_fit": cost.get("share_of_fit")},
-        "extrapolated": {"train_batches_per_full_epoch": sizes["train_batches_per_epoch"],
-                         "scale": scale,
-                         "search_seconds_full_epochs": search_full,
-                         "comp_epoch_seconds_full": full_epoch_comp,
-                         "fp32_epoch_seconds_full": full_epoch_fp32,
-                         f"run_{REFERENCE_EPOCHS}_epochs_seconds": run20,
-                         "share_of_20_epoch_run": search_full / run20 if run20 and math.isfinite(run20) else math.nan,
-                         "fp32_warmup_penalty_seconds": warmup_penalty,
-                         "share_incl_warmup_penalty": (search_full + warmup_penalty) / run20
-                         if run20 and math.isfinite(run20) else math.nan},
-        "real_run": _real_run(search),
-        "search_run_final_metrics": search.get("final_metrics"),
-        "default_example": spec.default_example,
-    }
+    amp = modes.get("bf16-mixed", {})
+    out: dict[str, Any] = {}
+    for mode in COMP_MODES:
+        entry = modes.get(mode, {})
+        if "throughput" not in entry:
+            continue
+        val = entry["final_validation"].get("val_loss", math.nan)
+        r: dict[str, Any] = {
+            "val_loss_vs_fp32": (val / fp32_loss if fp32_loss else math.nan) if tolerance_mode == "relative"
+            else val - fp32_loss,
+            "converges_like_fp32": bool(entry.get("converges_like_fp32")) if math.isfinite(fp32_loss) else None,
+        }
+        if "throughput" in amp:
+            r["throughput_vs_bf16-mixed"] = round_ratio(entry["throughput"], amp["throughput"])
+            step_amp = _step_peak(amp)
+            r["memory_step_peak_vs_bf16-mixed"] = _step_peak(entry) / step_amp if step_amp else math.nan
+            so, sc = amp["saved_for_backward"] or {}, entry["saved_for_backward"] or {}
+            r["saved_bytes_vs_bf16-mixed"] = (sc.get("activation_bytes", math.nan) / so["activation_bytes"]
+                                              if so.get("activation_bytes") else math.nan)
+        out[mode] = r
+    return out
 
 
-def _real_run(search: dict[str, Any]) -> dict[str, Any] | None:
-    """The search run itself, when it trained ``REFERENCE_EPOCHS`` user epochs on full epochs: a measured share."""
-    record = search.get("record") or {}
-    cost = record.get("cost") or {}
-    epochs = len(search.get("epoch_times") or [])
-    full = search.get("search_train_batches") == (search.get("sizes") or {}).get("train_batches_per_epoch")
-    if not full or epochs < REFERENCE_EPOCHS or not cost.get("fit_seconds"):
-        return None
-    return {"epochs_trained": epochs, "extension_epochs": record.get("extension_epochs"),
-            "fit_seconds": cost["fit_seconds"], "search_seconds": cost.get("search_seconds"),
-            "share_of_fit": cost.get("share_of_fit"),
-            # the record also charges the FP32 warm-up epoch's lost time against the plan (measured batch times)
-            "warmup_overhead_seconds": cost.get("warmup_overhead_seconds"),
-            "total_seconds": cost.get("total_seconds", cost.get("search_seconds")),
-            "total_share_of_fit": cost.get("total_share_of_fit", cost.get("share_of_fit")),
-            "final_metrics": search.get("final_metrics")}
+def _axis_targets(key: str, model: dict[str, Any], tolerance: float, tolerance_mode: str,
+                  add: Callable[..., None]) -> None:
+    """The memory axis's targets of one model (``AXIS_TARGETS``), for each of those CoMP modes that ran."""
+    for mode, target in AXIS_TARGETS.items():
+        r = model.get("ratios_by_mode", {}).get(mode)
+        if not r:
+            continue
+        label = MODES[mode].label
+        if "memory_step_peak_vs_bf16-mixed" in r:
+            add(f"peak tensor memory of a training step {label}/AMP", r["memory_step_peak_vs_bf16-mixed"],
+                target["memory_vs_amp"], "<=", key,
+                note=f"saved for backward {label}/AMP {r['saved_bytes_vs_bf16-mixed']:.2f}")
+            add(f"throughput {label}/AMP", r["throughput_vs_bf16-mixed"]["median"], target["throughput_vs_amp"],
+                ">=", key)
+        if target["val_within_tolerance"] and r["converges_like_fp32"] is not None:
+            relative = tolerance_mode == "relative"
+            add(f"val_loss {label}/FP32" if relative else f"val_loss {label} - FP32", r["val_loss_vs_fp32"],
+                1 + tolerance if relative else tolerance, "<=", key, note="within the search's tolerance of FP32")
 
 
-def evaluate_targets(models: dict[str, Any], tolerance: float) -> dict[str, Any]:
+
+def evaluate_targets(models: dict[str, Any], tolerance: float, tolerance_mode: str = "relative") -> dict[str, Any]:
     """Check every target of the issue against the analysed models.
 
     Args:
         models: The analysed models by key.
         tolerance: The search's val_loss tolerance.
+        tolerance_mode: ``relative`` or absolute (for the memory axis's convergence target).
 
     Returns:
         ``checks`` (one per target and model; ``met`` is None where a target does not apply) and ``geomean_vs_amp``.
@@ -295,6 +271,8 @@ def evaluate_targets(models: dict[str, Any], tolerance: float) -> dict[str, Any]
             add("peak tensor memory of a training step CoMP/AMP", r["memory_step_peak_vs_bf16-mixed"],
                 TARGET_MEMORY_VS_AMP, "<=", key,
                 note=f"process RSS increment ratio {r['memory_increment_vs_bf16-mixed']:.2f}")
+        if key in MEMORY_TARGET_MODELS:
+            _axis_targets(key, m, tolerance, tolerance_mode, add)
         comp = m["modes"].get("comp", {})
         fp32 = m["modes"].get("fp32", {})
         if "final_validation" in comp and "final_validation" in fp32:
@@ -324,7 +302,8 @@ def evaluate_targets(models: dict[str, Any], tolerance: float) -> dict[str, Any]
 
 def analyse_raw(spec: ModelSpec, raw: dict[str, Any], tolerance: float, tolerance_mode: str) -> dict[str, Any]:
     """``analyse_model`` on one model's raw record, plus its round orders, duration, title and load average."""
-    analysed = analyse_model(spec, raw["search"], raw["runs"], tolerance, tolerance_mode)
+    searches = {mode: s for mode, s in mode_searches(raw).items() if mode != "comp"}
+    analysed = analyse_model(spec, raw["search"], raw["runs"], tolerance, tolerance_mode, searches)
     analysed.update(round_orders=raw["orders"], seconds=raw["seconds"], title=spec.title,
                     load_average_after=raw["load_average_after"])
     return analysed
@@ -337,5 +316,5 @@ def reanalyse(path: Path) -> dict[str, Any]:
     for key, raw in report["raw"].items():
         spec = ModelSpec(**report["specs"][key])
         report["models"][key] = analyse_raw(spec, raw, report["tolerance"], report["tolerance_mode"])
-    report["targets"] = evaluate_targets(report["models"], report["tolerance"])
+    report["targets"] = evaluate_targets(report["models"], report["tolerance"], report["tolerance_mode"])
     return report

@@ -6,9 +6,13 @@ import math
 from pathlib import Path
 from typing import Any
 
-COLORS = {"fp32": "#4c72b0", "bf16-mixed": "#dd8452", "bf16-true": "#55a868", "16-mixed": "#8172b3", "comp": "#c44e52"}
+from compare_suite import COMP_MODES
+
+COLORS = {"fp32": "#4c72b0", "bf16-mixed": "#dd8452", "bf16-true": "#55a868", "16-mixed": "#8172b3", "comp": "#c44e52",
+          "comp-balanced": "#937860", "comp-memory": "#da8bc3"}
 LABELS = {"fp32": "FP32", "bf16-mixed": "AMP bf16-mixed", "bf16-true": "bf16-true", "16-mixed": "16-mixed",
-          "comp": "CoMP"}
+          "comp": "CoMP", "comp-balanced": "CoMP balanced", "comp-memory": "CoMP memory"}
+MARKERS = {"comp": "x", "comp-balanced": "+", "comp-memory": "d"}
 
 
 def _setup() -> Any:
@@ -24,10 +28,15 @@ def _ok_modes(model: dict[str, Any]) -> list[str]:
     return [m for m, e in model["modes"].items() if "error" not in e]
 
 
+def _panel_width(models: dict[str, Any]) -> float:
+    """Inches per model panel of a bar plot: room for every mode's bar and label (up to 7 modes)."""
+    return max(3.2, 0.55 * max((len(m["modes"]) for m in models.values()), default=0))
+
+
 def plot_throughput(report: dict[str, Any], path: Path) -> Path:
     plt = _setup()
     models = report["models"]
-    fig, axes = plt.subplots(1, len(models), figsize=(3.2 * len(models) + 0.6, 3.6), squeeze=False)
+    fig, axes = plt.subplots(1, len(models), figsize=(_panel_width(models) * len(models) + 0.6, 3.6), squeeze=False)
     for ax, (key, model) in zip(axes[0], models.items()):
         modes = _ok_modes(model)
         values = [model["modes"][m]["throughput"]["samples_per_s"] for m in modes]
@@ -53,7 +62,7 @@ def plot_throughput(report: dict[str, Any], path: Path) -> Path:
 def plot_memory(report: dict[str, Any], path: Path) -> Path:
     plt = _setup()
     models = report["models"]
-    fig, axes = plt.subplots(2, len(models), figsize=(3.2 * len(models) + 0.6, 6.0), squeeze=False)
+    fig, axes = plt.subplots(2, len(models), figsize=(_panel_width(models) * len(models) + 0.6, 6.0), squeeze=False)
     for col, (key, model) in enumerate(models.items()):
         modes = _ok_modes(model)
         x = list(range(len(modes)))
@@ -74,7 +83,7 @@ def plot_memory(report: dict[str, Any], path: Path) -> Path:
     device = report.get("device", "cpu")
     how = ("params + grads + optimizer state + profiler peak of live tensors" if device == "cpu"
            else "torch.cuda.max_memory_allocated")
-    fig.suptitle(f"Memory per mode ({how}; each mode in its own process)", fontsize=10)
+    fig.suptitle(f"Memory per mode\n({how}; each mode in its own process)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -91,8 +100,8 @@ def plot_validation(report: dict[str, Any], path: Path) -> Path:
             points = [(v["step"], v.get(metric, math.nan)) for v in model["modes"][mode]["validation"]]
             if points:
                 steps, values = zip(*points)
-                dashed = mode == "comp"  # CoMP often coincides with AMP or FP32 (same numerics): keep both visible
-                ax.plot(steps, values, marker="x" if dashed else "o", ms=5 if dashed else 3, color=COLORS[mode],
+                dashed = mode in COMP_MODES  # CoMP often coincides with AMP or FP32 (same numerics): keep both visible
+                ax.plot(steps, values, marker=MARKERS.get(mode, "o"), ms=5 if dashed else 3, color=COLORS[mode],
                         linestyle="--" if dashed else "-", label=LABELS[mode])
         ax.set_title(key, fontsize=10)
         ax.set_xlabel("optimizer step", fontsize=8)

@@ -1,4 +1,9 @@
-"""The outputs of ``benchmarks/compare.py``: Markdown, CSV and JSON files, console lines and the machine description."""
+"""The outputs of ``benchmarks/compare.py``: Markdown, CSV and JSON files, console lines and the machine description.
+
+The Markdown report has the table per model and mode, the throughput search's cost (``## CoMP search``), the memory
+axis (``## Memory axis``: every mode's step peak and saved-for-backward bytes against AMP, and the saved lowerings each
+CoMP search chose), every CoMP search's cost by objective and the targets.
+"""
 
 from __future__ import annotations
 
@@ -7,11 +12,12 @@ import math
 import os
 import platform
 import subprocess
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
 from compare_analysis import _step_peak, round_ratio
-from compare_suite import MODES
+from compare_suite import AXIS_MODES, COMP_MODES, MODES
 
 
 def machine_info() -> dict[str, Any]:
@@ -126,7 +132,8 @@ def markdown(report: dict[str, Any]) -> str:
     for key, model in report["models"].items():
         s = model["search"]
         if "error" in s:
-            lines.append(f"| {key} | search failed | | | | | | | |")
+            lines.append(f"| {key} | {'not benchmarked' if s['error'] == 'CoMP not benchmarked' else 'search failed'}"
+                         " | | | | | | | |")
             continue
         x = s["extrapolated"]
         trials = "; ".join(f"{t['label']}: {t['verdict']}" for t in s["trials"])
@@ -136,6 +143,7 @@ def markdown(report: dict[str, Any]) -> str:
                      f" | {_fmt(x['search_seconds_full_epochs'], '.1f')} | {_fmt(x['run_20_epochs_seconds'], '.0f')} |"
                      f" {_fmt(100 * x['share_of_20_epoch_run'], '.1f')} % | {_real_cell(s.get('real_run'))} |"
                      f" {trials} |")
+    lines += memory_axis_lines(report) + search_objective_lines(report)
     lines += ["", "## Ratios and targets", "", "| target | model | value | threshold | met |", "|---|---|---|---|---|"]
     for c in report["targets"]["checks"]:
         met = "n/a" if c["met"] is None else "yes" if c["met"] else "**no**"
@@ -143,6 +151,78 @@ def markdown(report: dict[str, Any]) -> str:
         lines.append(f"| {c['target']}{note} | {c['model'] or 'suite'} | {_fmt(c['value'], '.3f')} |"
                      f" {c['op']} {c['threshold']} | {met} |")
     return "\n".join(lines) + "\n"
+
+
+def search_of(model: dict[str, Any], mode: str) -> dict[str, Any] | None:
+    """The summary of ``mode``'s search in an analysed model (``None`` where that mode was not searched)."""
+    return model.get("search") if mode == "comp" else model.get("searches", {}).get(mode)
+
+
+def saved_lowerings_cell(model: dict[str, Any], mode: str) -> str:
+    """The saved-for-backward lowerings ``mode``'s search chose: their count and precisions (``-``: not CoMP)."""
+    s = search_of(model, mode) if mode in COMP_MODES else None
+    if s is None:
+        return "-"
+    if "error" in s:
+        return "search failed"
+    saved = s.get("saved_lowered") or {}
+    counts = Counter(saved.values())
+    return f"{len(saved)}" + (f" ({', '.join(f'{p} x{n}' for p, n in sorted(counts.items()))})" if saved else "")
+
+
+def memory_axis_lines(report: dict[str, Any]) -> list[str]:
+    """The ``## Memory axis`` section: per model and mode, step peak tensor memory, saved-for-backward bytes and
+    throughput against AMP, the validation metric and the saved lowerings each CoMP search chose."""
+    lines = ["", "## Memory axis", "",
+             "Step peak tensor memory = weights, gradients, optimizer state and saved activations of one training step;"
+             " x AMP = ratio to AMP (bf16-mixed); throughput x AMP = median of per-round ratios.", "",
+             "| model | mode | step peak (MiB) | x AMP | saved for bwd (MiB) | x AMP | throughput x AMP | val metric |"
+             " val_loss within tolerance of FP32 | saved lowerings chosen |", "|" + "---|" * 10]
+    for key, model in report["models"].items():
+        modes = model["modes"]
+        amp = modes.get("bf16-mixed", {})
+        amp_ok = "throughput" in amp
+        amp_step = _step_peak(amp) if amp_ok else math.nan
+        amp_saved = ((amp.get("saved_for_backward") or {}).get("activation_bytes") or math.nan) if amp_ok else math.nan
+        for mode, e in modes.items():
+            if "error" in e:
+                chosen = saved_lowerings_cell(model, mode)
+                lines.append(f"| {key} | {MODES[mode].label} | error | | | | | | | {chosen} |")
+                continue
+            step = _step_peak(e)
+            saved = (e["saved_for_backward"] or {}).get("activation_bytes", math.nan)
+            thr = round_ratio(e["throughput"], amp["throughput"])["median"] if amp_ok else math.nan
+            metric = model["metric"]
+            converges = e.get("converges_like_fp32")
+            lines.append(
+                f"| {key} | {MODES[mode].label} | {_fmt(step / 2**20, '.2f')} | {_fmt(step / amp_step)} |"
+                f" {_fmt(saved / 2**20, '.2f')} | {_fmt(saved / amp_saved)} | {_fmt(thr)} |"
+                f" {metric} {_fmt(e['final_validation'].get(metric), '.4f')} |"
+                f" {'n/a' if converges is None else 'yes' if converges else 'no'} |"
+                f" {saved_lowerings_cell(model, mode)} |")
+    return lines
+
+
+def search_objective_lines(report: dict[str, Any]) -> list[str]:
+    """The ``## CoMP searches by objective`` section: per model and CoMP mode, what its search chose and cost."""
+    lines = ["", "## CoMP searches by objective", "",
+             "| model | mode | objective | chosen | lowered / operators | saved lowerings | cost (s, measured) |"
+             " share of the search run's fit |", "|" + "---|" * 8]
+    for key, model in report["models"].items():
+        for mode in COMP_MODES:
+            s = search_of(model, mode)
+            if s is None or (mode == "comp" and s.get("error") == "CoMP not benchmarked"):
+                continue
+            label = MODES[mode].label
+            if "error" in s:
+                lines.append(f"| {key} | {label} | {MODES[mode].objective} | search failed | | | | |")
+                continue
+            share = s["measured"].get("share_of_this_fit")
+            lines.append(f"| {key} | {label} | {s.get('objective') or MODES[mode].objective} | {s['chosen_trial']} |"
+                         f" {len(s['lowered_operators'])} / {s['num_operators']} |"
+                         f" {saved_lowerings_cell(model, mode)} | {_fmt(s['measured']['search_seconds'], '.1f')} |"
+                         f" {_fmt(None if share is None else 100 * share, '.1f')} % |")
+    return lines
 
 
 def _real_cell(real: dict[str, Any] | None) -> str:
@@ -157,7 +237,7 @@ CSV_FIELDS = ("model", "mode", "samples_per_s", "samples_per_s_min", "samples_pe
               "median_step_ms", "vs_fp32", "vs_amp", "step_peak_tensor_mib", "rss_increment_mib", "rss_peak_mib",
               "rss_steady_increment_mib", "saved_activations_mib",
               "saved_parameters_mib", "val_loss", "val_metric_name", "val_metric", "steps", "converges_like_fp32",
-              "cast_ms_profiled_step", "forward_hooks")
+              "cast_ms_profiled_step", "forward_hooks", "saved_lowerings")
 
 
 def csv_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
@@ -189,6 +269,7 @@ def csv_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
                 "steps": e["steps"], "converges_like_fp32": e.get("converges_like_fp32"),
                 "cast_ms_profiled_step": (e.get("profile") or {}).get("cast_self_ms"),
                 "forward_hooks": e.get("forward_hooks"),
+                "saved_lowerings": len(e["plan_saved"]) if "plan_saved" in e else None,
             })
     return rows
 
@@ -262,6 +343,14 @@ def print_ratios(report: dict[str, Any]) -> None:
         if mem is not None:
             parts.append(f"step-peak-mem CoMP/AMP {mem:.3f} (RSS increment {r['memory_increment_vs_bf16-mixed']:.3f})")
         print(f"  {key:<6} " + "  ".join(parts))
+        for mode, x in model.get("ratios_by_mode", {}).items():
+            if mode not in AXIS_MODES or "throughput_vs_bf16-mixed" not in x:
+                continue
+            t = x["throughput_vs_bf16-mixed"]
+            within = {None: "n/a", True: "yes", False: "no"}[x["converges_like_fp32"]]
+            print(f"  {key:<6} {MODES[mode].label}/AMP: throughput {t['median']:.3f} [{t['min']:.2f}-{t['max']:.2f}]"
+                  f"  step-peak-mem {x['memory_step_peak_vs_bf16-mixed']:.3f}"
+                  f"  saved-for-bwd {x['saved_bytes_vs_bf16-mixed']:.3f}  val_loss within tolerance of FP32: {within}")
     print(f"  geomean CoMP/AMP over the suite: {report['targets']['geomean_vs_amp']:.3f}")
     print("\nTargets:")
     for c in report["targets"]["checks"]:

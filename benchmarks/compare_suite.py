@@ -2,7 +2,8 @@
 
 ``SUITE`` holds every model the benchmark knows (``DEFAULT_MODELS`` is what runs without ``--models``), ``smoke_spec``
 shrinks an entry to seconds for ``--smoke``, and ``MODES`` gives each precision mode its label and the ``Trainer``
-precision it runs under (``None``: the ``CoMPPrecision`` plugin).
+precision it runs under (``None``: the ``CoMPPrecision`` plugin with the plan of its own ``CoMPSearch``, run with the
+mode's ``objective``). ``COMP_MODES`` are those CoMP modes, in the order they are searched and trained.
 """
 
 from __future__ import annotations
@@ -124,6 +125,7 @@ class Mode:
     key: str
     label: str
     trainer_precision: str | None  # None: CoMPPrecision plugin
+    objective: str | None = None  # CoMP modes: the CoMPSearch objective whose chosen plan the mode trains
 
 
 MODES: dict[str, Mode] = {
@@ -131,5 +133,9 @@ MODES: dict[str, Mode] = {
     "bf16-mixed": Mode("bf16-mixed", "AMP (bf16-mixed)", "bf16-mixed"),
     "bf16-true": Mode("bf16-true", "BF16 (bf16-true)", "bf16-true"),
     "16-mixed": Mode("16-mixed", "AMP FP16 (16-mixed)", "16-mixed"),
-    "comp": Mode("comp", "CoMP (searched plan)", None),
+    "comp": Mode("comp", "CoMP (searched plan)", None, "throughput"),
+    "comp-balanced": Mode("comp-balanced", "CoMP (balanced)", None, "balanced"),
+    "comp-memory": Mode("comp-memory", "CoMP (memory)", None, "memory"),
 }
+COMP_MODES = tuple(key for key, mode in MODES.items() if mode.trainer_precision is None)
+AXIS_MODES = ("comp-balanced", "comp-memory")  # the CoMP modes that also lower saved-for-backward tensors

@@ -4,7 +4,8 @@ Every search and every training mode runs in a fresh process of its own (``mp_co
 Lightning preloaded, else ``spawn``), so each keeps its own memory peak. The process target is a function of this
 module (the child imports it by name, with ``benchmarks/`` on ``sys.path`` as in the parent); it reports over a pipe:
 ``("ready", ...)``, ``("yield", None)`` after each turn, then ``("done", result)`` or ``("error", traceback)``.
-``run_search`` runs one ``CoMPSearch``; ``run_interleaved`` starts one process per mode and hands out turns round-robin.
+``run_search`` runs one ``CoMPSearch`` (with a CoMP mode's ``objective``); ``run_interleaved`` starts one process per
+mode, each CoMP mode with the plan of its own search, and hands out turns round-robin.
 """
 
 from __future__ import annotations
@@ -121,7 +122,10 @@ def _reports_to_coordinator(body: _WorkerBody) -> Callable[[Any, dict[str, Any]]
 
 @_reports_to_coordinator
 def train_worker(conn: Any, job: dict[str, Any]) -> dict[str, Any]:
-    """One mode of one model: wait for turns, train, report (runs in a fresh process)."""
+    """One mode of one model: wait for turns, train, report (runs in a fresh process).
+
+    A CoMP mode (``trainer_precision`` None) trains ``CoMPPrecision(job["plan"])``: the plan its own search chose.
+    """
     import lightning.pytorch as pl
     import torch
 
@@ -177,6 +181,7 @@ def train_worker(conn: Any, job: dict[str, Any]) -> dict[str, Any]:
     }
     if mode.trainer_precision is None:
         result["plan_lowered"] = [s for s, p in plugin.plan.entries if p.value != "fp32"]
+        result["plan_saved"] = {s: p.value for s, p in plugin.plan.saved if p.value != "fp32"}
         result["hooked_operators"] = len(plugin.executor._operators)  # noqa: SLF001 - diagnostics only
     return result
 
@@ -198,7 +203,11 @@ def _search_kwargs(overrides: dict[str, Any], record_dir: str) -> dict[str, Any]
 
 @_reports_to_coordinator
 def search_worker(conn: Any, job: dict[str, Any]) -> dict[str, Any]:
-    """Run CoMPSearch on short epochs and report the chosen plan and the search's cost (fresh process)."""
+    """Run CoMPSearch on short epochs and report the chosen plan and the search's cost (fresh process).
+
+    The search settings are those of the shipped ``comp.yaml``, then the spec's ``search_overrides``, then the job's
+    ``objective`` (where given).
+    """
     import lightning.pytorch as pl
 
     from lightning_comp import CoMPPrecision, CoMPSearch
@@ -213,7 +222,10 @@ def search_worker(conn: Any, job: dict[str, Any]) -> dict[str, Any]:
     # Validation shortened in the same proportion as training, so that trial times scale to full epochs.
     val_batches = sizes["val_batches_per_epoch"] if full else max(
         1, round(train_batches * sizes["val_batches_per_epoch"] / sizes["train_batches_per_epoch"]))
-    kwargs = _search_kwargs(spec.get("search_overrides") or {}, job["record_dir"])
+    overrides = dict(spec.get("search_overrides") or {})
+    if job.get("objective"):
+        overrides["objective"] = job["objective"]
+    kwargs = _search_kwargs(overrides, job["record_dir"])
     search = CoMPSearch(**kwargs)
     timer = EpochTimer()
     user_epochs = max(int(spec.get("search_epochs") or 0),
@@ -256,7 +268,8 @@ def _recv(conn: Any, process: Any, timeout: float, what: str) -> tuple[str, Any]
             return ("error", f"{what}: no answer within {timeout:.0f} s")
 
 
-def run_search(ctx: Any, spec: ModelSpec, args: argparse.Namespace, record_dir: Path) -> dict[str, Any]:
+def run_search(ctx: Any, spec: ModelSpec, args: argparse.Namespace, record_dir: Path,
+               objective: str | None = None) -> dict[str, Any]:
     """Run ``CoMPSearch`` on ``spec``'s model in a fresh process (``search_worker``).
 
     Args:
@@ -264,17 +277,21 @@ def run_search(ctx: Any, spec: ModelSpec, args: argparse.Namespace, record_dir: 
         spec: The model.
         args: The command-line options (``seed``, ``threads``, ``timeout``).
         record_dir: Where the search writes its record and plan.
+        objective: The search's ``objective`` (``None``: that of ``comp.yaml``).
 
     Returns:
         The worker's result plus ``wall_seconds``, or ``{"error": ..., "wall_seconds": ...}``.
     """
     parent, child = ctx.Pipe()
-    job = {"spec": asdict(spec), "seed": args.seed, "threads": args.threads, "record_dir": str(record_dir)}
-    process = ctx.Process(target=search_worker, args=(child, job), name=f"search-{spec.key}")
+    job = {"spec": asdict(spec), "seed": args.seed, "threads": args.threads, "record_dir": str(record_dir),
+           "objective": objective}
+    name = f"search-{spec.key}" + (f"-{objective}" if objective else "")
+    process = ctx.Process(target=search_worker, args=(child, job), name=name)
     started = time.perf_counter()
     process.start()
     child.close()
-    kind, payload = _recv(parent, process, args.timeout, f"search {spec.key}")
+    what = f"search {spec.key}" + (f" ({objective})" if objective else "")
+    kind, payload = _recv(parent, process, args.timeout, what)
     process.join(30)
     if kind != "done":
         return {"error": payload, "wall_seconds": time.perf_counter() - started}
@@ -282,15 +299,29 @@ def run_search(ctx: Any, spec: ModelSpec, args: argparse.Namespace, record_dir: 
     return payload
 
 
-def run_interleaved(ctx: Any, spec: ModelSpec, modes: list[str], plan: Any,
+def run_interleaved(ctx: Any, spec: ModelSpec, modes: list[str], plans: dict[str, Any],
                     args: argparse.Namespace) -> tuple[dict[str, Any], list[list[str]]]:
-    """Start one process per mode, wait until all are set up, then hand out turns round-robin."""
+    """Start one process per mode, wait until all are set up, then hand out turns round-robin.
+
+    Args:
+        ctx: The multiprocessing context (``mp_context()``).
+        spec: The model.
+        modes: The modes to train, in their first round's order.
+        plans: The plan (``PrecisionPlan.to_dict()``) of each CoMP mode in ``modes``, by mode.
+        args: The command-line options (``seed``, ``threads``, ``timeout``, ``no_profile``).
+
+    Returns:
+        Each mode's result (or ``{"error": ...}``) and the order of every round.
+    """
+    missing = [m for m in modes if MODES[m].trainer_precision is None and m not in plans]
+    if missing:
+        raise ValueError(f"run_interleaved: no plan for the CoMP mode(s) {missing}")
     workers: dict[str, tuple[Any, Any]] = {}
     results: dict[str, Any] = {}
     for mode in modes:
         parent, child = ctx.Pipe()
-        job = {"spec": asdict(spec), "mode": mode, "seed": args.seed, "threads": args.threads, "plan": plan,
-               "profile": not args.no_profile}
+        job = {"spec": asdict(spec), "mode": mode, "seed": args.seed, "threads": args.threads,
+               "plan": plans.get(mode), "profile": not args.no_profile}
         process = ctx.Process(target=train_worker, args=(child, job), name=f"{spec.key}-{mode}")
         process.start()
         child.close()

@@ -1,8 +1,10 @@
 """Smoke test of ``benchmarks/compare.py``: the whole pipeline on tiny models, so the benchmark does not rot.
 
 It runs the script exactly as documented, with ``--smoke`` (tiny models, 4 steps per mode, one measured round) and
-checks that every model and mode produced results and that every output file was written. It never asserts timings or
-ratios: those depend on the machine and are the benchmark's business, not the test's.
+checks that every model and mode produced results (the three CoMP modes, each with the plan of its own search:
+``comp`` for throughput, ``comp-balanced`` and ``comp-memory`` for the memory axis) and that every output file was
+written. It never asserts timings or ratios: those depend on the machine and are the benchmark's business, not the
+test's.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "compare.py"
 MODELS = ("cnn", "gpt", "lstm", "mlp")
+AXIS_MODES = {"comp-balanced": ("CoMP (balanced)", "balanced"), "comp-memory": ("CoMP (memory)", "memory")}
+MEMORY_TARGET_MODELS = ("cnn", "gpt")
 
 
 @pytest.mark.slow
@@ -33,8 +37,9 @@ def test_compare_smoke(tmp_path: Path) -> None:
     report = json.loads((out / "compare.json").read_text())
     assert report["smoke"] is True
     assert set(report["models"]) == set(MODELS)
-    expected_modes = {"fp32", "bf16-mixed", "bf16-true", "comp"} | ({"16-mixed"} if "16-mixed" in report["modes"]
-                                                                     else set())
+    expected_modes = {"fp32", "bf16-mixed", "bf16-true", "comp", *AXIS_MODES}
+    if "16-mixed" in report["modes"]:
+        expected_modes.add("16-mixed")
     if report["device"] == "cpu":
         assert "16-mixed" in report["skipped_modes"]
     skipped = {key: set(model.get("skipped_modes", {})) for key, model in report["models"].items()}
@@ -54,17 +59,46 @@ def test_compare_smoke(tmp_path: Path) -> None:
         assert "error" not in search, search.get("error")
         assert search["measured"]["search_seconds"] >= 0
         assert search["chosen_trial"]
+        assert search["objective"] == "throughput"
         if "bf16-mixed" in model["modes"]:
             assert "throughput_vs_bf16-mixed" in model["ratios"]
+        assert set(model["searches"]) == set(AXIS_MODES), key
+        for mode, (_, objective) in AXIS_MODES.items():
+            axis_search = model["searches"][mode]
+            assert "error" not in axis_search, f"{key}/{mode}: {axis_search.get('error')}"
+            assert axis_search["objective"] == objective
+            assert axis_search["chosen_trial"] and axis_search["measured"]["search_seconds"] >= 0
+            assert isinstance(axis_search["saved_lowered"], dict)
+            assert isinstance(model["modes"][mode]["plan_saved"], dict)
+            ratios = model["ratios_by_mode"][mode]
+            assert isinstance(ratios["converges_like_fp32"], bool)
+            if "bf16-mixed" in model["modes"]:
+                assert {"throughput_vs_bf16-mixed", "memory_step_peak_vs_bf16-mixed",
+                        "saved_bytes_vs_bf16-mixed"} <= set(ratios), (key, mode)
     assert report["targets"]["checks"], "no target was evaluated"
+    targets = {(c["target"], c["model"]) for c in report["targets"]["checks"]}
+    for key in MEMORY_TARGET_MODELS:
+        for mode, (label, _) in AXIS_MODES.items():
+            if mode in report["models"][key]["modes"] and "bf16-mixed" in report["models"][key]["modes"]:
+                assert (f"peak tensor memory of a training step {label}/AMP", key) in targets
+                assert (f"throughput {label}/AMP", key) in targets
+        assert ("val_loss CoMP (memory)/FP32", key) in targets
 
     with (out / "compare.csv").open() as handle:
         rows = list(csv.DictReader(handle))
     assert {(r["model"], r["mode"]) for r in rows} == {(k, m) for k in MODELS for m in expected_modes - skipped[k]}
     markdown = (out / "compare.md").read_text()
     assert "| model | mode |" in markdown and "Ratios and targets" in markdown
+    axis = markdown.split("## Memory axis", 1)[1].split("\n## ", 1)[0]
+    for key in MODELS:
+        for label, _ in AXIS_MODES.values():
+            assert f"| {key} | {label} |" in axis, (key, label)
+    searches = markdown.split("## CoMP searches by objective", 1)[1].split("\n## ", 1)[0]
+    for key in MODELS:
+        for label, objective in AXIS_MODES.values():
+            assert f"| {key} | {label} | {objective} |" in searches, (key, label)
     raw = json.loads((out / "compare_raw.json").read_text())
     assert set(raw["raw"]) == set(MODELS)
     for name in ("compare_throughput.png", "compare_memory.png", "compare_val_curves.png"):
         assert (out / name).stat().st_size > 0, name
-    assert "CoMP/AMP" in proc.stdout
+    assert "CoMP/AMP" in proc.stdout and "CoMP (memory)/AMP" in proc.stdout
