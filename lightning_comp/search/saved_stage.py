@@ -31,7 +31,7 @@ from lightning_comp.plan import PrecisionPlan
 from lightning_comp.plugin import CoMPPrecision
 from lightning_comp.profiling import OperatorProfiler, ProfileResult, StepTimer
 from lightning_comp.saved_precision import SavedPrecision
-from lightning_comp.search.activation import activate, with_weight_recording
+from lightning_comp.search.activation import activate
 from lightning_comp.search.comparison import StepComparison
 from lightning_comp.search.config import Objective, SearchConfig
 from lightning_comp.search.estimates import RatioEstimate, Verdict, compare_to, paired_ratio
@@ -202,8 +202,13 @@ class SavedStage:
         if not options:  # saved_precision="bf16" with every operator already computing in 16 bits
             return {"choices": {}, "gains": {}, "step": {}}
         plans = {"fp32": base, **{s.value: base.with_saved({n: s.value for n in eligible}) for s in options}}
+        # Profiled as training steps run (calibrated cast boundaries, so a lowered operator's output stays low where
+        # training keeps it low, and the tensors operators share are the ones training shares). A saved precision
+        # does not move a cast boundary: one calibrating step of the base plan serves every configuration.
+        with activate(plugin, base):
+            step()
         configs: dict[str, Callable[[], Any]] = {
-            label: functools.partial(with_weight_recording, plugin, plan) for label, plan in plans.items()}
+            label: functools.partial(activate, plugin, plan) for label, plan in plans.items()}
         rounds = config.profile_warmup + config.profile_steps
         profiler = OperatorProfiler(pl_module, clock, config.profile_steps, config.profile_warmup)
         if self.progress is not None:
