@@ -318,3 +318,11 @@ def test_saved_precision_composes_with_activation_checkpointing() -> None:
         grads, executor = _grads(model, PrecisionPlan.from_dict({}, saved_default=saved), x, y)
         assert executor.saved_tensors.compressed_bytes > 0
         assert min(sqnr(reference[k], grads[k]) for k in reference) > bound
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "16k"])
+def test_a_bad_size_threshold_names_the_value_and_what_is_valid(bad: object) -> None:
+    from lightning_comp import CoMPPrecision
+
+    with pytest.raises(ValueError, match=rf"min_saved_bytes={bad!r} is invalid: it must be an integer >= 0"):
+        CoMPPrecision(min_saved_bytes=bad)  # type: ignore[arg-type]
