@@ -281,7 +281,8 @@ ZOO = {"cnn1d": (Conv1DClassifier, "signal"), "gru": (GRUClassifier, "signal"), 
 
 @pytest.mark.parametrize("key", sorted(ZOO))
 def test_gradient_error_of_saved_bf16_and_fp8_is_bounded_on_every_operator_type_of_the_zoo(key: str) -> None:
-    """Measured on this suite's models: bf16 >= 41 dB and fp8 >= 20 dB on every operator type (seed 0)."""
+    """Measured on this suite's models: bf16 >= 41.4 dB and fp8 >= 19.4 dB on every operator type (seed 0;
+    the lowest: BatchNorm2d)."""
     cls, kind = ZOO[key]
     torch.manual_seed(0)
     model = cls()
