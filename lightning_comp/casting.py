@@ -323,32 +323,33 @@ class PlanExecutor:
                 tracer.enter(op, args, kwargs)
             if op.transparent:
                 return None
-            stack = ExitStack()
-            entered = True  # something to undo in the post-hook
+            contexts: list[AbstractContextManager[Any]] = []  # entered now, left in the post-hook
             result = None
             if lowering is Lowering.AUTOCAST:
-                stack.enter_context(torch.autocast(device_type, dtype=dtype, cache_enabled=False))
+                contexts.append(torch.autocast(device_type, dtype=dtype, cache_enabled=False))
                 if recast_own and casts.active:  # autocast finds the weights already low and leaves them be
-                    stack.enter_context(_reparametrize_module(module, low_copies(module, recurse=False)))
+                    contexts.append(_reparametrize_module(module, low_copies(module, recurse=False)))
             elif lowering is Lowering.INPUT or lowering is Lowering.PARAMS:
                 args, kwargs = cast_floating(args, dtype), cast_floating(kwargs, dtype)
                 copies = low_copies(module, recurse=True) if lowering is Lowering.PARAMS else {}
-                entered = bool(copies)
                 if copies:
-                    stack.enter_context(_reparametrize_module(module, copies))
+                    contexts.append(_reparametrize_module(module, copies))
                 result = args, kwargs
-            else:
-                entered = False
-                if lowering is Lowering.NONE and has_low((args, kwargs)):
-                    to_fp32 = torch.float32
-                    result = cast_floating(args, to_fp32, LOW_DTYPES), cast_floating(kwargs, to_fp32, LOW_DTYPES)
+            elif lowering is Lowering.NONE and has_low((args, kwargs)):
+                to_fp32 = torch.float32
+                result = cast_floating(args, to_fp32, LOW_DTYPES), cast_floating(kwargs, to_fp32, LOW_DTYPES)
             if saved.compresses:
                 hooks = compressor.context(saved)
                 if hooks is not None:
-                    stack.enter_context(hooks)
-                    entered = True
-            if entered:
-                op.contexts.append(stack)
+                    contexts.append(hooks)
+            if contexts:
+                ctx = contexts[0] if len(contexts) == 1 else ExitStack()
+                if isinstance(ctx, ExitStack):
+                    for context in contexts:
+                        ctx.enter_context(context)
+                else:
+                    ctx.__enter__()
+                op.contexts.append(ctx)
             return result
 
         return pre_hook
