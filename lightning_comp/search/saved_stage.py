@@ -209,10 +209,9 @@ class SavedStage:
             step()
         configs: dict[str, Callable[[], Any]] = {
             label: functools.partial(activate, plugin, plan) for label, plan in plans.items()}
-        rounds = config.profile_warmup + config.profile_steps
         profiler = OperatorProfiler(pl_module, clock, config.profile_steps, config.profile_warmup)
-        if self.progress is not None:
-            self.progress.extend_stage(2 * rounds)
+        if self.progress is not None:  # the bar counts rounds (each measures every configuration)
+            self.progress.extend_stage(config.profile_warmup + config.profile_steps)
             profiler.on_round = functools.partial(self.progress.round_done, "saved precision, per operator")
         results = profiler.profile(configs, step)
         reduce_profile(trainer, results)
