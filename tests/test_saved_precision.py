@@ -20,6 +20,7 @@ from torch import nn
 
 from lightning_comp import PrecisionPlan
 from lightning_comp.casting import PlanExecutor, StepKind
+from lightning_comp.clocks import single_intra_op_thread
 from lightning_comp.errors import PlanError, PlanMismatchError
 from lightning_comp.operators import iter_operators
 from lightning_comp.saved_precision import (
@@ -35,10 +36,8 @@ from lightning_comp.zoo import VOCAB_SIZE, CharGPT, CharLSTM, Conv1DClassifier, 
 
 @pytest.fixture(autouse=True, scope="module")
 def _one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with single_intra_op_thread():  # tiny models run faster on one thread of a shared machine; restored after
+        yield
 
 
 # ------------------------------------------------------------------------------------------------------ codecs

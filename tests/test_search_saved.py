@@ -19,6 +19,7 @@ from search_models import WideMLP, loaders, search_trainer
 
 import lightning_comp.saved_tensors as saved_tensors
 from lightning_comp import CoMPPrecision, CoMPSearch
+from lightning_comp.clocks import single_intra_op_thread
 from lightning_comp.dtypes import Precision
 from lightning_comp.errors import SearchConfigError
 from lightning_comp.saved_precision import CompressedTensor, SavedPrecision
@@ -36,10 +37,8 @@ from lightning_comp.search.trials import plan_for
 
 @pytest.fixture(autouse=True)
 def _one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with single_intra_op_thread():  # tiny models run faster on one thread of a shared machine; restored after
+        yield
 
 
 def pinned_saved_search(**kwargs: Any) -> CoMPSearch:
