@@ -233,9 +233,14 @@ def test_compressed_tensors_are_handed_on_to_outer_hooks_such_as_save_on_cpu() -
     model, (x, y) = _model(), _batch()
     plan = PrecisionPlan.from_dict({}, saved_default="fp8")
     alone, _ = _grads(model, plan, x, y)
-    with torch.autograd.graph.save_on_cpu():
+    on_cpu = torch.autograd.graph.save_on_cpu()
+    moved: list[torch.dtype] = []
+    pack = on_cpu.pack_hook
+    on_cpu.pack_hook = lambda tensor: moved.append(tensor.dtype) or pack(tensor)  # what save_on_cpu is handed
+    with on_cpu:
         chained, executor = _grads(model, plan, x, y)
     assert executor.saved_tensors.compressed_bytes > 0
+    assert torch.float8_e4m3fn in moved  # the compressed form went through save_on_cpu (no hook was bypassed)
     assert all(torch.equal(alone[k], chained[k]) for k in alone)
 
 
