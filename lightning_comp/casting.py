@@ -35,6 +35,7 @@ from lightning_comp.cast_boundaries import (
     has_low,
     iter_tensors,
 )
+from lightning_comp.compiled_regions import compiling, eager, enter_autocast, exit_autocast
 from lightning_comp.devices import device_class, model_device
 from lightning_comp.dtypes import Precision
 from lightning_comp.errors import PlanError
@@ -105,6 +106,7 @@ class PlanExecutor:
         self._tracer: ConsumerTracer | None = None
         self._warned_ineffective: set[str] = set()
         self._calibrations: dict[tuple[Any, ...], dict[StepKind, frozenset[str]]] = {}
+        self._compiled = False
 
     # ---------------------------------------------------------------------------------------------------- state
     @property
@@ -128,6 +130,11 @@ class PlanExecutor:
         return len(self._handles)
 
     @property
+    def compiled(self) -> bool:
+        """Whether the hooks are built to be traced into ``torch.compile`` graphs (see :meth:`apply`)."""
+        return self._compiled
+
+    @property
     def saved_tensors(self) -> SavedTensorCompressor:
         """The engine that stores operators' saved tensors at their planned saved precision."""
         return self._saved
@@ -146,7 +153,7 @@ class PlanExecutor:
 
     # ------------------------------------------------------------------------------------------------ lifecycle
     def apply(self, model: nn.Module, plan: PrecisionPlan, device: torch.device | str | None = None, *,
-              device_type: str | None = None) -> PrecisionPlan:
+              device_type: str | None = None, compiled: bool = False) -> PrecisionPlan:
         """Hook ``model`` so each operator computes in the precision ``plan`` assigns it.
 
         Args:
@@ -155,13 +162,18 @@ class PlanExecutor:
             device: where the model computes; default: the device of its parameters now. The hooks are built for
                 this device: after moving the model, apply the plan again (``CoMPPrecision`` does so by itself).
             device_type: the name this argument had before 0.2 (a device type string such as ``"cpu"``).
+            compiled: the model runs under ``torch.compile``: build hooks TorchDynamo traces into the graph
+                (:mod:`lightning_comp.compiled_regions`). Their autocast regions are entered functionally, weights are
+                not re-cast in backward (AOTAutograd decides what backward keeps), and the steps that calibrate cast
+                boundaries run eagerly.
 
         Returns:
             The plan bound to ``model`` (with its fingerprint and the device class it runs on).
 
         Raises:
             PlanMismatchError: if the plan does not fit the model.
-            PlanError: if an operator cannot compute in its planned precision on this device (before any step runs).
+            PlanError: if an operator cannot compute in its planned precision on this device (before any step runs),
+                or if ``compiled`` and the plan saves tensors for backward in a lower precision.
         """
         device = device if device is not None else device_type
         target = model_device(model) if device is None else torch.device(device)
@@ -183,7 +195,15 @@ class PlanExecutor:
                 f" [{device_class(target).describe()}]: {', '.join(unsupported)}. Assign them 'fp32' in the plan"
                 " (e.g. {'<name>': 'fp32'}), or let CoMPSearch choose on this device."
             )
+        compressing = sorted(name or "<root>" for name, op in operators.items() if op.saved.compresses)
+        if compiled and compressing:
+            raise PlanError(
+                f"The plan saves tensors for backward in a lower precision ({', '.join(compressing)}), which"
+                " torch.compile cannot trace: AOTAutograd decides what a compiled graph saves. Drop the plan's"
+                " 'saved' entries for a compiled model (CoMPSearch(saved_precision='off')), or train it uncompiled."
+            )
         self.remove()
+        self._compiled = bool(compiled)
         owner = _OWNERS.get(model)
         if owner is not None and owner is not self:
             owner.remove()  # stale hooks of another executor would keep computing the old plan
@@ -250,7 +270,11 @@ class PlanExecutor:
 
     def weight_cast_recording(self) -> AbstractContextManager[Any]:
         """Save lowered weights for backward as recipes, as training steps do (for profiling outside a step)."""
-        return self._weight_casts.recording() if self.recast_weights_in_backward and self._handles else nullcontext()
+        return self._weight_casts.recording() if self._recasting and self._handles else nullcontext()
+
+    @property
+    def _recasting(self) -> bool:
+        return self.recast_weights_in_backward and not self._compiled
 
     @contextmanager
     def step(self, kind: StepKind) -> Iterator[None]:
@@ -258,8 +282,7 @@ class PlanExecutor:
         if not self._handles:
             yield
             return
-        recording = (self._weight_casts.recording() if self.recast_weights_in_backward
-                     else nullcontext())
+        recording = self._weight_casts.recording() if self._recasting else nullcontext()
         if kind in self._chained:
             self._current_chained = self._last_step_chained = self._chained[kind]
             try:
@@ -273,7 +296,7 @@ class PlanExecutor:
         tracer = ConsumerTracer(self._operators)
         self._tracer = tracer
         try:
-            with tracer, recording:
+            with eager() if self._compiled else nullcontext(), tracer, recording:
                 yield
         finally:
             self._tracer = None
@@ -325,6 +348,9 @@ class PlanExecutor:
                 return None
             contexts: list[AbstractContextManager[Any]] = []  # entered now, left in the post-hook
             result = None
+            if lowering is Lowering.AUTOCAST and compiling():  # a region Dynamo traces into the graph
+                op.contexts.append(enter_autocast(device_type, dtype))
+                return None
             if lowering is Lowering.AUTOCAST:
                 contexts.append(torch.autocast(device_type, dtype=dtype, cache_enabled=False))
                 if recast_own and casts.active:  # autocast finds the weights already low and leaves them be
@@ -358,9 +384,12 @@ class PlanExecutor:
         dtype = op.precision.dtype
         # an RNN's flat-weight list still points at the low copies once its parameters are swapped back
         rnn = op.lowering is Lowering.PARAMS and isinstance(op.module, nn.RNNBase)
+        functional_region = op.lowering is Lowering.AUTOCAST
 
         def post_hook(module: nn.Module, args: Any, output: Any) -> Any:
-            if op.contexts:
+            if functional_region and op.contexts and compiling():
+                exit_autocast(op.contexts.pop())
+            elif op.contexts:
                 op.contexts.pop().__exit__(None, None, None)
                 if rnn:
                     module._update_flat_weights()  # type: ignore[operator]

@@ -124,7 +124,10 @@ def optimizer_handles_unscaling(optimizer: Any) -> bool:
 
 def compiled(module: Any) -> bool:
     """Whether ``module`` runs under ``torch.compile``: handed to ``fit`` compiled (Lightning unwraps it and keeps
-    the compile settings in ``_compiler_ctx``), or holding a compiled submodule (e.g. from ``configure_model``)."""
+    the compile settings in ``_compiler_ctx``), holding a compiled submodule (e.g. from ``configure_model``), or
+    with a compiled ``forward`` (``module.forward = torch.compile(module.forward)``)."""
     if getattr(module, "_compiler_ctx", None) is not None:
         return True
-    return any(type(m).__name__ == "OptimizedModule" for m in module.modules())
+    return any(type(m).__name__ == "OptimizedModule"
+               or getattr(m.__dict__.get("forward"), "_torchdynamo_orig_callable", None) is not None
+               for m in module.modules())

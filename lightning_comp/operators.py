@@ -160,10 +160,26 @@ class OperatorInfo:
     lowerable: bool
 
 
+_COMPILED_WRAPPER = "_orig_mod"  # the attribute under which torch.compile's OptimizedModule holds the module
+
+
+def operator_name(qualified: str) -> str:
+    """The plan's name for the module at ``qualified`` (a ``named_modules()`` name): the wrapper level that
+    ``torch.compile`` inserts (``net._orig_mod.0``) is left out, so a plan names the same operators whether or not a
+    submodule is compiled (``net.0``)."""
+    if _COMPILED_WRAPPER not in qualified:
+        return qualified
+    return ".".join(part for part in qualified.split(".") if part != _COMPILED_WRAPPER)
+
+
 def iter_operators(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
-    """Yield ``(name, module)`` for every operator of ``model``, in ``named_modules()`` order."""
+    """Yield ``(name, module)`` for every operator of ``model``, in ``named_modules()`` order.
+
+    Names are those of ``named_modules()`` without the level ``torch.compile`` inserts (see :func:`operator_name`).
+    """
     skip_prefixes: list[str] = []
-    for name, module in model.named_modules():
+    for qualified, module in model.named_modules():
+        name = operator_name(qualified)
         if any(name.startswith(prefix) for prefix in skip_prefixes):
             continue
         if _is_atomic(module):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Generator, Mapping
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import lightning.pytorch as pl
@@ -17,6 +17,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_comp.casting import PlanExecutor, StepKind
+from lightning_comp.compiled_regions import guarding_hooks
 from lightning_comp.devices import DeviceClass, device_class, model_device
 from lightning_comp.dtypes import Precision as Dtype
 from lightning_comp.errors import UnsupportedSetupError
@@ -86,6 +87,8 @@ class CoMPPrecision(Precision):
                                       min_saved_bytes=min_saved_bytes)
         self._model: nn.Module | None = None
         self._placed: torch.device | None = None  # the device the hooks and the scaler were built for
+        self._compiled = False  # the model runs under torch.compile
+        self._hook_guards = ExitStack()  # while a compiled model trains: Dynamo guards on hooks
         self._check_device = True
         self.skipped_steps = 0
         self.optimizer_steps = 0
@@ -106,6 +109,11 @@ class CoMPPrecision(Precision):
         """The class of the device the plan runs (or last ran) on (``None`` until the model is placed and hooked)."""
         device = self._executor.device
         return None if device is None else device_class(device)
+
+    @property
+    def compiled(self) -> bool:
+        """Whether the model runs under ``torch.compile`` (known once the Trainer has set it up)."""
+        return self._compiled
 
     @property
     def executor(self) -> PlanExecutor:
@@ -146,7 +154,7 @@ class CoMPPrecision(Precision):
         device = model_device(self._model)
         target = device_class(device)
         plan = decline_slow_fp16(self._requested, target, self.allow_slow_fp16)
-        self._plan = self._executor.apply(self._model, plan, device)
+        self._plan = self._executor.apply(self._model, plan, device, compiled=self._compiled)
         self._placed = device
         self._scaler.sync(self._plan.uses(Dtype.FP16), device.type)
         if self._check_device:
@@ -175,20 +183,18 @@ class CoMPPrecision(Precision):
         """Check the plan fits ``module`` and remember it; the hooks go on once it is placed (:meth:`connect`).
 
         Lightning calls this *before* it moves the model to its device, so nothing device-dependent is decided here.
-        ``module`` is returned unchanged (DDP ignores the return value: nothing is wrapped).
+        ``module`` is returned unchanged (DDP ignores the return value: nothing is wrapped). A model compiled with
+        ``torch.compile`` (before ``fit``, or a submodule in ``configure_model``) gets hooks that Dynamo traces into its
+        graphs (see :mod:`lightning_comp.compiled_regions`).
 
         Raises:
             PlanMismatchError: if the plan does not fit ``module``.
-            UnsupportedSetupError: if ``module`` is compiled with ``torch.compile``.
         """
-        if compiled(module):
-            raise UnsupportedSetupError(
-                "CoMPPrecision cannot run a model compiled with torch.compile yet: it enters and leaves each"
-                " operator's autocast region in forward hooks, which TorchDynamo cannot trace (the first step would"
-                " fail with \"'autocast' object has no attribute 'prev'\"). Train this model without torch.compile"
-                " (neither torch.compile(model) before fit nor inside configure_model), or without CoMPPrecision."
-            )
         self._requested.validate(module)
+        self._compiled = compiled(module)
+        self._hook_guards.close()
+        if self._compiled:
+            self._hook_guards.enter_context(guarding_hooks())
         self._model = module
         self._placed = None
         return module
@@ -308,6 +314,7 @@ class CoMPPrecision(Precision):
         """
         self._executor.detach()
         self._placed = None
+        self._hook_guards.close()
         super().teardown()
 
     def _set_search_plan(self, plan: PlanLike) -> PrecisionPlan:

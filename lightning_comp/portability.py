@@ -13,6 +13,7 @@ from torch import nn
 
 from lightning_comp.devices import DeviceClass
 from lightning_comp.dtypes import Precision
+from lightning_comp.operators import iter_operators
 from lightning_comp.plan import PrecisionPlan
 
 __all__ = ["check_plan_device", "emulated_operators"]
@@ -23,8 +24,9 @@ _WARNED: set[tuple[str, str, str]] = set()
 def emulated_operators(plan: PrecisionPlan, model: nn.Module, device: DeviceClass) -> dict[str, str]:
     """``{operator: precision}`` for the operators ``plan`` lowers to a precision ``device`` does not run natively."""
     out = {}
+    modules = dict(iter_operators(model))
     for name in plan.low_operators(model):
-        module = model.get_submodule(name) if name else model
+        module = modules[name]
         precision = plan.precision_of(name, type(module))
         if not device.is_native(precision):
             out[name] = precision.value

@@ -429,24 +429,3 @@ def test_plugin_plan_on_a_model_without_floating_point_operators(tmp_path: Path)
         with pytest.warns(UserWarning, match=r"assigns bf16 but no operator of NoFloatOps computes in it"):
             _trainer(tmp_path, plugin).fit(NoFloatOps(), train, val)
         assert plugin.executor.num_hooks == 0 and plugin.executor.precisions() == {"flat": Precision.FP32}
-
-
-
-class _CompiledInside(WideMLP):
-    """Compiles a submodule in ``configure_model``, as Lightning's docs show."""
-
-    def configure_model(self) -> None:
-        self.l2 = torch.compile(self.l2)  # type: ignore[assignment]
-
-
-@pytest.mark.parametrize("where", ["fit", "configure_model"])
-def test_a_model_compiled_with_torch_compile_is_refused_before_the_first_step(tmp_path: Path, where: str) -> None:
-    """Before the guard, the first compiled step failed inside TorchDynamo with "'autocast' object has no attribute
-    'prev'" (the plugin's autocast regions open and close in separate forward hooks)."""
-    model = WideMLP() if where == "fit" else _CompiledInside()
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=1, limit_train_batches=1, limit_val_batches=1,
-                         plugins=[CoMPPrecision({"l2": "bf16"})], logger=False, enable_progress_bar=False,
-                         enable_checkpointing=False, enable_model_summary=False, default_root_dir=str(tmp_path))
-    train, val = loaders()
-    with pytest.raises(UnsupportedSetupError, match="torch.compile"):
-        trainer.fit(torch.compile(model) if where == "fit" else model, train, val)

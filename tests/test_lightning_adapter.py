@@ -126,7 +126,7 @@ def test_every_adapter_function_is_exported_and_documented(name: str) -> None:
     assert callable(function) and function.__doc__
 
 
-def test_a_model_compiled_for_fit_or_holding_a_compiled_submodule_is_seen() -> None:
+def test_a_model_compiled_for_fit_holding_a_compiled_submodule_or_forward_is_seen() -> None:
     from lightning.pytorch.utilities.compile import _maybe_unwrap_optimized
     from torch import nn
 
@@ -141,3 +141,6 @@ def test_a_model_compiled_for_fit_or_holding_a_compiled_submodule_is_seen() -> N
 
     unwrapped = _maybe_unwrap_optimized(torch.compile(Module()))  # what Trainer.fit does with a compiled model
     assert adapter.compiled(unwrapped) and not adapter.compiled(Module())
+    module = Module()
+    module.forward = torch.compile(module.forward)  # type: ignore[method-assign]
+    assert adapter.compiled(module)

@@ -177,7 +177,7 @@ class BatchStage:
         memory = {label: {"saved_bytes": r.saved_bytes, "peak_bytes": r.peak_bytes} for label, r in results.items()}
         gains = {n: decisions[n]["gain_ms"] for n in candidates}
         lowered_saved: dict[str, Any] = {"choices": {}, "gains": {}, "step": {}}
-        if config.saved_options():
+        if config.saved_options() and not plugin.compiled:  # compiled graphs: AOTAutograd decides what is saved
             base = plan_for(low, runs, candidates) if candidates else PrecisionPlan()
             with single_intra_op_thread(timing.single_thread):
                 lowered_saved = SavedStage(config, plugin, progress).measure(

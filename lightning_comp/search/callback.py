@@ -34,12 +34,14 @@ from lightning_comp.plan import PrecisionPlan
 from lightning_comp.plugin import CoMPPrecision
 from lightning_comp.search.batch_stage import BatchStage
 from lightning_comp.search.checks import (
+    check_compiled,
     check_low_precision,
     check_monitor,
     check_optimization,
     check_selectors,
     check_trainer,
 )
+from lightning_comp.search.compiled import EagerWhileSearching
 from lightning_comp.search.config import SearchConfig
 from lightning_comp.search.loop import LoopBudget
 from lightning_comp.search.progress import SearchProgress
@@ -173,6 +175,7 @@ class CoMPSearch(Callback):
         self._paused_states: dict[str, dict[str, Any]] = {}  # their states, from a checkpoint written during a pause
         self._state = SearchState()
         self._trials: TrialDriver | None = None
+        self._eager = EagerWhileSearching()  # a compiled model measures and trials eagerly (search/compiled.py)
 
     # -------------------------------------------------------------------------------------------- public state
     @property
@@ -223,6 +226,7 @@ class CoMPSearch(Callback):
         self._budget.remember(trainer)
         self._trials.extend(trainer)
         check_selectors(self.config, pl_module)
+        check_compiled(self.config, self._plugin)
         self._trials.begin_fit(trainer, pl_module)
         if self._state.in_search:  # resumed inside the search
             self._early_stopping.pause(trainer, self._paused_states)
@@ -230,6 +234,12 @@ class CoMPSearch(Callback):
     # -------------------------------------------------------------------------------------------- epoch hooks
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        try:
+            self._epoch_start(trainer, pl_module)
+        finally:
+            self._follow_phase()
+
+    def _epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         state, trials = self._state, self._driver
         if state.phase == Phase.DONE:
             trials.apply_pending_restore(trainer, pl_module)
@@ -256,6 +266,7 @@ class CoMPSearch(Callback):
         if self._state.profile is None:
             self._batch_stage(trainer, pl_module, batch, batch_idx)
             if self._state.phase != Phase.SEARCHING:
+                self._follow_phase()
                 return
         current = self._state.current_trial
         if current is not None and batch_idx == 0:
@@ -296,12 +307,14 @@ class CoMPSearch(Callback):
         current.metrics[str(trainer.current_epoch)] = float(trainer.callback_metrics[self.config.monitor])
         if current.batches:
             self._driver.close_trial_of_batches(trainer, pl_module)
+            self._follow_phase()
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._budget.restore_epoch_length(trainer)  # a rejected trial of batches cut this epoch short
         if self._state.phase == Phase.SEARCHING and self._state.current_trial is not None:
             self._driver.end_of_epoch(trainer, pl_module)
+            self._follow_phase()
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -310,10 +323,12 @@ class CoMPSearch(Callback):
         elif self._state.phase == Phase.SEARCHING:
             warn_stopped_inside_the_search(self._state)
         self._early_stopping.resume(trainer)
+        self._eager.release()
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self._early_stopping.resume(trainer)  # hand the Trainer back with its callbacks
+        self._eager.release()
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -328,6 +343,10 @@ class CoMPSearch(Callback):
     def _driver(self) -> TrialDriver:
         assert self._trials is not None, "CoMPSearch hooks ran before on_fit_start"
         return self._trials
+
+    def _follow_phase(self) -> None:
+        """Compiled models run eagerly from the batch stage to the decision (:mod:`lightning_comp.search.compiled`)."""
+        self._eager.follow(self._state.phase, self._plugin is not None and self._plugin.compiled)
 
     def _scaler(self) -> Any:
         return None if self._plugin is None else self._plugin.scaler

@@ -97,6 +97,26 @@ def check_low_precision(config: SearchConfig, low: Precision | None, device: Dev
         )
 
 
+def check_compiled(config: SearchConfig, plugin: CoMPPrecision) -> None:
+    """Refuse an explicit request to search saved-for-backward precisions on a model compiled with ``torch.compile``
+    (AOTAutograd decides what a compiled graph saves; ``saved_precision="auto"`` just leaves them out there).
+
+    Raises:
+        SearchConfigError: for ``saved_precision="bf16"``/``"fp8"`` or ``include_saved`` with a compiled model.
+    """
+    if not plugin.compiled or not config.saved_options():
+        return
+    if config.saved_precision in ("bf16", "fp8") or config.include_saved:
+        asked = (f"saved_precision={config.saved_precision!r}" if config.saved_precision != "auto"
+                 else f"include_saved={list(config.include_saved)!r}")
+        raise SearchConfigError(
+            f"CoMPSearch({asked}) on a model compiled with torch.compile: the precision of tensors saved for"
+            " backward cannot be chosen inside a compiled graph (AOTAutograd decides what it saves). Use"
+            " saved_precision='auto' or 'off' (the search then leaves saved tensors as computed), or train the"
+            " model uncompiled."
+        )
+
+
 def check_selectors(config: SearchConfig, pl_module: pl.LightningModule) -> None:
     """Fail on ``include``/``exclude`` selectors that match no operator (a typo must not lower a layer).
 

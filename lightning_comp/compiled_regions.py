@@ -1,0 +1,86 @@
+"""Running a precision plan inside ``torch.compile`` graphs.
+
+The executor's hooks enter an operator's autocast region in its forward pre-hook and leave it in its post-hook. A
+``with torch.autocast(...)`` object entered in one hook and left in another cannot be traced by TorchDynamo, so under
+``torch.compile`` the regions are entered and left through the functional pair that PyTorch provides for tracing
+(``torch.amp.autocast_mode._enter_autocast``/``_exit_autocast``): Dynamo records each region into the graph, one
+graph for the whole forward, and Inductor compiles every operator in its planned dtype.
+
+Dynamo does not guard compiled graphs on modules' hooks by default (``skip_nnmodule_hook_guards``): a graph traced
+under one plan would go on running after the hooks of another plan replace its hooks. :func:`guarding_hooks` turns
+those guards on for as long as a compiled model trains under a plan, so that each new plan is traced anew.
+
+Everything a hook does only in Python (the consumer tracing that finds cast boundaries, timers of the search) would
+be traced once and then never run again, so it runs in eager mode: :func:`eager` makes compiled code run eagerly
+for a while (``torch.compiler.set_stance("force_eager")``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+__all__ = ["enter_autocast", "exit_autocast", "eager", "compiling", "graph_breaks", "guarding_hooks"]
+
+# The functional pair torch.export and Dynamo trace; private, so looked up once, with a fallback for torch builds
+# without it (their Dynamo cannot trace these regions: such a model then fails where it would have anyway).
+_enter_autocast: Callable[..., Any] | None = getattr(torch.amp.autocast_mode, "_enter_autocast", None)
+_exit_autocast: Callable[..., Any] | None = getattr(torch.amp.autocast_mode, "_exit_autocast", None)
+
+
+def enter_autocast(device_type: str, dtype: torch.dtype) -> Any:
+    """Enter an autocast region (weight cache off, as the executor's eager regions) and return its handle."""
+    if _enter_autocast is None:  # pragma: no cover
+        mode = torch.autocast(device_type, dtype=dtype, cache_enabled=False)
+        mode.__enter__()
+        return mode
+    return _enter_autocast(device_type, dtype, True, False)
+
+
+def exit_autocast(mode: Any) -> None:
+    """Leave the autocast region :func:`enter_autocast` entered."""
+    if _exit_autocast is None:  # pragma: no cover
+        mode.__exit__(None, None, None)
+        return
+    _exit_autocast(mode)
+
+
+def compiling() -> bool:
+    """Whether the caller is being traced by TorchDynamo now."""
+    return bool(torch.compiler.is_compiling())
+
+
+@contextmanager
+def eager() -> Iterator[None]:
+    """Run compiled functions and modules eagerly inside this context (their graphs stay cached for later)."""
+    set_stance = getattr(torch.compiler, "set_stance", None)  # torch >= 2.6
+    if set_stance is None:  # pragma: no cover
+        with torch._dynamo.config.patch(disable=True):
+            yield
+        return
+    with set_stance("force_eager"):
+        yield
+
+
+@contextmanager
+def guarding_hooks() -> Iterator[None]:
+    """Compiled graphs traced inside this context guard on the hooks of the modules they call, so that a new plan's
+    hooks recompile them. Graphs compiled before it carry no such guard and are dropped first
+    (``torch._dynamo.reset()``: anything else compiled in this process is compiled again on its next call)."""
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(skip_nnmodule_hook_guards=False):
+        yield
+
+
+def graph_breaks(fn: Any, *args: Any, **kwargs: Any) -> tuple[int, int, list[str]]:
+    """Trace ``fn(*args, **kwargs)`` with TorchDynamo and count graphs and graph breaks (nothing is compiled).
+
+    Returns:
+        ``(graphs, breaks, reasons)``: the number of graphs, of graph breaks, and each break's reason.
+    """
+    explained = torch._dynamo.explain(fn)(*args, **kwargs)
+    reasons = [str(getattr(b, "reason", b)) for b in explained.break_reasons]
+    return int(explained.graph_count), int(explained.graph_break_count), reasons
