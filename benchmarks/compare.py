@@ -11,6 +11,8 @@ with::
     python benchmarks/compare.py --models cnn,gpt  # a subset
     python benchmarks/compare.py --models gpt,cnn --modes fp32,bf16-mixed,comp,comp-memory   # some modes only
     python benchmarks/compare.py --smoke           # tiny models, a few steps (what tests/test_benchmark_smoke.py runs)
+    python benchmarks/compare.py --compile         # every mode with torch.compile'd forward (Inductor): FP32, AMP
+                                                   # and CoMP, graph breaks counted (results/compile/)
     python benchmarks/compare.py --reanalyse benchmarks/results/compare_raw.json   # re-render without measuring
 
 How each number is measured: ``compare_run.py``. The other pieces: ``compare_suite.py`` (models, modes, paths),
@@ -51,6 +53,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--modes", default=None,
                         help=f"comma-separated subset of {','.join(MODES)}")
     parser.add_argument("--smoke", action="store_true", help="tiny models and a few steps (seconds per model)")
+    parser.add_argument("--compile", action="store_true",
+                        help="compile every model's forward with torch.compile (Inductor) in every mode and search;"
+                             " modes default to fp32,bf16-mixed,comp; outputs under results/compile")
     parser.add_argument("--steps-scale", type=float, default=1.0, help="multiply every model's step count")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads in every worker")
     parser.add_argument("--seed", type=int, default=0)
@@ -69,8 +74,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.out is None:
         args.out = str(RESULTS_DIR / "compare_smoke") if args.smoke else str(RESULTS_DIR)
+        if args.compile:
+            args.out = str(Path(args.out) / "compile")
     if args.img is None:
-        args.img = args.out if args.smoke else str(IMG_DIR)
+        args.img = args.out if args.smoke or args.compile else str(IMG_DIR)
     return args
 
 

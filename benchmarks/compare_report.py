@@ -96,6 +96,9 @@ def markdown(report: dict[str, Any]) -> str:
         f"- search settings (from `lightning_comp/conf/precision/comp.yaml`): tolerance {report['tolerance']}"
         f" ({report['tolerance_mode']}) on val_loss",
     ]
+    if report.get("compile"):
+        lines.append("- every mode and search ran with the model's `forward` compiled by `torch.compile` (Inductor);"
+                     " graph breaks per run in `## torch.compile`")
     for mode, why in report["skipped_modes"].items():
         lines.append(f"- `{mode}` {why}")
     for key, model in report["models"].items():
@@ -126,6 +129,8 @@ def markdown(report: dict[str, Any]) -> str:
                 f" {_fmt(e['memory']['peak_bytes'] / 2**20, '.0f')} /"
                 f" +{_fmt(e['memory']['increment_bytes'] / 2**20, '.0f')} |"
                 f" {_fmt(val.get('val_loss'), '.4f')} | {metric} {_fmt(val.get(metric), '.4f')} | {e['steps']} |")
+    if report.get("compile"):
+        lines += compile_lines(report)
     lines += ["", "## CoMP search", "", "| model | chosen | lowered / operators | cost (s, measured) |"
               " cost at full epochs (s) | 20 epochs at the plan's step time (s) | share | measured 20-epoch fit |"
               " trials |", "|" + "---|" * 9]
@@ -151,6 +156,22 @@ def markdown(report: dict[str, Any]) -> str:
         lines.append(f"| {c['target']}{note} | {c['model'] or 'suite'} | {_fmt(c['value'], '.3f')} |"
                      f" {c['op']} {c['threshold']} | {met} |")
     return "\n".join(lines) + "\n"
+
+
+def compile_lines(report: dict[str, Any]) -> list[str]:
+    """The ``## torch.compile`` section: per model and run, graphs compiled and graph breaks with their reasons."""
+    lines = ["", "## torch.compile", "", "| model | run | graphs compiled | graph breaks | break reasons |",
+             "|---|---|---|---|---|"]
+    for key, raw in report.get("raw", {}).items():
+        runs = [(MODES[mode].label, run) for mode, run in raw.get("runs", {}).items()]
+        runs.append(("CoMPSearch run", raw.get("search") or {}))
+        for label, run in runs:
+            stats = run.get("dynamo")
+            if not stats:
+                continue
+            reasons = "; ".join(f"{reason} (x{n})" for reason, n in stats["break_reasons"].items()) or "none"
+            lines.append(f"| {key} | {label} | {stats['unique_graphs']} | {stats['graph_breaks']} | {reasons} |")
+    return lines
 
 
 def search_of(model: dict[str, Any], mode: str) -> dict[str, Any] | None:

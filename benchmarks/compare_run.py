@@ -134,6 +134,8 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
             " FP16 CPU kernel, and Lightning silently turns precision='16-mixed' into 'bf16-mixed' on CPU."
             if device_type == "cpu" else f"skipped: no fast FP16 on this {device_type}")
     modes += COMP_MODES
+    if getattr(args, "compile", False) and not args.modes:
+        modes = ["fp32", "bf16-mixed", "comp"]  # compiled: the baselines and the shipped objective
     if args.modes:
         wanted = args.modes.split(",")
         unknown = sorted(set(wanted) - set(MODES))
@@ -160,6 +162,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         "device": device_type,
         "load_average_start": _load(),
         "smoke": bool(args.smoke),
+        "compile": bool(getattr(args, "compile", False)),
         "modes": modes,
         "skipped_modes": skipped,
         "search_settings": {k: v for k, v in search_kwargs.items() if k not in ("record_dir", "verbose")},

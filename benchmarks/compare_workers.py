@@ -50,8 +50,14 @@ def mp_context() -> Any:
     return mp.get_context("spawn")
 
 
-def _build(spec: dict[str, Any], seed: int) -> tuple[Any, Any]:
+def _build(spec: dict[str, Any], seed: int, compile_model: bool = False) -> tuple[Any, Any]:
+    """The model and data of ``spec``; with ``compile_model`` the model's ``forward`` is compiled (Inductor).
+
+    The zoo models log in ``training_step``, which Lightning 2.6 cannot compile with PyTorch 2.12/2.13
+    (Lightning-AI/pytorch-lightning#21836), so ``forward`` is compiled rather than the whole LightningModule.
+    """
     import lightning.pytorch as pl
+    import torch
 
     from lightning_comp import zoo
 
@@ -60,7 +66,18 @@ def _build(spec: dict[str, Any], seed: int) -> tuple[Any, Any]:
     datamodule.setup("fit")
     pl.seed_everything(seed, workers=True, verbose=False)
     model = getattr(zoo, spec["model"])(**spec["model_kwargs"])
+    if compile_model:
+        model.forward = torch.compile(model.forward)
     return model, datamodule
+
+
+def _dynamo_stats() -> dict[str, Any]:
+    """What TorchDynamo did in this process: graphs compiled, graph breaks and their reasons (first line each)."""
+    from torch._dynamo.utils import counters
+
+    breaks = counters["graph_break"]
+    return {"unique_graphs": int(counters["stats"]["unique_graphs"]), "graph_breaks": int(sum(breaks.values())),
+            "break_reasons": {reason.splitlines()[0][:160]: int(n) for reason, n in breaks.items()}}
 
 
 def _data_sizes(spec: dict[str, Any], datamodule: Any) -> dict[str, int]:
@@ -133,7 +150,7 @@ def train_worker(conn: Any, job: dict[str, Any]) -> dict[str, Any]:
 
     spec = job["spec"]
     mode = MODES[job["mode"]]
-    model, datamodule = _build(spec, job["seed"])
+    model, datamodule = _build(spec, job["seed"], bool(job.get("compile")))
     sizes = _data_sizes(spec, datamodule)
     kwargs = _trainer_common()
     if mode.trainer_precision is None:
@@ -178,6 +195,7 @@ def train_worker(conn: Any, job: dict[str, Any]) -> dict[str, Any]:
         "forward_hooks": baton.hooks,
         "fit_seconds": fit_seconds,
         "global_step": int(trainer.global_step),
+        "dynamo": _dynamo_stats() if job.get("compile") else None,
     }
     if mode.trainer_precision is None:
         result["plan_lowered"] = [s for s, p in plugin.plan.entries if p.value != "fp32"]
@@ -214,7 +232,7 @@ def search_worker(conn: Any, job: dict[str, Any]) -> dict[str, Any]:
     from lightning_comp.zoo import EpochTimer
 
     spec = job["spec"]
-    model, datamodule = _build(spec, job["seed"])
+    model, datamodule = _build(spec, job["seed"], bool(job.get("compile")))
     sizes = _data_sizes(spec, datamodule)
     full = int(spec["search_batches"]) <= 0
     train_batches = sizes["train_batches_per_epoch"] if full else min(int(spec["search_batches"]),
@@ -250,6 +268,7 @@ def search_worker(conn: Any, job: dict[str, Any]) -> dict[str, Any]:
         "plan": None if search.chosen_plan is None else search.chosen_plan.to_dict(),
         "final_metrics": {k: float(v) for k, v in trainer.callback_metrics.items() if getattr(v, "numel", None)
                           and v.numel() == 1},
+        "dynamo": _dynamo_stats() if job.get("compile") else None,
     }
 
 
@@ -284,7 +303,7 @@ def run_search(ctx: Any, spec: ModelSpec, args: argparse.Namespace, record_dir: 
     """
     parent, child = ctx.Pipe()
     job = {"spec": asdict(spec), "seed": args.seed, "threads": args.threads, "record_dir": str(record_dir),
-           "objective": objective}
+           "objective": objective, "compile": getattr(args, "compile", False)}
     name = f"search-{spec.key}" + (f"-{objective}" if objective else "")
     process = ctx.Process(target=search_worker, args=(child, job), name=name)
     started = time.perf_counter()
@@ -321,7 +340,7 @@ def run_interleaved(ctx: Any, spec: ModelSpec, modes: list[str], plans: dict[str
     for mode in modes:
         parent, child = ctx.Pipe()
         job = {"spec": asdict(spec), "mode": mode, "seed": args.seed, "threads": args.threads,
-               "plan": plans.get(mode), "profile": not args.no_profile}
+               "plan": plans.get(mode), "profile": not args.no_profile, "compile": getattr(args, "compile", False)}
         process = ctx.Process(target=train_worker, args=(child, job), name=f"{spec.key}-{mode}")
         process.start()
         child.close()

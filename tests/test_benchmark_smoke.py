@@ -102,3 +102,24 @@ def test_compare_smoke(tmp_path: Path) -> None:
     for name in ("compare_throughput.png", "compare_memory.png", "compare_val_curves.png"):
         assert (out / name).stat().st_size > 0, name
     assert "CoMP/AMP" in proc.stdout and "CoMP (memory)/AMP" in proc.stdout
+
+
+@pytest.mark.slow
+def test_compare_smoke_compiled(tmp_path: Path) -> None:
+    """``--compile``: FP32, AMP and CoMP with a compiled forward, each run's graphs and graph breaks reported."""
+    out = tmp_path / "results"
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--smoke", "--compile", "--models", "mlp", "--no-plots", "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=900,
+    )
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
+    report = json.loads((out / "compare.json").read_text())
+    assert report["compile"] is True and report["modes"] == ["fp32", "bf16-mixed", "comp"]
+    raw = json.loads((out / "compare_raw.json").read_text())["raw"]["mlp"]
+    for mode in ("fp32", "bf16-mixed", "comp"):
+        stats = raw["runs"][mode]["dynamo"]
+        assert stats["unique_graphs"] >= 1, mode  # the forward was compiled
+        assert stats["graph_breaks"] == 0, (mode, stats["break_reasons"])
+    assert raw["search"]["dynamo"]["unique_graphs"] >= 1
+    text = (out / "compare.md").read_text()
+    assert "## torch.compile" in text and "| mlp | CoMP (searched plan) |" in text.split("## torch.compile")[1]
