@@ -35,11 +35,11 @@ from lightning_comp.cast_boundaries import (
     has_low,
     iter_tensors,
 )
-from lightning_comp.compiled_regions import compiling, eager, enter_autocast, exit_autocast
+from lightning_comp.compiled_regions import EagerCall, compiling, eager, enter_autocast, exit_autocast, untraceable
 from lightning_comp.devices import device_class, model_device
 from lightning_comp.dtypes import Precision
 from lightning_comp.errors import PlanError
-from lightning_comp.operators import Lowering, classify, iter_operators, lowering_for
+from lightning_comp.operators import Lowering, classify, iter_operators, lowering_for, weight_reading
 from lightning_comp.plan import PrecisionPlan
 from lightning_comp.saved_precision import SavedPrecision
 from lightning_comp.saved_tensors import DEFAULT_MIN_SAVED_BYTES, SavedTensorCompressor
@@ -47,9 +47,6 @@ from lightning_comp.weight_casts import WeightCastRecorder
 
 __all__ = ["StepKind", "PlanExecutor", "cast_floating"]
 
-# Autocast-lowered modules whose forward reads its own parameters: their 16-bit weight copies are made by the executor
-# (so they can be re-cast in backward instead of kept); other autocast-lowered modules are left to autocast.
-_RECASTABLE = (nn.Linear, nn.modules.conv._ConvNd)
 # The executor whose hooks are on each model. A model carries one plan at a time: applying another executor (a new
 # CoMPPrecision for the same model, e.g. a second Trainer) takes the previous one's hooks off first.
 _OWNERS: weakref.WeakKeyDictionary[nn.Module, PlanExecutor] = weakref.WeakKeyDictionary()
@@ -95,7 +92,7 @@ class PlanExecutor:
         self.recast_weights_in_backward = bool(recast_weights_in_backward)
         self._weight_casts = WeightCastRecorder()
         self._saved = SavedTensorCompressor(min_saved_bytes, is_weight_copy=self._weight_casts.made)
-        self._handles: list[RemovableHandle] = []
+        self._handles: list[RemovableHandle | EagerCall] = []
         self._operators: dict[str, HookedOperator] = {}
         self._plan: PrecisionPlan | None = None
         self._model: nn.Module | None = None
@@ -126,7 +123,7 @@ class PlanExecutor:
 
     @property
     def num_hooks(self) -> int:
-        """How many hook handles are registered (2 per hooked operator)."""
+        """How many hook handles are registered (2 per hooked operator; 1 per operator run outside compiled graphs)."""
         return len(self._handles)
 
     @property
@@ -227,8 +224,12 @@ class PlanExecutor:
             )
         if any(op.low or op.saved.compresses for op in operators.values()):
             for op in operators.values():
-                self._handles.append(op.module.register_forward_pre_hook(self._make_pre_hook(op), with_kwargs=True))
-                self._handles.append(op.module.register_forward_hook(self._make_post_hook(op), always_call=True))
+                pre_hook, post_hook = self._make_pre_hook(op), self._make_post_hook(op)
+                if self._compiled and untraceable(op.module):  # a graph break inside its region would drop it
+                    self._handles.append(EagerCall(op.module, pre_hook, post_hook))
+                    continue
+                self._handles.append(op.module.register_forward_pre_hook(pre_hook, with_kwargs=True))
+                self._handles.append(op.module.register_forward_hook(post_hook, always_call=True))
         return bound
 
     def detach(self) -> None:
@@ -323,7 +324,9 @@ class PlanExecutor:
         assert self._device is not None
         device_type = self._device.type  # hooks are rebuilt when the model moves (apply is called again)
         prefix = f"{op.name}." if op.name else ""  # qualified names, for error messages
-        recast_own = lowering is Lowering.AUTOCAST and isinstance(op.module, _RECASTABLE)
+        # Linear/Conv-like operators get their 16-bit weight copies from the executor (so they can be re-cast in
+        # backward instead of kept); other autocast-lowered modules are left to autocast.
+        recast_own = lowering is Lowering.AUTOCAST and weight_reading(op.module)
         casts = self._weight_casts
 
         # (attribute name, qualified name, parameter) of the hooked module, resolved once for the hot path

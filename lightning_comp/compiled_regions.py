@@ -10,6 +10,11 @@ Dynamo does not guard compiled graphs on modules' hooks by default (``skip_nnmod
 under one plan would go on running after the hooks of another plan replace its hooks. :func:`guarding_hooks` turns
 those guards on for as long as a compiled model trains under a plan, so that each new plan is traced anew.
 
+An operator Dynamo cannot trace (recurrent modules: ``torch._dynamo.config.allow_rnn`` is off by default) breaks the
+graph inside its own region, and a region entered in a graph is not in force in the eager code after the break: the
+operator would silently compute in FP32. Such operators run whole outside the graph instead, hooks included
+(:class:`EagerCall`).
+
 Everything a hook does only in Python (the consumer tracing that finds cast boundaries, timers of the search) would
 be traced once and then never run again, so it runs in eager mode: :func:`eager` makes compiled code run eagerly
 for a while (``torch.compiler.set_stance("force_eager")``).
@@ -22,8 +27,10 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+from torch import nn
 
-__all__ = ["enter_autocast", "exit_autocast", "eager", "compiling", "graph_breaks", "guarding_hooks"]
+__all__ = ["enter_autocast", "exit_autocast", "eager", "compiling", "graph_breaks", "guarding_hooks", "untraceable",
+           "EagerCall"]
 
 # The functional pair torch.export and Dynamo trace; private, so looked up once, with a fallback for torch builds
 # without it (their Dynamo cannot trace these regions: such a model then fails where it would have anyway).
@@ -73,6 +80,50 @@ def guarding_hooks() -> Iterator[None]:
     torch._dynamo.reset()
     with torch._dynamo.config.patch(skip_nnmodule_hook_guards=False):
         yield
+
+
+def untraceable(module: nn.Module) -> bool:
+    """Whether TorchDynamo breaks the graph at ``module``'s forward (recurrent modules, unless ``allow_rnn``)."""
+    return isinstance(module, nn.RNNBase) and not torch._dynamo.config.allow_rnn
+
+
+class EagerCall:
+    """Runs ``module``'s forward between a pre- and a post-hook as one call Dynamo leaves out of the graph.
+
+    It replaces the module's ``forward`` by an instance attribute (``torch.compiler.disable``d), so a compiled caller
+    breaks the graph at the module and calls it eagerly, hooks included; :meth:`remove` puts the forward back.
+
+    Args:
+        module: the operator.
+        pre_hook: a forward pre-hook with kwargs (returns ``None`` or new ``(args, kwargs)``).
+        post_hook: a forward hook (returns ``None`` or a new output; called with ``None`` if forward raised).
+    """
+
+    def __init__(self, module: nn.Module, pre_hook: Callable[..., Any], post_hook: Callable[..., Any]) -> None:
+        self._module = module
+        self._own = module.__dict__.get("forward")  # an instance-level forward of the user's, put back on removal
+        forward = module.forward
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            changed = pre_hook(module, args, kwargs)
+            if changed is not None:
+                args, kwargs = changed
+            try:
+                output = forward(*args, **kwargs)
+            except BaseException:
+                post_hook(module, args, None)
+                raise
+            result = post_hook(module, args, output)
+            return output if result is None else result
+
+        module.forward = torch.compiler.disable(call)  # type: ignore[method-assign]
+
+    def remove(self) -> None:
+        """Give the module its forward back."""
+        if self._own is not None:
+            self._module.forward = self._own  # type: ignore[method-assign]
+        else:
+            self._module.__dict__.pop("forward", None)
 
 
 def graph_breaks(fn: Any, *args: Any, **kwargs: Any) -> tuple[int, int, list[str]]:

@@ -271,3 +271,40 @@ def test_the_search_measures_a_compiled_model_eagerly_and_trains_its_choice_comp
     trained = [g for g, phase in zip(recorder.graphs, recorder.phases) if phase == Phase.DONE]
     assert {n for n, d in trained[0].items() if d == torch.bfloat16} == {"l2", "l4"}
     assert not CoMPSearch().config.saved_options()  # throughput objective: nothing else to refuse
+
+
+class _Recurrent(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm = nn.LSTM(8, 16, batch_first=True)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, _ = self.lstm(x * 1.0)
+        return self.head(h)
+
+
+def test_an_operator_dynamo_cannot_trace_still_computes_in_its_planned_dtype() -> None:
+    """Dynamo breaks the graph at nn.LSTM: a region entered in the graph is not in force in the eager call after the
+    break, so compiled steps ran the bf16-planned LSTM in fp32. It now runs outside the graph, hooks included."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model, x = _Recurrent(), torch.randn(2, 5, 8)
+    fp32 = model(x).detach()
+    plan = PrecisionPlan.from_dict({"lstm": "bf16"})
+    eager = PlanExecutor()
+    eager.apply(model, plan, "cpu")
+    with eager.step(StepKind.TRAIN):
+        planned = model(x).detach()
+    eager.remove()
+    assert not torch.equal(planned, fp32)
+    executor = PlanExecutor()
+    executor.apply(model, plan, "cpu", compiled=True)
+    compiled = torch.compile(model)  # Inductor: graph state does not leak into the eager LSTM call
+    with torch._dynamo.config.patch(skip_nnmodule_hook_guards=False):
+        for _ in range(3):  # calibration (eager), then compiled steps
+            with executor.step(StepKind.TRAIN):
+                out = compiled(x).detach()
+            assert torch.allclose(out, planned, rtol=1e-5, atol=1e-6)
+    executor.remove()
+    assert "forward" not in model.lstm.__dict__  # its own forward is back
