@@ -45,7 +45,7 @@ from typing import Any
 
 from compare_analysis import analyse_raw, evaluate_targets
 from compare_report import _load, machine_info, short_lines
-from compare_suite import COMP_MODES, DEFAULT_MODELS, MODES, ROOT, SUITE, ModelSpec, smoke_spec
+from compare_suite import COMP_MODES, DEFAULT_MODELS, MODES, ROOT, SUITE, ModelSpec, smoke_spec, unavailable
 from compare_workers import _search_kwargs, mp_context, run_interleaved, run_search
 
 
@@ -144,6 +144,12 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         modes = [m for m in modes if m in wanted]
     keys = DEFAULT_MODELS if args.models in (None, "default") else tuple(SUITE) if args.models == "all" \
         else tuple(args.models.split(","))
+    missing = {k: unavailable(k) for k in keys if unavailable(k)}
+    if missing and args.models not in (None, "default", "all"):
+        raise SystemExit(f"--models: {'; '.join(f'{k}: {why}' for k, why in missing.items())}")
+    for key, why in missing.items():
+        print(f"[compare] {key} skipped: {why}", flush=True)
+    keys = tuple(k for k in keys if k not in missing)
     specs = [smoke_spec(SUITE[k]) if args.smoke else SUITE[k] for k in keys]
     if args.steps_scale != 1.0:
         specs = [replace(s, steps=max(2 * s.segment, int(round(s.steps * args.steps_scale / s.segment)) * s.segment))

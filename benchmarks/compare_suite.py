@@ -95,8 +95,37 @@ SUITE: dict[str, ModelSpec] = {
         data="MNIST1DDataModule", data_kwargs={"num_samples": 4000, "batch_size": 64},
         steps=80, segment=10, val_every=20, val_batches=4, search_batches=20,
     ),
+    # Models nobody here wrote (optional members: their library is an extra, [hf] / [vision]):
+    "hf_gpt2": ModelSpec(
+        key="hf_gpt2", title="Hugging Face transformers GPT-2 (2 layers, 4 heads, 128 wide, randomly initialised) on"
+        " pydoc text bytes, T128, batch 16",
+        model="HFGPT2", model_kwargs={"width": 128, "depth": 2, "heads": 4, "block_size": 128},
+        data="CharTextDataModule", data_kwargs={"seq_len": 128, "num_samples": 800, "batch_size": 16},
+        steps=60, segment=5, val_every=15, val_batches=3, search_batches=20,
+    ),
+    "tv_resnet": ModelSpec(
+        key="tv_resnet", title="torchvision ResNet-18 (randomly initialised) on Shapes10 32x32, batch 64",
+        model="TorchvisionResNet", model_kwargs={"arch": "resnet18"},
+        data="ShapesDataModule", data_kwargs={"num_samples": 4000, "batch_size": 64},
+        steps=40, segment=5, val_every=20, val_batches=2, search_batches=10,
+    ),
 }
 DEFAULT_MODELS = ("cnn", "gpt", "lstm", "mlp")
+OPTIONAL_MODELS = {"hf_gpt2": "transformers", "tv_resnet": "torchvision"}  # key -> the library it needs
+
+
+def unavailable(key: str) -> str | None:
+    """Why the suite member ``key`` cannot run here (its optional library does not import), or ``None``."""
+    library = OPTIONAL_MODELS.get(key)
+    if library is None:
+        return None
+    import importlib
+
+    try:
+        importlib.import_module(library)
+    except Exception as error:  # noqa: BLE001 - a library built for another torch raises RuntimeError, not ImportError
+        return f"{library} cannot be imported here ({type(error).__name__}: {str(error)[:100]})"
+    return None
 
 _SMOKE_SIZES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "cnn": ({"width": 8, "depth": 2}, {"num_samples": 400, "batch_size": 16, "image_size": 16}),
@@ -106,6 +135,9 @@ _SMOKE_SIZES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "mlp": ({"width": 16, "depth": 3}, {"num_samples": 400, "batch_size": 16}),
     "cnn1d": ({"width": 8, "depth": 2}, {"num_samples": 400, "batch_size": 16}),
     "gru": ({"width": 16, "depth": 1}, {"num_samples": 400, "batch_size": 16}),
+    "hf_gpt2": ({"width": 32, "depth": 1, "heads": 2, "block_size": 32}, {"seq_len": 32, "num_samples": 200,
+                                                                          "batch_size": 8}),
+    "tv_resnet": ({}, {"num_samples": 400, "batch_size": 16, "image_size": 32}),
 }
 _SMOKE_SEARCH = {"profile_steps": 1, "profile_warmup": 0, "max_trials": 2}
 

@@ -5,6 +5,9 @@ that must be treated whole because their forward is one fused kernel or uses par
 children (``nn.LSTM``/``nn.GRU``/``nn.RNN``, ``nn.MultiheadAttention`` and anything registered with
 :func:`register_atomic`). Containers (``nn.Sequential``, blocks, the LightningModule itself) are not operators,
 and nothing inside an atomic operator is one either.
+
+A few modules of libraries people train are known by class name (nothing is imported): Hugging Face's ``Conv1D``
+computes as an ``nn.Linear`` and is lowered as one; ``GPT2Attention`` is atomic, like ``nn.MultiheadAttention``.
 """
 
 from __future__ import annotations
@@ -54,6 +57,17 @@ class Lowering(str, Enum):
 
 
 _ATOMIC_TYPES: set[type[nn.Module]] = {nn.RNNBase, nn.MultiheadAttention}
+# Modules of libraries people train, known by qualified class name (nothing is imported): they compute as the torch
+# module named beside them does, so they are lowered the same way (autocast, or parameter copies where there is none).
+_KNOWN_COMPUTE: dict[str, str] = {
+    # GPT-2's projections (c_attn, c_proj, c_fc): a Linear with a transposed weight, computed by torch.addmm
+    "transformers.pytorch_utils.Conv1D": "nn.Linear",
+}
+# ... and those treated whole, like nn.MultiheadAttention: their attention product is a functional call
+# (scaled_dot_product_attention) between their projections, which no operator hook of a child would ever see.
+_KNOWN_ATOMIC: dict[str, str] = {
+    "transformers.models.gpt2.modeling_gpt2.GPT2Attention": "nn.MultiheadAttention",
+}
 _SHAPE_TYPES: tuple[type[nn.Module], ...] = (nn.Flatten, nn.Unflatten, nn.Identity)
 _AUTOCAST_TYPES: tuple[type[nn.Module], ...] = (
     nn.Linear,
@@ -88,13 +102,41 @@ def register_atomic(module_type: type[nn.Module]) -> type[nn.Module]:
     return module_type
 
 
+_CLASS_NAMES: dict[type, frozenset[str]] = {}
+
+
+def _class_names(cls: type) -> frozenset[str]:
+    """The qualified names of ``cls`` and its base classes (computed once per class)."""
+    names = _CLASS_NAMES.get(cls)
+    if names is None:
+        names = _CLASS_NAMES[cls] = frozenset(f"{c.__module__}.{c.__qualname__}" for c in cls.__mro__)
+    return names
+
+
+def _known(module: nn.Module, table: dict[str, str]) -> bool:
+    """Whether ``module``'s class (or a base class) is in ``table`` (qualified class names)."""
+    return not _class_names(type(module)).isdisjoint(table)
+
+
 def _is_atomic(module: nn.Module) -> bool:
-    return isinstance(module, tuple(_ATOMIC_TYPES))
+    return isinstance(module, tuple(_ATOMIC_TYPES)) or _known(module, _KNOWN_ATOMIC)
+
+
+def _autocast_like(module: nn.Module) -> bool:
+    """Whether ``module`` computes as a torch module autocast lowers (matmul, conv, attention)."""
+    return (isinstance(module, _AUTOCAST_TYPES) or _known(module, _KNOWN_COMPUTE)
+            or _known(module, _KNOWN_ATOMIC))
+
+
+def weight_reading(module: nn.Module) -> bool:
+    """Whether ``module`` is a ``Linear``/``Conv`` (or computes as one): an autocast-lowered operator whose forward
+    reads its own weight and bias, so its 16-bit copies can be made by the executor (and re-cast in backward)."""
+    return isinstance(module, (nn.Linear, nn.modules.conv._ConvNd)) or _known(module, _KNOWN_COMPUTE)
 
 
 def classify(module: nn.Module) -> OperatorKind:
     """The :class:`OperatorKind` of an operator module."""
-    if isinstance(module, _COMPUTE_TYPES):
+    if isinstance(module, _COMPUTE_TYPES) or _autocast_like(module):
         return OperatorKind.COMPUTE
     if isinstance(module, _NORM_TYPES):
         return OperatorKind.NORM
@@ -122,7 +164,7 @@ def lowering_for(module: nn.Module, precision: Precision, device: torch.device |
     if isinstance(module, nn.RNNBase):
         route = recurrent_lowering(module, precision, target)
         return None if route is None else Lowering(route)
-    if isinstance(module, _AUTOCAST_TYPES):  # where torch has no autocast, parameter copies do the same work
+    if _autocast_like(module):  # where torch has no autocast, parameter copies do the same work
         return Lowering.AUTOCAST if _autocast_available(target.type) else Lowering.PARAMS
     if kind is OperatorKind.NORM:
         # CPU kernels accept a 16-bit input with FP32 affine parameters; CUDA LayerNorm/GroupNorm do not.

@@ -13,7 +13,12 @@ Hydra option       class                      data (option, kind)          opera
 ``char_lstm``      :class:`CharLSTM`          ``text`` (tokens)            Embedding, 2-layer LSTM, Linear
 ``char_gpt``       :class:`CharGPT`           ``text`` (tokens)            Linear, LayerNorm, GELU, attention
 ``convnet_bn``     :class:`ConvNetBN`         ``shapes`` (image)           Conv2d, BatchNorm2d, ReLU, MaxPool, Linear
+``hf_gpt2``        :class:`HFGPT2`            ``text`` (tokens)            transformers GPT-2 (extra ``hf``)
+``tv_resnet``      :class:`TorchvisionResNet` ``shapes`` (image)           torchvision ResNet (extra ``vision``)
 =================  =========================  ===========================  =====================================
+
+The last two wrap libraries' own models (:mod:`lightning_comp.zoo.third_party`); their libraries are imported only
+when such a model is built.
 """
 
 from lightning_comp.zoo.callbacks import EpochTimer
@@ -30,6 +35,7 @@ from lightning_comp.zoo.models import (
     ZooModule,
 )
 from lightning_comp.zoo.text import VOCAB_SIZE, CharTextDataModule, load_corpus
+from lightning_comp.zoo.third_party import HFGPT2, TorchvisionResNet
 
 __all__ = [
     "CLASS_NAMES",
@@ -43,11 +49,13 @@ __all__ = [
     "ConvNetBN",
     "EpochTimer",
     "GRUClassifier",
+    "HFGPT2",
     "InMemoryDataModule",
     "LanguageModelModule",
     "MNIST1DDataModule",
     "NarrowMLP",
     "ShapesDataModule",
+    "TorchvisionResNet",
     "ZooModule",
     "load_corpus",
     "load_mnist1d",

@@ -1,0 +1,121 @@
+"""Models nobody here wrote: Hugging Face ``transformers`` GPT-2 and a ``torchvision`` ResNet, as zoo modules.
+
+Each wraps the library's own model, randomly initialised from its config (nothing is downloaded), untouched: the
+plan reaches its layers through forward hooks like any other model's. The libraries are optional extras
+(``pip install "lightning-comp[hf]"`` / ``"lightning-comp[vision]"``); building a module without its library raises
+:class:`ImportError` naming the extra.
+
+What the operators are:
+
+- GPT-2's projections are ``transformers.pytorch_utils.Conv1D`` (a Linear with a transposed weight, ``torch.addmm``):
+  compute operators, lowered like ``nn.Linear``. Each ``GPT2Attention`` is one operator, like
+  ``nn.MultiheadAttention``: its attention product is a functional ``scaled_dot_product_attention`` call between its
+  projections, which no hook of a child would see (see :mod:`lightning_comp.operators`).
+- torchvision's ResNet is built of ``nn`` modules only (``Conv2d``, ``BatchNorm2d``, ``ReLU``, pools, ``Linear``);
+  its residual additions are functional and stay FP32 (each block's ``ReLU`` module runs twice per forward).
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+from typing import Any, ClassVar
+
+import torch
+
+from lightning_comp.zoo.data import check_positive_int
+from lightning_comp.zoo.models import ClassifierModule, LanguageModelModule
+from lightning_comp.zoo.text import VOCAB_SIZE
+
+__all__ = ["HFGPT2", "TorchvisionResNet", "require"]
+
+
+def require(module: str, extra: str) -> ModuleType:
+    """Import ``module``, or raise :class:`ImportError` naming the extra that installs it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as error:
+        raise ImportError(
+            f"{module} is not installed: it is an optional extra of lightning-comp. Install it with"
+            f' pip install "lightning-comp[{extra}]" (from a checkout: pip install -e ".[{extra}]").'
+        ) from error
+    except (RuntimeError, OSError) as error:  # e.g. torchvision built for another torch: "torchvision::nms ..."
+        raise ImportError(
+            f"{module} is installed but cannot be imported beside torch {torch.__version__}: {error}. Install the"
+            f" {module.split('.')[0]} release built for this torch (the [{extra}] extra of lightning-comp)."
+        ) from error
+
+
+class HFGPT2(LanguageModelModule):
+    """Hugging Face ``GPT2LMHeadModel``, randomly initialised from a ``GPT2Config``, as a byte-level language model.
+
+    The size knobs are the zoo's (``width``, ``depth``, as :class:`~lightning_comp.zoo.CharGPT`), so ``size=tiny``
+    applies to it too.
+
+    Args:
+        width: Embedding width (``n_embd``).
+        depth: Transformer blocks (``n_layer``).
+        heads: Attention heads (``n_head``).
+        block_size: Longest sequence (``n_positions``).
+        dropout: Residual, embedding and attention dropout.
+        vocab_size: Vocabulary (bytes: 256).
+        attn_implementation: ``"sdpa"`` (the library's default) or ``"eager"``.
+        lr: AdamW learning rate.
+        weight_decay: AdamW weight decay.
+    """
+
+    data_kinds: ClassVar[tuple[str, ...]] = ("tokens",)
+
+    def __init__(self, width: int = 128, depth: int = 2, heads: int = 4, block_size: int = 128,
+                 dropout: float = 0.0, vocab_size: int = VOCAB_SIZE, attn_implementation: str = "sdpa",
+                 lr: float = 1e-3, weight_decay: float = 0.01) -> None:
+        super().__init__(vocab_size=vocab_size, lr=lr, weight_decay=weight_decay)
+        transformers = require("transformers", "hf")
+        for name, value in (("width", width), ("depth", depth), ("heads", heads), ("block_size", block_size)):
+            check_positive_int(name, value)
+        if width % heads:
+            raise ValueError(f"HFGPT2(width={width}, heads={heads}): width must be a multiple of heads.")
+        config = transformers.GPT2Config(vocab_size=vocab_size, n_positions=block_size, n_embd=width,
+                                         n_layer=depth, n_head=heads, resid_pdrop=dropout, embd_pdrop=dropout,
+                                         attn_pdrop=dropout)
+        config._attn_implementation = attn_implementation  # noqa: SLF001 - the documented way to pick it at init
+        self.gpt2 = transformers.GPT2LMHeadModel(config)
+        self.save_hyperparameters()
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Map ``[B, T]`` byte ids to ``[B, T, vocab_size]`` logits (the zoo's FP32 loss is applied outside)."""
+        return self.gpt2(input_ids=tokens).logits
+
+
+class TorchvisionResNet(ClassifierModule):
+    """A ``torchvision.models`` ResNet (``resnet18`` by default), randomly initialised, for small images.
+
+    Args:
+        arch: A ResNet builder of ``torchvision.models`` (``resnet18``, ``resnet34``, ``resnet50``, ...).
+        num_classes: Output classes.
+        small_images: Replace the 7x7 stride-2 stem and its max-pool by a 3x3 stride-1 convolution (the usual
+            CIFAR-sized variant); ``False`` keeps the library's model exactly.
+        lr: AdamW learning rate.
+        weight_decay: AdamW weight decay.
+    """
+
+    data_kinds: ClassVar[tuple[str, ...]] = ("image",)
+
+    def __init__(self, arch: str = "resnet18", num_classes: int = 10, small_images: bool = False,
+                 lr: float = 2e-3, weight_decay: float = 0.01) -> None:
+        super().__init__(num_classes=num_classes, lr=lr, weight_decay=weight_decay)
+        models = require("torchvision.models", "vision")
+        builder: Any = getattr(models, arch, None)
+        if not (arch.startswith("resnet") and callable(builder)):
+            valid = sorted(n for n in dir(models) if n.startswith("resnet") and callable(getattr(models, n)))
+            raise ValueError(f"TorchvisionResNet(arch={arch!r}) is not a torchvision ResNet builder; use one of"
+                             f" {valid}.")
+        self.resnet = builder(weights=None, num_classes=num_classes)
+        if small_images:
+            self.resnet.conv1 = torch.nn.Conv2d(3, 64, 3, stride=1, padding=1, bias=False)
+            self.resnet.maxpool = torch.nn.Identity()
+        self.save_hyperparameters()
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        """Map ``[B, 3, H, W]`` images to ``[B, num_classes]`` logits."""
+        return self.resnet(images)
