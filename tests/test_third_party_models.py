@@ -105,9 +105,9 @@ def test_gpt2_computes_each_heavy_operator_in_bf16_under_an_all_bf16_plan() -> N
     for name in (f"{block}.mlp.c_fc", f"{block}.mlp.c_proj", "gpt2.lm_head"):
         matmuls = recorder.ops_of(name, "addmm", "mm", "linear", "matmul")
         assert matmuls and all(r.outputs == [torch.bfloat16] for r in matmuls), name
-    attention = recorder.ops_of(f"{block}.attn")  # c_attn, the attention product and c_proj: one operator
-    projections = [r for r in attention if r.op == "addmm"]
-    products = [r for r in attention if r.op.startswith("_scaled_dot_product")]
+    # one operator: c_attn, the attention product and c_proj (the recorder names the innermost module of each op)
+    projections = recorder.ops_of(f"{block}.attn.c_attn", "addmm") + recorder.ops_of(f"{block}.attn.c_proj", "addmm")
+    products = [r for r in recorder.ops_of(f"{block}.attn") if r.op.startswith("_scaled_dot_product")]
     assert len(projections) == 2 and all(r.outputs == [torch.bfloat16] for r in projections)
     assert products and all(r.outputs[0] == torch.bfloat16 for r in products)
 

@@ -77,7 +77,8 @@ class HFGPT2(LanguageModelModule):
             raise ValueError(f"HFGPT2(width={width}, heads={heads}): width must be a multiple of heads.")
         config = transformers.GPT2Config(vocab_size=vocab_size, n_positions=block_size, n_embd=width,
                                          n_layer=depth, n_head=heads, resid_pdrop=dropout, embd_pdrop=dropout,
-                                         attn_pdrop=dropout)
+                                         attn_pdrop=dropout, use_cache=False,  # training: no key/value cache
+                                         bos_token_id=None, eos_token_id=None)  # bytes, not GPT-2's 50257 ids
         config._attn_implementation = attn_implementation  # noqa: SLF001 - the documented way to pick it at init
         self.gpt2 = transformers.GPT2LMHeadModel(config)
         self.save_hyperparameters()
