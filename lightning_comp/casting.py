@@ -35,7 +35,15 @@ from lightning_comp.cast_boundaries import (
     has_low,
     iter_tensors,
 )
-from lightning_comp.compiled_regions import EagerCall, compiling, eager, enter_autocast, exit_autocast, untraceable
+from lightning_comp.compiled_regions import (
+    EagerCall,
+    compiling,
+    eager,
+    enter_autocast,
+    exit_autocast,
+    only_inlined,
+    untraceable,
+)
 from lightning_comp.devices import device_class, model_device
 from lightning_comp.dtypes import Precision
 from lightning_comp.errors import PlanError
@@ -381,7 +389,7 @@ class PlanExecutor:
                 op.contexts.append(ctx)
             return result
 
-        return pre_hook
+        return only_inlined(pre_hook)
 
     def _make_post_hook(self, op: HookedOperator) -> Any:
         dtype = op.precision.dtype
@@ -411,4 +419,4 @@ class PlanExecutor:
                 tracer.exit(op, output)
             return output
 
-        return post_hook
+        return only_inlined(post_hook)

@@ -10,6 +10,12 @@ Dynamo does not guard compiled graphs on modules' hooks by default (``skip_nnmod
 under one plan would go on running after the hooks of another plan replace its hooks. :func:`guarding_hooks` turns
 those guards on for as long as a compiled model trains under a plan, so that each new plan is traced anew.
 
+A hook must only ever be traced *inside* its caller's graph. Where Dynamo gives up on a caller's frame ("falling
+back to eager"), it compiles the functions that frame calls as frames of their own, a hook among them: the region
+would then be entered in a graph of its own and be gone before the operator runs, and :func:`compiling`, compiled
+alone, would answer ``True`` for ever after. :func:`only_inlined` marks the hooks' and these helpers' code so that
+Dynamo never compiles it as a frame of its own.
+
 An operator Dynamo cannot trace (recurrent modules: ``torch._dynamo.config.allow_rnn`` is off by default) breaks the
 graph inside its own region, and a region entered in a graph is not in force in the eager code after the break: the
 operator would silently compute in FP32. Such operators run whole outside the graph instead, hooks included
@@ -24,13 +30,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
 
 __all__ = ["enter_autocast", "exit_autocast", "eager", "compiling", "graph_breaks", "guarding_hooks", "untraceable",
-           "EagerCall"]
+           "EagerCall", "only_inlined"]
 
 # The functional pair torch.export and Dynamo trace; private, so looked up once, with a fallback for torch builds
 # without it (their Dynamo cannot trace these regions: such a model then fails where it would have anyway).
@@ -38,6 +44,23 @@ _enter_autocast: Callable[..., Any] | None = getattr(torch.amp.autocast_mode, "_
 _exit_autocast: Callable[..., Any] | None = getattr(torch.amp.autocast_mode, "_exit_autocast", None)
 
 
+_SKIPPED_CODES: set[Any] = set()
+_Fn = TypeVar("_Fn", bound=Callable[..., Any])
+
+
+def only_inlined(fn: _Fn) -> _Fn:
+    """Mark ``fn``'s code so that TorchDynamo traces it only when inlining a caller, never as a frame of its own
+    (one call per code object; every closure made by the same ``def`` shares it). Returns ``fn``."""
+    code = fn.__code__
+    if code not in _SKIPPED_CODES:
+        skip_code = getattr(torch._dynamo.eval_frame, "skip_code", None)
+        if skip_code is not None:
+            skip_code(code)
+        _SKIPPED_CODES.add(code)
+    return fn
+
+
+@only_inlined
 def enter_autocast(device_type: str, dtype: torch.dtype) -> Any:
     """Enter an autocast region (weight cache off, as the executor's eager regions) and return its handle."""
     if _enter_autocast is None:  # pragma: no cover
@@ -47,6 +70,7 @@ def enter_autocast(device_type: str, dtype: torch.dtype) -> Any:
     return _enter_autocast(device_type, dtype, True, False)
 
 
+@only_inlined
 def exit_autocast(mode: Any) -> None:
     """Leave the autocast region :func:`enter_autocast` entered."""
     if _exit_autocast is None:  # pragma: no cover
@@ -55,6 +79,7 @@ def exit_autocast(mode: Any) -> None:
     _exit_autocast(mode)
 
 
+@only_inlined
 def compiling() -> bool:
     """Whether the caller is being traced by TorchDynamo now."""
     return bool(torch.compiler.is_compiling())

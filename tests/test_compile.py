@@ -308,3 +308,30 @@ def test_an_operator_dynamo_cannot_trace_still_computes_in_its_planned_dtype() -
             assert torch.allclose(out, planned, rtol=1e-5, atol=1e-6)
     executor.remove()
     assert "forward" not in model.lstm.__dict__  # its own forward is back
+
+
+def test_a_compiled_forward_dynamo_gives_up_on_still_runs_the_plan(tmp_path: Path) -> None:
+    """The graph break at the LSTM makes Dynamo give up on the whole ``forward`` frame and compile the functions it
+    calls as frames of their own. Compiled alone, the hooks' helpers lost their regions (and ``compiling()`` answered
+    True for ever after): the bf16 head then met a bf16 input with fp32 weights outside any region and raised."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model, x = _Recurrent(), torch.randn(2, 5, 8)
+    plan = PrecisionPlan.from_dict({"lstm": "bf16", "head": "bf16"})
+    eager = PlanExecutor()
+    eager.apply(model, plan, "cpu")
+    with eager.step(StepKind.TRAIN):
+        model(x)  # calibrates: the lstm's output stays bf16 into the head
+    with eager.step(StepKind.TRAIN):
+        planned = model(x).detach()
+    eager.remove()
+    executor = PlanExecutor()
+    executor.apply(model, plan, "cpu", compiled=True)
+    model.forward = torch.compile(model.forward)  # type: ignore[method-assign]
+    with torch._dynamo.config.patch(skip_nnmodule_hook_guards=False):
+        for _ in range(3):
+            with executor.step(StepKind.TRAIN):
+                out = model(x).detach()
+            assert torch.equal(out, out.bfloat16().float())  # the head computed in bf16: every value a bf16 one
+            assert torch.allclose(out, planned, rtol=2e-2, atol=4e-3)  # Inductor's bf16 matmul rounds its own way
+    assert executor.chained_operators(StepKind.TRAIN) == frozenset({"lstm"})
