@@ -177,6 +177,42 @@ def test_comp_with_a_trainer_precision_is_explained(tmp_path: Path) -> None:
         run(_compose(tmp_path, "precision=comp", "trainer.precision=bf16-mixed"))
 
 
+def _library(module: str) -> str | None:
+    """``None`` if ``module`` imports, else why not (torchvision built for another torch raises RuntimeError)."""
+    try:
+        __import__(module)
+    except Exception as error:  # noqa: BLE001 - any failure to import means: skip, and say why
+        return f"{module} cannot be imported here ({type(error).__name__}: {str(error)[:100]})"
+    return None
+
+
+# The README's commands for the models nobody here wrote, shortened: `python examples/train.py model=hf_gpt2 data=text`
+# and `model=tv_resnet data=shapes` (the ResNet takes no width/depth knobs, so no size=tiny: explicit limits instead).
+THIRD_PARTY = [
+    pytest.param("hf_gpt2", "text", ("size=tiny", "model.heads=2"), "transformers", id="hf_gpt2"),
+    pytest.param("tv_resnet", "shapes", ("trainer.max_epochs=1", "trainer.limit_train_batches=4",
+                                         "trainer.limit_val_batches=2", "trainer.num_sanity_val_steps=0",
+                                         "trainer.enable_progress_bar=false", "data.num_samples=320",
+                                         "data.batch_size=32"), "torchvision", id="tv_resnet"),
+]
+
+
+@pytest.mark.parametrize(("model", "data", "overrides", "library"), THIRD_PARTY)
+def test_models_nobody_here_wrote_train_under_comp(tmp_path: Path, model: str, data: str,
+                                                    overrides: tuple[str, ...], library: str) -> None:
+    why = _library(library)
+    if why is not None:
+        pytest.skip(f"{why}; install the extra ([hf] or [vision])")
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("config", overrides=[f"output_dir={tmp_path}", "num_threads=1", f"model={model}",
+                                           f"data={data}", "precision=comp", *COMP_FAST, *overrides],
+                      return_hydra_config=True)
+    result = run(cfg)
+    assert (result["model"], result["data"], result["precision"]) == (model, data, "comp")
+    _check_run_dir(tmp_path, result)
+    assert json.loads((tmp_path / "search_record.json").read_text())["num_operators"] > 0
+
+
 # ------------------------------------------------------------------------------------------ examples/train.py
 
 

@@ -168,3 +168,19 @@ def test_resnet_search_chooses_a_plan_that_round_trips(tmp_path: Path) -> None:
     assert search.phase == "done" and search.chosen_plan is not None
     path = search.chosen_plan.save(tmp_path / "resnet_plan.json")
     assert PrecisionPlan.load(path).entries == search.chosen_plan.entries
+
+
+@needs_hf
+def test_gpt2_traces_under_a_plan_into_one_graph() -> None:
+    """Compiled, the all-bf16 plan adds no graph break to GPT-2 (Dynamo traces Conv1D, the attention and the hooks)."""
+    from lightning_comp.casting import StepKind
+    from lightning_comp.compiled_regions import graph_breaks
+
+    model, tokens = _gpt2(), torch.randint(0, 256, (2, 64))
+    executor = PlanExecutor()
+    executor.apply(model, PrecisionPlan(default="bf16"), "cpu", compiled=True)
+    with executor.step(StepKind.TRAIN):
+        model(tokens)  # calibrates cast boundaries (eagerly)
+    with executor.step(StepKind.TRAIN):
+        graphs, breaks, reasons = graph_breaks(model, tokens)
+    assert (graphs, breaks) == (1, 0), reasons
