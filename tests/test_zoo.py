@@ -37,6 +37,8 @@ REPO_CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 PRECISIONS = ("fp32", "bf16-mixed", "16-mixed", "bf16-true", "comp")
 MODELS = {"cnn1d": "mnist1d", "gru": "mnist1d", "narrow_mlp": "mnist1d", "char_lstm": "text", "char_gpt": "text"}
 MODELS["convnet_bn"] = "shapes"
+# libraries' own models, behind extras (tests/test_third_party_models.py, tests/test_examples.py)
+THIRD_PARTY_MODELS = {"hf_gpt2": "text", "tv_resnet": "shapes"}
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -243,8 +245,8 @@ def test_incompatible_model_and_data_are_explained() -> None:
 def test_config_tree_has_every_group_and_option() -> None:
     options = {group: {p.stem for p in (CONF_DIR / group).glob("*.yaml")} for group in ("precision", "model", "data")}
     assert options["precision"] == set(PRECISIONS)
-    assert options["model"] == set(MODELS)
-    assert options["data"] == set(MODELS.values())
+    assert options["model"] == set(MODELS) | set(THIRD_PARTY_MODELS)
+    assert options["data"] == set(MODELS.values()) | set(THIRD_PARTY_MODELS.values())
     assert (CONF_DIR / "trainer" / "default.yaml").is_file() and (CONF_DIR / "size" / "tiny.yaml").is_file()
     assert (CONF_DIR / "__init__.py").is_file()  # pkg://lightning_comp.conf needs an importable package
 
