@@ -1,3 +1,4 @@
+# ruff: noqa: E402  (torch is imported after the Inductor cache directory is chosen, below)
 """Shared fixtures: seeds, fast Trainer settings, tiny models and data, and an aten-level dtype recorder.
 
 Everything here is small on purpose: the whole suite runs on 2 shared CPU cores.
@@ -5,12 +6,33 @@ Everything here is small on purpose: the whole suite runs on 2 shared CPU cores.
 
 from __future__ import annotations
 
+import getpass
 import inspect
 import math
+import os
 import random
+import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
+
+
+def inductor_cache_for_capability(env: dict[str, str]) -> dict[str, str]:
+    """``env`` with an Inductor cache of its own where it sets ``ATEN_CPU_CAPABILITY``.
+
+    Inductor's on-disk cache does not tell kernels built for one ATen CPU capability from another's: a process that
+    emulates the AVX2 class and a native one sharing it load each other's kernels (NaN from compiled bf16 layers under
+    the emulation, heap corruption natively; seen with torch 2.13).
+    """
+    capability = env.get("ATEN_CPU_CAPABILITY")
+    if not capability or "TORCHINDUCTOR_CACHE_DIR" in env:
+        return env
+    user = getpass.getuser()
+    return {**env, "TORCHINDUCTOR_CACHE_DIR": os.path.join(tempfile.gettempdir(), f"torchinductor_{user}_{capability}")}
+
+
+# before torch is imported: Inductor fixes its cache directory the first time it looks it up
+os.environ.update(inductor_cache_for_capability(dict(os.environ)))  # the suite run as an emulated class
 
 import lightning.pytorch as pl
 import pytest

@@ -15,6 +15,8 @@ from typing import Any
 
 import pytest
 
+from tests.conftest import inductor_cache_for_capability
+
 HERE = Path(__file__).parent
 AVX2_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
 
@@ -28,7 +30,8 @@ pytestmark = [
 @pytest.fixture(scope="module")
 def avx2_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("avx2") / "result.json"
-    env = {**os.environ, **AVX2_ENV, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
+    env = inductor_cache_for_capability(
+        {**os.environ, **AVX2_ENV, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])})
     done = subprocess.run([sys.executable, str(HERE / "cpu_class_run.py"), str(out)], env=env, capture_output=True,
                           text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]

@@ -205,7 +205,9 @@ def test_models_nobody_here_wrote_train_under_comp(tmp_path: Path, model: str, d
         pytest.skip(f"{why}; install the extra ([hf] or [vision])")
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose("config", overrides=[f"output_dir={tmp_path}", "num_threads=1", f"model={model}",
-                                           f"data={data}", "precision=comp", *COMP_FAST, *overrides],
+                                           f"data={data}", "precision=comp", *COMP_FAST, *overrides,
+                                           # pinned: the search runs on every CPU class, emulated BF16 included
+                                           "precision.callbacks.comp_search.low_precision=bf16"],
                       return_hydra_config=True)
     result = run(cfg)
     assert (result["model"], result["data"], result["precision"]) == (model, data, "comp")
