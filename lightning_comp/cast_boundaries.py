@@ -8,21 +8,25 @@ applied, with a ``TorchFunctionMode`` that sees every torch call made outside op
 
 from __future__ import annotations
 
+import sys
 import weakref
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from lightning_comp.devices import device_class
 from lightning_comp.dtypes import Precision
 from lightning_comp.operators import Lowering, OperatorKind
 from lightning_comp.saved_precision import SavedPrecision
 
-__all__ = ["ConsumerTracer", "HookedOperator", "LOW_DTYPES", "cast_floating", "has_low", "iter_tensors"]
+__all__ = ["ConsumerTracer", "HookedOperator", "LOW_DTYPES", "StepKind", "cast_floating", "has_low", "iter_tensors",
+           "note_failing_operator"]
 
 LOW_DTYPES = (torch.bfloat16, torch.float16)
 # Tensor metadata reads that neither consume values nor create tensors: they never force a cast boundary.
@@ -89,6 +93,30 @@ class HookedOperator:
     @property
     def transparent(self) -> bool:
         return self.kind is OperatorKind.SHAPE
+
+
+class StepKind(str, Enum):
+    """The kind of Lightning step a forward belongs to; cast boundaries are calibrated per kind."""
+
+    TRAIN = "train"
+    VALIDATION = "validation"
+    TEST = "test"
+    PREDICT = "predict"
+
+
+def note_failing_operator(op: HookedOperator, device: torch.device | None) -> None:
+    """Add to an exception raised inside a lowered operator which operator, precision and device it was."""
+    error = sys.exc_info()[1]
+    if error is None or getattr(error, "_comp_operator", None) is not None or not hasattr(error, "add_note"):
+        return
+    error._comp_operator = op.name  # type: ignore[attr-defined]  # the innermost operator notes it, once
+    where = "unknown device" if device is None else f"{device} [{device_class(device).describe()}]"
+    saving = f", saving for backward in {op.saved.value}" if op.saved.compresses else ""
+    error.add_note(
+        f"lightning-comp: raised inside operator {op.name or '<root>'!r} ({type(op.module).__name__}) computing in"
+        f" {op.precision.value} ({op.lowering.value} lowering){saving} on {where}. Assign it 'fp32' in the plan,"
+        " or exclude it from the search with CoMPSearch(exclude=[...])."
+    )
 
 
 class ConsumerTracer(TorchFunctionMode):

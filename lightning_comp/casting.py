@@ -14,11 +14,9 @@ is applied. Calls outside a step, and operators the trace did not see, always ca
 
 from __future__ import annotations
 
-import sys
 import weakref
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
-from enum import Enum
 from typing import Any
 
 import torch
@@ -31,9 +29,11 @@ from lightning_comp.cast_boundaries import (
     LOW_DTYPES,
     ConsumerTracer,
     HookedOperator,
+    StepKind,
     cast_floating,
     has_low,
     iter_tensors,
+    note_failing_operator,
 )
 from lightning_comp.compiled_regions import (
     EagerCall,
@@ -58,30 +58,6 @@ __all__ = ["StepKind", "PlanExecutor", "cast_floating"]
 # The executor whose hooks are on each model. A model carries one plan at a time: applying another executor (a new
 # CoMPPrecision for the same model, e.g. a second Trainer) takes the previous one's hooks off first.
 _OWNERS: weakref.WeakKeyDictionary[nn.Module, PlanExecutor] = weakref.WeakKeyDictionary()
-class StepKind(str, Enum):
-    """The kind of Lightning step a forward belongs to; cast boundaries are calibrated per kind."""
-
-    TRAIN = "train"
-    VALIDATION = "validation"
-    TEST = "test"
-    PREDICT = "predict"
-
-
-def _note_failing_operator(op: HookedOperator, device: torch.device | None) -> None:
-    """Add to an exception raised inside a lowered operator which operator, precision and device it was."""
-    error = sys.exc_info()[1]
-    if error is None or getattr(error, "_comp_operator", None) is not None or not hasattr(error, "add_note"):
-        return
-    error._comp_operator = op.name  # type: ignore[attr-defined]  # the innermost operator notes it, once
-    where = "unknown device" if device is None else f"{device} [{device_class(device).describe()}]"
-    saving = f", saving for backward in {op.saved.value}" if op.saved.compresses else ""
-    error.add_note(
-        f"lightning-comp: raised inside operator {op.name or '<root>'!r} ({type(op.module).__name__}) computing in"
-        f" {op.precision.value} ({op.lowering.value} lowering){saving} on {where}. Assign it 'fp32' in the plan,"
-        " or exclude it from the search with CoMPSearch(exclude=[...])."
-    )
-
-
 class PlanExecutor:
     """Puts a :class:`PrecisionPlan` into effect on a model, in place, through forward hooks.
 
@@ -405,7 +381,7 @@ class PlanExecutor:
                 if rnn:
                     module._update_flat_weights()  # type: ignore[operator]
             if output is None and (op.low or op.saved.compresses):
-                _note_failing_operator(op, self._device)  # always_call: forward raised, name the operator
+                note_failing_operator(op, self._device)  # always_call: forward raised, name the operator
             if op.low and not op.transparent and output is not None:
                 if op.lowering is Lowering.OUTPUT:
                     output = cast_floating(output, dtype)
