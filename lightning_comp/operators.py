@@ -57,17 +57,16 @@ class Lowering(str, Enum):
 
 
 _ATOMIC_TYPES: set[type[nn.Module]] = {nn.RNNBase, nn.MultiheadAttention}
-# Modules of libraries people train, known by qualified class name (nothing is imported): they compute as the torch
-# module named beside them does, so they are lowered the same way (autocast, or parameter copies where there is none).
-_KNOWN_COMPUTE: dict[str, str] = {
-    # GPT-2's projections (c_attn, c_proj, c_fc): a Linear with a transposed weight, computed by torch.addmm
-    "transformers.pytorch_utils.Conv1D": "nn.Linear",
-}
-# ... and those treated whole, like nn.MultiheadAttention: their attention product is a functional call
+# Modules of libraries people train, known by qualified class name (nothing is imported), lowered as torch modules
+# autocast lowers (autocast, or parameter copies where there is none). Computing as an nn.Linear:
+_KNOWN_COMPUTE = frozenset({
+    "transformers.pytorch_utils.Conv1D",  # GPT-2's c_attn/c_proj/c_fc: transposed weight, torch.addmm
+})
+# ... and treated whole, like nn.MultiheadAttention: their attention product is a functional call
 # (scaled_dot_product_attention) between their projections, which no operator hook of a child would ever see.
-_KNOWN_ATOMIC: dict[str, str] = {
-    "transformers.models.gpt2.modeling_gpt2.GPT2Attention": "nn.MultiheadAttention",
-}
+_KNOWN_ATOMIC = frozenset({
+    "transformers.models.gpt2.modeling_gpt2.GPT2Attention",
+})
 _SHAPE_TYPES: tuple[type[nn.Module], ...] = (nn.Flatten, nn.Unflatten, nn.Identity)
 _AUTOCAST_TYPES: tuple[type[nn.Module], ...] = (
     nn.Linear,
@@ -113,7 +112,7 @@ def _class_names(cls: type) -> frozenset[str]:
     return names
 
 
-def _known(module: nn.Module, table: dict[str, str]) -> bool:
+def _known(module: nn.Module, table: frozenset[str]) -> bool:
     """Whether ``module``'s class (or a base class) is in ``table`` (qualified class names)."""
     return not _class_names(type(module)).isdisjoint(table)
 

@@ -234,12 +234,6 @@ class CoMPSearch(Callback):
     # -------------------------------------------------------------------------------------------- epoch hooks
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        try:
-            self._epoch_start(trainer, pl_module)
-        finally:
-            self._follow_phase()
-
-    def _epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         state, trials = self._state, self._driver
         if state.phase == Phase.DONE:
             trials.apply_pending_restore(trainer, pl_module)
@@ -261,6 +255,7 @@ class CoMPSearch(Callback):
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
+        self._follow_phase()  # with on_validation_start: before every forward of the fit
         if self._state.phase != Phase.SEARCHING:
             return
         if self._state.profile is None:
@@ -292,6 +287,10 @@ class CoMPSearch(Callback):
             current.nonfinite_loss = True
 
     @override
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._follow_phase()
+
+    @override
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not self._monitor_checked:  # fail on the sanity check already, before any epoch is spent
             check_monitor(self.config, trainer)
@@ -307,14 +306,12 @@ class CoMPSearch(Callback):
         current.metrics[str(trainer.current_epoch)] = float(trainer.callback_metrics[self.config.monitor])
         if current.batches:
             self._driver.close_trial_of_batches(trainer, pl_module)
-            self._follow_phase()
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._budget.restore_epoch_length(trainer)  # a rejected trial of batches cut this epoch short
         if self._state.phase == Phase.SEARCHING and self._state.current_trial is not None:
             self._driver.end_of_epoch(trainer, pl_module)
-            self._follow_phase()
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
