@@ -13,7 +13,8 @@ Everything is measured on one fixed batch, without Lightning, in interleaved rou
    number of hooked operators.
 3. **Memory of the calibration step**: the first step after a plan is applied traces cast boundaries; its peak live
    tensor bytes against the following steps'.
-4. **The search's per-operator attribution**, as ``lightning_comp.profiling.OperatorProfiler`` measures it and with a
+4. **The search's per-operator attribution**, as ``lightning_comp.search.measurement.profiling.OperatorProfiler``
+measures it and with a
    one-line fix (register the backward-timing hook only once per tensor, so an operator that returns its input, such
    as ``Dropout(p=0)``, does not take over the backward time of the operator that produced the tensor): which
    operators the batch stage would accept with and without the fix.
@@ -38,10 +39,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from compare_suite import RESULTS_DIR, SUITE  # noqa: E402
 
 from lightning_comp import zoo  # noqa: E402
-from lightning_comp.casting import PlanExecutor, StepKind  # noqa: E402
-from lightning_comp.dtypes import Precision  # noqa: E402
-from lightning_comp.operators import Lowering, classify, iter_operators, lowering_for  # noqa: E402
-from lightning_comp.plan import PrecisionPlan  # noqa: E402
+from lightning_comp.execution.executor import PlanExecutor, StepKind  # noqa: E402
+from lightning_comp.numerics.precision import Precision  # noqa: E402
+from lightning_comp.operators.discovery import Lowering, classify, iter_operators, lowering_for  # noqa: E402
+from lightning_comp.plan.plan import PrecisionPlan  # noqa: E402
 
 
 def _batch(model_key: str, seed: int) -> tuple[Any, Any, Any]:
@@ -189,7 +190,7 @@ def attribution(model: torch.nn.Module, x: Any, y: Any, rounds: int) -> dict[str
     Before the fix in ``profiling._RoundRecorder`` (an operator that returns its input tensor no longer takes its
     producer's backward time), ``Dropout(p=0)`` made 8 of the default GPT's 19 Linears look 2.5x slower in bf16.
     """
-    from lightning_comp import profiling
+    from lightning_comp.search.measurement import profiling
 
     ops = dict(iter_operators(model))
     lowerable = [n for n, m in ops.items() if lowering_for(m, Precision.BF16, "cpu") not in (None, Lowering.NONE)]

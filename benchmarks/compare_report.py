@@ -41,8 +41,8 @@ def machine_info() -> dict[str, Any]:
                 info[f"lscpu {key.strip()}"] = value
     except (OSError, subprocess.SubprocessError):
         pass
-    from lightning_comp.cpu_features import cpu_features
-    from lightning_comp.devices import device_class
+    from lightning_comp.devices.cpu_features import cpu_features
+    from lightning_comp.devices.device_class import device_class
 
     features = cpu_features()
     for name in ("amx_tile", "avx512_bf16", "amx_fp16"):

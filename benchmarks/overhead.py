@@ -45,7 +45,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_comp import CoMPPrecision, PrecisionPlan, device_class
-from lightning_comp.cpu_features import cpu_features, cpu_name
+from lightning_comp.devices.cpu_features import cpu_features, cpu_name
 
 RESULTS = Path(__file__).resolve().parent / "results" / "overhead.json"
 TARGET_FP32_OVERHEAD = 0.03

@@ -3,7 +3,7 @@
 Measures, for 1 and 2 worker processes (one thread each, one process per core, the CPU analogue of one GPU per
 process; optionally a 1-process/2-thread reference), the time per optimizer step with a fixed *global* batch, the share
 of that time spent in gradient communication, and the all-reduce payload per step, each with fp32 gradients and
-with bf16/fp16 gradient compression (``lightning_comp.grad_compression``). It then fits the paper's model
+with bf16/fp16 gradient compression (``lightning_comp.distributed.grad_compression``). It then fits the paper's model
 ``T(N) = T(N0) * N0 / N * (1 + c ln N)`` with ``N0 = 1`` and extrapolates it to 8, 32 and 100 workers.
 
 The model follows the FRNN of Svyatkovskiy et al. scaled down for 2 cores: 2 stacked LSTM layers over sequences of
@@ -43,7 +43,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from lightning_comp.grad_compression import (  # noqa: E402
+from lightning_comp.distributed.grad_compression import (  # noqa: E402
     CommStats,
     bf16_compress_hook_any_backend,
     counting_comm_hook,

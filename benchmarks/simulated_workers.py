@@ -11,7 +11,7 @@ the same single-worker rate ``lr0`` and the same per-epoch decay ``gamma``:
 
 * ``constant``: ``lr0 * gamma**epoch`` (no scaling with N);
 * ``linear``: ``lr0 * N * gamma**epoch`` (Goyal et al. linear scaling, no cap);
-* ``worker``: :func:`lightning_comp.lr_schedule.worker_scaled_lr`, the paper's
+* ``worker``: :func:`lightning_comp.distributed.lr_schedule.worker_scaled_lr`, the paper's
   ``min(lr_max, lr0 * N / (1 + N / n_half)) * gamma**epoch`` with ``lr_max = 0.1``;
 * ``worker_nocap``: the same saturating rule without the ``lr_max`` cap, to separate the two ingredients.
 
@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from lightning_comp.lr_schedule import worker_scaled_lr  # noqa: E402
+from lightning_comp.distributed.lr_schedule import worker_scaled_lr  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -14,7 +14,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from lightning_comp.machine_load import LoadMeter, MachineLoad, cpus_available
+from lightning_comp.search.measurement.machine_load import LoadMeter, MachineLoad, cpus_available
 
 # Both stop when their parent dies (a SIGKILLed test run cannot clean up after itself).
 TRAINING_LIKE = """

@@ -51,7 +51,7 @@ WEIGHTS_ONLY: dict[str, Any] = {"weights_only": True} if "weights_only" in _FIT_
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Skip ``needs_native_bf16`` tests (their point is speed) where this CPU emulates BF16, saying so."""
-    from lightning_comp.devices import device_class
+    from lightning_comp.devices.device_class import device_class
 
     cpu = device_class("cpu")
     if cpu.is_native("bf16"):

@@ -25,7 +25,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_comp import CoMPPrecision, CoMPSearch, device_class
-from lightning_comp.operators import iter_operators, lowering_for
+from lightning_comp.operators.discovery import iter_operators, lowering_for
 
 LOWERED = ("lstm", "gru", "conv", "bn", "ln", "fc", "head")
 # the aten ops that do each operator's arithmetic (what must run in the planned dtype)

@@ -19,7 +19,6 @@ from search_models import Classifier, WideMLP, loaders
 from torch import nn
 
 from lightning_comp import CoMPPrecision, CoMPSearch, PrecisionPlan
-from lightning_comp.dtypes import Precision, device_supports_fast, parse_precision
 from lightning_comp.errors import (
     PlanError,
     PlanFileError,
@@ -27,6 +26,7 @@ from lightning_comp.errors import (
     SearchConfigError,
     UnsupportedSetupError,
 )
+from lightning_comp.numerics.precision import Precision, device_supports_fast, parse_precision
 from lightning_comp.search.checks import check_trainer
 
 FAST_FP16_CPU = device_supports_fast(Precision.FP16, "cpu")

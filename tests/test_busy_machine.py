@@ -20,16 +20,16 @@ import torch
 from busy_search import CLEAR, adopted_whole, batch_stage_record, clear_operators, own_decisions
 from competitor import competing_load, measure_load
 
-from lightning_comp.clocks import ClockKind, ThreadCpuClock, make_clock, single_intra_op_thread
 from lightning_comp.errors import SearchConfigError
-from lightning_comp.machine_load import LoadMeter, MachineLoad
 from lightning_comp.search import SearchConfig
-from lightning_comp.search import batch_stage as batch_stage_module
-from lightning_comp.search.batch_stage import ExtraRounds
-from lightning_comp.search.comparison import StepComparison, judge_operator, plan_pays
 from lightning_comp.search.config import Timing
-from lightning_comp.search.estimates import Verdict, paired_ratio
-from lightning_comp.search.timing import BUSY_CPUS, choose_timing
+from lightning_comp.search.decisions.comparison import StepComparison, judge_operator, plan_pays
+from lightning_comp.search.measurement.clock_choice import BUSY_CPUS, choose_timing
+from lightning_comp.search.measurement.clocks import ClockKind, ThreadCpuClock, make_clock, single_intra_op_thread
+from lightning_comp.search.measurement.estimates import Verdict, paired_ratio
+from lightning_comp.search.measurement.machine_load import LoadMeter, MachineLoad
+from lightning_comp.search.stages import batch_stage as batch_stage_module
+from lightning_comp.search.stages.batch_stage import ExtraRounds
 
 LINUX = sys.platform.startswith("linux")
 FAULT_RUN = Path(__file__).resolve().parent / "fault_run.py"

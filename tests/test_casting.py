@@ -16,8 +16,8 @@ import torch
 from torch import nn
 
 from lightning_comp import PlanError, PlanExecutor, PlanMismatchError, Precision, PrecisionPlan, StepKind
-from lightning_comp.casting import cast_floating
-from lightning_comp.operators import Lowering, lowering_for
+from lightning_comp.execution.executor import cast_floating
+from lightning_comp.operators.discovery import Lowering, lowering_for
 
 BF16, FP32 = torch.bfloat16, torch.float32
 
@@ -375,7 +375,7 @@ def test_plan_for_another_model_is_rejected() -> None:
 def test_operators_without_a_kernel_on_the_device_fail_before_any_step(monkeypatch: pytest.MonkeyPatch) -> None:
     """Where no way of lowering a recurrent operator runs (autocast and parameter copies both fail on a tiny copy),
     applying the plan fails at once, naming each operator, its precision, the device and what to do."""
-    from lightning_comp import kernel_probes
+    from lightning_comp.devices import kernel_probes
 
     def no_kernel(*args: Any) -> bool:
         raise RuntimeError("could not create a primitive descriptor for the LSTM forward propagation primitive")

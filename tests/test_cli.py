@@ -17,7 +17,7 @@ import pytest
 pytest.importorskip("jsonargparse", reason="LightningCLI needs the 'cli' extra: pip install -e '.[cli]'")
 
 from lightning_comp import CoMPPrecision, CoMPSearch  # noqa: E402
-from lightning_comp.clocks import single_intra_op_thread  # noqa: E402
+from lightning_comp.search.measurement.clocks import single_intra_op_thread  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "examples"))

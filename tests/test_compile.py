@@ -16,9 +16,9 @@ from torch import nn
 from torch._dynamo.utils import counters
 
 from lightning_comp import CoMPPrecision, PlanError, PrecisionPlan, SearchConfigError, discover_operators
-from lightning_comp.casting import PlanExecutor, StepKind
-from lightning_comp.compiled_regions import graph_breaks
-from lightning_comp.operators import iter_operators
+from lightning_comp.execution.compiled_regions import graph_breaks
+from lightning_comp.execution.executor import PlanExecutor, StepKind
+from lightning_comp.operators.discovery import iter_operators
 from lightning_comp.search.state import Phase
 from tests.search_models import WideMLP, fixed_search, loaders, search_trainer
 

@@ -16,9 +16,9 @@ from search_models import WideMLP, fixed_search, loaders, search_trainer
 from torch import nn
 
 from lightning_comp import CoMPPrecision, PlanError, PrecisionPlan, WorkerScaledLR
-from lightning_comp.devices import DeviceClass
+from lightning_comp.devices.device_class import DeviceClass
 from lightning_comp.errors import UnsupportedSetupError
-from lightning_comp.portability import check_plan_device
+from lightning_comp.execution.emulation import check_plan_device
 
 
 # ------------------------------------------------------------------------------------------ manual optimization
@@ -172,7 +172,7 @@ class _TwoRanks:
 def test_profiles_are_averaged_over_ranks_bytes_included() -> None:
     """Under objective="memory" ranks decide from saved bytes: they must see the same numbers, or they pick
     different candidates and then time different plans (mismatched collectives)."""
-    from lightning_comp.profiling import OperatorMeasurement, ProfileResult
+    from lightning_comp.search.measurement.profiling import OperatorMeasurement, ProfileResult
     from lightning_comp.search.ranks import reduce_profile
 
     mine = ProfileResult({"a": OperatorMeasurement(forward_ms=1.0, backward_ms=2.0, compute_ms=0.5, saved_bytes=100)})

@@ -15,11 +15,12 @@ import torch
 from conftest import TinyMLP, regression_loader
 from torch import nn
 
-from lightning_comp import CoMPPrecision, DeviceClass, Precision, PrecisionPlan, SearchConfig, devices
-from lightning_comp import cpu_features as cpu_mod
-from lightning_comp.devices import device_class
+from lightning_comp import CoMPPrecision, DeviceClass, Precision, PrecisionPlan, SearchConfig
+from lightning_comp.devices import cpu_features as cpu_mod
+from lightning_comp.devices import device_class as devices
+from lightning_comp.devices.device_class import device_class
 from lightning_comp.errors import PlanError
-from lightning_comp.portability import check_plan_device
+from lightning_comp.execution.emulation import check_plan_device
 
 BF16, FP16 = Precision.BF16, Precision.FP16
 

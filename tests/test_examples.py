@@ -63,7 +63,7 @@ def _one_thread() -> Iterator[None]:
 
 
 def _cpu_autocast_runs_bf16_lstm() -> bool:
-    from lightning_comp.operators import Lowering, lowering_for
+    from lightning_comp.operators.discovery import Lowering, lowering_for
 
     return lowering_for(torch.nn.LSTM(2, 2), lightning_comp.Precision.BF16, "cpu") is Lowering.AUTOCAST
 

@@ -18,9 +18,9 @@ import torch
 from fault_run import MAX_EPOCHS, InfBNMLP, OverflowMLP, fixed_loaders
 
 from lightning_comp import CoMPPrecision, CoMPSearch, TrainingSnapshot
-from lightning_comp.dtypes import Precision
+from lightning_comp.numerics.precision import Precision
 from lightning_comp.search import SearchConfig, TrialRecord
-from lightning_comp.search.trials import judge_trial
+from lightning_comp.search.stages.trials import judge_trial
 
 FAULT_RUN = Path(__file__).resolve().parent / "fault_run.py"
 

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-from lightning_comp.grad_compression import (
+from lightning_comp.distributed.grad_compression import (
     CommStats,
     GradCommDtype,
     HalfPrecisionDDPStrategy,
@@ -153,7 +153,7 @@ _SCRIPT = textwrap.dedent(
     import lightning.pytorch as pl
     from lightning.pytorch.strategies import DDPStrategy
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-    from lightning_comp.grad_compression import CommStats, counting_comm_hook, half_precision_ddp_strategy
+    from lightning_comp.distributed.grad_compression import CommStats, counting_comm_hook, half_precision_ddp_strategy
 
     ITEMSIZE = {"float": 4, "c10::BFloat16": 2, "c10::Half": 2}
 

@@ -16,7 +16,7 @@ from lightning.pytorch.callbacks import Callback, EarlyStopping
 from lightning.pytorch.strategies import DDPStrategy
 from packaging.requirements import Requirement
 
-from lightning_comp import lightning_adapter as adapter
+from lightning_comp.adapters import lightning_internals as adapter
 
 
 class _Probe(Callback):

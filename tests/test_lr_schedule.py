@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_comp.lr_schedule import WorkerScaledLR, WorkerScaledLRConfig, worker_scaled_lr
+from lightning_comp.distributed.lr_schedule import WorkerScaledLR, WorkerScaledLRConfig, worker_scaled_lr
 
 LR0 = 0.01
 BATCHES_PER_EPOCH = 4

@@ -7,8 +7,8 @@ import torch
 from torch import nn
 
 from lightning_comp import Lowering, OperatorKind, Precision, discover_operators, register_atomic
-from lightning_comp import operators as ops_mod
-from lightning_comp.operators import (
+from lightning_comp.operators import discovery as ops_mod
+from lightning_comp.operators.discovery import (
     classify,
     has_floating_work,
     is_floating,
@@ -164,7 +164,7 @@ def test_recurrent_operators_lower_the_way_that_runs_on_this_device(module_type:
 def test_recurrent_lowering_falls_back_to_parameter_copies_where_autocast_cannot_run(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """As on an AVX2-only CPU, where CPU autocast's BF16 LSTM raises a oneDNN error (pytorch/pytorch#88136)."""
-    from lightning_comp import kernel_probes
+    from lightning_comp.devices import kernel_probes
 
     real_run = kernel_probes._run
 

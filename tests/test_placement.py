@@ -110,7 +110,7 @@ def test_the_search_resolves_auto_from_the_placed_device(tmp_path: Path) -> None
     _trainer(_Materialize(state), CoMPPrecision(), [search], max_epochs=2).fit(model, train, val)
     record = search.record
     assert record is not None
-    from lightning_comp.devices import device_class
+    from lightning_comp.devices.device_class import device_class
 
     cpu = device_class("cpu")
     expected = "bf16" if cpu.is_native("bf16") else "fp16" if cpu.is_native("fp16") else None
@@ -122,7 +122,7 @@ def test_the_search_resolves_auto_from_the_placed_device(tmp_path: Path) -> None
 def test_the_device_is_probed_only_after_placement(monkeypatch: pytest.MonkeyPatch) -> None:
     """A spy on the one device probe: nothing asks what the device can do between ``convert_module`` and the
     placement, and every question is about the device the model trains on."""
-    from lightning_comp import devices
+    from lightning_comp.devices import device_class as devices
 
     devices.device_class.cache_clear()  # type: ignore[attr-defined]
     events: list[str] = []
@@ -171,7 +171,7 @@ def test_moving_the_model_between_steps_re_hooks_it(dtype_recorder: Any) -> None
 def test_a_scaler_loaded_before_placement_follows_the_model_to_its_device(monkeypatch: pytest.MonkeyPatch) -> None:
     """A checkpoint's fp16 scaler loaded before the model is known is built for a guessed device; once the model is
     placed elsewhere, the scaler is rebuilt there."""
-    from lightning_comp.loss_scaling import ScalerSlot
+    from lightning_comp.execution.loss_scaling import ScalerSlot
 
     slot = ScalerSlot()
     state = {**torch.amp.GradScaler("cpu").state_dict(), "scale": 1024.0}

@@ -18,7 +18,7 @@ from lightning_comp import (
     PrecisionPlan,
     parse_precision,
 )
-from lightning_comp.plan import PLAN_FORMAT, PLAN_VERSION, plan_from_any
+from lightning_comp.plan.plan import PLAN_FORMAT, PLAN_VERSION, plan_from_any
 
 
 class _Encoder(nn.Module):

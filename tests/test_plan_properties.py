@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from lightning_comp import OperatorFingerprint, PlanError, Precision, PrecisionPlan, parse_precision
-from lightning_comp.dtypes import _ALIASES
+from lightning_comp.numerics.precision import _ALIASES
 
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 

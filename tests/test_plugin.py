@@ -368,7 +368,7 @@ def test_failed_set_plan_keeps_the_previous_plan(make_mlp: Any, make_regression_
 # ------------------------------------------------------------------------------------------------------ fp16
 def test_fp16_is_declined_on_this_cpu_without_opt_in(make_mlp: Any, make_regression_loader: Any,
                                                      fast_trainer_kwargs: dict[str, Any]) -> None:
-    from lightning_comp.dtypes import Precision, device_supports_fast
+    from lightning_comp.numerics.precision import Precision, device_supports_fast
 
     if device_supports_fast(Precision.FP16, "cpu"):
         pytest.skip("this CPU has AMX-FP16: fp16 is not declined")

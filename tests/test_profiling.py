@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lightning_comp.profiling import OperatorProfiler
+from lightning_comp.search.measurement.profiling import OperatorProfiler
 
 
 def _profile(model: nn.Module) -> dict[str, float]:
@@ -38,8 +38,8 @@ def test_in_place_activation_does_not_steal_the_backward() -> None:
 
 
 def test_every_round_is_kept_paired_and_more_rounds_can_be_added_with_any_clock() -> None:
-    from lightning_comp.clocks import ClockKind, make_clock, single_intra_op_thread
-    from lightning_comp.profiling import StepTimer
+    from lightning_comp.search.measurement.clocks import ClockKind, make_clock, single_intra_op_thread
+    from lightning_comp.search.measurement.profiling import StepTimer
 
     model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8))
     x = torch.randn(16, 32)

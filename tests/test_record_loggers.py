@@ -14,7 +14,7 @@ from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from search_models import WideMLP, fixed_search, loaders
 
 from lightning_comp import CoMPPrecision
-from lightning_comp.search.record_loggers import OPERATOR_COLUMNS, TRIAL_COLUMNS, operator_rows, plan_hyperparameters
+from lightning_comp.search.record.loggers import OPERATOR_COLUMNS, TRIAL_COLUMNS, operator_rows, plan_hyperparameters
 
 
 @pytest.mark.slow

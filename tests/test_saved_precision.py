@@ -19,11 +19,9 @@ from conftest import sqnr
 from torch import nn
 
 from lightning_comp import PrecisionPlan
-from lightning_comp.casting import PlanExecutor, StepKind
-from lightning_comp.clocks import single_intra_op_thread
 from lightning_comp.errors import PlanError, PlanMismatchError
-from lightning_comp.operators import iter_operators
-from lightning_comp.saved_precision import (
+from lightning_comp.execution.executor import PlanExecutor, StepKind
+from lightning_comp.numerics.saved_precision import (
     FP8_MAX,
     SavedPrecision,
     compress,
@@ -31,6 +29,8 @@ from lightning_comp.saved_precision import (
     decompress,
     parse_saved_precision,
 )
+from lightning_comp.operators.discovery import iter_operators
+from lightning_comp.search.measurement.clocks import single_intra_op_thread
 from lightning_comp.zoo import VOCAB_SIZE, CharGPT, CharLSTM, Conv1DClassifier, ConvNetBN, GRUClassifier, NarrowMLP
 
 

@@ -18,12 +18,12 @@ from torch import nn
 
 from lightning_comp import CoMPPrecision, CoMPSearch, Precision, PrecisionPlan
 from lightning_comp.errors import SearchConfigError, UnsupportedSetupError
-from lightning_comp.group_search import GroupSearch
-from lightning_comp.operators import iter_operators
-from lightning_comp.report import format_record
+from lightning_comp.operators.discovery import iter_operators
 from lightning_comp.search import SearchConfig
-from lightning_comp.search.batch_stage import BatchStage
-from lightning_comp.search.comparison import StepComparison, whole_step_winner
+from lightning_comp.search.decisions.comparison import StepComparison, whole_step_winner
+from lightning_comp.search.decisions.group_search import GroupSearch
+from lightning_comp.search.record.text import format_record
+from lightning_comp.search.stages.batch_stage import BatchStage
 
 
 class _Crash(Callback):

@@ -17,7 +17,7 @@ from lightning.pytorch.callbacks import Callback, EarlyStopping, ModelCheckpoint
 from search_models import FragileMLP, WideMLP, fixed_search, loaders, search_trainer
 
 from lightning_comp import CoMPPrecision, CoMPSearch
-from lightning_comp.callback_pause import CallbackPause
+from lightning_comp.search.rewind.pause import CallbackPause
 
 
 class _EarlyStoppingProbe(Callback):

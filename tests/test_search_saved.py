@@ -17,22 +17,22 @@ import pytest
 import torch
 from search_models import WideMLP, loaders, search_trainer
 
-import lightning_comp.saved_tensors as saved_tensors
+import lightning_comp.execution.saved_tensors as saved_tensors
 from lightning_comp import CoMPPrecision, CoMPSearch
-from lightning_comp.clocks import single_intra_op_thread
-from lightning_comp.dtypes import Precision
 from lightning_comp.errors import SearchConfigError
-from lightning_comp.saved_precision import CompressedTensor, SavedPrecision
+from lightning_comp.numerics.precision import Precision
+from lightning_comp.numerics.saved_precision import CompressedTensor, SavedPrecision
 from lightning_comp.search.config import SearchConfig
-from lightning_comp.search.estimates import RatioEstimate
-from lightning_comp.search.saved_stage import (
+from lightning_comp.search.measurement.clocks import single_intra_op_thread
+from lightning_comp.search.measurement.estimates import RatioEstimate
+from lightning_comp.search.stages.saved_stage import (
     judge_saved,
     merge_candidates,
     sharing_groups,
     split_group,
     unshared_choices,
 )
-from lightning_comp.search.trials import plan_for
+from lightning_comp.search.stages.trials import plan_for
 
 
 @pytest.fixture(autouse=True)
@@ -98,7 +98,7 @@ def test_operators_that_save_the_same_tensors_form_one_group_in_execution_order(
 
 
 def test_the_profiler_reports_which_operators_save_the_same_tensor() -> None:
-    from lightning_comp.profiling import OperatorProfiler
+    from lightning_comp.search.measurement.profiling import OperatorProfiler
 
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
     x = torch.randn(16, 32)

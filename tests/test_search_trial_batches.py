@@ -18,7 +18,7 @@ from search_models import TOLERANCE, SearchProbe, WideMLP, fixed_search, loaders
 from lightning_comp import CoMPPrecision, CoMPSearch
 from lightning_comp.errors import SearchConfigError
 from lightning_comp.search import SearchConfig
-from lightning_comp.search.trials import trial_batches
+from lightning_comp.search.stages.trials import trial_batches
 
 BATCHES = 3  # of 8 per epoch (2048 samples, batch 256)
 

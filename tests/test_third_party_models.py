@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from lightning_comp import CoMPPrecision, CoMPSearch, OperatorKind, PrecisionPlan, discover_operators
-from lightning_comp.casting import PlanExecutor
+from lightning_comp.execution.executor import PlanExecutor
 from lightning_comp.zoo import HFGPT2, CharTextDataModule, ShapesDataModule, TorchvisionResNet
 from tests.conftest import DtypeRecorder
 
@@ -173,8 +173,8 @@ def test_resnet_search_chooses_a_plan_that_round_trips(tmp_path: Path) -> None:
 @needs_hf
 def test_gpt2_traces_under_a_plan_into_one_graph() -> None:
     """Compiled, the all-bf16 plan adds no graph break to GPT-2 (Dynamo traces Conv1D, the attention and the hooks)."""
-    from lightning_comp.casting import StepKind
-    from lightning_comp.compiled_regions import graph_breaks
+    from lightning_comp.execution.compiled_regions import graph_breaks
+    from lightning_comp.execution.executor import StepKind
 
     model, tokens = _gpt2(), torch.randint(0, 256, (2, 64))
     executor = PlanExecutor()

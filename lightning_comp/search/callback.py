@@ -3,14 +3,16 @@
 The search runs inside the user's ``trainer.fit`` and never changes the model's code:
 
 1. **Warm-up.** The first ``warmup_epochs`` train in FP32 as usual (early metrics are too noisy to judge by).
-2. **Batch stage** (:mod:`~lightning_comp.search.batch_stage`, decisions in :mod:`~lightning_comp.search.comparison`):
+2. **Batch stage** (:mod:`~lightning_comp.search.stages.batch_stage`, decisions in
+:mod:`~lightning_comp.search.decisions.comparison`):
    which operators are worth a trial, measured on one batch.
-3. **Epoch stage** (:mod:`~lightning_comp.search.trials`): FP32 reference and candidate trials from one snapshot,
+3. **Epoch stage** (:mod:`~lightning_comp.search.stages.trials`): FP32 reference and candidate trials from one snapshot,
    judged on the monitored validation metric; unsafe operators isolated by adaptive group testing.
-4. **Rewind and keep** (:mod:`~lightning_comp.search.loop`): rejected trials are rewound bit-exactly and given back
-   through ``max_epochs``; ``EarlyStopping`` is paused meanwhile (:mod:`lightning_comp.callback_pause`).
+4. **Rewind and keep** (:mod:`~lightning_comp.search.rewind.loop`): rejected trials are rewound bit-exactly and given
+back
+   through ``max_epochs``; ``EarlyStopping`` is paused meanwhile (:mod:`lightning_comp.search.rewind.pause`).
 
-The decision record (:mod:`~lightning_comp.search.record`) is kept in the callback state, written as JSON next to
+The decision record (:mod:`~lightning_comp.search.record.build`) is kept in the callback state, written as JSON next to
 the logs, logged to the Trainer's loggers and printed on rank 0. Under DDP every rank takes every decision from the
 same numbers (:mod:`~lightning_comp.search.ranks`).
 """
@@ -26,13 +28,11 @@ import torch
 from lightning.pytorch.callbacks import Callback, EarlyStopping, ModelCheckpoint
 from typing_extensions import override
 
-from lightning_comp import lightning_adapter as lightning
-from lightning_comp.callback_pause import CallbackPause
-from lightning_comp.devices import device_class, model_device
-from lightning_comp.dtypes import Precision
-from lightning_comp.plan import PrecisionPlan
-from lightning_comp.plugin import CoMPPrecision
-from lightning_comp.search.batch_stage import BatchStage
+from lightning_comp.adapters import lightning_internals as lightning
+from lightning_comp.devices.device_class import device_class, model_device
+from lightning_comp.numerics.precision import Precision
+from lightning_comp.plan.plan import PrecisionPlan
+from lightning_comp.plugins.comp import CoMPPrecision
 from lightning_comp.search.checks import (
     check_compiled,
     check_low_precision,
@@ -43,12 +43,14 @@ from lightning_comp.search.checks import (
 )
 from lightning_comp.search.compiled import EagerWhileSearching
 from lightning_comp.search.config import SearchConfig
-from lightning_comp.search.loop import LoopBudget
-from lightning_comp.search.progress import SearchProgress
-from lightning_comp.search.record import build_record, publish
+from lightning_comp.search.record.build import build_record, publish
+from lightning_comp.search.record.progress import SearchProgress
+from lightning_comp.search.rewind.loop import LoopBudget
+from lightning_comp.search.rewind.pause import CallbackPause
+from lightning_comp.search.rewind.snapshot import TrainingSnapshot
+from lightning_comp.search.stages.batch_stage import BatchStage
+from lightning_comp.search.stages.trials import TrialDriver, warn_stopped_inside_the_search
 from lightning_comp.search.state import Phase, SearchState
-from lightning_comp.search.trials import TrialDriver, warn_stopped_inside_the_search
-from lightning_comp.snapshot import TrainingSnapshot
 
 __all__ = ["CoMPSearch"]
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_warn
 
-from lightning_comp import lightning_adapter as lightning
-from lightning_comp.devices import DeviceClass, model_device
-from lightning_comp.dtypes import Precision
+from lightning_comp.adapters import lightning_internals as lightning
+from lightning_comp.devices.device_class import DeviceClass, model_device
 from lightning_comp.errors import PlanMismatchError, SearchConfigError, UnsupportedSetupError
-from lightning_comp.operators import Lowering, iter_operators, lowering_for
-from lightning_comp.plugin import CoMPPrecision
+from lightning_comp.numerics.precision import Precision
+from lightning_comp.operators.discovery import Lowering, iter_operators, lowering_for
+from lightning_comp.plugins.comp import CoMPPrecision
 from lightning_comp.search.config import SearchConfig
 
 __all__ = ["check_low_precision", "check_monitor", "check_optimization", "check_selectors", "check_trainer",

@@ -3,15 +3,15 @@
 Every plan the search puts into effect changes the operators' hooks, and TorchDynamo would compile a new graph for
 each one (seconds to minutes apiece, and past ``torch._dynamo.config.recompile_limit`` it gives up compiling the
 model for the rest of the run). So from the batch stage to the decision, compiled code runs eagerly
-(:func:`lightning_comp.compiled_regions.eager`); the FP32 warm-up before it and the training after it run compiled,
-the latter with the chosen plan traced into the graph. The batch stage's times are therefore eager times.
+(:func:`lightning_comp.execution.compiled_regions.eager`); the FP32 warm-up before it and the training after it run
+compiled, the latter with the chosen plan traced into the graph. The batch stage's times are therefore eager times.
 """
 
 from __future__ import annotations
 
 from contextlib import ExitStack
 
-from lightning_comp.compiled_regions import eager
+from lightning_comp.execution.compiled_regions import eager
 from lightning_comp.search.state import Phase
 
 __all__ = ["EagerWhileSearching"]

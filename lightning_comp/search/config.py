@@ -9,11 +9,11 @@ from enum import Enum
 
 import torch
 
-from lightning_comp.devices import DeviceClass
-from lightning_comp.dtypes import Precision, parse_precision
+from lightning_comp.devices.device_class import DeviceClass
 from lightning_comp.errors import PlanError, SearchConfigError
-from lightning_comp.saved_precision import SavedPrecision
-from lightning_comp.selectors import Selectors
+from lightning_comp.numerics.precision import Precision, parse_precision
+from lightning_comp.numerics.saved_precision import SavedPrecision
+from lightning_comp.plan.selectors import Selectors
 
 __all__ = ["Objective", "SearchConfig", "Timing"]
 

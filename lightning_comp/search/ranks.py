@@ -11,7 +11,7 @@ from typing import TypeVar
 import lightning.pytorch as pl
 import torch
 
-from lightning_comp.profiling import ProfileResult
+from lightning_comp.search.measurement.profiling import ProfileResult
 
 __all__ = ["agree", "reduce_mean", "reduce_profile"]
 

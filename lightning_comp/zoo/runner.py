@@ -171,9 +171,9 @@ def check_lightning_precision(trainer: pl.Trainer, model: pl.LightningModule) ->
     Raises:
         ValueError: naming the LSTM, the device and the precisions that work.
     """
-    from lightning_comp.devices import device_class
-    from lightning_comp.dtypes import Precision
-    from lightning_comp.operators import Lowering, lowering_for
+    from lightning_comp.devices.device_class import device_class
+    from lightning_comp.numerics.precision import Precision
+    from lightning_comp.operators.discovery import Lowering, lowering_for
 
     device = trainer.strategy.root_device
     if trainer.precision not in ("bf16-mixed", "16-mixed") or device.type != "cpu":

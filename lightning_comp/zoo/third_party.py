@@ -10,7 +10,7 @@ What the operators are:
 - GPT-2's projections are ``transformers.pytorch_utils.Conv1D`` (a Linear with a transposed weight, ``torch.addmm``):
   compute operators, lowered like ``nn.Linear``. Each ``GPT2Attention`` is one operator, like
   ``nn.MultiheadAttention``: its attention product is a functional ``scaled_dot_product_attention`` call between its
-  projections, which no hook of a child would see (see :mod:`lightning_comp.operators`).
+  projections, which no hook of a child would see (see :mod:`lightning_comp.operators.discovery`).
 - torchvision's ResNet is built of ``nn`` modules only (``Conv2d``, ``BatchNorm2d``, ``ReLU``, pools, ``Linear``);
   its residual additions are functional and stay FP32 (each block's ``ReLU`` module runs twice per forward).
 """

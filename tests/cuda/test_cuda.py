@@ -240,7 +240,7 @@ def test_saved_tensors_are_stored_compressed_on_cuda_without_host_synchronisatio
     """The codecs decide scales on the device: packing a step's activations never waits for the GPU."""
     from conftest import sqnr
 
-    from lightning_comp.casting import PlanExecutor, StepKind
+    from lightning_comp.execution.executor import PlanExecutor, StepKind
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 10)).cuda()

@@ -1,0 +1,1 @@
+"""Adapters: the one place each for private Lightning and private torch attributes the package touches."""

@@ -1,0 +1,1 @@
+"""Devices: what a device runs natively, and which way of lowering an operator runs there."""

@@ -1,0 +1,94 @@
+"""Which way of lowering a recurrent operator actually runs on a device: tried once on a tiny copy, not assumed.
+
+Recurrent kernels are where devices differ most: CPU autocast runs a BF16 ``nn.LSTM`` through oneDNN on CPUs with
+AVX512-BF16, but raises ``could not create a primitive descriptor for the LSTM forward propagation primitive`` on
+AVX2-only CPUs (pytorch/pytorch#88136), while the same LSTM with BF16 parameter copies and a BF16 input runs there;
+``nn.GRU`` is not on CPU autocast's list at all (it would silently compute in FP32). :func:`recurrent_lowering`
+runs forward and backward of a tiny module of the same configuration on the target device through each way in
+turn, and returns the first one that runs and computes in the wanted dtype. Probes touch no global RNG and are
+cached per process.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from typing import Any
+
+import torch
+from torch import nn
+from torch.func import functional_call
+
+from lightning_comp.numerics.precision import Precision
+
+__all__ = ["recurrent_lowering", "RecurrentConfig"]
+
+# (class name, bidirectional, multi-layer, projections, bias, batch_first, nonlinearity)
+RecurrentConfig = tuple[str, bool, bool, bool, bool, bool, str]
+
+
+def recurrent_config(module: nn.RNNBase) -> RecurrentConfig:
+    """What a probe must reproduce of ``module`` (kernels are chosen by these, not by sizes)."""
+    return (module.mode, bool(module.bidirectional), module.num_layers > 1, getattr(module, "proj_size", 0) > 0,
+            bool(module.bias), bool(module.batch_first), str(getattr(module, "nonlinearity", "")))
+
+
+def _tiny(config: RecurrentConfig, device: torch.device) -> nn.RNNBase:
+    mode, bidirectional, layered, projected, bias, batch_first, nonlinearity = config
+    kwargs: dict[str, Any] = dict(input_size=4, hidden_size=4, num_layers=2 if layered else 1, bias=bias,
+                                  batch_first=batch_first, bidirectional=bidirectional)
+    # built on the meta device, so the probe draws nothing from the global RNG (the search's rewinds are bit-exact)
+    meta = torch.device("meta")
+    if mode == "LSTM":
+        module: nn.RNNBase = nn.LSTM(proj_size=2 if projected else 0, device=meta, **kwargs)
+    elif mode == "GRU":
+        module = nn.GRU(device=meta, **kwargs)
+    else:
+        module = nn.RNN(nonlinearity=nonlinearity or "tanh", device=meta, **kwargs)
+    module = module.to_empty(device=device)
+    with torch.no_grad():
+        for index, param in enumerate(module.parameters()):
+            param.fill_(0.05 * (index + 1))
+    return module
+
+
+def _run(module: nn.RNNBase, route: str, dtype: torch.dtype, device: torch.device) -> bool:
+    x = torch.full((2, 3, 4), 0.5, device=device, requires_grad=True)
+    if route == "autocast":
+        with torch.autocast(device.type, dtype=dtype, cache_enabled=False):
+            out = module(x)[0]
+    else:
+        with torch.autocast(device.type, enabled=False):
+            copies = {name: p.to(dtype) for name, p in module.named_parameters()}
+            out = functional_call(module, copies, (x.to(dtype),))[0]
+    out.float().sum().backward()
+    return out.dtype == dtype and x.grad is not None
+
+
+@functools.cache
+def _probe(config: RecurrentConfig, precision: Precision, device: torch.device) -> str | None:
+    dtype = precision.dtype
+    routes = ("autocast", "params")  # autocast first: it is the lowering AMP users get where it works
+    with warnings.catch_warnings(), torch.enable_grad():
+        warnings.simplefilter("ignore")
+        for route in routes:
+            try:
+                if _run(_tiny(config, device), route, dtype, device):
+                    return route
+            except Exception:  # any failure (oneDNN, a missing kernel, an unusable device) rules the route out
+                continue
+    return None
+
+
+def recurrent_lowering(module: nn.RNNBase, precision: Precision, device: torch.device | str) -> str | None:
+    """``"autocast"`` or ``"params"``: the first way of lowering ``module`` that runs on ``device`` in ``precision``.
+
+    ``None`` when neither does (then the operator cannot compute in ``precision`` there).
+    """
+    target = torch.device(device)
+    if target.type == "cuda" and target.index is None and torch.cuda.is_available():
+        target = torch.device("cuda", torch.cuda.current_device())
+    return _probe(recurrent_config(module), precision, target)
+
+
+recurrent_lowering.cache_clear = _probe.cache_clear  # type: ignore[attr-defined]

@@ -1,0 +1,1 @@
+"""Data-parallel training across many workers: half-precision gradient traffic, a worker-scaled learning rate."""

@@ -1,0 +1,177 @@
+"""Saved-tensor hooks that store each operator's activations for backward at its planned saved precision.
+
+While an operator whose plan entry saves ``bf16`` or ``fp8`` runs (between its forward pre- and post-hook), a pair of
+:func:`torch.autograd.graph.saved_tensors_hooks` is in force. Its pack hook compresses every floating tensor the
+operator saves (:mod:`lightning_comp.numerics.saved_precision`), except:
+
+- parameters, views of parameters and casts of them (a lowered layer's 16-bit weight copy): those keep their own
+  recipes (:mod:`lightning_comp.execution.weight_casts`), and a weight is never stored lossy;
+- tensors smaller than the size threshold (their pack/unpack costs more than their bytes are worth);
+- tensors no smaller at the saved precision (a BF16 activation saved ``bf16``), integer and bool tensors.
+
+The hooks chain to the hooks that were in force around the operator (``torch.autograd.graph.save_on_cpu``, the
+weight re-cast recipes, a memory probe, a user's own): a compressed tensor is handed on to them, so it is, e.g.,
+moved to the CPU in its compressed form; everything not compressed is handed on as it is.
+
+A tensor saved by several operators of the same saved precision in one step (a LayerNorm's output read by three
+projections) is compressed once and shared, so sharing never costs more than keeping the original.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.weak import WeakTensorKeyDictionary
+
+from lightning_comp.numerics.saved_precision import CompressedTensor, SavedPrecision, compress, decompress, shrinks
+
+__all__ = ["DEFAULT_MIN_SAVED_BYTES", "SavedTensorCompressor"]
+
+DEFAULT_MIN_SAVED_BYTES = 16 * 1024
+# Autograd nodes that only view or cast their input: a saved tensor reached from a parameter through these is a form
+# of that parameter (a transposed weight, its 16-bit copy), not an activation.
+_VIEW_OR_CAST = frozenset({
+    "ToCopyBackward0", "TBackward0", "ViewBackward0", "TransposeBackward0", "PermuteBackward0", "ExpandBackward0",
+    "UnsqueezeBackward0", "SqueezeBackward0", "SqueezeBackward1", "AliasBackward0", "SliceBackward0",
+    "SelectBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0", "AsStridedBackward0",
+})
+_ACCUMULATE = "torch::autograd::AccumulateGrad"
+Hooks = tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]]
+
+
+def _from_parameter(tensor: torch.Tensor, depth: int = 4) -> bool:
+    """Whether ``tensor``'s autograd history is only views and casts of a parameter (a leaf that needs a gradient)."""
+    fn = tensor.grad_fn
+    for _ in range(depth):
+        if fn is None or fn.name() not in _VIEW_OR_CAST:
+            return False
+        parents = [node for node, _ in fn.next_functions if node is not None]
+        if len(parents) != 1:
+            return False
+        fn = parents[0]
+        if fn.name() == _ACCUMULATE:
+            return True
+    return False
+
+
+def _hooks_enabled() -> bool:
+    enabled = getattr(torch._C._autograd, "_saved_tensors_hooks_is_enabled", lambda: True)
+    return bool(enabled())
+
+
+def _outer_hooks() -> Hooks | None:
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return None if top is None else top(False)
+
+
+@dataclass(frozen=True)
+class _Stored:
+    """A compressed saved tensor, possibly packed again by the outer hooks."""
+
+    packed: Any
+    dtype: torch.dtype
+    inverse_scale: torch.Tensor | None
+    outer_unpack: Callable[[Any], torch.Tensor] | None
+
+
+@dataclass(frozen=True)
+class _Passed:
+    """A saved tensor handed on uncompressed to the outer hooks."""
+
+    packed: Any
+    outer_unpack: Callable[[Any], torch.Tensor]
+
+
+class SavedTensorCompressor:
+    """Makes the saved-tensor hooks of operators that save at a lower precision (see the module docstring).
+
+    Args:
+        min_bytes: tensors smaller than this many bytes are saved as they are.
+        is_weight_copy: tells the weight copies a :class:`~lightning_comp.execution.weight_casts.WeightCastRecorder`
+        made (a
+            frozen parameter's copy has no autograd history that shows where it came from).
+    """
+
+    def __init__(self, min_bytes: int = DEFAULT_MIN_SAVED_BYTES,
+                 is_weight_copy: Callable[[torch.Tensor], bool] | None = None) -> None:
+        if isinstance(min_bytes, bool) or not isinstance(min_bytes, int) or min_bytes < 0:
+            raise ValueError(f"min_saved_bytes={min_bytes!r} is invalid: it must be an integer >= 0 (bytes).")
+        self.min_bytes = min_bytes
+        self._is_weight_copy = is_weight_copy
+        self._parameters: set[int] = set()
+        self._shared: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+        self.compressed_bytes = 0  # bytes of the tensors compressed so far (for inspection and tests)
+        self.stored_bytes = 0  # what they take compressed
+
+    def __getstate__(self) -> dict[str, Any]:
+        # ddp_spawn pickles the plugin: shared copies and storage addresses belong to this process
+        return {**self.__dict__, "_shared": None, "_parameters": set()}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._shared = WeakTensorKeyDictionary()
+
+    def watch(self, model: nn.Module) -> None:
+        """Remember ``model``'s parameter storages (frozen ones too): they are never compressed."""
+        self._parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
+
+    def clear(self) -> None:
+        """Forget shared compressed tensors (at the end of a step: the graph holds what it needs)."""
+        self._shared = WeakTensorKeyDictionary()
+
+    def context(self, saved: SavedPrecision) -> AbstractContextManager[Any] | None:
+        """The hooks of an operator that saves at ``saved``, to enter for its forward (``None``: nothing to do)."""
+        if not saved.compresses or not torch.is_grad_enabled() or not _hooks_enabled():
+            return None
+        outer = _outer_hooks()
+        return torch.autograd.graph.saved_tensors_hooks(self._pack_hook(saved, outer), _unpack)
+
+    def keeps(self, tensor: torch.Tensor, saved: SavedPrecision) -> bool:
+        """Whether ``tensor`` is saved as it is (a parameter or a form of one, too small, or no smaller)."""
+        if not shrinks(tensor, saved) or tensor.nbytes < self.min_bytes:
+            return True
+        if isinstance(tensor, nn.Parameter) or (tensor.is_leaf and tensor.requires_grad):
+            return True
+        if tensor.untyped_storage().data_ptr() in self._parameters:
+            return True
+        if self._is_weight_copy is not None and self._is_weight_copy(tensor):
+            return True
+        return _from_parameter(tensor)
+
+    def _pack_hook(self, saved: SavedPrecision, outer: Hooks | None) -> Callable[[torch.Tensor], Any]:
+        def pack(tensor: torch.Tensor) -> Any:
+            if self.keeps(tensor, saved):
+                return tensor if outer is None else _Passed(outer[0](tensor), outer[1])
+            compressed = self._shared_copy(tensor, saved)
+            data = compressed.data if outer is None else outer[0](compressed.data)
+            return _Stored(data, compressed.dtype, compressed.inverse_scale, None if outer is None else outer[1])
+
+        return pack
+
+    def _shared_copy(self, tensor: torch.Tensor, saved: SavedPrecision) -> CompressedTensor:
+        key = (saved, tensor._version)
+        entry = self._shared.get(tensor)
+        if entry is not None and key in entry:
+            return entry[key]
+        compressed = compress(tensor, saved)
+        self.compressed_bytes += tensor.nbytes
+        self.stored_bytes += compressed.nbytes
+        if entry is None:
+            entry = {}
+            self._shared[tensor] = entry
+        entry[key] = compressed
+        return compressed
+
+
+def _unpack(packed: Any) -> torch.Tensor:
+    if isinstance(packed, _Stored):
+        data = packed.packed if packed.outer_unpack is None else packed.outer_unpack(packed.packed)
+        return decompress(CompressedTensor(data, packed.dtype, packed.inverse_scale))
+    if isinstance(packed, _Passed):
+        return packed.outer_unpack(packed.packed)
+    return packed

@@ -1,0 +1,1 @@
+"""The precision plan: entries, selectors, fingerprint, file format."""

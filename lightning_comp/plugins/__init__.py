@@ -1,0 +1,1 @@
+"""Lightning precision plugins that train with a precision plan."""

@@ -1,0 +1,1 @@
+"""Decisions of the search, made from measurements and trial verdicts."""

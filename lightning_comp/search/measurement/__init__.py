@@ -1,0 +1,1 @@
+"""What the batch stage measures with: clocks, machine load, profilers, ratio estimates."""

@@ -1,0 +1,125 @@
+"""Whole training steps timed side by side (no per-operator hooks), and the bytes a step saves for backward."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_comp.search.measurement.clocks import Clock, ClockKind, make_clock
+
+__all__ = ["StepTimer", "StepTimes", "clock_for", "entered", "new_storage_bytes"]
+
+
+def clock_for(clock: Clock | str) -> Clock:
+    """``clock`` itself, or for a device type the clock that times it by default (``"cuda"``: CUDA events when
+    CUDA is available, else wall time)."""
+    if not isinstance(clock, str):
+        return clock
+    cuda = clock == "cuda" and torch.cuda.is_available()
+    return make_clock(ClockKind.CUDA if cuda else ClockKind.WALL)
+
+
+@dataclass
+class StepTimes:
+    """Whole-step times of several configurations, per measured round (paired across configurations).
+
+    Attributes:
+        ms: label -> step times as the clock counts them.
+        wall_ms: label -> the same steps' real time.
+    """
+
+    ms: dict[str, list[float]] = field(default_factory=dict)
+    wall_ms: dict[str, list[float]] = field(default_factory=dict)
+
+
+class StepTimer:
+    """Times whole training steps of several configurations, interleaved, with no per-operator hooks.
+
+    Args:
+        clock: the clock, or a device type for its default.
+        rounds: measured rounds per configuration.
+        warmup: unmeasured rounds per configuration before the measured ones.
+    """
+
+    def __init__(self, clock: Clock | str, rounds: int = 5, warmup: int = 2) -> None:
+        self.clock = clock_for(clock)
+        self.rounds = rounds
+        self.warmup = warmup
+        self.on_round: Callable[[], None] | None = None  # called after each round (warm-up ones too)
+
+    def time(self, configs: dict[str, Callable[[], Any]], step: Callable[[], None],
+             into: StepTimes | None = None, rounds: int | None = None, warmup: int | None = None) -> StepTimes:
+        """Run ``step`` under each configuration.
+
+        Args:
+            configs: label -> a function that puts the configuration into effect (may return a context manager).
+            step: one training step.
+            into: earlier times to add the new rounds to (in place); a new :class:`StepTimes` if ``None``.
+            rounds: measured rounds (default: the timer's).
+            warmup: unmeasured rounds first (default: the timer's).
+        """
+        out = into if into is not None else StepTimes()
+        for label in configs:
+            out.ms.setdefault(label, [])
+            out.wall_ms.setdefault(label, [])
+        warm = self.warmup if warmup is None else warmup
+        for round_index in range(warm + (self.rounds if rounds is None else rounds)):
+            for label, activate in configs.items():
+                with _activated(activate):
+                    start = self.clock.now()
+                    step()
+                    end = self.clock.now()
+                    self.clock.finish()
+                if round_index >= warm:
+                    out.ms[label].append(self.clock.elapsed_ms(start, end))
+                    out.wall_ms[label].append(self.clock.wall_ms(start, end))
+            if self.on_round is not None:
+                self.on_round()
+        return out
+
+    def saved_bytes(self, model: nn.Module, configs: dict[str, Callable[[], Any]],
+                    step: Callable[[], None]) -> dict[str, int]:
+        """Bytes autograd saves for backward in one step of each configuration (unique storages, parameters excluded).
+
+        Run after :meth:`time`, so every configuration's cast boundaries are calibrated.
+        """
+        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        out: dict[str, int] = {}
+        for label, activate in configs.items():
+            seen: set[int] = set()
+            sizes: list[int] = []
+
+            def pack(tensor: torch.Tensor, seen: set[int] = seen, sizes: list[int] = sizes) -> torch.Tensor:
+                sizes.append(new_storage_bytes(tensor, params, seen))
+                return tensor
+
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _activated(activate):
+                step()
+            out[label] = sum(sizes)
+        return out
+
+
+def new_storage_bytes(tensor: torch.Tensor, skip: set[int], seen: set[int]) -> int:
+    """Bytes of ``tensor``'s storage the first time it is saved (0 for a storage in ``skip``, e.g. a parameter)."""
+    storage = tensor.untyped_storage()
+    ptr = storage.data_ptr()
+    if ptr in skip or ptr in seen:
+        return 0
+    seen.add(ptr)
+    return storage.nbytes()
+
+
+def entered(context: Any) -> Any:
+    """``context`` if it is a context manager, else a no-op one."""
+    return context if hasattr(context, "__enter__") else nullcontext()
+
+
+@contextmanager
+def _activated(activate: Callable[[], Any]) -> Iterator[None]:
+    with entered(activate()):
+        yield

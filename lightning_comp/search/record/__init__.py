@@ -1,0 +1,1 @@
+"""The decision record: built, written, logged, printed, shown on the progress bar."""

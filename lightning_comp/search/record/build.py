@@ -1,0 +1,125 @@
+"""The decision record: what the search measured, tried and chose, and what it cost; written, logged, printed."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.utilities import rank_zero_info
+
+from lightning_comp.numerics.precision import Precision
+from lightning_comp.plan.plan import PrecisionPlan
+from lightning_comp.search.config import SearchConfig
+from lightning_comp.search.record.loggers import log_record
+from lightning_comp.search.record.text import format_record
+from lightning_comp.search.state import STATE_VERSION, SearchState
+
+__all__ = ["build_record", "publish", "warmup_overhead_seconds"]
+
+
+def build_record(state: SearchState, config: SearchConfig) -> dict[str, Any]:
+    """The decision record (JSON-able): settings, per-operator measurements and reasons, trials, cost."""
+    trials = []
+    rejected_seconds = 0.0
+    for index, trial in enumerate(state.trials):
+        plan = PrecisionPlan.from_dict(trial.plan)
+        kept = index == state.kept_trial
+        if not kept and trial.seconds is not None:
+            rejected_seconds += float(trial.seconds)
+        trials.append({
+            "label": trial.label,
+            "low_operators": [s for s, p in plan.entries if p is not Precision.FP32],
+            "metric": trial.metric,
+            "reference": state.trials[0].metric if state.trials else None,
+            "verdict": trial.verdict,
+            "reason": trial.reason,
+            "epochs": config.trial_epochs,
+            "batches": trial.batches,  # None: whole epochs
+            "seconds": trial.seconds,
+            "median_step_ms": trial.median_step_ms,
+            "skipped_steps": trial.skipped_steps,
+            "kept": kept,
+        })
+    profile = state.profile or {}
+    search_seconds = float(state.profiling_seconds) + rejected_seconds
+    warmup_seconds = warmup_overhead_seconds(state)
+    fit_seconds = float(state.fit_seconds)
+    chosen = state.chosen
+    return {
+        "version": STATE_VERSION,
+        "monitor": config.monitor,
+        "mode": config.mode,
+        "tolerance": config.tolerance,
+        "tolerance_mode": config.tolerance_mode,
+        "objective": config.objective.value,
+        "low_precision": state.low_precision,
+        "search_start_epoch": state.search_start_epoch,
+        "chosen_plan": chosen,
+        "chosen_trial": state.chosen_label,
+        "finish_reason": state.finish_reason,
+        "lowered_operators": [] if chosen is None else [s for s, p in chosen["entries"].items() if p != "fp32"],
+        "saved_lowered": {} if chosen is None else {s: p for s, p in (chosen.get("saved") or {}).items()
+                                                    if p != "fp32"},
+        "num_operators": len(profile.get("operators", {})),
+        "operators": profile.get("operators", {}),
+        "timing": profile.get("timing"),
+        "step_ms": profile.get("step_ms", {}),
+        "step_wall_ms": profile.get("step_wall_ms", {}),
+        "step_ratios": profile.get("step_ratios", {}),
+        "step_saved_bytes": profile.get("step_saved_bytes", {}),
+        "saved_step": profile.get("saved_step") or {},
+        "memory": profile.get("memory", {}),
+        "trials": trials,
+        "extension_epochs": state.extension_epochs,
+        "cost": {
+            "profiling_seconds": float(state.profiling_seconds),
+            "rejected_trial_seconds": rejected_seconds,
+            "search_seconds": search_seconds,
+            "fit_seconds": fit_seconds or None,
+            "share_of_fit": (search_seconds / fit_seconds) if fit_seconds else None,
+            # The FP32 warm-up epochs ran slower than the chosen plan would have; users pay that too.
+            "warmup_batches": int(state.warmup_batches or 0),
+            "warmup_overhead_seconds": warmup_seconds,
+            "total_seconds": search_seconds + (warmup_seconds or 0.0),
+            "total_share_of_fit": ((search_seconds + (warmup_seconds or 0.0)) / fit_seconds)
+            if fit_seconds else None,
+        },
+    }
+
+def warmup_overhead_seconds(state: SearchState) -> float | None:
+    """Estimated time the FP32 warm-up batches lost against the chosen plan (``None`` until one is chosen).
+
+    Warm-up batches x (median FP32 reference batch time - median batch time of the kept trial), both measured
+    in real training; zero when the plan stays FP32.
+    """
+    if state.chosen is None:
+        return None
+    batches = int(state.warmup_batches or 0)
+    trials = state.trials
+    if not batches or not trials or PrecisionPlan.from_dict(state.chosen).is_all_fp32:
+        return 0.0
+    same = [t for t in trials[1:] if t.label == state.chosen_label]
+    reference = trials[0].median_step_ms
+    chosen = same[-1].median_step_ms if same else None
+    if reference is None or chosen is None:
+        return None
+    return batches * max(0.0, float(reference) - float(chosen)) / 1e3
+
+def publish(trainer: pl.Trainer, state: SearchState, config: SearchConfig, final: bool) -> None:
+    """Write ``comp_search.json`` and ``comp_plan.json`` (rank 0); unless ``final``, send the record to the loggers
+    (:mod:`~lightning_comp.search.record.loggers`) and print it."""
+    record = build_record(state, config)
+    # Trainer.log_dir is a collective (it broadcasts from rank 0): every rank must ask for it.
+    directory = Path(config.record_dir or trainer.log_dir or trainer.default_root_dir)
+    if trainer.is_global_zero:
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / "comp_search.json").write_text(json.dumps(record, indent=2, default=str) + "\n")
+        if record["chosen_plan"] is not None:
+            PrecisionPlan.from_dict(record["chosen_plan"]).save(directory / "comp_plan.json")
+    if final:
+        return
+    log_record(trainer, record)
+    if config.verbose:
+        rank_zero_info(format_record(record))

@@ -1,0 +1,1 @@
+"""Rewinding trials: snapshots of a run, the loop budget, paused callbacks."""

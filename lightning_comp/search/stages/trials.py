@@ -1,0 +1,347 @@
+"""The epoch stage: convergence trials from one snapshot, their verdicts, and how the search ends.
+
+An FP32 reference trial and candidate trials train for ``trial_epochs`` each (or ``trial_batches`` of one epoch) on
+the same batches, and are judged on the monitored validation metric against the reference (``tolerance``). NaN/Inf
+losses and too many FP16 skipped steps reject a trial. Unsafe operators are isolated by adaptive group testing
+(:mod:`lightning_comp.search.decisions.group_search`). Rejected trials are rewound; the chosen trial's progress is kept.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.utilities import rank_zero_warn
+
+from lightning_comp.adapters import lightning_internals as lightning
+from lightning_comp.errors import SearchConfigError
+from lightning_comp.numerics.precision import Precision
+from lightning_comp.plan.plan import PrecisionPlan
+from lightning_comp.plugins.comp import CoMPPrecision
+from lightning_comp.search.checks import no_validation_at_trial_end, nothing_to_search
+from lightning_comp.search.config import SearchConfig
+from lightning_comp.search.decisions.group_search import GroupSearch
+from lightning_comp.search.ranks import agree
+from lightning_comp.search.rewind.loop import LoopBudget, no_epoch_follows, rewind
+from lightning_comp.search.rewind.pause import CallbackPause
+from lightning_comp.search.stages.saved_stage import split_group
+from lightning_comp.search.state import Phase, SearchState, TrialRecord
+
+__all__ = ["TrialDriver", "judge_trial", "plan_for", "trial_batches", "warn_stopped_inside_the_search"]
+
+
+def plan_for(low: Precision, runs: list[dict[str, Any]], group: tuple[str, ...] | None,
+             saved: Mapping[str, str] | None = None) -> PrecisionPlan:
+    """The plan that lowers ``group`` to ``low``, plus the cheap operators of ``runs`` between two lowered ones.
+
+    Keys ``"saved:<name>"`` of ``group`` lower what ``<name>`` saves for backward to ``saved[<name>]``.
+    """
+    if not group:
+        return PrecisionPlan()
+    names, saved_names = split_group(group)
+    lowered = set(names)
+    entries = {name: low.value for name in names}
+    for run in runs:
+        if run["before"] in lowered and run["after"] in lowered:
+            entries.update({name: low.value for name in run["operators"]})
+    missing = [name for name in saved_names if not saved or name not in saved]
+    if missing:
+        raise SearchConfigError(f"Saved-precision candidates {missing} have no saved precision in the search state"
+                                f" ({dict(saved or {})!r}); the checkpoint is inconsistent.")
+    return PrecisionPlan.from_dict(entries, saved={name: saved[name] for name in saved_names} if saved else None)
+
+
+def trial_batches(config: SearchConfig, epoch_length: int | float, accumulate: int = 1) -> int | None:
+    """How many batches a trial trains (``None``: the whole epoch).
+
+    Rounded up to whole optimizer steps under gradient accumulation, so a cut epoch leaves no half-accumulated
+    gradient behind.
+    """
+    wanted = config.trial_batches
+    if wanted is None or not isinstance(epoch_length, int):  # inf (an iterable without length) is a float
+        return None
+    batches = max(1, int(wanted * epoch_length)) if isinstance(wanted, float) else wanted
+    batches = math.ceil(batches / accumulate) * accumulate
+    return batches if batches < epoch_length else None
+
+
+def metric_bound(config: SearchConfig, reference: float) -> float:
+    """The worst metric a trial may end with, given the reference trial's."""
+    slack = config.tolerance * (abs(reference) if config.tolerance_mode == "relative" else 1.0)
+    return reference + slack if config.mode == "min" else reference - slack
+
+
+def judge_trial(config: SearchConfig, trial: TrialRecord, steps: int, reference: float | None) -> tuple[str, str]:
+    """``("pass"|"fail", reason)`` for a closed trial that took ``steps`` optimizer steps."""
+    metric = float("nan") if trial.metric is None else trial.metric
+    if trial.nonfinite_loss or not math.isfinite(metric):
+        return "fail", "NaN/Inf loss or metric"
+    skipped = trial.skipped_steps / steps
+    if skipped > config.max_skipped_fraction:
+        return "fail", f"fp16 loss scaler skipped {skipped:.0%} of steps"
+    if trial.is_reference or reference is None:
+        return "pass", "reference"
+    bound = metric_bound(config, reference)
+    ok = metric <= bound if config.mode == "min" else metric >= bound
+    relation = "<=" if config.mode == "min" else ">="
+    if ok:
+        return "pass", f"{metric:.6g} {relation} {bound:.6g}"
+    return "fail", f"{metric:.6g} not {relation} {bound:.6g} (reference {reference:.6g})"
+
+
+class TrialDriver:
+    """Starts, closes and judges trials, ends the search, and applies the rewind it leaves pending.
+
+    Args:
+        config: the search's settings.
+        state: the search's state (shared with the callback, mutated here).
+        plugin: the plugin the trials' plans run through.
+        low: the 16-bit precision searched.
+        budget: the loop budget (epochs and steps given back for rejected trials).
+        pause: the EarlyStopping pause, resumed once the model holds its final state.
+        publish: writes and logs the decision record.
+        capture: takes a snapshot of the run (for the reference trial's end).
+    """
+
+    def __init__(self, config: SearchConfig, state: SearchState, plugin: CoMPPrecision, low: Precision | None,
+                 budget: LoopBudget, pause: CallbackPause, publish: Callable[[pl.Trainer, bool], None],
+                 capture: Callable[[pl.Trainer, pl.LightningModule], dict[str, Any]]) -> None:
+        self.config = config
+        self.state = state
+        self.plugin = plugin
+        self.low = low
+        self.budget = budget
+        self.pause = pause
+        self.publish = publish
+        self.capture = capture
+
+    def extend(self, trainer: pl.Trainer) -> None:
+        """Apply the state's extensions to the Trainer's limits."""
+        self.budget.extend(trainer, self.state.extension_epochs, self.state.extension_steps)
+
+    def plan(self, group: tuple[str, ...] | None) -> PrecisionPlan:
+        """The plan of a trial of ``group``."""
+        if not group:
+            return PrecisionPlan()
+        assert self.low is not None
+        return plan_for(self.low, self.state.runs, group, self.state.saved_choices)
+
+    def due(self, trial: TrialRecord, epochs_finished: int) -> bool:
+        """Whether ``trial`` has trained its epochs and been validated at the end of its last one."""
+        last_epoch = trial.start_epoch + self.config.trial_epochs - 1
+        return epochs_finished > last_epoch and str(last_epoch) in trial.metrics
+
+    def start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, label: str,
+              group: tuple[str, ...] | None, rewind_first: bool) -> None:
+        """Start a trial of ``group`` (``None``: the FP32 reference), rewinding to the snapshot first if asked."""
+        state = self.state
+        if rewind_first:
+            assert state.snapshot is not None and state.search_start_epoch is not None
+            rewind(trainer, pl_module, self.plugin, state.snapshot, epoch=state.search_start_epoch)
+        self.plugin._set_search_plan(self.plan(group).with_provenance(role="trial", trial=label))
+        state.trials.append(TrialRecord(
+            label=label, group=group, plan=self.plugin.plan.to_dict(), start_epoch=trainer.current_epoch,
+            start_step=trainer.global_step,
+            batches=trial_batches(self.config, trainer.num_training_batches, trainer.accumulate_grad_batches),
+            skipped_steps_before=self.plugin.skipped_steps, steps_before=self.plugin.optimizer_steps,
+            started=time.time(),
+        ))
+        state.extension_epochs += self.config.trial_epochs  # provisional: given back if this trial is kept
+        self.extend(trainer)
+
+    def begin_fit(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """At a fit's start: put a chosen plan back, or end a search that cannot find anything here at once."""
+        state = self.state
+        if state.phase == Phase.DONE and state.chosen is not None:
+            self.plugin._set_search_plan(PrecisionPlan.from_dict(state.chosen))
+        elif state.phase == Phase.PENDING and self.low is None:
+            self.finish(trainer, PrecisionPlan(), "fp32", reason="no 16-bit precision pays on this device")
+        elif state.phase == Phase.PENDING and self.low is not None:
+            why = nothing_to_search(self.config, self.low, pl_module)
+            if why is not None:  # finish at once: no profiling, no trials, no extra epochs
+                rank_zero_warn(f"CoMPSearch: {why}. Training continues in fp32 without a search.")
+                self.finish(trainer, PrecisionPlan(), "fp32", reason=why)
+
+    def begin_search(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Start the search at this epoch: snapshot the run, pause EarlyStopping, start the FP32 reference trial."""
+        state = self.state
+        state.phase = Phase.SEARCHING
+        state.search_start_epoch = trainer.current_epoch
+        state.warmup_batches = lightning.batches_done_in_total(trainer)
+        state.snapshot = self.capture(trainer, pl_module)
+        self.pause.pause(trainer)
+        self.start(trainer, pl_module, label="fp32 reference", group=None, rewind_first=False)
+
+    def after_batch_stage(self, trainer: pl.Trainer, result: dict[str, Any], seconds: float) -> None:
+        """Take the batch stage's result: the candidates and the group testing over them, or the end of the search
+        when nothing is worth a trial (the reference trial's epoch is then plain FP32 training, and kept)."""
+        assert self.low is not None
+        state = self.state
+        state.runs = result["runs"]
+        state.saved_choices = dict(result.get("saved") or {})
+        state.profile = {"operators": result["decisions"],
+                         **{key: result[key] for key in ("step_ms", "step_wall_ms", "step_ratios", "step_saved_bytes",
+                                                   "order", "memory", "timing", "saved_step")}}
+        search = GroupSearch(tuple(result["candidates"]), result["gains"], self.config.max_trials)
+        state.group_search = search.state_dict()
+        state.low_precision = self.low.value
+        state.profiling_seconds = seconds
+        reference = state.current_trial
+        if reference is not None:
+            reference.profiling_seconds = seconds
+        if search.done:
+            assert reference is not None
+            reference.verdict, reference.reason = "pass", "no candidate operators: trained in fp32"
+            reference.seconds = 0.0
+            self.finish(trainer, PrecisionPlan(), "fp32 reference", reason="no operator pays in low precision",
+                        kept=True)
+
+    def start_next(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Start the trial adaptive group testing asks for next."""
+        assert self.state.group_search is not None
+        search = GroupSearch.from_state(self.state.group_search)
+        group = search.next_group()
+        if group is None:  # pragma: no cover - the search finishes when its result is reached
+            raise RuntimeError("CoMPSearch has no trial to run although the search is not finished.")
+        number = len(self.state.trials)  # labels are unique: the chosen trial is found by its label
+        label = f"confirm safe set (trial {number})" if search.confirming is not None else (
+            "all candidates" if group == search.candidates else f"group of {len(group)} (trial {number})")
+        self.start(trainer, pl_module, label=label, group=group, rewind_first=True)
+
+    def close(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Judge the current trial (every rank takes rank 0's verdict) and move the search on."""
+        state = self.state
+        trial = state.current_trial
+        assert trial is not None
+        last_epoch = str(trial.start_epoch + self.config.trial_epochs - 1)
+        trial.metric = trial.metrics[last_epoch]
+        # the batch stage runs inside the reference trial's first batch and is counted apart
+        trial.seconds = time.time() - trial.started - float(trial.profiling_seconds)
+        trial.steps = trainer.global_step - trial.start_step
+        steps = max(1, self.plugin.optimizer_steps - trial.steps_before)
+        trial.skipped_steps = self.plugin.skipped_steps - trial.skipped_steps_before
+        state.extension_steps += trial.steps  # provisional, like the epochs: given back if this trial is kept
+        self.extend(trainer)  # before Lightning checks max_steps after this batch
+        trial.median_step_ms = statistics.median(trial.batch_ms) if trial.batch_ms else None
+        reference = state.trials[0].metric if state.trials and not trial.is_reference else None
+        verdict, reason = agree(trainer, judge_trial(self.config, trial, steps, reference))
+        trial.verdict, trial.reason = verdict, reason
+        if trial.is_reference:
+            if not trial.batches:  # a reference of batches is never continued: its epoch was cut short
+                state.reference_end = self.capture(trainer, pl_module)
+            return
+        assert state.group_search is not None and trial.group is not None
+        search = GroupSearch.from_state(state.group_search)
+        search.report(trial.group, verdict == "pass")
+        state.group_search = search.state_dict()
+        if not search.done:
+            return
+        result = tuple(search.result or ())
+        if not result:
+            self.finish(trainer, PrecisionPlan(), "fp32 reference", reason="no candidate converged",
+                        restore="snapshot" if state.trials[0].batches else "reference_end")
+        elif verdict == "pass" and trial.group == result:
+            self.finish(trainer, self.plan(result), trial.label, reason="converged", kept=True)
+        else:  # the latest passing trial of exactly that group
+            label = next((t.label for t in reversed(state.trials) if t.group == result and t.verdict == "pass"), "")
+            self.finish(trainer, self.plan(result), label, reason="best passing group", restore="snapshot")
+
+    def end_of_epoch(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Close the current trial if its last epoch ends here (and it was validated), else check it will be.
+
+        Raises:
+            SearchConfigError: when the trial's last epoch ended without the validation that judges it.
+        """
+        current = self.state.current_trial
+        assert current is not None
+        if self.due(current, trainer.current_epoch + 1):
+            self.close(trainer, pl_module)  # may extend max_epochs/max_steps: ask what follows afterwards
+            if no_epoch_follows(trainer):
+                # No epoch follows whose start would apply a pending rewind (the last trial was rejected and the
+                # run ends here): apply it now, so the model the fit returns and the last checkpoint are not the
+                # rejected trial's.
+                self.apply_pending_restore(trainer, pl_module)
+            return
+        stopping = trainer.should_stop or 0 < trainer.max_steps <= trainer.global_step
+        last_epoch = current.start_epoch + self.config.trial_epochs - 1
+        if trainer.current_epoch >= last_epoch and str(last_epoch) not in current.metrics and not stopping:
+            raise no_validation_at_trial_end(self.config, trainer, last_epoch)
+
+    def close_trial_of_batches(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Judge a trial of ``trial_batches`` batches; end its epoch here unless it is the trial that is kept."""
+        state = self.state
+        index = len(state.trials) - 1
+        self.close(trainer, pl_module)
+        self.budget.restore_validation(trainer)
+        if state.phase == Phase.DONE and state.kept_trial == index:
+            return  # the chosen trial trains on to the end of its epoch: its progress is kept whole
+        self.budget.end_epoch_after_this_batch(trainer)
+        if state.phase == Phase.DONE and no_epoch_follows(trainer):
+            self.apply_pending_restore(trainer, pl_module)  # no epoch start follows to apply it
+
+    def finish(self, trainer: pl.Trainer, plan: PrecisionPlan, label: str, reason: str, kept: bool = False,
+               restore: str | None = None) -> None:
+        """End the search with ``plan``.
+
+        Args:
+            trainer: the Trainer.
+            plan: the chosen plan.
+            label: the label of the trial whose plan it is.
+            reason: why the search ends so.
+            kept: the trial now ending trained with ``plan``: keep its progress (its epochs are not extra).
+            restore: ``"reference_end"`` to continue from the end of the FP32 reference trial (its epochs are kept),
+                ``"snapshot"`` to rewind to the search's start; applied at the next epoch start.
+        """
+        state = self.state
+        if kept or restore == "reference_end":
+            state.extension_epochs -= self.config.trial_epochs
+            state.extension_steps -= int(state.trials[-1 if kept else 0].steps or 0)
+        state.kept_trial = len(state.trials) - 1 if kept else 0 if restore == "reference_end" else None
+        state.pending_restore = restore
+        if restore != "snapshot":
+            state.snapshot = None
+        if restore != "reference_end":
+            state.reference_end = None
+        chosen = plan.with_provenance(
+            role="chosen", made_by="CoMPSearch", trial=label, reason=reason, monitor=self.config.monitor,
+            tolerance=self.config.tolerance, tolerance_mode=self.config.tolerance_mode,
+        )
+        self.plugin._set_search_plan(chosen)
+        state.chosen = self.plugin.plan.to_dict()
+        state.chosen_label = label
+        state.finish_reason = reason
+        state.phase = Phase.DONE
+        self.extend(trainer)
+        if restore is None:  # the model holds its final state now; otherwise once the rewind is applied
+            self.pause.resume(trainer)
+        self.publish(trainer, False)
+
+    def apply_pending_restore(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Apply the rewind :meth:`finish` left pending, then put the chosen plan back."""
+        state = self.state
+        restore = state.pending_restore
+        if restore is None:
+            return
+        snapshot = state.snapshot if restore == "snapshot" else state.reference_end
+        if snapshot is not None:
+            chosen = self.plugin.plan
+            rewind(trainer, pl_module, self.plugin, snapshot)
+            self.plugin._set_search_plan(chosen)  # a fresh loss scaler if the chosen plan has fp16
+        state.pending_restore = None
+        state.snapshot = None
+        state.reference_end = None
+        self.pause.resume(trainer)  # the model holds its final state: EarlyStopping judges from here on
+
+
+def warn_stopped_inside_the_search(state: SearchState) -> None:
+    """Warn that a fit ended while a trial ran: the model holds a trial's state, which the search may reject."""
+    last = state.trials[-1].label if state.trials else None
+    rank_zero_warn(
+        f"CoMPSearch: training stopped during the search (trainer.should_stop, max_time or max_steps), in or"
+        f" after trial {last!r}. The model holds the state and plan of that trial, which the search may have"
+        " rejected. Resume from a checkpoint written during the search (e.g. last.ckpt) to finish it."
+    )
