@@ -1,9 +1,9 @@
 """Do the batch stage's decisions hold on a busy machine? Repeated quiet and busy runs of the same search.
 
-Runs ``tests/busy_search.py``'s scenario (``BusyMLP``, BF16 pinned, the batch stage on a real Trainer) ``--repeats``
-times on the quiet machine and as many times beside ``tests/competitor.py``'s processes (a 2-thread PyTorch matmul
-loop plus a Python spinner: every CPU busy), for each ``--timing`` setting. For each run it keeps every operator's
-own decision, its measured ratio and interval, the clock used and the final plan.
+Runs ``tests/scripts/busy_search.py``'s scenario (``BusyMLP``, BF16 pinned, the batch stage on a real Trainer)
+``--repeats`` times on the quiet machine and as many times beside ``tests/scripts/competitor.py``'s processes (a
+2-thread PyTorch matmul loop plus a Python spinner: every CPU busy), for each ``--timing`` setting. For each run it
+keeps every operator's own decision, its measured ratio and interval, the clock used and the final plan.
 
 An operator is *clear* when every quiet run measured it 1.5x or more from 1 (its whole interval, or, for records
 without intervals, its ratio of minima). The report counts, per setting, the busy runs whose own decisions on clear
@@ -34,10 +34,10 @@ from typing import Any
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT))  # the repository: tests.scripts
 
-from busy_search import CLEAR, batch_stage_record  # noqa: E402
-from competitor import competing_load  # noqa: E402
+from tests.scripts.busy_search import CLEAR, batch_stage_record  # noqa: E402
+from tests.scripts.competitor import competing_load  # noqa: E402
 
 
 def summarize(record: dict[str, Any]) -> dict[str, Any]:

@@ -14,10 +14,9 @@ Everything is measured on one fixed batch, without Lightning, in interleaved rou
 3. **Memory of the calibration step**: the first step after a plan is applied traces cast boundaries; its peak live
    tensor bytes against the following steps'.
 4. **The search's per-operator attribution**, as ``lightning_comp.search.measurement.profiling.OperatorProfiler``
-measures it and with a
-   one-line fix (register the backward-timing hook only once per tensor, so an operator that returns its input, such
-   as ``Dropout(p=0)``, does not take over the backward time of the operator that produced the tensor): which
-   operators the batch stage would accept with and without the fix.
+   measures it and with a one-line fix (register the backward-timing hook only once per tensor, so an operator that
+   returns its input, such as ``Dropout(p=0)``, does not take over the backward time of the operator that produced
+   the tensor): which operators the batch stage would accept with and without the fix.
 
 It writes ``benchmarks/results/compare_diagnose_<model>.json`` and prints a summary.
 """
@@ -39,9 +38,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from compare_suite import RESULTS_DIR, SUITE  # noqa: E402
 
 from lightning_comp import zoo  # noqa: E402
-from lightning_comp.execution.executor import PlanExecutor, StepKind  # noqa: E402
+from lightning_comp.devices.lowering import Lowering, lowering_for
+from lightning_comp.execution.executor import PlanExecutor
+from lightning_comp.execution.steps import StepKind  # noqa: E402
 from lightning_comp.numerics.precision import Precision  # noqa: E402
-from lightning_comp.operators.discovery import Lowering, classify, iter_operators, lowering_for  # noqa: E402
+from lightning_comp.operators.discovery import iter_operators  # noqa: E402
+from lightning_comp.operators.kinds import classify
 from lightning_comp.plan.plan import PrecisionPlan  # noqa: E402
 
 

@@ -42,7 +42,7 @@ def machine_info() -> dict[str, Any]:
     except (OSError, subprocess.SubprocessError):
         pass
     from lightning_comp.devices.cpu_features import cpu_features
-    from lightning_comp.devices.device_class import device_class
+    from lightning_comp.devices.device_classes import device_class
 
     features = cpu_features()
     for name in ("amx_tile", "avx512_bf16", "amx_fp16"):

@@ -60,9 +60,9 @@ def modes_that_cannot_run(spec: ModelSpec, modes: list[str], device_type: str) -
     import torch
 
     from lightning_comp import zoo
-    from lightning_comp.devices.device_class import device_class
+    from lightning_comp.devices.device_classes import device_class
+    from lightning_comp.devices.lowering import Lowering, lowering_for
     from lightning_comp.numerics.precision import Precision
-    from lightning_comp.operators.discovery import Lowering, lowering_for
 
     with torch.device("meta"):
         model = getattr(zoo, spec.model)(**spec.model_kwargs)
@@ -120,12 +120,13 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     """
     import torch
 
-    from lightning_comp.numerics.precision import Precision, device_supports_fast
+    from lightning_comp.devices.device_classes import device_class
+    from lightning_comp.numerics.precision import Precision
 
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     modes = ["fp32", "bf16-mixed", "bf16-true"]
     skipped: dict[str, str] = {}
-    if device_supports_fast(Precision.FP16, device_type):
+    if device_class(device_type).is_native(Precision.FP16):
         modes.append("16-mixed")
     else:
         skipped["16-mixed"] = (

@@ -1,10 +1,12 @@
 """Every private Lightning attribute lightning-comp reads or writes, in one place.
 
 The search has to steer Lightning's fit loop (extend ``max_epochs``/``max_steps``, cut an epoch short, validate in
-the middle of one, re-seed samplers after a rewind) and the plugin has to know whether a fused optimizer unscales
-itself. Lightning has no public API for these, so each access is a small function here, and
-``tests/test_lightning_adapter.py`` checks every one of them against the installed Lightning, so an upgrade that
-moves one fails loudly in one named test instead of silently mis-steering a search. Supported range: see
+the middle of one, re-seed samplers after a rewind), the plugin has to know whether a fused optimizer unscales
+itself and whether Lightning unwrapped a compiled model, and the half-precision DDP strategy registers its
+communication hook where Lightning's own method would not (``DDPStrategy._register_ddp_hooks``, which it overrides).
+Lightning has no public API for these, so each access is a small function here, and
+``tests/unit/test_lightning_internals.py`` checks every one of them against the installed Lightning, so an upgrade
+that moves one fails loudly in one named test instead of silently mis-steering a search. Supported range: see
 ``pyproject.toml`` (``lightning>=2.4,<2.7``).
 """
 
@@ -17,11 +19,15 @@ import lightning.pytorch as pl
 from lightning.fabric.plugins.precision.amp import _optimizer_handles_unscaling
 from lightning.fabric.utilities.data import _set_sampler_epoch
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.strategies import DDPStrategy
 
 __all__ = [
     "batches_done_this_epoch",
     "batches_done_in_total",
     "callbacks",
+    "compiled_by_lightning",
+    "ddp_comm_hook",
+    "ddp_comm_state",
     "epoch_length",
     "iter_stateful_callbacks",
     "optimizer_handles_unscaling",
@@ -122,12 +128,18 @@ def optimizer_handles_unscaling(optimizer: Any) -> bool:
     return bool(_optimizer_handles_unscaling(optimizer))
 
 
-def compiled(module: Any) -> bool:
-    """Whether ``module`` runs under ``torch.compile``: handed to ``fit`` compiled (Lightning unwraps it and keeps
-    the compile settings in ``_compiler_ctx``), holding a compiled submodule (e.g. from ``configure_model``), or
-    with a compiled ``forward`` (``module.forward = torch.compile(module.forward)``)."""
-    if getattr(module, "_compiler_ctx", None) is not None:
-        return True
-    return any(type(m).__name__ == "OptimizedModule"
-               or getattr(m.__dict__.get("forward"), "_torchdynamo_orig_callable", None) is not None
-               for m in module.modules())
+def compiled_by_lightning(module: Any) -> bool:
+    """Whether Lightning unwrapped ``module`` from ``torch.compile`` when it was handed to ``fit`` compiled (it keeps
+    the compile settings in ``LightningModule._compiler_ctx``)."""
+    return getattr(module, "_compiler_ctx", None) is not None
+
+
+# ------------------------------------------------------------------------------------------------------------- DDP
+def ddp_comm_hook(strategy: DDPStrategy) -> Any:
+    """The communication hook handed to ``DDPStrategy(ddp_comm_hook=...)`` (``DDPStrategy._ddp_comm_hook``)."""
+    return strategy._ddp_comm_hook
+
+
+def ddp_comm_state(strategy: DDPStrategy) -> Any:
+    """The state handed to ``DDPStrategy(ddp_comm_state=...)`` (``DDPStrategy._ddp_comm_state``)."""
+    return strategy._ddp_comm_state

@@ -1,10 +1,10 @@
-"""What this CPU can do: the one place that reads torch's private CPU probes (with fallbacks if they disappear).
+"""What this CPU can do: its vector ISA, its native 16-bit features, its name.
 
 Public APIs are used where torch has them: ``torch.backends.cpu.get_cpu_capability()`` names the vector ISA that
 ATen's kernels dispatch to (``"AVX2"``, ``"AVX512"``, ``"DEFAULT"``...; it honours ``ATEN_CPU_CAPABILITY``). Whether
 the CPU has native BF16/FP16 arithmetic (AVX512-BF16, AMX tiles, AMX-FP16) has no public API: torch's private
-``torch.cpu._is_*_supported`` probes (cpuinfo) are read here, and ``/proc/cpuinfo`` flags replace any probe that a
-future torch no longer has.
+``torch.cpu._is_*_supported`` probes (cpuinfo) are read through :mod:`lightning_comp.adapters.torch_internals`, and
+``/proc/cpuinfo`` flags replace any probe that a future torch no longer has.
 """
 
 from __future__ import annotations
@@ -15,17 +15,19 @@ from pathlib import Path
 
 import torch
 
+from lightning_comp.adapters.torch_internals import cpu_feature_probe
+
 __all__ = ["cpu_capability", "cpu_features", "cpu_name", "FEATURES"]
 
-# feature -> (private torch probe, /proc/cpuinfo flags that imply it)
-_PROBES: dict[str, tuple[str, tuple[str, ...]]] = {
-    "avx2": ("_is_avx2_supported", ("avx2",)),
-    "avx512": ("_is_avx512_supported", ("avx512f",)),
-    "avx512_bf16": ("_is_avx512_bf16_supported", ("avx512_bf16",)),
-    "amx_tile": ("_is_amx_tile_supported", ("amx_tile",)),
-    "amx_fp16": ("_is_amx_fp16_supported", ("amx_fp16",)),
+# feature -> the /proc/cpuinfo flags that imply it (torch's own probe of the feature is tried first)
+_FLAGS: dict[str, tuple[str, ...]] = {
+    "avx2": ("avx2",),
+    "avx512": ("avx512f",),
+    "avx512_bf16": ("avx512_bf16",),
+    "amx_tile": ("amx_tile",),
+    "amx_fp16": ("amx_fp16",),
 }
-FEATURES: tuple[str, ...] = tuple(_PROBES)
+FEATURES: tuple[str, ...] = tuple(_FLAGS)
 
 
 def cpu_capability() -> str:
@@ -57,12 +59,11 @@ def cpu_features() -> frozenset[str]:
     These describe the silicon, not what ATen dispatches to: under ``ATEN_CPU_CAPABILITY=avx2`` an AVX512-BF16 CPU
     still lists ``avx512_bf16`` here (see :func:`cpu_capability` for the dispatch level).
     """
-    cpu = getattr(torch, "cpu", None)
     found = set()
-    for feature, (probe_name, flags) in _PROBES.items():
-        probe = getattr(cpu, probe_name, None)
+    for feature, flags in _FLAGS.items():
+        probe = cpu_feature_probe(feature)
         try:
-            present = bool(probe()) if callable(probe) else bool(_proc_flags().intersection(flags))
+            present = bool(probe()) if probe is not None else bool(_proc_flags().intersection(flags))
         except Exception:  # a probe that breaks must not break training: fall back to the kernel's flags
             present = bool(_proc_flags().intersection(flags))
         if present:

@@ -5,14 +5,15 @@ AVX512-BF16, but raises ``could not create a primitive descriptor for the LSTM f
 AVX2-only CPUs (pytorch/pytorch#88136), while the same LSTM with BF16 parameter copies and a BF16 input runs there;
 ``nn.GRU`` is not on CPU autocast's list at all (it would silently compute in FP32). :func:`recurrent_lowering`
 runs forward and backward of a tiny module of the same configuration on the target device through each way in
-turn, and returns the first one that runs and computes in the wanted dtype. Probes touch no global RNG and are
-cached per process.
+turn, and returns the first one that runs and computes in the wanted dtype, with why each route before it failed
+(:class:`RecurrentProbe`). Probes touch no global RNG and are cached per process.
 """
 
 from __future__ import annotations
 
 import functools
 import warnings
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -21,7 +22,7 @@ from torch.func import functional_call
 
 from lightning_comp.numerics.precision import Precision
 
-__all__ = ["recurrent_lowering", "RecurrentConfig"]
+__all__ = ["RecurrentConfig", "RecurrentProbe", "probe_recurrent"]
 
 # (class name, bidirectional, multi-layer, projections, bias, batch_first, nonlinearity)
 RecurrentConfig = tuple[str, bool, bool, bool, bool, bool, str]
@@ -52,7 +53,8 @@ def _tiny(config: RecurrentConfig, device: torch.device) -> nn.RNNBase:
     return module
 
 
-def _run(module: nn.RNNBase, route: str, dtype: torch.dtype, device: torch.device) -> bool:
+def _run(module: nn.RNNBase, route: str, dtype: torch.dtype, device: torch.device) -> torch.dtype | None:
+    """Forward and backward through ``route``: ``None`` if it computed in ``dtype``, else the dtype it computed in."""
     x = torch.full((2, 3, 4), 0.5, device=device, requires_grad=True)
     if route == "autocast":
         with torch.autocast(device.type, dtype=dtype, cache_enabled=False):
@@ -62,33 +64,64 @@ def _run(module: nn.RNNBase, route: str, dtype: torch.dtype, device: torch.devic
             copies = {name: p.to(dtype) for name, p in module.named_parameters()}
             out = functional_call(module, copies, (x.to(dtype),))[0]
     out.float().sum().backward()
-    return out.dtype == dtype and x.grad is not None
+    if x.grad is None:  # pragma: no cover - autograd always reaches the input
+        raise RuntimeError("backward did not reach the input")
+    return None if out.dtype == dtype else out.dtype
+
+
+@dataclass(frozen=True)
+class RecurrentProbe:
+    """What trying each way of lowering a recurrent module on a device found.
+
+    Attributes:
+        route: ``"autocast"`` or ``"params"``, the first way that ran and computed in the wanted dtype; ``None``
+            when none did (then the operator cannot compute in that precision there).
+        failures: per route tried before it (or every route, when none ran), why it was ruled out: the exception it
+            raised (type and message), or the dtype it computed in instead.
+    """
+
+    route: str | None
+    failures: tuple[tuple[str, str], ...] = ()
+
+    def describe_failures(self) -> str:
+        """``"autocast: RuntimeError: could not create a primitive ...; params: ..."`` (empty when none failed)."""
+        return "; ".join(f"{route}: {why}" for route, why in self.failures)
+
+
+_ROUTES = ("autocast", "params")  # autocast first: it is the lowering AMP users get where it works
 
 
 @functools.cache
-def _probe(config: RecurrentConfig, precision: Precision, device: torch.device) -> str | None:
+def _probe(config: RecurrentConfig, precision: Precision, device: torch.device) -> RecurrentProbe:
     dtype = precision.dtype
-    routes = ("autocast", "params")  # autocast first: it is the lowering AMP users get where it works
+    failures = []
     with warnings.catch_warnings(), torch.enable_grad():
         warnings.simplefilter("ignore")
-        for route in routes:
+        for route in _ROUTES:
             try:
-                if _run(_tiny(config, device), route, dtype, device):
-                    return route
-            except Exception:  # any failure (oneDNN, a missing kernel, an unusable device) rules the route out
+                computed = _run(_tiny(config, device), route, dtype, device)
+            except Exception as err:  # oneDNN, a missing kernel, an unusable device: the route is ruled out
+                failures.append((route, _first_line(err)))
                 continue
-    return None
+            if computed is None:
+                return RecurrentProbe(route, tuple(failures))
+            failures.append((route, f"computed in {computed} instead of {dtype}"))
+    return RecurrentProbe(None, tuple(failures))
 
 
-def recurrent_lowering(module: nn.RNNBase, precision: Precision, device: torch.device | str) -> str | None:
-    """``"autocast"`` or ``"params"``: the first way of lowering ``module`` that runs on ``device`` in ``precision``.
+def _first_line(err: BaseException) -> str:
+    """``"RuntimeError: <first line of the message>"``."""
+    lines = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {lines[0]}" if lines else type(err).__name__
 
-    ``None`` when neither does (then the operator cannot compute in ``precision`` there).
-    """
+
+def probe_recurrent(module: nn.RNNBase, precision: Precision, device: torch.device | str) -> RecurrentProbe:
+    """Which way of lowering ``module`` runs on ``device`` in ``precision`` (tried once per configuration, device
+    and precision in a process; ``probe_recurrent.cache_clear()`` forgets the answers)."""
     target = torch.device(device)
     if target.type == "cuda" and target.index is None and torch.cuda.is_available():
         target = torch.device("cuda", torch.cuda.current_device())
     return _probe(recurrent_config(module), precision, target)
 
 
-recurrent_lowering.cache_clear = _probe.cache_clear  # type: ignore[attr-defined]
+probe_recurrent.cache_clear = _probe.cache_clear  # type: ignore[attr-defined]

@@ -20,8 +20,8 @@ Backend support (checked with torch 2.13 on CPU):
     NCCL >= 2.10 (or XPU) is present (``TypeError: BF16 all reduce communication hook required CUDA 11+ and NCCL
     2.10+``), so plain PyTorch cannot use bf16 compression on gloo. Off CUDA the strategy registers a renamed
     delegate (:func:`bf16_compress_hook_any_backend`), but only after a one-element probe all-reduce in the chosen
-    dtype has returned the right value; if the backend cannot do it, a ``RuntimeError`` names the dtype and backend
-    and suggests ``"fp16"``, which gloo has always handled. NCCL supports both.
+    dtype has returned the right value; if the backend cannot do it, an ``UnsupportedSetupError`` names the dtype and
+    backend and suggests ``"fp16"``, which gloo has always handled. NCCL supports both.
 
 Numerics:
     The hooks divide by the world size *before* the cast, then sum in 16 bits. ``fp16`` keeps 10 mantissa bits but
@@ -47,10 +47,9 @@ Measuring:
 
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
-from enum import Enum
 from typing import Any
 
 import torch
@@ -58,6 +57,10 @@ import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
+
+from lightning_comp.adapters import lightning_internals
+from lightning_comp.common.spelled_enum import SpelledEnum
+from lightning_comp.errors import ConfigError, UnsupportedSetupError
 
 __all__ = [
     "CommStats",
@@ -71,8 +74,9 @@ __all__ = [
 CommHook = Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]
 
 
-class GradCommDtype(str, Enum):
-    """The dtype gradients travel in during the DDP all-reduce."""
+class GradCommDtype(SpelledEnum):
+    """The dtype gradients travel in during the DDP all-reduce (also spelled ``float32``/``32``/``32-true``/``none``,
+    ``bfloat16``, ``float16``/``half``/``16``, or as a torch dtype)."""
 
     FP32 = "fp32"
     """No compression (DDP's default all-reduce)."""
@@ -90,44 +94,16 @@ class GradCommDtype(str, Enum):
             GradCommDtype.FP16: torch.float16,
         }[self]
 
+    dtype = torch_dtype
+
     @classmethod
-    def parse(cls, value: "str | torch.dtype | GradCommDtype") -> "GradCommDtype":
-        """Turn a user-facing spelling into a member.
+    def aliases(cls) -> "Mapping[str, str]":
+        return {"float32": "fp32", "32": "fp32", "32-true": "fp32", "none": "fp32", "bfloat16": "bf16",
+                "float16": "fp16", "half": "fp16", "16": "fp16"}
 
-        Args:
-            value: A member, a ``torch.dtype`` (float32/bfloat16/float16) or one of the strings in ``_ALIASES``
-                (case-insensitive), e.g. ``"bf16"``, ``"bfloat16"``, ``"fp16"``, ``"16"``, ``"fp32"``.
-
-        Raises:
-            ValueError: If ``value`` names no supported dtype; the message lists the valid spellings.
-        """
-        if isinstance(value, GradCommDtype):
-            return value
-        if isinstance(value, torch.dtype):
-            for member in cls:
-                if member.torch_dtype == value:
-                    return member
-        elif isinstance(value, str) and value.strip().lower() in _ALIASES:
-            return _ALIASES[value.strip().lower()]
-        raise ValueError(
-            f"Unsupported gradient communication dtype {value!r}; valid values are {sorted(_ALIASES)} "
-            "or torch.float32 / torch.bfloat16 / torch.float16."
-        )
-
-
-_ALIASES: dict[str, GradCommDtype] = {
-    "fp32": GradCommDtype.FP32,
-    "float32": GradCommDtype.FP32,
-    "32": GradCommDtype.FP32,
-    "32-true": GradCommDtype.FP32,
-    "none": GradCommDtype.FP32,
-    "bf16": GradCommDtype.BF16,
-    "bfloat16": GradCommDtype.BF16,
-    "fp16": GradCommDtype.FP16,
-    "float16": GradCommDtype.FP16,
-    "half": GradCommDtype.FP16,
-    "16": GradCommDtype.FP16,
-}
+    @classmethod
+    def noun(cls) -> str:
+        return "gradient communication dtype"
 
 
 @dataclass
@@ -286,7 +262,7 @@ class HalfPrecisionDDPStrategy(DDPStrategy):
             ``ddp_comm_hook`` is wrapped with torch's ``*_compress_wrapper`` so that it runs on 16-bit buckets.
 
     Raises:
-        ValueError: For an unknown ``grad_dtype`` or when ``ddp_comm_wrapper`` is passed (this strategy owns that
+        ConfigError: For an unknown ``grad_dtype`` or when ``ddp_comm_wrapper`` is passed (this strategy owns that
             slot; pass the hook alone).
     """
 
@@ -300,7 +276,7 @@ class HalfPrecisionDDPStrategy(DDPStrategy):
     ) -> None:
         self.grad_dtype = GradCommDtype.parse(grad_dtype)
         if kwargs.get("ddp_comm_wrapper") is not None:
-            raise ValueError(
+            raise ConfigError(
                 f"ddp_comm_wrapper={kwargs['ddp_comm_wrapper']!r} cannot be combined with HalfPrecisionDDPStrategy, "
                 "which installs the bf16/fp16 compression wrapper itself; pass your hook as ddp_comm_hook instead."
             )
@@ -317,21 +293,23 @@ class HalfPrecisionDDPStrategy(DDPStrategy):
     def _register_ddp_hooks(self) -> None:
         """Register the hook on the DDP wrapper whatever the device (Lightning's version is CUDA-only)."""
         on_cuda = self.root_device.type == "cuda"
-        hook = _compression_hook(self.grad_dtype, self._ddp_comm_hook, on_cuda)
+        hook = _compression_hook(self.grad_dtype, lightning_internals.ddp_comm_hook(self), on_cuda)
         if self._comm_stats is not None:
             hook = counting_comm_hook(hook or default_hooks.allreduce_hook, self._comm_stats)
         if hook is None:
             return
         if not isinstance(self.model, DistributedDataParallel):
-            raise TypeError(f"Expected the model to be wrapped in DistributedDataParallel, got {type(self.model)}.")
+            raise UnsupportedSetupError(
+                f"Expected the model to be wrapped in DistributedDataParallel, got {type(self.model).__name__}.")
         bypasses_upstream_check = self.grad_dtype is GradCommDtype.BF16 and not on_cuda
         if self.grad_dtype is not GradCommDtype.FP32 and (self._probe_backend or bypasses_upstream_check):
             self._check_backend_supports(self.grad_dtype)
-        self.model.register_comm_hook(state=self._ddp_comm_state, hook=hook)
+        self.model.register_comm_hook(state=lightning_internals.ddp_comm_state(self), hook=hook)
 
     def _check_backend_supports(self, dtype: GradCommDtype) -> None:
         """All-reduce one element of ``dtype``; raise a readable error if the backend rejects it."""
-        group = self._ddp_comm_state if isinstance(self._ddp_comm_state, dist.ProcessGroup) else None
+        state = lightning_internals.ddp_comm_state(self)
+        group = state if isinstance(state, dist.ProcessGroup) else None
         backend = dist.get_backend(group)
         probe = torch.ones(1, dtype=dtype.torch_dtype, device=self.root_device)
         try:
@@ -341,7 +319,7 @@ class HalfPrecisionDDPStrategy(DDPStrategy):
             problem = f"backend error: {err}"
         if problem is not None:
             hint = " On gloo use grad_dtype='fp16'." if backend == "gloo" and dtype is GradCommDtype.BF16 else ""
-            raise RuntimeError(
+            raise UnsupportedSetupError(
                 f"The {backend!r} process-group backend cannot all-reduce {dtype.torch_dtype} "
                 f"(torch {torch.__version__}), so grad_dtype={dtype.value!r} is unusable here.{hint} "
                 f"Valid choices: {[m.value for m in GradCommDtype]}; {problem}."

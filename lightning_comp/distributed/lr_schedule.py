@@ -24,6 +24,8 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.hooks import RemovableHandle
 
+from lightning_comp.errors import ConfigError
+
 __all__ = ["WorkerScaledLR", "WorkerScaledLRConfig", "worker_scaled_lr"]
 
 
@@ -33,12 +35,12 @@ def _check_positive(name: str, value: float, *, allow_inf: bool = False) -> None
         ok = False
     if not ok:
         valid = "a positive number (math.inf allowed)" if allow_inf else "a finite positive number"
-        raise ValueError(f"{name}={value!r} is invalid; expected {valid}.")
+        raise ConfigError(f"{name}={value!r} is invalid; expected {valid}.")
 
 
 def _check_int(name: str, value: int, minimum: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{name}={value!r} is invalid; expected an integer >= {minimum}.")
+        raise ConfigError(f"{name}={value!r} is invalid; expected an integer >= {minimum}.")
 
 
 def worker_scaled_lr(
@@ -64,7 +66,7 @@ def worker_scaled_lr(
         The effective learning rate.
 
     Raises:
-        ValueError: If an argument is outside the ranges above; the message names it.
+        ConfigError: If an argument is outside the ranges above; the message names it.
 
     Example:
         >>> round(worker_scaled_lr(1e-3, 100), 6)
@@ -83,7 +85,7 @@ def worker_scaled_lr(
 
 def _check_gamma(gamma: float) -> None:
     if not isinstance(gamma, (int, float)) or isinstance(gamma, bool) or not 0.0 < gamma <= 1.0:
-        raise ValueError(f"gamma={gamma!r} is invalid; expected a number in (0, 1] (the paper uses 0.9 to 0.985).")
+        raise ConfigError(f"gamma={gamma!r} is invalid; expected a number in (0, 1] (the paper uses 0.9 to 0.985).")
 
 
 @dataclass(frozen=True)
@@ -149,7 +151,7 @@ class WorkerScaledLR(Callback):
         log_lr: Log the effective rate of every param group after each training batch.
 
     Raises:
-        ValueError: For an argument outside these ranges, or at the first step for a param group whose ``lr0`` is
+        ConfigError: For an argument outside these ranges, or at the first step for a param group whose ``lr0`` is
             not positive.
     """
 
@@ -279,7 +281,7 @@ class WorkerScaledLR(Callback):
             group = optimizer.param_groups[j]
             lr0 = float(group.get("initial_lr", group["lr"]))
             if not (lr0 > 0 and math.isfinite(lr0)):
-                raise ValueError(
+                raise ConfigError(
                     f"Optimizer {idx} param group {j} has learning rate {lr0!r}; WorkerScaledLR needs a finite "
                     "positive configured rate to scale."
                 )

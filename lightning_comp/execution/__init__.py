@@ -1,1 +1,25 @@
-"""Executing a precision plan on a model: hooks, cast boundaries, weight casts, saved tensors, loss scaling."""
+"""Executing a precision plan on a model: hooks, cast boundaries, weight casts, saved tensors, loss scaling.
+
+=====================  ====================================================================================
+module                 what it holds
+=====================  ====================================================================================
+``steps``              :class:`StepKind`: the kinds of Lightning step
+``hooked``             :class:`HookedOperator`: the run-time state of one hooked operator
+``saved_hooks``        handing saved tensors on to the saved-tensor hooks already in force
+``weight_casts``       16-bit weight copies re-cast in backward instead of kept
+``saved_tensors``      storing what operators save for backward at their planned saved precision
+``compiled_regions``   autocast regions TorchDynamo traces; eager runs; compiled-model detection
+``cast_boundaries``    where a low operator's output may stay low, found by tracing one step
+``failure_notes``      what an exception raised inside a lowered operator is told
+``hooks``              the pre- and post-hook of one operator (the hot path)
+``executor``           :class:`PlanExecutor`: puts a plan into effect on a model
+``emulation``          a plan on a device where its 16-bit precision is emulated: warn, or decline FP16
+``loss_scaling``       the FP16 loss scaler's life cycle, a scaled optimizer step
+``plugin_state``       what the precision plugin keeps in a checkpoint
+=====================  ====================================================================================
+"""
+
+from lightning_comp.execution.executor import PlanExecutor
+from lightning_comp.execution.steps import StepKind
+
+__all__ = ["PlanExecutor", "StepKind"]

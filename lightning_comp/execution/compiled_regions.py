@@ -35,13 +35,16 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-__all__ = ["enter_autocast", "exit_autocast", "eager", "compiling", "graph_breaks", "guarding_hooks", "untraceable",
-           "EagerCall", "only_inlined"]
+from lightning_comp.adapters import lightning_internals, torch_internals
+from lightning_comp.operators.kinds import is_recurrent
 
-# The functional pair torch.export and Dynamo trace; private, so looked up once, with a fallback for torch builds
+__all__ = ["EagerCall", "compiling", "eager", "enter_autocast", "exit_autocast", "guarding_hooks", "is_compiled",
+           "only_inlined", "untraceable"]
+
+# The functional pair torch.export and Dynamo trace (private: see the adapter), with a fallback for torch builds
 # without it (their Dynamo cannot trace these regions: such a model then fails where it would have anyway).
-_enter_autocast: Callable[..., Any] | None = getattr(torch.amp.autocast_mode, "_enter_autocast", None)
-_exit_autocast: Callable[..., Any] | None = getattr(torch.amp.autocast_mode, "_exit_autocast", None)
+_enter_autocast = torch_internals.ENTER_AUTOCAST
+_exit_autocast = torch_internals.EXIT_AUTOCAST
 
 
 _SKIPPED_CODES: set[Any] = set()
@@ -53,9 +56,7 @@ def only_inlined(fn: _Fn) -> _Fn:
     (one call per code object; every closure made by the same ``def`` shares it). Returns ``fn``."""
     code = fn.__code__
     if code not in _SKIPPED_CODES:
-        skip_code = getattr(torch._dynamo.eval_frame, "skip_code", None)
-        if skip_code is not None:
-            skip_code(code)
+        torch_internals.never_compile_as_frame(code)
         _SKIPPED_CODES.add(code)
     return fn
 
@@ -90,7 +91,7 @@ def eager() -> Iterator[None]:
     """Run compiled functions and modules eagerly inside this context (their graphs stay cached for later)."""
     set_stance = getattr(torch.compiler, "set_stance", None)  # torch >= 2.6
     if set_stance is None:  # pragma: no cover
-        with torch._dynamo.config.patch(disable=True):
+        with torch_internals.dynamo_disabled():
             yield
         return
     with set_stance("force_eager"):
@@ -101,15 +102,15 @@ def eager() -> Iterator[None]:
 def guarding_hooks() -> Iterator[None]:
     """Compiled graphs traced inside this context guard on the hooks of the modules they call, so that a new plan's
     hooks recompile them. Graphs compiled before it carry no such guard and are dropped first
-    (``torch._dynamo.reset()``: anything else compiled in this process is compiled again on its next call)."""
-    torch._dynamo.reset()
-    with torch._dynamo.config.patch(skip_nnmodule_hook_guards=False):
+    (``torch.compiler.reset()``: anything else compiled in this process is compiled again on its next call)."""
+    torch.compiler.reset()
+    with torch_internals.dynamo_guards_module_hooks():
         yield
 
 
 def untraceable(module: nn.Module) -> bool:
     """Whether TorchDynamo breaks the graph at ``module``'s forward (recurrent modules, unless ``allow_rnn``)."""
-    return isinstance(module, nn.RNNBase) and not torch._dynamo.config.allow_rnn
+    return is_recurrent(module) and not torch_internals.dynamo_traces_rnn()
 
 
 class EagerCall:
@@ -151,12 +152,11 @@ class EagerCall:
             self._module.__dict__.pop("forward", None)
 
 
-def graph_breaks(fn: Any, *args: Any, **kwargs: Any) -> tuple[int, int, list[str]]:
-    """Trace ``fn(*args, **kwargs)`` with TorchDynamo and count graphs and graph breaks (nothing is compiled).
-
-    Returns:
-        ``(graphs, breaks, reasons)``: the number of graphs, of graph breaks, and each break's reason.
-    """
-    explained = torch._dynamo.explain(fn)(*args, **kwargs)
-    reasons = [str(getattr(b, "reason", b)) for b in explained.break_reasons]
-    return int(explained.graph_count), int(explained.graph_break_count), reasons
+def is_compiled(module: nn.Module) -> bool:
+    """Whether ``module`` runs under ``torch.compile``: handed to ``fit`` compiled (Lightning unwraps it and keeps the
+    compile settings), holding a compiled submodule (e.g. from ``configure_model``), or with a compiled ``forward``
+    (``module.forward = torch.compile(module.forward)``)."""
+    if lightning_internals.compiled_by_lightning(module):
+        return True
+    return any(torch_internals.is_compiled_module(m) or torch_internals.has_compiled_forward(m)
+               for m in module.modules())

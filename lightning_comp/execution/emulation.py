@@ -1,22 +1,26 @@
-"""Plans moved between machines: warn, once, when a plan's 16-bit precision is emulated where it now runs.
+"""A plan on a device where its 16-bit precision is emulated: warn (BF16), or run FP32 instead (FP16).
 
 A plan searched on an AMX server or an A100 lowers the operators for which 16-bit paid *there*. Loaded on a laptop
 whose CPU has only AVX2, BF16 is emulated (30-100x slower than FP32 for a matmul): the plan still computes
 correctly, but it is no longer a speed-up, and the search would choose differently. :func:`check_plan_device` names
-the operators concerned and both devices, and suggests searching again.
+the operators concerned and both devices, and suggests searching again. FP16 on a device without fast FP16 is a
+trap worse than slowness (a CPU's FP16 convolution backward runs a reference kernel ~100x slower than FP32), so
+:func:`decline_slow_fp16` runs those entries in FP32, unless the user insists.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
-from lightning_comp.devices.device_class import DeviceClass
+from lightning_comp.devices.device_classes import DeviceClass
 from lightning_comp.numerics.precision import Precision
 from lightning_comp.operators.discovery import iter_operators
 from lightning_comp.plan.plan import PrecisionPlan
 
-__all__ = ["check_plan_device", "emulated_operators"]
+__all__ = ["check_plan_device", "decline_slow_fp16", "emulated_operators"]
 
 _WARNED: set[tuple[str, str, str]] = set()
 
@@ -62,3 +66,19 @@ def check_plan_device(plan: PrecisionPlan, model: nn.Module, device: DeviceClass
         _WARNED.add(key)
         rank_zero_warn(message, stacklevel=stacklevel + 1)
     return message
+
+
+def decline_slow_fp16(plan: PrecisionPlan, device: DeviceClass, allow: bool) -> PrecisionPlan:
+    """``plan`` with its FP16 entries (and default) turned FP32 where ``device`` has no fast FP16, with a warning,
+    unless ``allow``. Everything else of the plan (saved precisions, fingerprint, provenance) is kept."""
+    if allow or not plan.uses(Precision.FP16) or device.is_native(Precision.FP16):
+        return plan
+    rank_zero_warn(
+        f"The plan assigns fp16 but this device, {device.describe()}, has no fast fp16 (on CPUs without"
+        " AMX-FP16, fp16 matmuls run at ~1x fp32 and fp16 convolution backward ~100x slower): those entries run"
+        " in fp32. Use 'bf16', or pass CoMPPrecision(allow_slow_fp16=True) to insist.",
+        stacklevel=4,
+    )
+    entries = tuple((s, Precision.FP32 if p is Precision.FP16 else p) for s, p in plan.entries)
+    default = Precision.FP32 if plan.default is Precision.FP16 else plan.default
+    return replace(plan, entries=entries, default=default, provenance={**plan.provenance, "declined_fp16": True})

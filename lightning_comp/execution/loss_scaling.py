@@ -1,4 +1,4 @@
-"""FP16 on the devices that pay for it: declining slow FP16, the loss scaler's life cycle, a scaled optimizer step.
+"""Loss scaling for plans that use FP16: the scaler's life cycle, and a scaled optimizer step.
 
 BF16 has FP32's exponent range and needs no loss scaling; FP16 does (``torch.amp.GradScaler``), and only pays where
 the device has fast FP16 kernels (CUDA sm70+, CPUs with AMX-FP16).
@@ -10,35 +10,12 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
-from lightning.pytorch.utilities import rank_zero_warn
 from torch.optim import LBFGS
 
 from lightning_comp.adapters.lightning_internals import optimizer_handles_unscaling
-from lightning_comp.devices.device_class import DeviceClass
-from lightning_comp.errors import PlanError, UnsupportedSetupError
-from lightning_comp.numerics.precision import Precision
-from lightning_comp.plan.plan import PrecisionPlan
+from lightning_comp.errors import UnsupportedSetupError
 
-__all__ = ["ScalerSlot", "check_plugin_state", "decline_slow_fp16", "scaled_optimizer_step"]
-
-PLUGIN_STATE_VERSION = 1
-_PLUGIN_STATE_KEYS = frozenset({"version", "plan", "scaler", "skipped_steps", "optimizer_steps"})
-
-
-def decline_slow_fp16(plan: PrecisionPlan, device: DeviceClass, allow: bool) -> PrecisionPlan:
-    """``plan`` with its FP16 entries turned FP32 where ``device`` has no fast FP16 (with a warning), unless allowed."""
-    if allow or not plan.uses(Precision.FP16) or device.is_native(Precision.FP16):
-        return plan
-    rank_zero_warn(
-        f"The plan assigns fp16 but this device, {device.describe()}, has no fast fp16 (on CPUs without"
-        " AMX-FP16, fp16 matmuls run at ~1x fp32 and fp16 convolution backward ~100x slower): those entries run"
-        " in fp32. Use 'bf16', or pass CoMPPrecision(allow_slow_fp16=True) to insist.",
-        stacklevel=4,
-    )
-    entries = {s: ("fp32" if p is Precision.FP16 else p.value) for s, p in plan.entries}
-    default = Precision.FP32 if plan.default is Precision.FP16 else plan.default
-    declined = PrecisionPlan.from_dict(entries, default=default)
-    return declined.with_provenance(**plan.provenance, declined_fp16=True)
+__all__ = ["ScalerSlot", "scaled_optimizer_step"]
 
 
 class ScalerSlot:
@@ -103,21 +80,3 @@ def scaled_optimizer_step(scaler: torch.amp.GradScaler, optimizer: Any, model: A
     step_output = scaler.step(optimizer, **kwargs)
     scaler.update()
     return step_output, scaler.get_scale() < scale_before
-
-
-def check_plugin_state(state_dict: object) -> None:
-    """Raise unless ``state_dict`` is a ``CoMPPrecision`` state this version can load.
-
-    Raises:
-        PlanError: naming what is wrong (not a mapping, no plan, another version, unknown keys).
-    """
-    if not isinstance(state_dict, Mapping) or "plan" not in state_dict:
-        raise PlanError(f"Malformed CoMPPrecision state {state_dict!r}: expected a mapping with a 'plan' key.")
-    version = state_dict.get("version", PLUGIN_STATE_VERSION)
-    if version != PLUGIN_STATE_VERSION:
-        raise PlanError(f"Cannot load a CoMPPrecision state of version {version!r}: this version reads"
-                        f" {PLUGIN_STATE_VERSION}. Load it with the lightning-comp that wrote it.")
-    unknown = sorted(set(state_dict) - _PLUGIN_STATE_KEYS)
-    if unknown:
-        raise PlanError(f"Unknown keys {unknown} in a CoMPPrecision state: it was written by another version of"
-                        " lightning-comp.")

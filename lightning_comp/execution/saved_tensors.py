@@ -28,7 +28,10 @@ import torch
 from torch import nn
 from torch.utils.weak import WeakTensorKeyDictionary
 
-from lightning_comp.numerics.saved_precision import CompressedTensor, SavedPrecision, compress, decompress, shrinks
+from lightning_comp.errors import ConfigError
+from lightning_comp.execution.saved_hooks import OuterHooks, hooks_installable, take_back
+from lightning_comp.numerics.codecs import CompressedTensor, compress, decompress, shrinks
+from lightning_comp.numerics.precision import SavedPrecision
 
 __all__ = ["DEFAULT_MIN_SAVED_BYTES", "SavedTensorCompressor"]
 
@@ -41,7 +44,6 @@ _VIEW_OR_CAST = frozenset({
     "SelectBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0", "AsStridedBackward0",
 })
 _ACCUMULATE = "torch::autograd::AccumulateGrad"
-Hooks = tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]]
 
 
 def _from_parameter(tensor: torch.Tensor, depth: int = 4) -> bool:
@@ -59,32 +61,13 @@ def _from_parameter(tensor: torch.Tensor, depth: int = 4) -> bool:
     return False
 
 
-def _hooks_enabled() -> bool:
-    enabled = getattr(torch._C._autograd, "_saved_tensors_hooks_is_enabled", lambda: True)
-    return bool(enabled())
-
-
-def _outer_hooks() -> Hooks | None:
-    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-    return None if top is None else top(False)
-
-
 @dataclass(frozen=True)
 class _Stored:
-    """A compressed saved tensor, possibly packed again by the outer hooks."""
+    """A compressed saved tensor: its stored data (handed on to the outer hooks), dtype and scale."""
 
-    packed: Any
+    data: Any
     dtype: torch.dtype
     inverse_scale: torch.Tensor | None
-    outer_unpack: Callable[[Any], torch.Tensor] | None
-
-
-@dataclass(frozen=True)
-class _Passed:
-    """A saved tensor handed on uncompressed to the outer hooks."""
-
-    packed: Any
-    outer_unpack: Callable[[Any], torch.Tensor]
 
 
 class SavedTensorCompressor:
@@ -100,7 +83,7 @@ class SavedTensorCompressor:
     def __init__(self, min_bytes: int = DEFAULT_MIN_SAVED_BYTES,
                  is_weight_copy: Callable[[torch.Tensor], bool] | None = None) -> None:
         if isinstance(min_bytes, bool) or not isinstance(min_bytes, int) or min_bytes < 0:
-            raise ValueError(f"min_saved_bytes={min_bytes!r} is invalid: it must be an integer >= 0 (bytes).")
+            raise ConfigError(f"min_saved_bytes={min_bytes!r} is invalid: it must be an integer >= 0 (bytes).")
         self.min_bytes = min_bytes
         self._is_weight_copy = is_weight_copy
         self._parameters: set[int] = set()
@@ -117,7 +100,8 @@ class SavedTensorCompressor:
         self._shared = WeakTensorKeyDictionary()
 
     def watch(self, model: nn.Module) -> None:
-        """Remember ``model``'s parameter storages (frozen ones too): they are never compressed."""
+        """Remember ``model``'s parameter storages (frozen ones too): they are never compressed. Called at every step,
+        since parameters may be replaced between steps (``load_state_dict(assign=True)``)."""
         self._parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
 
     def clear(self) -> None:
@@ -126,10 +110,9 @@ class SavedTensorCompressor:
 
     def context(self, saved: SavedPrecision) -> AbstractContextManager[Any] | None:
         """The hooks of an operator that saves at ``saved``, to enter for its forward (``None``: nothing to do)."""
-        if not saved.compresses or not torch.is_grad_enabled() or not _hooks_enabled():
+        if not saved.compresses or not hooks_installable():
             return None
-        outer = _outer_hooks()
-        return torch.autograd.graph.saved_tensors_hooks(self._pack_hook(saved, outer), _unpack)
+        return torch.autograd.graph.saved_tensors_hooks(self._pack_hook(saved, OuterHooks()), _unpack)
 
     def keeps(self, tensor: torch.Tensor, saved: SavedPrecision) -> bool:
         """Whether ``tensor`` is saved as it is (a parameter or a form of one, too small, or no smaller)."""
@@ -143,13 +126,12 @@ class SavedTensorCompressor:
             return True
         return _from_parameter(tensor)
 
-    def _pack_hook(self, saved: SavedPrecision, outer: Hooks | None) -> Callable[[torch.Tensor], Any]:
+    def _pack_hook(self, saved: SavedPrecision, outer: OuterHooks) -> Callable[[torch.Tensor], Any]:
         def pack(tensor: torch.Tensor) -> Any:
             if self.keeps(tensor, saved):
-                return tensor if outer is None else _Passed(outer[0](tensor), outer[1])
+                return outer.hand_on(tensor)
             compressed = self._shared_copy(tensor, saved)
-            data = compressed.data if outer is None else outer[0](compressed.data)
-            return _Stored(data, compressed.dtype, compressed.inverse_scale, None if outer is None else outer[1])
+            return _Stored(outer.hand_on(compressed.data), compressed.dtype, compressed.inverse_scale)
 
         return pack
 
@@ -168,10 +150,7 @@ class SavedTensorCompressor:
         return compressed
 
 
-def _unpack(packed: Any) -> torch.Tensor:
-    if isinstance(packed, _Stored):
-        data = packed.packed if packed.outer_unpack is None else packed.outer_unpack(packed.packed)
-        return decompress(CompressedTensor(data, packed.dtype, packed.inverse_scale))
-    if isinstance(packed, _Passed):
-        return packed.outer_unpack(packed.packed)
-    return packed
+def _unpack(saved: Any) -> torch.Tensor:
+    if isinstance(saved, _Stored):
+        return decompress(CompressedTensor(take_back(saved.data), saved.dtype, saved.inverse_scale))
+    return take_back(saved)

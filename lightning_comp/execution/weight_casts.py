@@ -19,6 +19,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_comp.adapters.torch_internals import tensor_base, tensor_version
+from lightning_comp.errors import UsageError
+from lightning_comp.execution.saved_hooks import OuterHooks, hooks_installable, take_back
+
 __all__ = ["WeightCastRecorder"]
 
 
@@ -35,11 +39,16 @@ class _Recipe:
     offset: int
 
     def rebuild(self) -> torch.Tensor:
-        if self.param._version != self.version:
-            raise RuntimeError(
+        """The copy, cast again from the master.
+
+        Raises:
+            UsageError: if the master was modified in place since the copy was made.
+        """
+        if tensor_version(self.param) != self.version:
+            raise UsageError(
                 f"Parameter {self.name!r} was modified in place between forward and backward (version"
-                f" {self.version} -> {self.param._version}); its {self.dtype} copy cannot be rebuilt for backward."
-                " Step the optimizer after backward, or use CoMPPrecision(recast_weights_in_backward=False)."
+                f" {self.version} -> {tensor_version(self.param)}); its {self.dtype} copy cannot be rebuilt for"
+                " backward. Step the optimizer after backward, or use CoMPPrecision(recast_weights_in_backward=False)."
             )
         with torch.no_grad():
             return self.param.to(self.dtype).as_strided(self.size, self.stride, self.offset)
@@ -72,12 +81,15 @@ class WeightCastRecorder:
         keep receiving every other saved tensor: only the innermost pair of hooks is called, so this pair hands on
         to them.
         """
-        hooks_enabled = getattr(torch._C._autograd, "_saved_tensors_hooks_is_enabled", lambda: True)
-        if not torch.is_grad_enabled() or torch.is_inference_mode_enabled() or not hooks_enabled():
+        if not hooks_installable():
             yield
             return
-        outer = _current_hooks()
-        pack = self._pack if outer is None else self._chained_pack(*outer)
+        outer = OuterHooks()
+
+        def pack(tensor: torch.Tensor) -> Any:
+            recipe = self._recipe(tensor)
+            return outer.hand_on(tensor) if recipe is None else recipe
+
         self._active = True
         try:
             with torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
@@ -91,42 +103,16 @@ class WeightCastRecorder:
         return self._recipe(tensor) is not None
 
     def _recipe(self, tensor: torch.Tensor) -> _Recipe | None:
-        base = tensor._base if tensor._base is not None else tensor
+        base = tensor_base(tensor)
         entry = self._copies.get(id(base))
         if entry is None or entry[0]() is not base:
             return None
         _, name, param = entry
-        return _Recipe(name, param, tensor.dtype, param._version, tensor.size(), tuple(tensor.stride()),
+        return _Recipe(name, param, tensor.dtype, tensor_version(param), tensor.size(), tuple(tensor.stride()),
                        int(tensor.storage_offset()))
 
-    def _pack(self, tensor: torch.Tensor) -> Any:
-        recipe = self._recipe(tensor)
-        return tensor if recipe is None else recipe
 
-    def _chained_pack(self, outer_pack: Any, outer_unpack: Any) -> Any:
-        def pack(tensor: torch.Tensor) -> Any:
-            recipe = self._recipe(tensor)
-            return _Outer(outer_pack(tensor), outer_unpack) if recipe is None else recipe
-
-        return pack
-
-
-@dataclass(frozen=True)
-class _Outer:
-    """A saved tensor packed by the hooks that were in force around the step."""
-
-    packed: Any
-    unpack: Any
-
-
-def _current_hooks() -> tuple[Any, Any] | None:
-    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-    return None if top is None else top(False)
-
-
-def _unpack(packed: Any) -> torch.Tensor:
-    if isinstance(packed, _Recipe):
-        return packed.rebuild()
-    if isinstance(packed, _Outer):
-        return packed.unpack(packed.packed)
-    return packed
+def _unpack(saved: Any) -> torch.Tensor:
+    if isinstance(saved, _Recipe):
+        return saved.rebuild()
+    return take_back(saved)

@@ -1,21 +1,23 @@
-"""The precisions a plan can assign, and how they map to torch dtypes and devices."""
+"""The precisions a plan assigns: the one an operator computes in, and the one it stores its saved tensors in.
+
+The two dimensions are independent: an FP32 LayerNorm may save BF16, a BF16 matmul may save FP8.
+"""
 
 from __future__ import annotations
 
-from enum import Enum
+from collections.abc import Mapping
 
 import torch
 
-from lightning_comp.errors import PlanError
+from lightning_comp.common.spelled_enum import SpelledEnum
+from lightning_comp.errors import CoMPError, PlanError
 
-__all__ = ["Precision", "parse_precision", "device_supports_fast"]
+__all__ = ["Precision", "SavedPrecision", "parse_precision", "parse_saved_precision"]
 
 
-class Precision(str, Enum):
-    """A compute precision for one operator.
-
-    The value is the spelling used in plans, configs and JSON files.
-    """
+class Precision(SpelledEnum):
+    """A compute precision for one operator. The value is the spelling in plans, configs and JSON files
+    (``float32``/``32``, ``bfloat16``, ``float16``/``half``/``16`` and the torch dtypes are accepted too)."""
 
     FP32 = "fp32"
     BF16 = "bf16"
@@ -24,62 +26,77 @@ class Precision(str, Enum):
     @property
     def dtype(self) -> torch.dtype:
         """The torch dtype the operator computes in."""
-        return _TO_DTYPE[self]
+        return {Precision.FP32: torch.float32, Precision.BF16: torch.bfloat16, Precision.FP16: torch.float16}[self]
 
     @property
     def is_low(self) -> bool:
         """Whether this is a 16-bit precision (anything but FP32)."""
         return self is not Precision.FP32
 
-    def __str__(self) -> str:
-        return self.value
+    @classmethod
+    def aliases(cls) -> Mapping[str, str]:
+        return {"float32": "fp32", "32": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16", "16": "fp16"}
+
+    @classmethod
+    def noun(cls) -> str:
+        return "precision"
+
+    @classmethod
+    def error_type(cls) -> type[CoMPError]:
+        return PlanError
 
 
-_TO_DTYPE = {Precision.FP32: torch.float32, Precision.BF16: torch.bfloat16, Precision.FP16: torch.float16}
-_ALIASES = {
-    "fp32": Precision.FP32,
-    "float32": Precision.FP32,
-    "32": Precision.FP32,
-    "bf16": Precision.BF16,
-    "bfloat16": Precision.BF16,
-    "fp16": Precision.FP16,
-    "float16": Precision.FP16,
-    "half": Precision.FP16,
-    "16": Precision.FP16,
-}
+class SavedPrecision(SpelledEnum):
+    """How an operator stores the floating tensors it saves for backward. The value is the spelling in plans."""
+
+    FP32 = "fp32"  # as computed (a BF16 operator's saved tensors stay BF16)
+    BF16 = "bf16"
+    FP8 = "fp8"  # float8_e4m3fn with a per-tensor FP32 scale
+
+    @property
+    def compresses(self) -> bool:
+        """Whether tensors saved at this precision are converted (everything but ``fp32``)."""
+        return self is not SavedPrecision.FP32
+
+    @property
+    def bytes_per_element(self) -> int:
+        """Bytes one element takes when saved at this precision (``fp32``: that of float32)."""
+        return {SavedPrecision.FP32: 4, SavedPrecision.BF16: 2, SavedPrecision.FP8: 1}[self]
+
+    @classmethod
+    def aliases(cls) -> Mapping[str, str]:
+        return {"float32": "fp32", "as_computed": "fp32", "bfloat16": "bf16", "fp8_e4m3": "fp8", "e4m3": "fp8"}
+
+    @classmethod
+    def noun(cls) -> str:
+        return "saved precision"
+
+    @classmethod
+    def error_type(cls) -> type[CoMPError]:
+        return PlanError
+
+    @classmethod
+    def choices(cls) -> str:
+        return "'fp32' (as computed), 'bf16' and 'fp8' (float8 e4m3 with a per-tensor scale)"
 
 
 def parse_precision(value: object) -> Precision:
     """Turn a user-facing value into a :class:`Precision`.
 
     Args:
-        value: a :class:`Precision`, a torch dtype (float32/bfloat16/float16) or one of the strings
-            ``"fp32"``, ``"bf16"``, ``"fp16"`` (aliases ``float32``, ``bfloat16``, ``float16``, ``half`` are accepted).
+        value: a :class:`Precision`, a torch dtype (float32/bfloat16/float16) or one of the strings ``"fp32"``,
+            ``"bf16"``, ``"fp16"`` (aliases ``float32``, ``bfloat16``, ``float16``, ``half`` are accepted).
 
     Raises:
         PlanError: if the value names no supported precision.
     """
-    if isinstance(value, Precision):
-        return value
-    if isinstance(value, torch.dtype):
-        for precision, dtype in _TO_DTYPE.items():
-            if dtype == value:
-                return precision
-        raise PlanError(f"Unsupported dtype {value!r}: valid dtypes are torch.float32, torch.bfloat16, torch.float16.")
-    if isinstance(value, str) and value.strip().lower() in _ALIASES:
-        return _ALIASES[value.strip().lower()]
-    raise PlanError(f"Unknown precision {value!r}: valid precisions are 'fp32', 'bf16' and 'fp16'.")
+    return Precision.parse(value)
 
 
-def device_supports_fast(precision: Precision, device_type: str) -> bool:
-    """Whether ``precision`` is expected to be *faster* than FP32 on this kind of device.
+def parse_saved_precision(value: object) -> SavedPrecision:
+    """Turn a user-facing value into a :class:`SavedPrecision`.
 
-    Shorthand for ``device_class(device_type).is_native(precision)`` (see :mod:`lightning_comp.devices.device_class`):
-    CUDA devices of compute capability >= 7.0 run FP16 natively, >= 8.0 also BF16; CPUs run BF16 natively only with
-    AVX512-BF16 or AMX (and AVX512 dispatch), FP16 only with AMX-FP16.
+    Raises:
+        PlanError: naming the value and the valid spellings.
     """
-    if precision is Precision.FP32:
-        return True
-    from lightning_comp.devices.device_class import device_class  # devices builds on this module
-
-    return device_class(device_type).is_native(precision)
+    return SavedPrecision.parse(value)

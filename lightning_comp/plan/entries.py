@@ -7,8 +7,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from lightning_comp.errors import PlanError
-from lightning_comp.numerics.precision import Precision, parse_precision
-from lightning_comp.numerics.saved_precision import SavedPrecision, parse_saved_precision
+from lightning_comp.numerics.precision import Precision, SavedPrecision, parse_precision, parse_saved_precision
 from lightning_comp.plan.selectors import check_selector
 
 __all__ = ["as_mapping", "parse_entries", "parse_saved", "split_entries"]
@@ -17,10 +16,20 @@ _ENTRY_KEYS = ("compute", "saved")
 
 
 def parse_entries(mapping: Mapping[str, Any]) -> tuple[tuple[str, Precision], ...]:
+    """``{selector: compute precision}`` as sorted, validated pairs.
+
+    Raises:
+        PlanError: naming a malformed selector or the entry with an unknown precision.
+    """
     return _parse(mapping, parse_precision, "precision")
 
 
 def parse_saved(mapping: Mapping[str, Any]) -> tuple[tuple[str, SavedPrecision], ...]:
+    """``{selector: saved precision}`` as sorted, validated pairs.
+
+    Raises:
+        PlanError: naming a malformed selector or the entry with an unknown saved precision.
+    """
     return _parse(mapping, parse_saved_precision, "saved precision")
 
 

@@ -7,7 +7,7 @@ default.
 Plans made for a model (:meth:`PrecisionPlan.for_model`, or any plan a search produces) carry the model's operator
 fingerprint, the torch version and the class of the device they were made on (:class:`~lightning_comp.DeviceClass`),
 so that applying them to another model fails loudly, and applying them on a device where their 16-bit precision is
-emulated warns. Files of format version 1 (before device classes were recorded) still load.
+emulated warns. Their file format is :mod:`lightning_comp.plan.serialised`.
 """
 
 from __future__ import annotations
@@ -24,26 +24,27 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_comp.devices.device_class import DeviceClass, device_class, model_device
-from lightning_comp.errors import PlanError, PlanMismatchError
-from lightning_comp.numerics.precision import Precision, parse_precision
-from lightning_comp.numerics.saved_precision import SavedPrecision, parse_saved_precision
-from lightning_comp.operators.discovery import classify, iter_operators
+from lightning_comp.common.plain import plain
+from lightning_comp.common.tables import format_table
+from lightning_comp.devices.device_classes import DeviceClass, device_class, model_device
+from lightning_comp.errors import PlanError, PlanFileError, PlanMismatchError
+from lightning_comp.numerics.precision import Precision, SavedPrecision, parse_precision, parse_saved_precision
+from lightning_comp.operators.discovery import iter_operators
+from lightning_comp.operators.kinds import OperatorKind, classify
 from lightning_comp.plan.entries import as_mapping, parse_entries, parse_saved, split_entries
 from lightning_comp.plan.fingerprint import OperatorFingerprint
 from lightning_comp.plan.selectors import Selectors
 from lightning_comp.plan.serialised import (
     PLAN_FORMAT,
     PLAN_VERSION,
-    load_plan,
-    plain,
-    plan_from_serialised,
-    plan_to_dict,
-    save_plan,
+    document_fields,
+    fingerprint_document,
+    is_document,
+    read_document,
+    write_document,
 )
-from lightning_comp.plan.summary import plan_summary
 
-__all__ = ["OperatorFingerprint", "PrecisionPlan", "PLAN_FORMAT", "PLAN_VERSION"]
+__all__ = ["PlanLike", "PrecisionPlan", "plan_from_any"]
 
 @dataclass(frozen=True)
 class PrecisionPlan:
@@ -51,8 +52,8 @@ class PrecisionPlan:
 
     Two independent dimensions: the precision an operator computes in (``fp32``/``bf16``/``fp16``), and the
     precision in which the tensors it saves for backward are stored (``fp32`` as computed, ``bf16``, ``fp8``; see
-    :mod:`lightning_comp.numerics.saved_precision`). Build one with :meth:`from_dict`, :meth:`for_model` or
-    :meth:`load`; never mutate it (use :meth:`with_entries` and :meth:`with_saved`).
+    :class:`~lightning_comp.numerics.precision.SavedPrecision`). Build one with :meth:`from_dict`, :meth:`for_model`
+    or :meth:`load`; never mutate it (use :meth:`with_entries` and :meth:`with_saved`).
 
     Attributes:
         entries: ``(selector, precision)`` pairs of the compute dimension, sorted by selector.
@@ -62,7 +63,7 @@ class PrecisionPlan:
         device_type: device type (``"cpu"``, ``"cuda"``) the plan was made for, if bound to a model.
         provenance: free-form JSON-able notes (who made the plan and from what evidence); not part of equality.
         device: the class of the device the plan was made on (CPU capability, CUDA compute capability, which
-            16-bit precisions are native there), if bound to a model; ``None`` for plans of format version 1.
+            16-bit precisions are native there), if bound to a model.
         saved: ``(selector, saved precision)`` pairs of the saved-for-backward dimension, sorted by selector.
         saved_default: saved precision of every operator that no ``saved`` entry matches.
     """
@@ -118,8 +119,8 @@ class PrecisionPlan:
         """
         if not isinstance(mapping, Mapping):
             raise PlanError(f"A plan must be built from a mapping, got {type(mapping).__name__}: {mapping!r}.")
-        if mapping.get("format") == PLAN_FORMAT:
-            return plan_from_serialised(cls, mapping)
+        if is_document(mapping):
+            return cls(**document_fields(mapping))
         try:
             default_precision = parse_precision(default)
         except PlanError as err:
@@ -232,10 +233,6 @@ class PrecisionPlan:
         """The precision of every operator of ``model`` under this plan (shape-only operators included)."""
         return {name: self.precision_of(name, type(module)) for name, module in iter_operators(model)}
 
-    def resolve_saved(self, model: nn.Module) -> dict[str, SavedPrecision]:
-        """The saved precision of every operator of ``model`` under this plan."""
-        return {name: self.saved_of(name, type(module)) for name, module in iter_operators(model)}
-
     def explain_saved(self, model: nn.Module) -> dict[str, str]:
         """For every operator, the saved entry that decided its saved precision (``"<default>"`` if none)."""
         out = {}
@@ -279,24 +276,34 @@ class PrecisionPlan:
         return [
             name
             for name, module in iter_operators(model)
-            if self.precision_of(name, type(module)).is_low and classify(module).value != "shape"
+            if self.precision_of(name, type(module)).is_low and classify(module) is not OperatorKind.SHAPE
         ]
 
     # -------------------------------------------------------------------------------------------- serialisation
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-able dictionary (plain Python types only) that :meth:`from_dict` turns back into this plan.
-
-        Written at the lowest format version that holds the plan (see :mod:`lightning_comp.plan.serialised`).
-        """
-        return plan_to_dict(self)
+        """A JSON-able dictionary (plain Python types only) that :meth:`from_dict` turns back into this plan
+        (the document of :mod:`lightning_comp.plan.serialised`)."""
+        return {
+            "format": PLAN_FORMAT,
+            "version": PLAN_VERSION,
+            "default": self.default.value,
+            "entries": {selector: precision.value for selector, precision in self.entries},
+            "saved_default": self.saved_default.value,
+            "saved": {selector: saved.value for selector, saved in self.saved},
+            "fingerprint": fingerprint_document(self.fingerprint),
+            "torch_version": self.torch_version,
+            "device_type": self.device_type,
+            "device": None if self.device is None else self.device.to_dict(),
+            "provenance": plain(dict(self.provenance)),
+        }
 
     def to_json(self) -> str:
         """The plan as an indented JSON document."""
         return json.dumps(self.to_dict(), indent=2, sort_keys=False)
 
     def save(self, path: str | os.PathLike[str]) -> Path:
-        """Write the plan as JSON to ``path`` (parent folders are created) and return the path."""
-        return save_plan(self, path)
+        """Write the plan as JSON to ``path`` (atomically; parent folders are created) and return the path."""
+        return write_document(self.to_dict(), path)
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> PrecisionPlan:
@@ -305,12 +312,41 @@ class PrecisionPlan:
         Raises:
             PlanFileError: if the file is missing, unreadable, not JSON, or JSON of the wrong shape.
         """
-        return load_plan(cls, path)
+        data = read_document(path)
+        try:
+            return cls.from_dict(data)
+        except PlanError as err:
+            raise PlanFileError(f"Plan file {str(path)!r}: {err}") from None
 
     # ------------------------------------------------------------------------------------------------- display
     def summary(self, model: nn.Module | None = None) -> str:
-        """A readable table of the plan; with ``model``, one row per operator with its precisions and why."""
-        return plan_summary(self, model)
+        """A readable table of the plan; with ``model``, one row per operator: its compute precision, the precision of
+        what it saves for backward (when the plan sets any), and the selectors that decided them."""
+        saved = self.compresses_saved
+        if model is None:
+            compute, stored = dict(self.entries), dict(self.saved)
+            rows: list[tuple[str, ...]] = [
+                (s, compute[s].value if s in compute else "-", *((stored[s].value if s in stored else "-",)
+                                                                  if saved else ()))
+                for s in sorted(set(compute) | set(stored))]
+            rows.append(("<default>", self.default.value, *((self.saved_default.value,) if saved else ())))
+            return format_table(("selector", "precision", *(("saved",) if saved else ())), rows)
+        explain = self.explain(model)
+        explain_saved = self.explain_saved(model) if saved else {}
+        rows = []
+        for name, module in iter_operators(model):
+            params = sum(p.numel() for p in module.parameters())
+            row = [name or "<root>", type(module).__name__, f"{params:,}", self.precision_of(name, type(module)).value]
+            if saved:
+                row.append(self.saved_of(name, type(module)).value)
+            row.append(explain[name] if not saved or explain_saved[name] == explain[name]
+                       else f"{explain[name]} / {explain_saved[name]}")
+            rows.append(tuple(row))
+        header = ("operator", "type", "params", "precision", *(("saved",) if saved else ()), "decided by")
+        tail = f"{sum(1 for r in rows if r[3] != 'fp32')} of {len(rows)} operators in 16-bit precision"
+        if saved:
+            tail += f", {sum(1 for r in rows if r[4] != 'fp32')} save for backward in bf16/fp8"
+        return format_table(header, rows) + "\n" + tail
 
     def __repr__(self) -> str:
         entries = ", ".join(f"{s!r}: {p.value!r}" for s, p in self.entries)
@@ -322,7 +358,10 @@ class PrecisionPlan:
         return f"PrecisionPlan({{{entries}}}, default={self.default.value!r}{saved}{bound})"
 
 
-def plan_from_any(plan: PrecisionPlan | Mapping[str, Any] | str | os.PathLike[str] | None) -> PrecisionPlan:
+PlanLike = PrecisionPlan | Mapping[str, Any] | str | os.PathLike[str] | None
+
+
+def plan_from_any(plan: PlanLike) -> PrecisionPlan:
     """Accept a plan, a ``{selector: precision}`` mapping, a path to a saved plan, or ``None`` (all FP32)."""
     if plan is None:
         return PrecisionPlan()

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import os
-from collections.abc import Callable, Generator, Mapping
-from contextlib import ExitStack, contextmanager
+from collections.abc import Callable, Generator
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from typing import Any
 
 import lightning.pytorch as pl
@@ -16,26 +15,20 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_comp.adapters.lightning_internals import compiled, optimizer_handles_unscaling
-from lightning_comp.devices.device_class import DeviceClass, device_class, model_device
+from lightning_comp.adapters.lightning_internals import optimizer_handles_unscaling
+from lightning_comp.devices.device_classes import DeviceClass, device_class, model_device
 from lightning_comp.errors import UnsupportedSetupError
-from lightning_comp.execution.compiled_regions import guarding_hooks
-from lightning_comp.execution.emulation import check_plan_device
-from lightning_comp.execution.executor import PlanExecutor, StepKind
-from lightning_comp.execution.loss_scaling import (
-    PLUGIN_STATE_VERSION,
-    ScalerSlot,
-    check_plugin_state,
-    decline_slow_fp16,
-    scaled_optimizer_step,
-)
+from lightning_comp.execution.compiled_regions import guarding_hooks, is_compiled
+from lightning_comp.execution.emulation import check_plan_device, decline_slow_fp16
+from lightning_comp.execution.executor import PlanExecutor
+from lightning_comp.execution.loss_scaling import ScalerSlot, scaled_optimizer_step
+from lightning_comp.execution.plugin_state import PluginState
 from lightning_comp.execution.saved_tensors import DEFAULT_MIN_SAVED_BYTES
+from lightning_comp.execution.steps import StepKind
 from lightning_comp.numerics.precision import Precision as Dtype
-from lightning_comp.plan.plan import PrecisionPlan, plan_from_any
+from lightning_comp.plan.plan import PlanLike, PrecisionPlan, plan_from_any
 
 __all__ = ["CoMPPrecision"]
-
-PlanLike = PrecisionPlan | Mapping[str, Any] | str | os.PathLike[str] | None
 
 
 class CoMPPrecision(Precision):
@@ -48,6 +41,14 @@ class CoMPPrecision(Precision):
     gradients and optimizer state stay FP32. A plan that uses FP16 anywhere turns on dynamic loss scaling
     (``torch.amp.GradScaler``); BF16-only plans need none. A plan whose 16-bit precision is emulated on this device
     (BF16 on an AVX2-only CPU) still trains, with a warning naming the operators.
+
+    **Resuming.** ``fit(ckpt_path=...)`` puts the checkpoint's plan back, unless this plugin was given a plan of the
+    user's own (in the constructor, or by :meth:`set_plan`): that plan wins, with a warning naming what the checkpoint
+    held. A plan a search put in force (:meth:`try_plan`) gives way to the checkpoint's, from which the search resumes.
+
+    **A search's entry points.** :meth:`try_plan` puts a plan in force that the caller tries on purpose;
+    :meth:`measured_step` runs a training step of a plan outside Lightning's loop exactly as training would run it.
+    ``CoMPSearch`` drives the plugin through these two only.
 
     Args:
         plan: a :class:`PrecisionPlan`, a ``{selector: precision}`` mapping, a path to a plan saved with
@@ -65,6 +66,7 @@ class CoMPPrecision(Precision):
 
     Raises:
         PlanError: if ``plan`` cannot be read.
+        ConfigError: if ``min_saved_bytes`` is not an integer >= 0.
     """
 
     precision = "32-true"  # master weights and everything outside the plan's operators; keeps Lightning's literal
@@ -79,25 +81,23 @@ class CoMPPrecision(Precision):
         min_saved_bytes: int = DEFAULT_MIN_SAVED_BYTES,
     ) -> None:
         super().__init__()
-        self._requested: PrecisionPlan = plan_from_any(plan)
-        self._plan: PrecisionPlan = self._requested
+        self._requested: PrecisionPlan = plan_from_any(plan)  # asked for; the executor holds it bound, in force
+        self._users_own = plan is not None  # the user's own plan wins over a checkpoint's
+        self._trial = False  # the plan was put in force by try_plan (no emulation warning)
         self.allow_slow_fp16 = bool(allow_slow_fp16)
         self._scaler = ScalerSlot(scaler)
         self._executor = PlanExecutor(recast_weights_in_backward=recast_weights_in_backward,
                                       min_saved_bytes=min_saved_bytes)
-        self._model: nn.Module | None = None
-        self._placed: torch.device | None = None  # the device the hooks and the scaler were built for
-        self._compiled = False  # the model runs under torch.compile
         self._hook_guards = ExitStack()  # while a compiled model trains: Dynamo guards on hooks
-        self._check_device = True
         self.skipped_steps = 0
         self.optimizer_steps = 0
 
     # -------------------------------------------------------------------------------------------- the plan
     @property
     def plan(self) -> PrecisionPlan:
-        """The plan in force (bound to the model once the Trainer has set it up)."""
-        return self._plan
+        """The plan in force (bound to the model once the Trainer has set it up), else the plan asked for."""
+        applied = self._executor.plan
+        return self._requested if applied is None else applied
 
     @property
     def scaler(self) -> torch.amp.GradScaler | None:
@@ -113,20 +113,20 @@ class CoMPPrecision(Precision):
     @property
     def compiled(self) -> bool:
         """Whether the model runs under ``torch.compile`` (known once the Trainer has set it up)."""
-        return self._compiled
+        return self._executor.compiled
 
     @property
     def executor(self) -> PlanExecutor:
         """The hook engine (for inspection)."""
         return self._executor
 
-    def set_plan(self, plan: PlanLike, *, check_device: bool = True) -> PrecisionPlan:
-        """Replace the plan; re-hooks the model at once if it is known (idempotent, no stale or double hooks).
+    def set_plan(self, plan: PlanLike) -> PrecisionPlan:
+        """Replace the plan by one of the user's own; re-hooks the model at once if it is known (idempotent).
+
+        A plan set here wins over a checkpoint's on resume, like the constructor's.
 
         Args:
             plan: the new plan (anything the constructor accepts).
-            check_device: warn if the plan's 16-bit precision is emulated on the model's device (the search turns
-                this off for the trial plans it makes on purpose).
 
         Returns:
             The plan now in force.
@@ -135,47 +135,84 @@ class CoMPPrecision(Precision):
             PlanMismatchError: if the plan does not fit the model.
             PlanError: if an operator has no kernel for its planned precision on the model's device.
         """
-        requested = plan_from_any(plan)
-        previous, self._requested = self._requested, requested
-        self._check_device = check_device
-        if self._model is not None:
+        result = self._request(plan_from_any(plan), trial=False)
+        self._users_own = True
+        return result
+
+    def try_plan(self, plan: PlanLike) -> PrecisionPlan:
+        """Put in force a plan the caller tries on purpose (a search's trial, or the plan it chose).
+
+        As :meth:`set_plan`, but the plan is not the user's own: no warning where its 16-bit precision is emulated
+        on this device (the caller chose to try it there), and a checkpoint's plan replaces it on resume.
+
+        Returns:
+            The plan now in force.
+
+        Raises:
+            PlanMismatchError: if the plan does not fit the model.
+            PlanError: if an operator has no kernel for its planned precision on the model's device.
+        """
+        result = self._request(plan_from_any(plan), trial=True)
+        self._users_own = False
+        return result
+
+    def measured_step(self, plan: PlanLike, *, calibrated: bool = True) -> AbstractContextManager[None]:
+        """Put ``plan`` in force (as :meth:`try_plan`) and return the context in which to run one training step
+        outside Lightning's loop (a profiler's or a timer's) exactly as a training step of that plan runs.
+
+        Lowered weights are saved for backward as training saves them (recipes re-cast in backward), and what
+        operators save for backward is stored at its planned saved precision.
+
+        Args:
+            plan: the plan to run.
+            calibrated: the cast boundaries of training: a lowered operator's output stays low where every consumer
+                computes in the same precision (the first such step after the plan is applied traces them, the way
+                the first training step does). ``False``: every lowered operator's output returns to FP32, so each
+                operator is measured with its own casts.
+        """
+        self.try_plan(plan)
+        if calibrated:
+            return self._executor.step(StepKind.TRAIN)
+        return self._executor.weight_cast_recording()
+
+    def _request(self, plan: PrecisionPlan, trial: bool) -> PrecisionPlan:
+        previous = self._requested, self._trial
+        self._requested, self._trial = plan, trial
+        if self._executor.model is not None:
             try:
                 self._apply()
             except Exception:
-                self._requested = previous  # a rejected plan must not poison the next fit's convert_module
+                self._requested, self._trial = previous  # a rejected plan must not poison the next convert_module
                 raise
-        else:
-            self._plan = self._requested
-        return self._plan
+        return self.plan
 
     def _apply(self) -> None:
         """Hook the model for the device it is on now (its parameters' device, read now, never remembered)."""
-        assert self._model is not None
-        device = model_device(self._model)
+        model = self._executor.model
+        assert model is not None
+        device = model_device(model)
         target = device_class(device)
-        plan = decline_slow_fp16(self._requested, target, self.allow_slow_fp16)
-        self._plan = self._executor.apply(self._model, plan, device, compiled=self._compiled)
-        self._placed = device
-        self._scaler.sync(self._plan.uses(Dtype.FP16), device.type)
-        if self._check_device:
+        plan = self._executor.apply(model, decline_slow_fp16(self._requested, target, self.allow_slow_fp16), device)
+        self._scaler.sync(plan.uses(Dtype.FP16), device.type)
+        if not self._trial:
             accepted = frozenset({Dtype.FP16}) if self.allow_slow_fp16 else frozenset()
-            check_plan_device(self._plan, self._model, target, stacklevel=4, accepted=accepted)
-        if not self._plan.is_all_fp32 and not self._plan.low_operators(self._model):
+            check_plan_device(plan, model, target, stacklevel=4, accepted=accepted)
+        if not plan.is_all_fp32 and not plan.low_operators(model):
             rank_zero_warn(
-                f"The plan {self._plan!r} assigns a 16-bit precision but lowers no operator of"
-                f" {type(self._model).__name__} (its entries match only shape-only operators, or the model has no"
+                f"The plan {plan!r} assigns a 16-bit precision but lowers no operator of"
+                f" {type(model).__name__} (its entries match only shape-only operators, or the model has no"
                 " operator low precision applies to): training runs in fp32.",
                 stacklevel=3,
             )
 
-    def __repr__(self) -> str:
-        return (f"{type(self).__name__}(plan={self._plan!r}, allow_slow_fp16={self.allow_slow_fp16},"
-                f" recast_weights_in_backward={self._executor.recast_weights_in_backward})")
-
     def _ensure_placed(self) -> None:
         """Re-hook if the model computes somewhere else than the hooks were built for (Lightning moved it)."""
-        if self._model is not None and model_device(self._model) != self._placed:
+        if self._executor.model is not None and not self._executor.placed():
             self._apply()
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(plan={self.plan!r}, allow_slow_fp16={self.allow_slow_fp16},"
+                f" recast_weights_in_backward={self._executor.recast_weights_in_backward})")
 
     # ------------------------------------------------------------------------------------------ Lightning hooks
     @override
@@ -191,12 +228,11 @@ class CoMPPrecision(Precision):
             PlanMismatchError: if the plan does not fit ``module``.
         """
         self._requested.validate(module)
-        self._compiled = compiled(module)
+        compiled = is_compiled(module)
+        self._executor.attach(module, compiled=compiled)
         self._hook_guards.close()
-        if self._compiled:
+        if compiled:
             self._hook_guards.enter_context(guarding_hooks())
-        self._model = module
-        self._placed = None
         return module
 
     @override
@@ -206,7 +242,7 @@ class CoMPPrecision(Precision):
                 "CoMPPrecision cannot drive a DeepSpeed engine (backward and step must go through DeepSpeed's own"
                 " precision plugin). Use strategy='ddp' or 'auto' with CoMPPrecision, or DeepSpeed without it."
             )
-        if self._model is not None:
+        if self._executor.model is not None:
             self._apply()  # Lightning has placed the model by now: hook it for its device
         return super().connect(model, optimizers, lr_schedulers)
 
@@ -283,27 +319,31 @@ class CoMPPrecision(Precision):
     @override
     def state_dict(self) -> dict[str, Any]:
         """The plan (plain Python types, loadable with ``weights_only=True``), scaler state and step counters."""
-        return {
-            "version": PLUGIN_STATE_VERSION,
-            "plan": self._plan.to_dict(),
-            "scaler": None if self.scaler is None else self.scaler.state_dict(),
-            "skipped_steps": self.skipped_steps,
-            "optimizer_steps": self.optimizer_steps,
-        }
+        return PluginState(plan=self.plan.to_dict(), scaler=None if self.scaler is None else self.scaler.state_dict(),
+                           skipped_steps=self.skipped_steps, optimizer_steps=self.optimizer_steps).to_dict()
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore the plan and re-apply it to the model, then restore the scaler.
+        """Restore the plan and re-apply it to the model (unless the user gave a plan of their own: it wins, with a
+        warning naming what the checkpoint held), then the scaler and the step counters.
 
         Raises:
             PlanError: if the state is malformed, of another version, or has unknown keys.
             PlanMismatchError: if the stored plan was made for a different model.
         """
-        check_plugin_state(state_dict)
-        self.set_plan(PrecisionPlan.from_dict(state_dict["plan"]))
-        self._scaler.load(state_dict.get("scaler"), self._plan.uses(Dtype.FP16), self._model is not None)
-        self.skipped_steps = int(state_dict.get("skipped_steps", 0))
-        self.optimizer_steps = int(state_dict.get("optimizer_steps", 0))
+        state = PluginState.from_dict(state_dict)
+        stored = PrecisionPlan.from_dict(state.plan)
+        if not self._users_own:
+            self._request(stored, trial=self._trial)
+        elif not _same_assignment(stored, self.plan):
+            rank_zero_warn(
+                f"CoMPPrecision: the checkpoint holds the plan {_assignment(stored)}, but this run was given the plan"
+                f" {_assignment(self.plan)}, which is kept. Pass CoMPPrecision() without a plan to resume with the"
+                " checkpoint's.",
+            )
+        self._scaler.load(state.scaler, self.plan.uses(Dtype.FP16), self._executor.model is not None)
+        self.skipped_steps = state.skipped_steps
+        self.optimizer_steps = state.optimizer_steps
 
     @override
     def teardown(self) -> None:
@@ -313,14 +353,23 @@ class CoMPPrecision(Precision):
         inspectable (:attr:`plan`, ``executor.precisions()``) and the next stage, or :meth:`set_plan`, hooks it again.
         """
         self._executor.detach()
-        self._placed = None
         self._hook_guards.close()
         super().teardown()
-
-    def _set_search_plan(self, plan: PlanLike) -> PrecisionPlan:
-        """:meth:`set_plan` for the search's own trial plans (no emulation warning: the search chose to try them)."""
-        return self.set_plan(plan, check_device=False)
 
     def remove_hooks(self) -> None:
         """Take the plan off the model (it then computes in FP32 everywhere); :meth:`set_plan` puts one back."""
         self._executor.remove()
+
+
+def _same_assignment(a: PrecisionPlan, b: PrecisionPlan) -> bool:
+    """Whether two plans assign the same precisions (whatever their fingerprints, devices and provenance)."""
+    return (a.entries, a.default, a.saved, a.saved_default) == (b.entries, b.default, b.saved, b.saved_default)
+
+
+def _assignment(plan: PrecisionPlan) -> str:
+    """The plan's entries for a message, e.g. ``{'head': 'bf16', '<default>': 'fp32'}``."""
+    entries = {selector: precision.value for selector, precision in plan.entries}
+    entries["<default>"] = plan.default.value
+    if plan.compresses_saved:
+        entries.update({f"saved {selector}": saved.value for selector, saved in plan.saved})
+    return repr(entries)

@@ -1,23 +1,36 @@
-"""The convergence-aware two-stage search for a model's precision plan, one module per part.
+"""The convergence-aware two-stage search for a model's precision plan.
 
-==========================  ===========================================================================
-module                      part
-==========================  ===========================================================================
-``callback``                ``CoMPSearch``: the Lightning hooks, delegating to the parts below
-``config``                  ``SearchConfig`` and ``Objective``: validated settings
-``checks``                  set-up checks (plugin, strategy, validation, selectors, monitor)
-``batch_stage``             per-operator measurements on one batch; the candidates
-``comparison``              decisions from measurements (pure functions)
-``trials``                  convergence trials, verdicts, the end of the search
-``loop``                    the loop budget, cut epochs, rewinds (the only part that steers ``fit_loop``)
-``record``                  the decision record: written, logged, printed
-``ranks``                   rank agreement under DDP
-``state``                   ``SearchState`` and ``TrialRecord``: typed state, checkpoint form
-==========================  ===========================================================================
+Packages and modules, each importing only those above it in this table:
+
+=================  ==========================================================================================
+part               what it holds
+=================  ==========================================================================================
+``config``         :class:`SearchConfig` and its enums (:class:`Objective`, ...): validated settings
+``candidates``     :class:`~lightning_comp.search.candidates.Candidate`: what a trial lowers
+``measurement/``   clocks, machine load, profilers, ratio estimates
+``decisions/``     per-operator, saved-precision, whole-step and trial decisions; objective policies; group testing
+``state``          :class:`SearchState` and :class:`TrialRecord`: typed state, checkpoint form
+``ranks``          rank agreement under DDP
+``record/``        the decision record: progress, text, loggers, JSON
+``rewind/``        snapshots, paused callbacks, the loop budget
+``checks``         set-up checks (plugin, strategy, validation, selectors, monitor)
+``compiled``       the search on a compiled model: measured and trialled eagerly
+``stages/``        the batch stage and the epoch stage
+``callback``       :class:`CoMPSearch`: the Lightning hooks, delegating to the parts above
+=================  ==========================================================================================
 """
 
 from lightning_comp.search.callback import CoMPSearch
-from lightning_comp.search.config import Objective, SearchConfig
-from lightning_comp.search.state import SearchState, TrialRecord
+from lightning_comp.search.config import (
+    LowPrecision,
+    Mode,
+    Objective,
+    SavedPrecisions,
+    SearchConfig,
+    Timing,
+    ToleranceMode,
+)
+from lightning_comp.search.state import Phase, SearchState, TrialRecord
 
-__all__ = ["CoMPSearch", "Objective", "SearchConfig", "SearchState", "TrialRecord"]
+__all__ = ["CoMPSearch", "LowPrecision", "Mode", "Objective", "Phase", "SavedPrecisions", "SearchConfig",
+           "SearchState", "Timing", "ToleranceMode", "TrialRecord"]

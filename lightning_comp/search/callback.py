@@ -4,13 +4,11 @@ The search runs inside the user's ``trainer.fit`` and never changes the model's 
 
 1. **Warm-up.** The first ``warmup_epochs`` train in FP32 as usual (early metrics are too noisy to judge by).
 2. **Batch stage** (:mod:`~lightning_comp.search.stages.batch_stage`, decisions in
-:mod:`~lightning_comp.search.decisions.comparison`):
-   which operators are worth a trial, measured on one batch.
-3. **Epoch stage** (:mod:`~lightning_comp.search.stages.trials`): FP32 reference and candidate trials from one snapshot,
-   judged on the monitored validation metric; unsafe operators isolated by adaptive group testing.
+   :mod:`~lightning_comp.search.decisions`): which operators are worth a trial, measured on one batch.
+3. **Epoch stage** (:mod:`~lightning_comp.search.stages.trials`): FP32 reference and candidate trials from one
+   snapshot, judged on the monitored validation metric; unsafe operators isolated by adaptive group testing.
 4. **Rewind and keep** (:mod:`~lightning_comp.search.rewind.loop`): rejected trials are rewound bit-exactly and given
-back
-   through ``max_epochs``; ``EarlyStopping`` is paused meanwhile (:mod:`lightning_comp.search.rewind.pause`).
+   back through ``max_epochs``; ``EarlyStopping`` is paused meanwhile (:mod:`lightning_comp.search.rewind.pause`).
 
 The decision record (:mod:`~lightning_comp.search.record.build`) is kept in the callback state, written as JSON next to
 the logs, logged to the Trainer's loggers and printed on rank 0. Under DDP every rank takes every decision from the
@@ -29,8 +27,7 @@ from lightning.pytorch.callbacks import Callback, EarlyStopping, ModelCheckpoint
 from typing_extensions import override
 
 from lightning_comp.adapters import lightning_internals as lightning
-from lightning_comp.devices.device_class import device_class, model_device
-from lightning_comp.numerics.precision import Precision
+from lightning_comp.devices.device_classes import device_class, model_device
 from lightning_comp.plan.plan import PrecisionPlan
 from lightning_comp.plugins.comp import CoMPPrecision
 from lightning_comp.search.checks import (
@@ -62,62 +59,27 @@ class CoMPSearch(Callback):
 
     Use with the plugin: ``Trainer(plugins=[CoMPPrecision()], callbacks=[CoMPSearch()])``.
 
+    Every setting is a field of :class:`~lightning_comp.SearchConfig`, which documents it: pass a ``config``, the
+    common settings below as keyword arguments, any other setting by its name, or a mix (keyword arguments replace
+    the ``config``'s values; a common setting left ``None`` keeps it)::
+
+        CoMPSearch(monitor="val_acc", mode="max")
+        CoMPSearch(config=SearchConfig(objective="memory", max_memory_slowdown=2.0), tolerance=0.05)
+        CoMPSearch(profile_steps=8, timing="cpu")
+
     Args:
-        monitor: validation metric that judges convergence (logged in ``validation_step``; under DDP log it with
-            ``sync_dist=True``).
-        mode: ``"min"`` if lower is better (losses), ``"max"`` if higher is better (accuracy).
-        tolerance: how much worse than the FP32 reference trial a candidate may end. Relative by default: ``0.02``
-            accepts ``val_loss <= 1.02 * reference`` (mode min) or ``acc >= 0.98 * reference`` (mode max).
-        tolerance_mode: ``"relative"`` (fraction of ``|reference|``) or ``"absolute"`` (metric units).
-        warmup_epochs: FP32 epochs before the search starts (kept as training; at least 1 recommended so every trial
-            sees the same batch order).
-        trial_epochs: epochs each convergence trial trains.
-        trial_batches: if set (a number of batches, or a fraction of the epoch such as ``0.25``, as with
-            ``Trainer(limit_train_batches)``), each trial trains only the first that many batches of an epoch and is
-            judged by a validation run right there. A rejected trial ends its epoch early and is rewound (its epoch is
-            given back through ``max_epochs``, as for whole-epoch trials); the trial that is kept goes on to the end
-            of its epoch with its plan, so the kept progress still equals a plain run's. Cuts the cost of the FP32
-            reference trial to that many batches. Needs ``trial_epochs=1`` and validation at every epoch end.
-        profile_steps: measured training steps per configuration in the batch stage. Every comparison is made
-            from paired rounds: the median per-round ratio and its confidence interval (see ``timing``).
-        profile_warmup: unmeasured steps per configuration before those.
-        extra_profile_time: when the first ``profile_steps`` rounds cannot tell FP32 and low precision apart (the
-            interval of the per-round ratios straddles the margin), the batch stage measures more rounds, for at
-            most this fraction of the time the first rounds took (per-operator and whole-step measurements each).
-            An operator or plan still undecided then stays FP32, with the measured ratio and its spread in the
-            record. ``0`` disables the extra rounds.
-        timing: what the batch stage's clock counts on a CPU. ``"auto"`` (default): wall time with the user's
-            threads while the machine is quiet; once other processes take half a CPU or more (measured from
-            ``/proc/stat`` on Linux, before and during the measurements), the CPU time of the measuring thread with one
-            intra-op thread, which does not count time other processes take. ``"wall"`` or ``"cpu"`` force one.
-            On CUDA, CUDA events are used whatever this says.
-        low_precision: ``"auto"`` (BF16 on CPUs with AVX512-BF16/AMX and on CUDA >= sm80, FP16 on CUDA sm70-sm75,
-            FP32 without a search where no 16-bit precision is native, e.g. AVX2-only CPUs), ``"bf16"`` or ``"fp16"``.
-            Decided from the device the model trains on, once Lightning has placed it.
-        objective: ``"throughput"``, ``"memory"`` (saved-for-backward bytes) or ``"balanced"``. Per operator first;
-            then the candidate plan is compared as a whole step with the all-low and the compute-only plans: by time
-            (``"throughput"``), by bytes saved for backward within ``max_memory_slowdown`` of FP32 (``"memory"``), or
-            by the geometric mean of both ratios to FP32 (``"balanced"``). ``"memory"`` and ``"balanced"`` also
-            choose, per operator, the precision its tensors saved for backward are stored in (``saved_precision``),
-            and trial those choices like compute precision.
-        speed_margin: fraction by which lowering must beat FP32 before it is preferred (noise guard).
-        min_gain_ms: smallest per-step time gain (ms) an operator must show to be lowered.
-        max_trials: budget of candidate trials (the reference trial not counted).
-        max_skipped_fraction: FP16 trials whose loss scaler skips more than this fraction of steps are rejected.
-        max_memory_slowdown: with ``objective="memory"``, the largest slowdown accepted for an operator, and for a
-            whole-step plan against FP32.
-        include: plan selectors (names, globs, ``"type:Linear"``) of operators to trial in low precision whatever
-            the batch stage measures (convergence still decides).
-        exclude: plan selectors of operators never to lower (kept FP32 without trials), e.g. a sensitive head.
-        record_dir: where to write ``comp_search.json`` and ``comp_plan.json`` (default: the Trainer's log dir).
+        monitor: the validation metric that judges convergence (``SearchConfig.monitor``).
+        mode: ``"min"`` or ``"max"``.
+        tolerance: how much worse than the FP32 reference a candidate may end.
+        objective: ``"throughput"``, ``"memory"`` or ``"balanced"``.
+        low_precision: ``"auto"``, ``"bf16"`` or ``"fp16"``.
+        warmup_epochs: FP32 epochs before the search starts.
+        trial_batches: batches (or a fraction of an epoch) each trial trains; ``None`` keeps the config's.
+        include: plan selectors of operators to trial in low precision whatever the batch stage measures.
+        exclude: plan selectors of operators never to lower.
         verbose: print the decision table on rank 0.
-        snapshot_device: where the search keeps its snapshots of the run (model, optimizer state, buffers):
-            ``None`` keeps them where the tensors are, ``"cpu"`` spares accelerator memory (slower rewinds).
-        saved_precision: with ``objective="memory"``/``"balanced"``, the precisions an operator's saved tensors
-            may be stored in: ``"auto"`` (``fp8`` or ``bf16``, the smaller that pays per operator), ``"bf16"``,
-            ``"fp8"``, or ``"off"`` (saved as computed). Ignored with ``objective="throughput"``.
-        include_saved: plan selectors of operators whose saved lowering is trialled whatever the batch stage
-            measures (at ``fp8`` with ``"auto"``); convergence still decides.
+        config: the settings to start from (default: ``SearchConfig()``).
+        **settings: any other field of :class:`~lightning_comp.SearchConfig`, by name.
 
     A rewind restores, bit for bit: parameters and buffers (non-persistent ones too), every optimizer, LR scheduler
     and the loss scaler, the RNGs, the training dataloaders' own generators (so every trial sees the reference's
@@ -138,36 +100,26 @@ class CoMPSearch(Callback):
 
     def __init__(
         self,
-        monitor: str = "val_loss",
-        mode: str = "min",
-        tolerance: float = 0.02,
-        tolerance_mode: str = "relative",
-        warmup_epochs: int = 1,
-        trial_epochs: int = 1,
+        monitor: str | None = None,
+        mode: str | None = None,
+        tolerance: float | None = None,
+        objective: str | None = None,
+        low_precision: str | None = None,
+        warmup_epochs: int | None = None,
         trial_batches: int | float | None = None,
-        profile_steps: int = 4,
-        profile_warmup: int = 1,
-        low_precision: str = "auto",
-        objective: str = "throughput",
-        speed_margin: float = 0.05,
-        min_gain_ms: float = 0.005,
-        max_trials: int = 12,
-        max_skipped_fraction: float = 0.05,
-        max_memory_slowdown: float = 1.5,
-        include: Sequence[str] = (),
-        exclude: Sequence[str] = (),
-        record_dir: str | None = None,
-        verbose: bool = True,
-        snapshot_device: str | None = None,
-        extra_profile_time: float = 0.5,
-        timing: str = "auto",
-        saved_precision: str = "auto",
-        include_saved: Sequence[str] = (),
+        include: Sequence[str] | None = None,
+        exclude: Sequence[str] | None = None,
+        verbose: bool | None = None,
+        *,
+        config: SearchConfig | None = None,
+        **settings: Any,
     ) -> None:
-        arguments = {name: value for name, value in locals().items() if name not in ("self", "__class__")}
-        self.config = SearchConfig(**arguments)  # validates every argument, naming the bad one
+        common = {"monitor": monitor, "mode": mode, "tolerance": tolerance, "objective": objective,
+                  "low_precision": low_precision, "warmup_epochs": warmup_epochs, "trial_batches": trial_batches,
+                  "include": include, "exclude": exclude, "verbose": verbose}
+        given = {name: value for name, value in common.items() if value is not None}
+        self.config = SearchConfig.of(config, {**given, **settings})  # validates every setting, naming a bad one
         self._plugin: CoMPPrecision | None = None
-        self._low: Precision | None = None
         self._budget = LoopBudget()
         self._batch_started: float | None = None
         self._fit_started: float | None = None
@@ -186,8 +138,8 @@ class CoMPSearch(Callback):
         return "CoMPSearch"
 
     @property
-    def phase(self) -> str:
-        """``"pending"`` (warm-up), ``"searching"`` or ``"done"``."""
+    def phase(self) -> Phase:
+        """``"pending"`` (warm-up), ``"searching"`` or ``"done"`` (a :class:`Phase`, equal to those strings)."""
         return self._state.phase
 
     @property
@@ -204,7 +156,7 @@ class CoMPSearch(Callback):
     @property
     def record(self) -> dict[str, Any] | None:
         """The decision record (JSON-able) once the search is done, else ``None``."""
-        if self._state.phase != Phase.DONE:
+        if self._state.phase is not Phase.DONE:
             return None
         return build_record(self._state, self.config)
 
@@ -220,11 +172,12 @@ class CoMPSearch(Callback):
         assert self._plugin is not None
         self._fit_started = time.perf_counter()
         device = device_class(model_device(pl_module))  # Lightning has placed the model by now
-        self._low = self.config.resolve_low_precision(device)
-        check_low_precision(self.config, self._low, device, self._plugin,
-                            starting=self._state.phase == Phase.PENDING)
-        self._trials = TrialDriver(self.config, self._state, self._plugin, self._low, self._budget,
-                                   self._early_stopping, self._publish, self._capture)
+        starting = self._state.phase is Phase.PENDING
+        if starting:  # a search under way keeps the precision it searches (the state's, read back on resume)
+            self._state.low_precision = self.config.resolve_low_precision(device)
+        check_low_precision(self.config, self._state.low_precision, device, self._plugin, starting=starting)
+        self._trials = TrialDriver(self.config, self._state, self._plugin, self._budget, self._early_stopping,
+                                   self._publish, self._capture)
         self._budget.remember(trainer)
         self._trials.extend(trainer)
         check_selectors(self.config, pl_module)
@@ -237,17 +190,17 @@ class CoMPSearch(Callback):
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         state, trials = self._state, self._driver
-        if state.phase == Phase.DONE:
+        if state.phase is Phase.DONE:
             trials.apply_pending_restore(trainer, pl_module)
             return
-        if state.phase == Phase.PENDING:
+        if state.phase is Phase.PENDING:
             if trainer.current_epoch >= self.config.warmup_epochs:
                 trials.begin_search(trainer, pl_module)
             return
         current = state.current_trial
         if current is not None and trials.due(current, trainer.current_epoch):
             trials.close(trainer, pl_module)  # resumed from a checkpoint written before the verdict
-            if state.phase == Phase.DONE:
+            if state.phase is Phase.DONE:
                 trials.apply_pending_restore(trainer, pl_module)
                 return
             current = None
@@ -258,11 +211,11 @@ class CoMPSearch(Callback):
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
         self._follow_phase()  # with on_validation_start: before every forward of the fit
-        if self._state.phase != Phase.SEARCHING:
+        if self._state.phase is not Phase.SEARCHING:
             return
         if self._state.profile is None:
             self._batch_stage(trainer, pl_module, batch, batch_idx)
-            if self._state.phase != Phase.SEARCHING:
+            if self._state.phase is not Phase.SEARCHING:
                 self._follow_phase()
                 return
         current = self._state.current_trial
@@ -278,7 +231,7 @@ class CoMPSearch(Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         current = self._state.current_trial
-        if current is None or self._state.phase != Phase.SEARCHING:
+        if current is None or self._state.phase is not Phase.SEARCHING:
             return
         if self._batch_started is not None and batch_idx >= _TIMING_SKIP_BATCHES:
             _synchronize(pl_module)
@@ -297,7 +250,7 @@ class CoMPSearch(Callback):
         if not self._monitor_checked:  # fail on the sanity check already, before any epoch is spent
             check_monitor(self.config, trainer)
             self._monitor_checked = True
-        if trainer.sanity_checking or self._state.phase != Phase.SEARCHING:
+        if trainer.sanity_checking or self._state.phase is not Phase.SEARCHING:
             return
         current = self._state.current_trial
         if current is None:
@@ -312,14 +265,14 @@ class CoMPSearch(Callback):
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._budget.restore_epoch_length(trainer)  # a rejected trial of batches cut this epoch short
-        if self._state.phase == Phase.SEARCHING and self._state.current_trial is not None:
+        if self._state.phase is Phase.SEARCHING and self._state.current_trial is not None:
             self._driver.end_of_epoch(trainer, pl_module)
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._state.phase == Phase.DONE:  # training stopped before the epoch start that would apply a rewind
+        if self._state.phase is Phase.DONE:  # training stopped before the epoch start that would apply a rewind
             self._driver.apply_pending_restore(trainer, pl_module)
-        elif self._state.phase == Phase.SEARCHING:
+        elif self._state.phase is Phase.SEARCHING:
             warn_stopped_inside_the_search(self._state)
         self._early_stopping.resume(trainer)
         self._eager.release()
@@ -334,7 +287,7 @@ class CoMPSearch(Callback):
         if self._fit_started is not None:
             self._state.fit_seconds = float(self._state.fit_seconds) + time.perf_counter() - self._fit_started
             self._fit_started = None
-        if self._state.phase == Phase.DONE:
+        if self._state.phase is Phase.DONE:
             self._publish(trainer, True)
 
     # ------------------------------------------------------------------------------------------------ helpers
@@ -362,8 +315,8 @@ class CoMPSearch(Callback):
         publish(trainer, self._state, self.config, final)
 
     def _batch_stage(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
-        assert self._plugin is not None and self._low is not None
         state = self._state
+        assert self._plugin is not None and state.low_precision is not None
         started = time.perf_counter()
         snapshot = state.snapshot
         assert snapshot is not None
@@ -371,7 +324,7 @@ class CoMPSearch(Callback):
         def restore() -> None:
             TrainingSnapshot.from_state(snapshot).restore(trainer, pl_module, self._scaler(), rng=False)
 
-        stage = BatchStage(self.config, self._low, self._plugin, SearchProgress(trainer))
+        stage = BatchStage(self.config, state.low_precision, self._plugin, SearchProgress(trainer))
         result = stage.run(trainer, pl_module, batch, batch_idx, restore)
         self._driver.after_batch_stage(trainer, result, time.perf_counter() - started)
 

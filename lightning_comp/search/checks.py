@@ -6,12 +6,13 @@ import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_comp.adapters import lightning_internals as lightning
-from lightning_comp.devices.device_class import DeviceClass, model_device
+from lightning_comp.devices.device_classes import DeviceClass, model_device
+from lightning_comp.devices.lowering import Lowering, lowering_for
 from lightning_comp.errors import PlanMismatchError, SearchConfigError, UnsupportedSetupError
 from lightning_comp.numerics.precision import Precision
-from lightning_comp.operators.discovery import Lowering, iter_operators, lowering_for
+from lightning_comp.operators.discovery import iter_operators
 from lightning_comp.plugins.comp import CoMPPrecision
-from lightning_comp.search.config import SearchConfig
+from lightning_comp.search.config import SavedPrecisions, SearchConfig
 
 __all__ = ["check_low_precision", "check_monitor", "check_optimization", "check_selectors", "check_trainer",
            "no_validation_at_trial_end", "nothing_to_search"]
@@ -91,7 +92,7 @@ def check_low_precision(config: SearchConfig, low: Precision | None, device: Dev
         )
     if low is not None and not device.is_native(low) and starting:
         rank_zero_warn(
-            f"CoMPSearch(low_precision={config.low_precision!r}) on {device.describe()}, where"
+            f"CoMPSearch(low_precision={config.low_precision.value!r}) on {device.describe()}, where"
             f" {low} is emulated: its trials run slower than fp32 and the batch stage will most likely"
             " keep fp32. low_precision='auto' skips the search on such a device."
         )
@@ -106,8 +107,9 @@ def check_compiled(config: SearchConfig, plugin: CoMPPrecision) -> None:
     """
     if not plugin.compiled or not config.saved_options():
         return
-    if config.saved_precision in ("bf16", "fp8") or config.include_saved:
-        asked = (f"saved_precision={config.saved_precision!r}" if config.saved_precision != "auto"
+    if config.saved_precision in (SavedPrecisions.BF16, SavedPrecisions.FP8) or config.include_saved:
+        auto = config.saved_precision is SavedPrecisions.AUTO
+        asked = (f"saved_precision={config.saved_precision.value!r}" if not auto
                  else f"include_saved={list(config.include_saved)!r}")
         raise SearchConfigError(
             f"CoMPSearch({asked}) on a model compiled with torch.compile: the precision of tensors saved for"

@@ -29,9 +29,9 @@ class EagerWhileSearching:
         """Whether compiled code runs eagerly now because of the search."""
         return self._active
 
-    def follow(self, phase: str, compiled: bool) -> None:
+    def follow(self, phase: Phase, compiled: bool) -> None:
         """Hold compiled code eager if ``compiled`` and the search is measuring (``phase`` SEARCHING), else release."""
-        wanted = compiled and phase == Phase.SEARCHING
+        wanted = compiled and phase is Phase.SEARCHING
         if wanted and not self._active:
             self._held.enter_context(eager())
             self._active = True

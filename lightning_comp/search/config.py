@@ -1,27 +1,51 @@
-"""``CoMPSearch``'s settings: one validated, immutable :class:`SearchConfig`."""
+"""``CoMPSearch``'s settings: one validated, immutable :class:`SearchConfig`, every choice an enum.
+
+Each setting is written once, here: its name, default, valid values and meaning. ``CoMPSearch`` takes a
+``SearchConfig`` (``config=``), the common settings as keyword arguments, or any setting by name.
+"""
 
 from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
-from enum import Enum
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
 
 import torch
 
-from lightning_comp.devices.device_class import DeviceClass
-from lightning_comp.errors import PlanError, SearchConfigError
-from lightning_comp.numerics.precision import Precision, parse_precision
-from lightning_comp.numerics.saved_precision import SavedPrecision
+from lightning_comp.common.spelled_enum import SpelledEnum
+from lightning_comp.devices.device_classes import DeviceClass
+from lightning_comp.errors import CoMPError, PlanError, SearchConfigError
+from lightning_comp.numerics.precision import Precision, SavedPrecision
 from lightning_comp.plan.selectors import Selectors
 
-__all__ = ["Objective", "SearchConfig", "Timing"]
-
-_SAVED_OPTIONS = {"auto": (SavedPrecision.FP8, SavedPrecision.BF16), "bf16": (SavedPrecision.BF16,),
-                  "fp8": (SavedPrecision.FP8,), "off": ()}
+__all__ = ["LowPrecision", "Mode", "Objective", "SavedPrecisions", "SearchConfig", "Timing", "ToleranceMode"]
 
 
-class Objective(str, Enum):
+class _Setting(SpelledEnum):
+    """A choice of ``CoMPSearch``: a bad spelling is a :class:`SearchConfigError`."""
+
+    @classmethod
+    def error_type(cls) -> type[CoMPError]:
+        return SearchConfigError
+
+
+class Mode(_Setting):
+    """Which way the monitored metric is better."""
+
+    MIN = "min"  # lower is better (a loss)
+    MAX = "max"  # higher is better (an accuracy)
+
+
+class ToleranceMode(_Setting):
+    """How ``tolerance`` is counted."""
+
+    RELATIVE = "relative"  # a fraction of the reference trial's |metric|
+    ABSOLUTE = "absolute"  # in the metric's own units
+
+
+class Objective(_Setting):
     """What the batch stage optimises."""
 
     THROUGHPUT = "throughput"  # lower an operator when it gets faster
@@ -30,7 +54,7 @@ class Objective(str, Enum):
     # memory and balanced also choose the precision each operator saves its tensors for backward in
 
 
-class Timing(str, Enum):
+class Timing(_Setting):
     """What the batch stage's clock counts on a CPU (on CUDA it always uses CUDA events)."""
 
     AUTO = "auto"  # wall time while the machine is quiet; this process's CPU time once other processes compete
@@ -38,14 +62,109 @@ class Timing(str, Enum):
     CPU = "cpu"  # CPU time of the measuring thread, with one intra-op thread
 
 
+class LowPrecision(_Setting):
+    """The 16-bit precision the search tries."""
+
+    AUTO = "auto"  # what the device runs natively: BF16, else FP16, else no search
+    BF16 = "bf16"
+    FP16 = "fp16"
+
+
+class SavedPrecisions(_Setting):
+    """The precisions the memory and balanced objectives may store an operator's saved tensors in."""
+
+    AUTO = "auto"  # fp8 or bf16, the smaller that pays per operator
+    BF16 = "bf16"
+    FP8 = "fp8"
+    OFF = "off"  # saved as computed
+
+    @property
+    def options(self) -> tuple[SavedPrecision, ...]:
+        """The saved precisions tried, smallest first."""
+        return {SavedPrecisions.AUTO: (SavedPrecision.FP8, SavedPrecision.BF16), SavedPrecisions.BF16:
+                (SavedPrecision.BF16,), SavedPrecisions.FP8: (SavedPrecision.FP8,), SavedPrecisions.OFF: ()}[self]
+
+
+# setting -> its enum, and what the message of a bad value says
+_CHOICES: dict[str, tuple[type[_Setting], str]] = {
+    "mode": (Mode, "use 'min' (lower is better, e.g. a loss) or 'max' (e.g. accuracy)"),
+    "tolerance_mode": (ToleranceMode, "use 'relative' (a fraction of the reference metric) or 'absolute'"),
+    "objective": (Objective, "use 'throughput', 'memory' or 'balanced'"),
+    "timing": (Timing, "use 'auto' (wall time on a quiet machine, CPU time on a busy one), 'wall' or 'cpu'"),
+    "low_precision": (LowPrecision, "use 'auto' (what pays on the device), 'bf16' or 'fp16'"),
+    "saved_precision": (SavedPrecisions, "use 'auto' (bf16 or fp8, whichever pays per operator), 'bf16', 'fp8' or"
+                        " 'off' (the memory and balanced objectives then leave saved tensors as computed)"),
+}
+
+
 @dataclass(frozen=True)
 class SearchConfig:
-    """Validated settings of :class:`CoMPSearch` (see its docstring for the meaning of each field)."""
+    """Validated settings of :class:`~lightning_comp.CoMPSearch`.
+
+    Attributes:
+        monitor: validation metric that judges convergence (logged in ``validation_step``; under DDP log it with
+            ``sync_dist=True``).
+        mode: ``"min"`` if lower is better (losses), ``"max"`` if higher is better (accuracy).
+        tolerance: how much worse than the FP32 reference trial a candidate may end. Relative by default: ``0.02``
+            accepts ``val_loss <= 1.02 * reference`` (mode min) or ``acc >= 0.98 * reference`` (mode max).
+        tolerance_mode: ``"relative"`` (fraction of ``|reference|``) or ``"absolute"`` (metric units).
+        warmup_epochs: FP32 epochs before the search starts (kept as training; at least 1 recommended so every trial
+            sees the same batch order).
+        trial_epochs: epochs each convergence trial trains.
+        trial_batches: if set (a number of batches, or a fraction of the epoch such as ``0.25``, as with
+            ``Trainer(limit_train_batches)``), each trial trains only the first that many batches of an epoch and is
+            judged by a validation run right there. A rejected trial ends its epoch early and is rewound (its epoch is
+            given back through ``max_epochs``, as for whole-epoch trials); the trial that is kept goes on to the end
+            of its epoch with its plan, so the kept progress still equals a plain run's. Cuts the cost of the FP32
+            reference trial to that many batches. Needs ``trial_epochs=1`` and validation at every epoch end.
+        profile_steps: measured training steps per configuration in the batch stage. Every comparison is made
+            from paired rounds: the median per-round ratio and its confidence interval (see ``timing``).
+        profile_warmup: unmeasured steps per configuration before those.
+        extra_profile_time: when the first ``profile_steps`` rounds cannot tell FP32 and low precision apart (the
+            interval of the per-round ratios straddles the margin), the batch stage measures more rounds, for at
+            most this fraction of the time the first rounds took (per-operator and whole-step measurements each).
+            An operator or plan still undecided then stays FP32, with the measured ratio and its spread in the
+            record. ``0`` disables the extra rounds.
+        timing: what the batch stage's clock counts on a CPU. ``"auto"``: wall time with the user's threads while
+            the machine is quiet; once other processes take half a CPU or more (measured from ``/proc/stat`` on
+            Linux, before and during the measurements), the CPU time of the measuring thread with one intra-op
+            thread, which does not count time other processes take. ``"wall"`` or ``"cpu"`` force one. On CUDA,
+            CUDA events are used whatever this says.
+        low_precision: ``"auto"`` (BF16 on CPUs with AVX512-BF16/AMX and on CUDA >= sm80, FP16 on CUDA sm70-sm75,
+            FP32 without a search where no 16-bit precision is native, e.g. AVX2-only CPUs), ``"bf16"`` or ``"fp16"``.
+            Decided from the device the model trains on, once Lightning has placed it, and kept by a resumed search.
+        objective: ``"throughput"``, ``"memory"`` (saved-for-backward bytes) or ``"balanced"``. Per operator first;
+            then the candidate plan is compared as a whole step with the all-low and the compute-only plans: by time
+            (``"throughput"``), by bytes saved for backward within ``max_memory_slowdown`` of FP32 (``"memory"``), or
+            by the geometric mean of both ratios to FP32 (``"balanced"``). ``"memory"`` and ``"balanced"`` also
+            choose, per operator, the precision its tensors saved for backward are stored in (``saved_precision``),
+            and trial those choices like compute precision.
+        speed_margin: fraction by which lowering must beat FP32 before it is preferred (noise guard).
+        min_gain_ms: smallest per-step gain (ms) for an operator to be lowered (throughput objective).
+        max_trials: most candidate trials (the FP32 reference not counted); then the best passing group is taken.
+        max_skipped_fraction: an FP16 trial whose loss scaler skips more than this fraction of its steps is rejected.
+        max_memory_slowdown: the largest slowdown against FP32 the memory objective accepts (per operator, as a
+            whole step).
+        include: plan selectors of operators to trial in low precision whatever the batch stage measures.
+        exclude: plan selectors of operators never to lower (kept FP32 without trials), e.g. a sensitive head.
+        record_dir: where to write ``comp_search.json`` and ``comp_plan.json`` (default: the Trainer's log dir).
+        verbose: print the decision table on rank 0.
+        snapshot_device: where the search keeps its snapshots of the run (model, optimizer state, buffers):
+            ``None`` keeps them where the tensors are, ``"cpu"`` spares accelerator memory (slower rewinds).
+        saved_precision: with ``objective="memory"``/``"balanced"``, the precisions an operator's saved tensors
+            may be stored in: ``"auto"`` (``fp8`` or ``bf16``, the smaller that pays per operator), ``"bf16"``,
+            ``"fp8"``, or ``"off"`` (saved as computed). Ignored with ``objective="throughput"``.
+        include_saved: plan selectors of operators whose saved lowering is trialled whatever the batch stage
+            measures (at ``fp8`` with ``"auto"``); convergence still decides.
+
+    Raises:
+        SearchConfigError: on an invalid setting, naming it and the valid values.
+    """
 
     monitor: str = "val_loss"
-    mode: str = "min"
+    mode: Mode = Mode.MIN
     tolerance: float = 0.02
-    tolerance_mode: str = "relative"
+    tolerance_mode: ToleranceMode = ToleranceMode.RELATIVE
     warmup_epochs: int = 1
     trial_epochs: int = 1
     trial_batches: int | float | None = None
@@ -53,7 +172,7 @@ class SearchConfig:
     profile_warmup: int = 1
     extra_profile_time: float = 0.5
     timing: Timing = Timing.AUTO
-    low_precision: str = "auto"
+    low_precision: LowPrecision = LowPrecision.AUTO
     objective: Objective = Objective.THROUGHPUT
     speed_margin: float = 0.05
     min_gain_ms: float = 0.005
@@ -65,77 +184,93 @@ class SearchConfig:
     record_dir: str | None = None
     verbose: bool = True
     snapshot_device: str | None = None
-    saved_precision: str = "auto"
+    saved_precision: SavedPrecisions = SavedPrecisions.AUTO
     include_saved: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.record_dir is not None:
             object.__setattr__(self, "record_dir", str(self.record_dir))  # a Path is welcome, a str is stored
-
-        def fail(name: str, valid: str) -> None:
-            raise SearchConfigError(f"CoMPSearch({name}={getattr(self, name)!r}) is invalid: {valid}.")
-
-        if not isinstance(self.monitor, str) or not self.monitor:
-            fail("monitor", "it must be the name of a metric logged during validation, e.g. 'val_loss'")
-        if self.mode not in ("min", "max"):
-            fail("mode", "use 'min' (lower is better, e.g. a loss) or 'max' (e.g. accuracy)")
-        if not isinstance(self.tolerance, (int, float)) or not math.isfinite(self.tolerance) or self.tolerance < 0:
-            fail("tolerance", "it must be a finite number >= 0")
-        if self.tolerance_mode not in ("relative", "absolute"):
-            fail("tolerance_mode", "use 'relative' (a fraction of the reference metric) or 'absolute'")
-        for name, low in (("warmup_epochs", 0), ("trial_epochs", 1), ("profile_steps", 1), ("profile_warmup", 0),
-                          ("max_trials", 1)):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                fail(name, f"it must be an integer >= {low}")
-        value = self.extra_profile_time
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 100:
-            fail("extra_profile_time", "it must be a number in [0, 100]: the extra measuring time allowed when the"
-                 " first rounds cannot decide, as a fraction of the time they took")
-        try:
-            object.__setattr__(self, "timing", Timing(self.timing))
-        except ValueError:
-            fail("timing", "use 'auto' (wall time on a quiet machine, CPU time on a busy one), 'wall' or 'cpu'")
-        if self.trial_batches is not None:
-            value = self.trial_batches
-            count = isinstance(value, int) and not isinstance(value, bool) and value >= 1
-            fraction = isinstance(value, float) and 0.0 < value <= 1.0
-            if not (count or fraction):
-                fail("trial_batches", "it must be None (whole epochs), a number of batches >= 1, or a fraction of the"
-                     " epoch in (0, 1]")
-            if self.trial_epochs != 1:
-                fail("trial_batches", f"trials of a number of batches need trial_epochs=1, not {self.trial_epochs}")
+        for name, (choice, valid) in _CHOICES.items():
+            try:
+                object.__setattr__(self, name, choice.parse(getattr(self, name)))
+            except SearchConfigError:
+                self._fail(name, valid)
+        self._check_numbers()
+        self._check_trial_length()
         if self.snapshot_device is not None:
             try:
                 torch.device(self.snapshot_device)
             except (RuntimeError, TypeError):
-                fail("snapshot_device", "use None (keep snapshots where the tensors are) or a device such as 'cpu'")
-        if self.low_precision not in ("auto", "bf16", "fp16"):
-            fail("low_precision", "use 'auto' (what pays on the device), 'bf16' or 'fp16'")
-        try:
-            object.__setattr__(self, "objective", Objective(self.objective))
-        except ValueError:
-            fail("objective", "use 'throughput', 'memory' or 'balanced'")
-        for name in ("speed_margin", "min_gain_ms", "max_skipped_fraction"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not 0 <= value < 1e6:
-                fail(name, "it must be a number >= 0")
-        if not self.max_memory_slowdown >= 1:
-            fail("max_memory_slowdown", "it must be >= 1 (the slowdown accepted for memory)")
-        if self.saved_precision not in _SAVED_OPTIONS:
-            fail("saved_precision", "use 'auto' (bf16 or fp8, whichever pays per operator), 'bf16', 'fp8' or 'off'"
-                 " (the memory and balanced objectives then leave saved tensors as computed)")
-        if self.include_saved and self.saved_precision == "off":
-            fail("include_saved", "it needs saved_precision other than 'off'")
+                self._fail("snapshot_device", "use None (keep snapshots where the tensors are) or a device such as"
+                           " 'cpu'")
+        if self.include_saved and self.saved_precision is SavedPrecisions.OFF:
+            self._fail("include_saved", "it needs saved_precision other than 'off'")
         for name in ("include", "exclude", "include_saved"):
             value = getattr(self, name)
             if isinstance(value, str) or not all(isinstance(v, str) for v in value):
-                fail(name, "it must be a list of plan selectors (operator names, globs or 'type:ClassName')")
+                self._fail(name, "it must be a list of plan selectors (operator names, globs or 'type:ClassName')")
             object.__setattr__(self, name, tuple(value))
             try:
                 Selectors.of(value)
             except PlanError as err:
                 raise SearchConfigError(f"CoMPSearch({name}=...): {err}") from None
+
+    def _fail(self, name: str, valid: str) -> None:
+        raise SearchConfigError(f"CoMPSearch({name}={getattr(self, name)!r}) is invalid: {valid}.")
+
+    def _check_numbers(self) -> None:
+        if not isinstance(self.monitor, str) or not self.monitor:
+            self._fail("monitor", "it must be the name of a metric logged during validation, e.g. 'val_loss'")
+        if not _number(self.tolerance) or not math.isfinite(self.tolerance) or self.tolerance < 0:
+            self._fail("tolerance", "it must be a finite number >= 0")
+        for name, low in (("warmup_epochs", 0), ("trial_epochs", 1), ("profile_steps", 1), ("profile_warmup", 0),
+                          ("max_trials", 1)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                self._fail(name, f"it must be an integer >= {low}")
+        if not _number(self.extra_profile_time) or not 0 <= self.extra_profile_time <= 100:
+            self._fail("extra_profile_time", "it must be a number in [0, 100]: the extra measuring time allowed when"
+                       " the first rounds cannot decide, as a fraction of the time they took")
+        for name in ("speed_margin", "min_gain_ms", "max_skipped_fraction"):
+            if not _number(getattr(self, name)) or not 0 <= getattr(self, name) < 1e6:
+                self._fail(name, "it must be a number >= 0")
+        if not _number(self.max_memory_slowdown) or not self.max_memory_slowdown >= 1:
+            self._fail("max_memory_slowdown", "it must be >= 1 (the slowdown accepted for memory)")
+
+    def _check_trial_length(self) -> None:
+        if self.trial_batches is None:
+            return
+        value = self.trial_batches
+        count = isinstance(value, int) and not isinstance(value, bool) and value >= 1
+        fraction = isinstance(value, float) and 0.0 < value <= 1.0
+        if not (count or fraction):
+            self._fail("trial_batches", "it must be None (whole epochs), a number of batches >= 1, or a fraction of"
+                       " the epoch in (0, 1]")
+        if self.trial_epochs != 1:
+            self._fail("trial_batches", f"trials of a number of batches need trial_epochs=1, not {self.trial_epochs}")
+
+    @classmethod
+    def setting_names(cls) -> tuple[str, ...]:
+        """The names of every setting, in order."""
+        return tuple(f.name for f in fields(cls))
+
+    @classmethod
+    def of(cls, config: SearchConfig | None, settings: Mapping[str, Any]) -> SearchConfig:
+        """``config`` (or the defaults) with ``settings`` (setting name -> value) in place of its own values.
+
+        Raises:
+            SearchConfigError: naming a setting that does not exist, and the ones that do; or an invalid value.
+        """
+        unknown = sorted(set(settings) - set(cls.setting_names()))
+        if unknown:
+            raise SearchConfigError(f"CoMPSearch has no setting {', '.join(map(repr, unknown))}; its settings are"
+                                    f" {', '.join(cls.setting_names())}.")
+        base = cls() if config is None else config
+        if not isinstance(base, SearchConfig):
+            raise SearchConfigError(f"CoMPSearch(config={config!r}) is invalid: pass a SearchConfig, or None.")
+        values = {name: getattr(base, name) for name in cls.setting_names()}
+        values.update(settings)
+        return cls(**values)
 
     @functools.cached_property
     def included(self) -> Selectors:
@@ -147,25 +282,29 @@ class SearchConfig:
         """Operators whose saved-precision lowering is trialled whatever the batch stage measures."""
         return Selectors.of(self.include_saved)
 
-    def saved_options(self) -> tuple[SavedPrecision, ...]:
-        """The saved precisions the memory and balanced objectives try, smallest first (empty: none)."""
-        if self.objective is Objective.THROUGHPUT:
-            return ()
-        return _SAVED_OPTIONS[self.saved_precision]
-
     @functools.cached_property
     def excluded(self) -> Selectors:
         """Operators never lowered."""
         return Selectors.of(self.exclude)
+
+    def saved_options(self) -> tuple[SavedPrecision, ...]:
+        """The saved precisions the memory and balanced objectives try, smallest first (empty: none)."""
+        if self.objective is Objective.THROUGHPUT:
+            return ()
+        return self.saved_precision.options
 
     def resolve_low_precision(self, device: DeviceClass) -> Precision | None:
         """The 16-bit precision to search with on ``device`` (``None`` when none is native there).
 
         ``"auto"`` prefers BF16 (no loss scaling), then FP16; an explicit ``"bf16"``/``"fp16"`` is taken as is.
         """
-        if self.low_precision != "auto":
-            return parse_precision(self.low_precision)
+        if self.low_precision is not LowPrecision.AUTO:
+            return Precision.parse(self.low_precision.value)
         for precision in (Precision.BF16, Precision.FP16):
             if device.is_native(precision):
                 return precision
         return None
+
+
+def _number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)

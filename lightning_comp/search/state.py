@@ -1,27 +1,43 @@
-"""The search's state and trial records: typed while the search runs, plain dictionaries in a checkpoint.
+"""The search's state and trial records: typed while the search runs, plain containers in a checkpoint.
 
-:meth:`SearchState.to_dict` writes exactly the keys that checkpoints of format version 1 hold, so checkpoints
-written before the state was typed still resume, and new ones stay loadable with ``torch.load(weights_only=True)``.
+:meth:`SearchState.to_dict` writes every field, in plain Python types and tensors, so checkpoints load with
+``torch.load(weights_only=True)``; :meth:`SearchState.from_dict` reads exactly that form (one format version) and
+refuses anything else, naming it. The state is the one owner of what the search decided: the searched precision,
+the candidates and their group testing, the trials, the chosen plan.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from enum import Enum
 from typing import Any
 
 from lightning_comp.errors import SearchConfigError
+from lightning_comp.numerics.precision import Precision, SavedPrecision
+from lightning_comp.search.candidates import Candidate, candidates_from_plain, candidates_to_plain
+from lightning_comp.search.decisions.group_search import GroupSearch
+from lightning_comp.search.decisions.trial_plans import CheapRun
+from lightning_comp.search.decisions.trials import TrialVerdict
 
-__all__ = ["STATE_VERSION", "Phase", "SearchState", "TrialRecord"]
+__all__ = ["STATE_VERSION", "Phase", "Restore", "SearchState", "TrialRecord"]
 
 STATE_VERSION = 1
 
 
-class Phase:
-    """The search's phases: ``pending`` (warm-up) -> ``searching`` -> ``done``."""
+class Phase(str, Enum):
+    """The search's phases."""
 
-    PENDING = "pending"
-    SEARCHING = "searching"
-    DONE = "done"
+    PENDING = "pending"  # the FP32 warm-up
+    SEARCHING = "searching"  # the batch stage and the trials
+    DONE = "done"  # a plan is chosen
+
+
+class Restore(str, Enum):
+    """The rewind the next epoch start applies once the search is done."""
+
+    SNAPSHOT = "snapshot"  # back to the search's start
+    REFERENCE_END = "reference_end"  # on from the end of the FP32 reference trial
 
 
 @dataclass
@@ -29,8 +45,8 @@ class TrialRecord:
     """One convergence trial: the plan it trained with, what it measured, and its verdict.
 
     Attributes:
-        label: unique within a search (``"fp32 reference"``, ``"all candidates"``, ``"trial 3: group of 2"``).
-        group: the candidate operators it lowered (``None`` for the FP32 reference).
+        label: unique within a search (``"fp32 reference"``, ``"all candidates"``, ``"group of 2 (trial 3)"``).
+        group: the candidates it lowered (``None`` for the FP32 reference).
         plan: the plan it trained with (:meth:`PrecisionPlan.to_dict`).
         start_epoch: the epoch it started in.
         start_step: ``global_step`` at its start.
@@ -42,17 +58,16 @@ class TrialRecord:
         steps_before: the plugin's optimizer-step counter at its start.
         started: wall-clock time at its start (``time.time()``).
         seconds: how long it trained (the batch stage not counted), once closed.
-        verdict: ``"pass"``/``"fail"`` once closed.
+        verdict: once closed.
         reason: why.
         metric: the metric that judged it.
         steps: optimizer steps it took.
         skipped_steps: steps the FP16 loss scaler skipped during it.
         median_step_ms: median of ``batch_ms``.
-        profiling_seconds: the batch stage's time, run inside the reference trial's first batch.
     """
 
     label: str
-    group: tuple[str, ...] | None
+    group: tuple[Candidate, ...] | None
     plan: dict[str, Any]
     start_epoch: int
     start_step: int
@@ -64,13 +79,12 @@ class TrialRecord:
     steps_before: int = 0
     started: float = 0.0
     seconds: float | None = None
-    verdict: str | None = None
+    verdict: TrialVerdict | None = None
     reason: str | None = None
     metric: float | None = None
     steps: int | None = None
     skipped_steps: int = 0
     median_step_ms: float | None = None
-    profiling_seconds: float = 0.0
 
     @property
     def is_reference(self) -> bool:
@@ -78,29 +92,26 @@ class TrialRecord:
         return self.group is None
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain types only (the group as a list)."""
-        out = asdict(self)
-        out["group"] = None if self.group is None else list(self.group)
+        """Plain types only."""
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["group"] = None if self.group is None else candidates_to_plain(self.group)
+        out["verdict"] = None if self.verdict is None else self.verdict.value
+        out["metrics"], out["batch_ms"] = dict(self.metrics), list(self.batch_ms)
         return out
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> TrialRecord:
-        """Read :meth:`to_dict`'s dictionary (or a version-1 checkpoint's trial, which has the same keys).
+    def from_dict(cls, data: Mapping[str, Any]) -> TrialRecord:
+        """Read :meth:`to_dict`'s form.
 
         Raises:
-            SearchConfigError: on unknown keys or missing required ones, naming them.
+            SearchConfigError: on unknown or missing keys, naming them.
         """
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise SearchConfigError(f"Unknown keys {unknown} in a CoMPSearch trial record {data.get('label')!r}.")
-        missing = sorted(k for k in ("label", "group", "plan", "start_epoch", "start_step") if k not in data)
-        if missing:
-            raise SearchConfigError(f"CoMPSearch trial record {data!r} lacks {missing}.")
+        _check_keys(data, cls, f"trial record {data.get('label')!r}")
         values = dict(data)
-        values["group"] = None if data["group"] is None else tuple(data["group"])
-        values["metrics"] = {str(k): float(v) for k, v in (data.get("metrics") or {}).items()}
-        values["batch_ms"] = [float(v) for v in data.get("batch_ms") or []]
+        values["group"] = None if data["group"] is None else candidates_from_plain(data["group"])
+        values["verdict"] = None if data["verdict"] is None else TrialVerdict(data["verdict"])
+        values["metrics"] = {str(k): float(v) for k, v in data["metrics"].items()}
+        values["batch_ms"] = [float(v) for v in data["batch_ms"]]
         return cls(**values)
 
 
@@ -110,47 +121,47 @@ class SearchState:
 
     Attributes:
         phase: see :class:`Phase`.
+        low_precision: the 16-bit precision searched (decided when the search starts, read back on resume).
         search_start_epoch: the epoch the first trial started in.
         snapshot: the run's state at the search's start (``TrainingSnapshot.to_state()``), while trials may rewind.
         reference_end: the run's state at the end of the FP32 reference trial, while it may be continued from.
-        pending_restore: ``None``, ``"snapshot"`` or ``"reference_end"``: the rewind the next epoch start applies.
-        profile: the batch stage's measurements (per operator, whole-step times and bytes).
+        pending_restore: the rewind the next epoch start applies, if any.
+        profile: the batch stage's measurements and decisions, in the decision record's form.
         runs: runs of cheap operators lowered between two lowered ones.
-        group_search: the adaptive group testing state.
+        saved_choices: operator -> the saved precision of its saved candidate.
+        group_search: the adaptive group testing over the candidates.
         trials: the trials so far, in order.
         extension_epochs: epochs added to ``max_epochs`` (rejected trials).
         extension_steps: steps added to ``max_steps`` (rejected trials).
         chosen: the chosen plan (``PrecisionPlan.to_dict()``), once done.
         chosen_label: the label of the trial whose plan was chosen.
-        low_precision: the 16-bit precision searched.
-        profiling_seconds: the batch stage's time.
-        fit_seconds: time spent in ``fit`` with this callback, over all fits.
-        kept_trial: index of the trial whose progress was kept, if any.
         finish_reason: why the search ended as it did.
+        kept_trial: index of the trial whose progress was kept, if any.
+        profiling_seconds: the batch stage's time (run inside the FP32 reference trial's first batch).
+        fit_seconds: time spent in ``fit`` with this callback, over all fits.
         warmup_batches: training batches before the search started.
-        saved_choices: operator -> saved precision of the saved-precision candidates (keys ``"saved:<name>"``).
     """
 
-    phase: str = Phase.PENDING
+    phase: Phase = Phase.PENDING
+    low_precision: Precision | None = None
     search_start_epoch: int | None = None
     snapshot: dict[str, Any] | None = None
     reference_end: dict[str, Any] | None = None
-    pending_restore: str | None = None
+    pending_restore: Restore | None = None
     profile: dict[str, Any] | None = None
-    runs: list[dict[str, Any]] = field(default_factory=list)
-    group_search: dict[str, Any] | None = None
+    runs: list[CheapRun] = field(default_factory=list)
+    saved_choices: dict[str, SavedPrecision] = field(default_factory=dict)
+    group_search: GroupSearch | None = None
     trials: list[TrialRecord] = field(default_factory=list)
     extension_epochs: int = 0
     extension_steps: int = 0
     chosen: dict[str, Any] | None = None
     chosen_label: str | None = None
-    low_precision: str | None = None
+    finish_reason: str | None = None
+    kept_trial: int | None = None
     profiling_seconds: float = 0.0
     fit_seconds: float = 0.0
-    kept_trial: int | None = None
-    finish_reason: str | None = None
     warmup_batches: int = 0
-    saved_choices: dict[str, str] = field(default_factory=dict)
 
     @property
     def current_trial(self) -> TrialRecord | None:
@@ -162,38 +173,53 @@ class SearchState:
     @property
     def in_search(self) -> bool:
         """Whether trials run, or one's state is still to be rewound (EarlyStopping stays paused meanwhile)."""
-        return self.phase == Phase.SEARCHING or (self.phase == Phase.DONE and self.pending_restore is not None)
+        return self.phase is Phase.SEARCHING or (self.phase is Phase.DONE and self.pending_restore is not None)
 
     def to_dict(self) -> dict[str, Any]:
         """The checkpoint form: plain containers and tensors, with the state version."""
         out: dict[str, Any] = {"version": STATE_VERSION}
-        for f in fields(self):
-            out[f.name] = getattr(self, f.name)
+        out.update({f.name: getattr(self, f.name) for f in fields(self)})
+        out["phase"] = self.phase.value
+        out["low_precision"] = None if self.low_precision is None else self.low_precision.value
+        out["pending_restore"] = None if self.pending_restore is None else self.pending_restore.value
+        out["runs"] = [run.to_dict() for run in self.runs]
+        out["saved_choices"] = {name: saved.value for name, saved in self.saved_choices.items()}
+        out["group_search"] = None if self.group_search is None else self.group_search.state_dict()
         out["trials"] = [t.to_dict() for t in self.trials]
-        if not self.saved_choices:  # searches of the compute dimension only write exactly version 1's keys
-            del out["saved_choices"]
         return out
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> SearchState:
-        """Read :meth:`to_dict`'s dictionary (checkpoints written before the state was typed included).
+    def from_dict(cls, data: Mapping[str, Any]) -> SearchState:
+        """Read :meth:`to_dict`'s form.
 
         Raises:
-            SearchConfigError: on another state version, or unknown keys (named), so nothing is silently dropped.
+            SearchConfigError: on another state version, or unknown or missing keys (named), so nothing is dropped.
         """
         if data.get("version") != STATE_VERSION:
             raise SearchConfigError(
                 f"Cannot resume a CoMPSearch state of version {data.get('version')!r}; this version reads"
                 f" {STATE_VERSION}."
             )
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known - {"version"})
-        if unknown:
-            raise SearchConfigError(
-                f"Unknown keys {unknown} in a CoMPSearch checkpoint state: it was written by another version of"
-                f" lightning-comp. Known keys: {sorted(known)}."
-            )
-        values = {k: v for k, v in data.items() if k in known}
-        values["trials"] = [TrialRecord.from_dict(t) for t in data.get("trials") or []]
-        values["runs"] = list(data.get("runs") or [])
+        values = {k: v for k, v in data.items() if k != "version"}
+        _check_keys(values, cls, "checkpoint state")
+        values["phase"] = Phase(values["phase"])
+        values["low_precision"] = None if values["low_precision"] is None else Precision.parse(values["low_precision"])
+        values["pending_restore"] = None if values["pending_restore"] is None else Restore(values["pending_restore"])
+        values["runs"] = [CheapRun.from_dict(run) for run in values["runs"]]
+        values["saved_choices"] = {str(k): SavedPrecision.parse(v) for k, v in values["saved_choices"].items()}
+        values["group_search"] = None if values["group_search"] is None else GroupSearch.from_state(
+            values["group_search"])
+        values["trials"] = [TrialRecord.from_dict(t) for t in values["trials"]]
         return cls(**values)
+
+
+def _check_keys(data: Mapping[str, Any], kind: type, what: str) -> None:
+    known = {f.name for f in fields(kind)}
+    unknown, missing = sorted(set(data) - known), sorted(known - set(data))
+    if unknown or missing:
+        found = " and ".join(part for part in (f"Unknown keys {unknown}" if unknown else "",
+                                               f"missing keys {missing}" if missing else "") if part)
+        raise SearchConfigError(
+            f"{found[0].upper()}{found[1:]} in a CoMPSearch {what}: it was written by another version of"
+            f" lightning-comp. Known keys: {sorted(known)}."
+        )

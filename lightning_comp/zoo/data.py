@@ -22,34 +22,36 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
+from lightning_comp.errors import ConfigError, UsageError
+
 __all__ = ["DATA_KINDS", "InMemoryDataModule", "MNIST1DDataModule", "load_mnist1d"]
 
 DATA_KINDS: tuple[str, ...] = ("signal", "tokens", "image")
 
 
 def check_positive_int(name: str, value: Any) -> int:
-    """Return ``value`` if it is a positive ``int``, else raise a ``ValueError`` that names it.
+    """Return ``value`` if it is a positive ``int``, else raise a ``ConfigError`` that names it.
 
     Args:
         name: The argument's name, used in the message.
         value: The value to check.
 
     Raises:
-        ValueError: If ``value`` is not an ``int`` (``bool`` excluded) greater than zero.
+        ConfigError: If ``value`` is not an ``int`` (``bool`` excluded) greater than zero.
     """
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
+        raise ConfigError(f"{name} must be a positive int, got {value!r}")
     return value
 
 
 def check_fraction(name: str, value: Any) -> float:
-    """Return ``value`` as a float if it lies strictly between 0 and 1, else raise a ``ValueError`` that names it.
+    """Return ``value`` as a float if it lies strictly between 0 and 1, else raise a ``ConfigError`` that names it.
 
     Raises:
-        ValueError: If ``value`` is not a number in the open interval (0, 1).
+        ConfigError: If ``value`` is not a number in the open interval (0, 1).
     """
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < float(value) < 1.0:
-        raise ValueError(f"{name} must be a number in the open interval (0, 1), got {value!r}")
+        raise ConfigError(f"{name} must be a number in the open interval (0, 1), got {value!r}")
     return float(value)
 
 
@@ -75,7 +77,7 @@ class InMemoryDataModule(pl.LightningDataModule):
         self.batch_size = check_positive_int("batch_size", batch_size)
         self.val_fraction = check_fraction("val_fraction", val_fraction)
         if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
-            raise ValueError(f"num_workers must be an int >= 0, got {num_workers!r}")
+            raise ConfigError(f"num_workers must be an int >= 0, got {num_workers!r}")
         self.num_workers = num_workers
         self.train_set: Dataset[Any] | None = None
         self.val_set: Dataset[Any] | None = None
@@ -99,7 +101,7 @@ class InMemoryDataModule(pl.LightningDataModule):
         x, y = self.build()
         n_val = max(1, int(round(len(x) * self.val_fraction)))
         if len(x) - n_val < self.batch_size:
-            raise ValueError(
+            raise ConfigError(
                 f"{type(self).__name__}: the training split has {len(x) - n_val} examples, fewer than "
                 f"batch_size={self.batch_size}; raise num_samples or lower batch_size"
             )
@@ -108,7 +110,7 @@ class InMemoryDataModule(pl.LightningDataModule):
 
     def _loader(self, dataset: Dataset[Any] | None, train: bool) -> DataLoader[Any]:
         if dataset is None:
-            raise RuntimeError(f"{type(self).__name__}.setup() must run before asking for a dataloader")
+            raise UsageError(f"{type(self).__name__}.setup() must run before asking for a dataloader")
         return DataLoader(
             dataset,
             batch_size=self.batch_size,
@@ -145,10 +147,10 @@ def load_mnist1d(num_samples: int = 4000, seed: int = 42) -> tuple[torch.Tensor,
         ``(x, y)``: ``x`` is ``float32[N, 40]`` (zero mean, unit standard deviation), ``y`` is ``int64[N]`` in 0..9.
 
     Raises:
-        ValueError: If ``num_samples`` is not an int >= 10.
+        ConfigError: If ``num_samples`` is not an int >= 10.
     """
     if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 10:
-        raise ValueError(f"num_samples must be an int >= 10 (one example per class at least), got {num_samples!r}")
+        raise ConfigError(f"num_samples must be an int >= 10 (one example per class at least), got {num_samples!r}")
     from mnist1d.data import get_dataset_args, make_dataset
 
     args = get_dataset_args()
@@ -192,7 +194,7 @@ class MNIST1DDataModule(InMemoryDataModule):
     ) -> None:
         super().__init__(batch_size=batch_size, val_fraction=val_fraction, num_workers=num_workers)
         if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 10:
-            raise ValueError(f"num_samples must be an int >= 10, got {num_samples!r}")
+            raise ConfigError(f"num_samples must be an int >= 10, got {num_samples!r}")
         self.num_samples = num_samples
         self.seed = seed
         self.save_hyperparameters()

@@ -22,6 +22,7 @@ from typing import Any, ClassVar
 import torch
 from torch.utils.data import Dataset, TensorDataset
 
+from lightning_comp.errors import ConfigError
 from lightning_comp.zoo.data import InMemoryDataModule, check_positive_int
 
 __all__ = ["CLASS_NAMES", "ShapesDataModule", "make_shapes"]
@@ -129,13 +130,13 @@ def make_shapes(
         ``y`` is ``int64[N]`` in 0..9.
 
     Raises:
-        ValueError: If an argument is out of range (the message names it).
+        ConfigError: If an argument is out of range (the message names it).
     """
     check_positive_int("num_samples", num_samples)
     if isinstance(image_size, bool) or not isinstance(image_size, int) or image_size < 8:
-        raise ValueError(f"image_size must be an int >= 8, got {image_size!r}")
+        raise ConfigError(f"image_size must be an int >= 8, got {image_size!r}")
     if not isinstance(noise, (int, float)) or noise < 0:
-        raise ValueError(f"noise must be a number >= 0, got {noise!r}")
+        raise ConfigError(f"noise must be a number >= 0, got {noise!r}")
     gen = torch.Generator().manual_seed(seed)
     labels = (torch.arange(num_samples) % len(CLASS_NAMES))[torch.randperm(num_samples, generator=gen)]
     chunks = [

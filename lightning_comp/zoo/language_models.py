@@ -11,6 +11,7 @@ import math
 import torch
 from torch import nn
 
+from lightning_comp.errors import ConfigError
 from lightning_comp.zoo.data import check_positive_int
 from lightning_comp.zoo.layers import TransformerBlock
 from lightning_comp.zoo.models import LanguageModelModule, _check_dropout
@@ -117,11 +118,11 @@ class CharGPT(LanguageModelModule):
         """Map ``[B, T]`` byte ids (``T <= block_size``) to ``[B, T, vocab]`` next-byte logits.
 
         Raises:
-            ValueError: If ``T`` exceeds ``block_size``.
+            ConfigError: If ``T`` exceeds ``block_size``.
         """
         t = x.shape[1]
         if t > self.block_size:
-            raise ValueError(f"sequence length {t} exceeds block_size={self.block_size}; raise model.block_size")
+            raise ConfigError(f"sequence length {t} exceeds block_size={self.block_size}; raise model.block_size")
         pos = torch.arange(t, device=x.device)
         h = self.drop(self.tok_emb(x) + self.pos_emb(pos))
         return self.head(self.ln_f(self.blocks(h)))

@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_comp.errors import ConfigError
+
 __all__ = ["CausalSelfAttention", "ConvBNBlock", "FeedForward", "ScaledDotProductAttention", "TransformerBlock"]
 
 
@@ -40,13 +42,13 @@ class CausalSelfAttention(nn.Module):
         dropout: Dropout on attention weights and on the output.
 
     Raises:
-        ValueError: If ``heads`` does not divide ``dim``.
+        ConfigError: If ``heads`` does not divide ``dim``.
     """
 
     def __init__(self, dim: int, heads: int, dropout: float = 0.0) -> None:
         super().__init__()
         if heads <= 0 or dim % heads:
-            raise ValueError(f"heads must be a positive divisor of the width {dim}, got heads={heads}")
+            raise ConfigError(f"heads must be a positive divisor of the width {dim}, got heads={heads}")
         self.heads = heads
         self.qkv = nn.Linear(dim, 3 * dim)
         self.attn = ScaledDotProductAttention(dropout)

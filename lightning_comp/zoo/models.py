@@ -26,6 +26,7 @@ from torch import nn
 from torchmetrics.classification import MulticlassAccuracy
 from torchmetrics.text import Perplexity
 
+from lightning_comp.errors import ConfigError
 from lightning_comp.zoo.data import check_positive_int
 from lightning_comp.zoo.layers import ConvBNBlock
 from lightning_comp.zoo.text import VOCAB_SIZE
@@ -45,14 +46,14 @@ Batch = tuple[torch.Tensor, torch.Tensor]
 
 def _check_lr(lr: Any, weight_decay: Any) -> None:
     if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lr > 0:
-        raise ValueError(f"lr must be a number > 0, got {lr!r}")
+        raise ConfigError(f"lr must be a number > 0, got {lr!r}")
     if isinstance(weight_decay, bool) or not isinstance(weight_decay, (int, float)) or weight_decay < 0:
-        raise ValueError(f"weight_decay must be a number >= 0, got {weight_decay!r}")
+        raise ConfigError(f"weight_decay must be a number >= 0, got {weight_decay!r}")
 
 
 def _check_dropout(dropout: Any) -> float:
     if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
-        raise ValueError(f"dropout must be a number in [0, 1), got {dropout!r}")
+        raise ConfigError(f"dropout must be a number in [0, 1), got {dropout!r}")
     return float(dropout)
 
 
@@ -183,7 +184,7 @@ class Conv1DClassifier(ClassifierModule):
         check_positive_int("depth", depth)
         check_positive_int("length", length)
         if check_positive_int("kernel_size", kernel_size) % 2 == 0:
-            raise ValueError(f"kernel_size must be odd, got {kernel_size}")
+            raise ConfigError(f"kernel_size must be odd, got {kernel_size}")
         layers: list[nn.Module] = []
         for i in range(depth):
             layers += [nn.Conv1d(1 if i == 0 else width, width, kernel_size, stride=2, padding=kernel_size // 2)]

@@ -28,6 +28,9 @@ from hydra.utils import instantiate
 from lightning.pytorch.callbacks import Callback
 from omegaconf import DictConfig, OmegaConf
 
+from lightning_comp.devices import Lowering, device_class, lowering_for
+from lightning_comp.errors import ConfigError
+from lightning_comp.numerics import Precision
 from lightning_comp.zoo.callbacks import EpochTimer
 
 __all__ = ["DATA_OPTIONS", "check_compatible", "check_lightning_precision", "run"]
@@ -45,13 +48,13 @@ def check_compatible(model: pl.LightningModule, datamodule: pl.LightningDataModu
     checked; anything else (a user's own classes) passes.
 
     Raises:
-        ValueError: Naming the model, the data, and the data options the model accepts.
+        ConfigError: Naming the model, the data, and the data options the model accepts.
     """
     kinds = getattr(model, "data_kinds", None)
     kind = getattr(datamodule, "kind", None)
     if kinds and kind and kind not in kinds:
         options = [DATA_OPTIONS.get(k, k) for k in kinds]
-        raise ValueError(
+        raise ConfigError(
             f"model {type(model).__name__} takes data of kind {list(kinds)}, but data {type(datamodule).__name__} "
             f"yields {kind!r}; choose data={' or data='.join(options)}"
         )
@@ -63,7 +66,7 @@ def _check_precision_wiring(cfg: DictConfig) -> None:
     trainer_precision = cfg.trainer.get("precision")
     if plugins and trainer_precision is not None:
         name = cfg.precision.get("name", "this precision option")
-        raise ValueError(
+        raise ConfigError(
             f"precision={name} supplies a Precision plugin, so trainer.precision must be null, got "
             f"trainer.precision={trainer_precision!r}; drop that override, or pick precision=fp32, bf16-mixed, "
             "16-mixed or bf16-true instead"
@@ -80,7 +83,7 @@ def _instantiate_callbacks(group: Any, where: str) -> list[Callback]:
     if group is None:
         return []
     if not isinstance(group, Mapping):
-        raise TypeError(f"{where} must be a mapping of name -> callback config, got {type(group).__name__}")
+        raise ConfigError(f"{where} must be a mapping of name -> callback config, got {type(group).__name__}")
     callbacks = []
     for name, node in group.items():
         if node is None:
@@ -90,7 +93,7 @@ def _instantiate_callbacks(group: Any, where: str) -> list[Callback]:
             continue
         callback = instantiate(node, _convert_="all")
         if not isinstance(callback, Callback):
-            raise TypeError(f"{where}.{name} must build a lightning Callback, got {type(callback).__name__}")
+            raise ConfigError(f"{where}.{name} must build a lightning Callback, got {type(callback).__name__}")
         callbacks.append(callback)
     return callbacks
 
@@ -169,18 +172,14 @@ def check_lightning_precision(trainer: pl.Trainer, model: pl.LightningModule) ->
     through BF16 parameter copies instead.
 
     Raises:
-        ValueError: naming the LSTM, the device and the precisions that work.
+        ConfigError: naming the LSTM, the device and the precisions that work.
     """
-    from lightning_comp.devices.device_class import device_class
-    from lightning_comp.numerics.precision import Precision
-    from lightning_comp.operators.discovery import Lowering, lowering_for
-
     device = trainer.strategy.root_device
     if trainer.precision not in ("bf16-mixed", "16-mixed") or device.type != "cpu":
         return
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.LSTM) and lowering_for(module, Precision.BF16, device) is not Lowering.AUTOCAST:
-            raise ValueError(
+            raise ConfigError(
                 f"precision={trainer.precision} runs {type(model).__name__}.{name} (nn.LSTM) under CPU autocast, which"
                 f" has no BF16 LSTM kernel on this CPU ({device_class(device).describe()}): Lightning would fail"
                 " inside oneDNN. Use precision=comp (it lowers the LSTM through BF16 parameter copies) or"
@@ -199,8 +198,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         The results dict that is also written to ``results.json`` (on every rank; only rank 0 writes).
 
     Raises:
-        ValueError: If model and data do not fit together, or Lightning's precision cannot run the model here.
-        TypeError: If a configured callback does not build a Lightning ``Callback``.
+        ConfigError: If model and data do not fit together, or Lightning's precision cannot run the model here.
+        ConfigError: If a configured callback does not build a Lightning ``Callback``.
     """
     start = time.perf_counter()
     out = Path(str(cfg.output_dir)).expanduser().resolve()

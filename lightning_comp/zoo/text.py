@@ -17,6 +17,7 @@ from typing import ClassVar
 
 import torch
 
+from lightning_comp.errors import ConfigError
 from lightning_comp.zoo.data import InMemoryDataModule, check_positive_int
 
 __all__ = ["VOCAB_SIZE", "CharTextDataModule", "load_corpus"]
@@ -34,7 +35,7 @@ def load_corpus(corpus: str = "pydoc_topics") -> bytes:
             path of a UTF-8 text file.
 
     Raises:
-        ValueError: If ``corpus`` is neither a built-in name nor an existing file, or the text is shorter than 2 bytes.
+        ConfigError: If ``corpus`` is neither a built-in name nor an existing file, or the text is shorter than 2 bytes.
     """
     if corpus == "pydoc_topics":
         from pydoc_data.topics import topics
@@ -43,12 +44,12 @@ def load_corpus(corpus: str = "pydoc_topics") -> bytes:
     else:
         path = Path(corpus).expanduser()
         if not path.is_file():
-            raise ValueError(
+            raise ConfigError(
                 f"corpus must be one of {list(BUILTIN_CORPORA)} or the path of a text file, got {corpus!r}"
             )
         data = path.read_text(encoding="utf-8").encode("utf-8")
     if len(data) < 2:
-        raise ValueError(f"corpus {corpus!r} holds {len(data)} bytes; at least 2 are needed")
+        raise ConfigError(f"corpus {corpus!r} holds {len(data)} bytes; at least 2 are needed")
     return data
 
 
@@ -95,7 +96,7 @@ class CharTextDataModule(InMemoryDataModule):
         available = (len(data) - 1) // self.seq_len
         n = available if self.num_samples is None else min(self.num_samples, available)
         if n < 2:
-            raise ValueError(
+            raise ConfigError(
                 f"corpus {self.corpus!r} ({len(data)} bytes) gives {available} windows of seq_len={self.seq_len}; "
                 "at least 2 are needed"
             )

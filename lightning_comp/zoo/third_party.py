@@ -3,7 +3,7 @@
 Each wraps the library's own model, randomly initialised from its config (nothing is downloaded), untouched: the
 plan reaches its layers through forward hooks like any other model's. The libraries are optional extras
 (``pip install "lightning-comp[hf]"`` / ``"lightning-comp[vision]"``); building a module without its library raises
-:class:`ImportError` naming the extra.
+:class:`~lightning_comp.errors.MissingExtraError` (an ``ImportError``) naming the extra.
 
 What the operators are:
 
@@ -23,6 +23,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from lightning_comp.errors import ConfigError, MissingExtraError
 from lightning_comp.zoo.data import check_positive_int
 from lightning_comp.zoo.models import ClassifierModule, LanguageModelModule
 from lightning_comp.zoo.text import VOCAB_SIZE
@@ -31,16 +32,17 @@ __all__ = ["HFGPT2", "TorchvisionResNet", "require"]
 
 
 def require(module: str, extra: str) -> ModuleType:
-    """Import ``module``, or raise :class:`ImportError` naming the extra that installs it."""
+    """Import ``module``, or raise :class:`~lightning_comp.errors.MissingExtraError` naming the extra that installs
+    it."""
     try:
         return importlib.import_module(module)
     except ImportError as error:
-        raise ImportError(
+        raise MissingExtraError(
             f"{module} is not installed: it is an optional extra of lightning-comp. Install it with"
             f' pip install "lightning-comp[{extra}]" (from a checkout: pip install -e ".[{extra}]").'
         ) from error
     except (RuntimeError, OSError) as error:  # e.g. torchvision built for another torch: "torchvision::nms ..."
-        raise ImportError(
+        raise MissingExtraError(
             f"{module} is installed but cannot be imported beside torch {torch.__version__}: {error}. Install the"
             f" {module.split('.')[0]} release built for this torch (the [{extra}] extra of lightning-comp)."
         ) from error
@@ -74,7 +76,7 @@ class HFGPT2(LanguageModelModule):
         for name, value in (("width", width), ("depth", depth), ("heads", heads), ("block_size", block_size)):
             check_positive_int(name, value)
         if width % heads:
-            raise ValueError(f"HFGPT2(width={width}, heads={heads}): width must be a multiple of heads.")
+            raise ConfigError(f"HFGPT2(width={width}, heads={heads}): width must be a multiple of heads.")
         config = transformers.GPT2Config(vocab_size=vocab_size, n_positions=block_size, n_embd=width,
                                          n_layer=depth, n_head=heads, resid_pdrop=dropout, embd_pdrop=dropout,
                                          attn_pdrop=dropout, use_cache=False,  # training: no key/value cache
@@ -109,7 +111,7 @@ class TorchvisionResNet(ClassifierModule):
         builder: Any = getattr(models, arch, None)
         if not (arch.startswith("resnet") and callable(builder)):
             valid = sorted(n for n in dir(models) if n.startswith("resnet") and callable(getattr(models, n)))
-            raise ValueError(f"TorchvisionResNet(arch={arch!r}) is not a torchvision ResNet builder; use one of"
+            raise ConfigError(f"TorchvisionResNet(arch={arch!r}) is not a torchvision ResNet builder; use one of"
                              f" {valid}.")
         self.resnet = builder(weights=None, num_classes=num_classes)
         if small_images:

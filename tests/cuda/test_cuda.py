@@ -19,16 +19,17 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
-from conftest import DtypeRecorder
-from cpu_class_run import LOWERED, SequenceNet
 from lightning.pytorch.callbacks import Callback
-from search_models import WideMLP, fixed_search, loaders
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_comp import CoMPPrecision, CoMPSearch, Precision, PrecisionPlan, device_class
+from tests.helpers.paths import REPO
+from tests.helpers.recording import DtypeRecorder
+from tests.helpers.search_models import WideMLP, fixed_search, loaders
+from tests.scripts.cpu_class_run import LOWERED, SequenceNet
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = REPO
 
 pytestmark = [
     pytest.mark.cuda,
@@ -238,9 +239,9 @@ def test_snapshots_stay_on_the_cpu_when_asked(tmp_path: Path) -> None:
 @pytest.mark.parametrize("saved", ["bf16", "fp8"])
 def test_saved_tensors_are_stored_compressed_on_cuda_without_host_synchronisation(saved: str) -> None:
     """The codecs decide scales on the device: packing a step's activations never waits for the GPU."""
-    from conftest import sqnr
-
-    from lightning_comp.execution.executor import PlanExecutor, StepKind
+    from lightning_comp.execution.executor import PlanExecutor
+    from lightning_comp.execution.steps import StepKind
+    from tests.helpers.recording import sqnr
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 10)).cuda()

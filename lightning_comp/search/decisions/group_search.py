@@ -19,7 +19,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["GroupSearch"]
+from lightning_comp.errors import UsageError
+from lightning_comp.search.candidates import Candidate, candidates_from_plain, candidates_to_plain
+
+__all__ = ["Group", "GroupSearch"]
+
+Group = tuple[Candidate, ...]
 
 
 @dataclass
@@ -27,24 +32,25 @@ class GroupSearch:
     """Adaptive group testing over candidate operators.
 
     Attributes:
-        candidates: the operators that may be lowered, in execution order.
-        gains: estimated benefit of lowering each operator (used to rank fallbacks).
+        candidates: the lowerings that may be trialled, in execution order.
+        benefits: the estimated benefit of each lowering, in the objective's unit (ms per step, bytes saved for
+            backward, or the balanced score's gain): ranks the fallback groups.
         max_trials: most trials to run; when reached the best passing group so far is taken.
     """
 
-    candidates: tuple[str, ...]
-    gains: Mapping[str, float] = field(default_factory=dict)
+    candidates: Group
+    benefits: Mapping[Candidate, float] = field(default_factory=dict)
     max_trials: int = 16
-    queue: list[tuple[str, ...]] = field(default_factory=list)
-    safe: list[str] = field(default_factory=list)
-    unsafe: list[str] = field(default_factory=list)
-    passed: list[tuple[str, ...]] = field(default_factory=list)
-    failed: list[tuple[str, ...]] = field(default_factory=list)
-    siblings: dict[tuple[str, ...], tuple[str, ...]] = field(default_factory=dict)
-    inferred: list[str] = field(default_factory=list)
+    queue: list[Group] = field(default_factory=list)
+    safe: list[Candidate] = field(default_factory=list)
+    unsafe: list[Candidate] = field(default_factory=list)
+    passed: list[Group] = field(default_factory=list)
+    failed: list[Group] = field(default_factory=list)
+    siblings: dict[Group, Group] = field(default_factory=dict)
+    inferred: list[Candidate] = field(default_factory=list)
     trials: int = 0
-    confirming: tuple[str, ...] | None = None
-    result: tuple[str, ...] | None = None
+    confirming: Group | None = None
+    result: Group | None = None
 
     def __post_init__(self) -> None:
         self.candidates = tuple(self.candidates)
@@ -58,24 +64,24 @@ class GroupSearch:
         """Whether the search has reached a result."""
         return self.result is not None
 
-    def next_group(self) -> tuple[str, ...] | None:
-        """The group of operators to lower (alone) in the next trial, or ``None`` when done."""
+    def next_group(self) -> Group | None:
+        """The group of lowerings to trial (alone) next, or ``None`` when done."""
         if self.done:
             return None
         if self.confirming is not None:
             return self.confirming
         return self.queue[0] if self.queue else None
 
-    def report(self, group: Sequence[str], passed: bool) -> None:
+    def report(self, group: Sequence[Candidate], passed: bool) -> None:
         """Record the verdict of the trial of ``group``.
 
         Raises:
-            ValueError: if ``group`` is not the group :meth:`next_group` asked for.
+            UsageError: if ``group`` is not the group :meth:`next_group` asked for.
         """
         group = tuple(group)
         expected = self.next_group()
         if group != expected:
-            raise ValueError(f"Verdict for group {group!r}, but the search is waiting for {expected!r}.")
+            raise UsageError(f"Verdict for group {group!r}, but the search is waiting for {expected!r}.")
         self.trials += 1
         if self.confirming is not None:
             self.result = group if passed else self._best_passed()
@@ -96,12 +102,12 @@ class GroupSearch:
         else:
             self._fail(group)
         if self.trials >= self.max_trials and self.queue:
-            self.unsafe.extend(op for g in self.queue for op in g if op not in self.unsafe)
+            self.unsafe.extend(c for g in self.queue for c in g if c not in self.unsafe)
             self.queue.clear()
             self.result = self._best_passed()
             return
         if not self.queue:
-            union = tuple(op for op in self.candidates if op in self.safe)
+            union = tuple(c for c in self.candidates if c in self.safe)
             if not union or union in self.passed:
                 self.result = union
             elif union in self.failed or self.trials >= self.max_trials:
@@ -109,7 +115,7 @@ class GroupSearch:
             else:
                 self.confirming = union
 
-    def _fail(self, group: tuple[str, ...]) -> None:
+    def _fail(self, group: Group) -> None:
         self.failed.append(group)
         if len(group) == 1:
             self.unsafe.extend(group)
@@ -119,44 +125,47 @@ class GroupSearch:
         self.siblings[first] = second
         self.queue[0:0] = [first, second]
 
-    def _best_passed(self) -> tuple[str, ...]:
+    def _best_passed(self) -> Group:
         if not self.passed:
             return ()
-        return max(self.passed, key=lambda g: (sum(self.gains.get(op, 0.0) for op in g), len(g)))
+        return max(self.passed, key=lambda g: (sum(self.benefits.get(c, 0.0) for c in g), len(g)))
 
     def state_dict(self) -> dict[str, Any]:
-        """Plain-typed state."""
+        """Plain-typed state (candidates as ``[operator, dimension]`` pairs)."""
+        def groups(items: Sequence[Group]) -> list[list[list[str]]]:
+            return [candidates_to_plain(g) for g in items]
+
         return {
-            "candidates": list(self.candidates),
-            "gains": dict(self.gains),
+            "candidates": candidates_to_plain(self.candidates),
+            "benefits": [[c.to_plain(), float(v)] for c, v in self.benefits.items()],
             "max_trials": self.max_trials,
-            "queue": [list(g) for g in self.queue],
-            "safe": list(self.safe),
-            "unsafe": list(self.unsafe),
-            "passed": [list(g) for g in self.passed],
-            "failed": [list(g) for g in self.failed],
-            "siblings": [[list(a), list(b)] for a, b in self.siblings.items()],
-            "inferred": list(self.inferred),
+            "queue": groups(self.queue),
+            "safe": candidates_to_plain(self.safe),
+            "unsafe": candidates_to_plain(self.unsafe),
+            "passed": groups(self.passed),
+            "failed": groups(self.failed),
+            "siblings": [[candidates_to_plain(a), candidates_to_plain(b)] for a, b in self.siblings.items()],
+            "inferred": candidates_to_plain(self.inferred),
             "trials": self.trials,
-            "confirming": None if self.confirming is None else list(self.confirming),
-            "result": None if self.result is None else list(self.result),
+            "confirming": None if self.confirming is None else candidates_to_plain(self.confirming),
+            "result": None if self.result is None else candidates_to_plain(self.result),
         }
 
     @classmethod
     def from_state(cls, state: Mapping[str, Any]) -> GroupSearch:
         """Rebuild a search from :meth:`state_dict`."""
         return cls(
-            candidates=tuple(state["candidates"]),
-            gains=dict(state["gains"]),
+            candidates=candidates_from_plain(state["candidates"]),
+            benefits={Candidate.from_plain(c): float(v) for c, v in state["benefits"]},
             max_trials=int(state["max_trials"]),
-            queue=[tuple(g) for g in state["queue"]],
-            safe=list(state["safe"]),
-            unsafe=list(state["unsafe"]),
-            passed=[tuple(g) for g in state["passed"]],
-            failed=[tuple(g) for g in state.get("failed", [])],
-            siblings={tuple(a): tuple(b) for a, b in state.get("siblings", [])},
-            inferred=list(state.get("inferred", [])),
+            queue=[candidates_from_plain(g) for g in state["queue"]],
+            safe=list(candidates_from_plain(state["safe"])),
+            unsafe=list(candidates_from_plain(state["unsafe"])),
+            passed=[candidates_from_plain(g) for g in state["passed"]],
+            failed=[candidates_from_plain(g) for g in state["failed"]],
+            siblings={candidates_from_plain(a): candidates_from_plain(b) for a, b in state["siblings"]},
+            inferred=list(candidates_from_plain(state["inferred"])),
             trials=int(state["trials"]),
-            confirming=None if state["confirming"] is None else tuple(state["confirming"]),
-            result=None if state["result"] is None else tuple(state["result"]),
+            confirming=None if state["confirming"] is None else candidates_from_plain(state["confirming"]),
+            result=None if state["result"] is None else candidates_from_plain(state["result"]),
         )

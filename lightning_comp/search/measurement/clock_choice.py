@@ -3,10 +3,9 @@
 On a quiet CPU, wall time with the user's intra-op threads is the truth: it is what a training step costs. Once
 other processes compete for the CPUs, wall time measures them as much as the model, and no CPU clock can help while
 several intra-op threads run (see :mod:`lightning_comp.search.measurement.clocks`). The batch stage then measures with
-the CPU time of
-the measuring thread and one intra-op thread, which is blind to the neighbours. ``timing="auto"`` chooses from the
-load measured over the first fp32 steps, and the batch stage measures again while it works: if the machine became
-busy during a wall-time measurement, that measurement is repeated with the CPU clock.
+the CPU time of the measuring thread and one intra-op thread, which is blind to the neighbours. ``timing="auto"``
+chooses from the load measured over the first fp32 steps, and the batch stage measures again while it works: if the
+machine became busy during a wall-time measurement, that measurement is repeated with the CPU clock.
 """
 
 from __future__ import annotations

@@ -23,6 +23,8 @@ from typing import Any, Protocol
 
 import torch
 
+from lightning_comp.errors import UnsupportedSetupError
+
 __all__ = ["Clock", "ClockKind", "CudaClock", "ThreadCpuClock", "WallClock", "make_clock", "single_intra_op_thread"]
 
 
@@ -114,11 +116,11 @@ def make_clock(kind: ClockKind) -> Clock:
     """The clock of ``kind``.
 
     Raises:
-        RuntimeError: for the CUDA clock when CUDA is not available.
+        UnsupportedSetupError: for the CUDA clock when CUDA is not available.
     """
     if kind is ClockKind.CUDA:
         if not torch.cuda.is_available():
-            raise RuntimeError("The CUDA clock was asked for, but torch.cuda.is_available() is False.")
+            raise UnsupportedSetupError("The CUDA clock was asked for, but torch.cuda.is_available() is False.")
         return CudaClock()
     if kind is ClockKind.THREAD_CPU:
         return ThreadCpuClock()

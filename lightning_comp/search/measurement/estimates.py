@@ -15,6 +15,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
 
+from lightning_comp.errors import UsageError
+
 __all__ = ["RatioEstimate", "Verdict", "compare_to", "paired_ratio"]
 
 # Two-sided coverage of the interval; each decision uses one end, which holds with at least (1 + CONFIDENCE) / 2
@@ -93,10 +95,10 @@ def paired_ratio(a: Sequence[float], b: Sequence[float]) -> RatioEstimate:
     interval ``[0, inf]``, which decides nothing.
 
     Raises:
-        ValueError: if ``a`` and ``b`` differ in length.
+        UsageError: if ``a`` and ``b`` differ in length.
     """
     if len(a) != len(b):
-        raise ValueError(f"paired_ratio needs as many rounds of a as of b, got {len(a)} and {len(b)}.")
+        raise UsageError(f"paired_ratio needs as many rounds of a as of b, got {len(a)} and {len(b)}.")
     ratios = sorted(y / x for x, y in zip(a, b) if x > 0 and math.isfinite(x) and math.isfinite(y))
     n = len(ratios)
     if n == 0:

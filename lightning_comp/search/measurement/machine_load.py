@@ -13,6 +13,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from lightning_comp.errors import UsageError
+
 __all__ = ["LoadMeter", "MachineLoad", "cpus_available"]
 
 _STAT = Path("/proc/stat")
@@ -95,10 +97,10 @@ class LoadMeter:
         """Close the window and return its load.
 
         Raises:
-            RuntimeError: if :meth:`start` was not called.
+            UsageError: if :meth:`start` was not called.
         """
         if self._start is None:
-            raise RuntimeError("LoadMeter.stop() was called before start().")
+            raise UsageError("LoadMeter.stop() was called before start().")
         busy0, own0, wall0 = self._start
         busy1 = _busy_ticks(self._cpus)
         own = os.times()

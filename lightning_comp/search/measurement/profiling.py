@@ -4,16 +4,14 @@ Timing is by forward pre/post hooks (forward) and by gradient hooks on each oper
 from the moment an operator's output gradient is ready to the next such moment is charged to that operator, which
 matches the autograd engine's reverse execution order). What a millisecond counts is the clock's
 (:mod:`lightning_comp.search.measurement.clocks`): CUDA events, wall time, or the measuring thread's CPU time; wall
-time is kept beside
-a CPU-time measurement. The memory an operator holds for backward is the bytes of the tensors it saves
-(``torch.autograd.graph.saved_tensors_hooks``), not counting tensors that alias parameters.
+time is kept beside a CPU-time measurement. The memory an operator holds for backward is the bytes of the tensors
+it saves (``torch.autograd.graph.saved_tensors_hooks``), not counting tensors that alias parameters.
 
 Measurements are interleaved across configurations and warm-up rounds are dropped. Every measured round is kept
 (``ProfileResult.rounds``), so comparisons can be made round by round
-(:mod:`lightning_comp.search.measurement.estimates`); the
-summary figure of each operator is the *minimum* over the rounds: noise only ever adds time. More rounds can be
-added to a finished profile (:meth:`OperatorProfiler.extend`) when the first ones cannot tell two configurations
-apart.
+(:mod:`lightning_comp.search.measurement.estimates`); the summary figure of each operator is the *minimum* over the
+rounds: noise only ever adds time. More rounds can be added to a finished profile (:meth:`OperatorProfiler.extend`)
+when the first ones cannot tell two configurations apart.
 """
 
 from __future__ import annotations
@@ -28,12 +26,12 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from lightning_comp.execution.cast_boundaries import iter_tensors as _iter_tensors
+from lightning_comp.common.nested import tensors
 from lightning_comp.operators.discovery import iter_operators
 from lightning_comp.search.measurement.clocks import Clock, ClockKind
-from lightning_comp.search.measurement.step_timing import StepTimer, StepTimes, clock_for, entered, new_storage_bytes
+from lightning_comp.search.measurement.step_timing import clock_for, entered, new_storage_bytes
 
-__all__ = ["OperatorMeasurement", "ProfileResult", "OperatorProfiler", "StepTimer", "StepTimes", "clock_for"]
+__all__ = ["OperatorMeasurement", "OperatorProfiler", "ProfileResult"]
 
 
 @dataclass
@@ -148,8 +146,8 @@ class _RoundRecorder:
             self.marks[name][-1][3] = self.clock.now()
             if self.stack:
                 self.stack.pop()
-            inputs = {id(t) for t in _iter_tensors(args)}
-            for tensor in _iter_tensors(output):
+            inputs = {id(t) for t in tensors(args)}
+            for tensor in tensors(output):
                 # An operator that hands back its input (Dropout(p=0) in training, Identity, in-place
                 # activations) must not hook that tensor: its gradient event would fire together with the
                 # producer's and the producer's whole backward would be charged to it.

@@ -33,7 +33,7 @@ def build_record(state: SearchState, config: SearchConfig) -> dict[str, Any]:
             "low_operators": [s for s, p in plan.entries if p is not Precision.FP32],
             "metric": trial.metric,
             "reference": state.trials[0].metric if state.trials else None,
-            "verdict": trial.verdict,
+            "verdict": None if trial.verdict is None else trial.verdict.value,
             "reason": trial.reason,
             "epochs": config.trial_epochs,
             "batches": trial.batches,  # None: whole epochs
@@ -50,11 +50,11 @@ def build_record(state: SearchState, config: SearchConfig) -> dict[str, Any]:
     return {
         "version": STATE_VERSION,
         "monitor": config.monitor,
-        "mode": config.mode,
+        "mode": config.mode.value,
         "tolerance": config.tolerance,
-        "tolerance_mode": config.tolerance_mode,
+        "tolerance_mode": config.tolerance_mode.value,
         "objective": config.objective.value,
-        "low_precision": state.low_precision,
+        "low_precision": None if state.low_precision is None else state.low_precision.value,
         "search_start_epoch": state.search_start_epoch,
         "chosen_plan": chosen,
         "chosen_trial": state.chosen_label,
@@ -88,6 +88,7 @@ def build_record(state: SearchState, config: SearchConfig) -> dict[str, Any]:
         },
     }
 
+
 def warmup_overhead_seconds(state: SearchState) -> float | None:
     """Estimated time the FP32 warm-up batches lost against the chosen plan (``None`` until one is chosen).
 
@@ -106,6 +107,7 @@ def warmup_overhead_seconds(state: SearchState) -> float | None:
     if reference is None or chosen is None:
         return None
     return batches * max(0.0, float(reference) - float(chosen)) / 1e3
+
 
 def publish(trainer: pl.Trainer, state: SearchState, config: SearchConfig, final: bool) -> None:
     """Write ``comp_search.json`` and ``comp_plan.json`` (rank 0); unless ``final``, send the record to the loggers

@@ -101,7 +101,7 @@ def rewind(trainer: pl.Trainer, pl_module: pl.LightningModule, plugin: CoMPPreci
     restored from the snapshot), so the next fp16 plan starts from a fresh scaler, as the first fp16 trial did.
     """
     if plugin is not None:
-        plugin._set_search_plan(PrecisionPlan())
+        plugin.try_plan(PrecisionPlan())
     TrainingSnapshot.from_state(snapshot).restore(trainer, pl_module, None if plugin is None else plugin.scaler)
     if epoch is not None:
         lightning.set_sampler_epochs(trainer, epoch)

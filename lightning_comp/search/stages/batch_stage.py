@@ -1,48 +1,56 @@
 """The batch stage: which operators are worth a convergence trial, measured on one batch of the user's training.
 
 At the first batch of the search, the training step is run repeatedly on that batch, in FP32 and with every
-operator lowered, to measure each operator's forward and backward time and the bytes it saves for backward.
-Operators whose low-precision cost (casts included) does not beat FP32 by the margin stay FP32 and are never
-trialled. Cheap operators (norms, activations) between two lowered operators are lowered too when that costs no
-time, so activations stay low across the run. The candidate plan is then timed as a whole step beside the all-low
-and the compute-only plans (:mod:`lightning_comp.search.decisions.comparison` decides); if nothing beats FP32, the
-search ends.
+operator lowered, to measure each operator's forward and backward time and the bytes it saves for backward
+(:mod:`lightning_comp.search.measurement`). Each operator's decision follows from its measurements
+(:mod:`lightning_comp.search.decisions.operators`): operators whose low-precision cost (casts included) does not beat
+FP32 by the margin stay FP32 and are never trialled, cheap operators between two lowered operators are lowered with
+them. The candidate plan is then timed as a whole step beside the all-low and the compute-only plans, and the
+objective's policy (:mod:`lightning_comp.search.decisions.objectives`) decides which of them the epoch stage trials;
+if nothing beats FP32, the search ends. With the memory and balanced objectives, the saved stage
+(:mod:`lightning_comp.search.stages.saved_stage`) adds the saved-precision candidates.
 """
 
 from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 
-from lightning_comp.devices.device_class import model_device
-from lightning_comp.errors import SearchConfigError
+from lightning_comp.devices.device_classes import model_device
+from lightning_comp.devices.lowering import Lowering, lowering_for
 from lightning_comp.numerics.precision import Precision
-from lightning_comp.operators.discovery import Lowering, OperatorKind, classify, iter_operators, lowering_for
+from lightning_comp.operators.discovery import iter_operators
+from lightning_comp.operators.kinds import classify
 from lightning_comp.plan.plan import PrecisionPlan
 from lightning_comp.plugins.comp import CoMPPrecision
-from lightning_comp.search.config import Objective, SearchConfig, Timing
-from lightning_comp.search.decisions.comparison import StepComparison, judge_operator, plan_pays, whole_step_winner
+from lightning_comp.search.candidates import Candidate
+from lightning_comp.search.config import SearchConfig, Timing
+from lightning_comp.search.decisions.objectives import policy_for
+from lightning_comp.search.decisions.operators import HEAVY_KINDS, Choice, OperatorDecision, decide_operators
+from lightning_comp.search.decisions.trial_plans import CheapRun, cheap_runs, plan_for
+from lightning_comp.search.decisions.whole_step import StepComparison
 from lightning_comp.search.measurement.clock_choice import TimingChoice, choose_timing, cpu_clock, is_busy, sample_load
-from lightning_comp.search.measurement.clocks import ClockKind, single_intra_op_thread
-from lightning_comp.search.measurement.estimates import Verdict, paired_ratio
+from lightning_comp.search.measurement.clocks import Clock, ClockKind, single_intra_op_thread
+from lightning_comp.search.measurement.estimates import Verdict
+from lightning_comp.search.measurement.extra_rounds import ExtraRounds
 from lightning_comp.search.measurement.machine_load import LoadMeter
-from lightning_comp.search.measurement.profiling import OperatorProfiler, ProfileResult, StepTimer
+from lightning_comp.search.measurement.profiling import OperatorProfiler, ProfileResult
+from lightning_comp.search.measurement.step_runner import TrainingStepRunner
+from lightning_comp.search.measurement.step_timing import StepTimer, StepTimes
 from lightning_comp.search.ranks import agree, reduce_mean, reduce_profile
 from lightning_comp.search.record.progress import SearchProgress
 from lightning_comp.search.rewind.snapshot import capture_rng, restore_rng
-from lightning_comp.search.stages.activation import activate, with_weight_recording
-from lightning_comp.search.stages.saved_stage import SavedStage, merge_candidates
-from lightning_comp.search.stages.trials import plan_for
+from lightning_comp.search.stages.batch_result import BatchStageResult, SavedStageResult
+from lightning_comp.search.stages.saved_stage import SavedStage
 
-__all__ = ["BatchStage", "cheap_runs"]
+__all__ = ["BatchStage"]
 
-_HEAVY_KINDS = (OperatorKind.COMPUTE, OperatorKind.EMBEDDING, OperatorKind.OTHER)
+Step = Callable[[], None]
 
 
 class BatchStage:
@@ -58,152 +66,154 @@ class BatchStage:
     def __init__(self, config: SearchConfig, low: Precision, plugin: CoMPPrecision,
                  progress: SearchProgress | None = None) -> None:
         self.config = config
+        self.policy = policy_for(config)
         self.low = low
         self.plugin = plugin
         self.progress = progress
 
     def run(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int,
-            restore: Callable[[], None]) -> dict[str, Any]:
+            restore: Callable[[], None]) -> BatchStageResult:
         """Measure and decide; ``restore`` puts the run's state back afterwards (the stage trains nothing).
 
         Returns:
-            Rank 0's ``decisions`` per operator, ``candidates`` (``"saved:<name>"`` for a saved-precision
-            lowering, whose precision ``saved`` gives), their ``gains``, whole-step ``step_ms`` (and
-            ``step_wall_ms``, ``step_ratios``, ``step_saved_bytes``), cheap-operator ``runs``, the execution
-            ``order``, ``memory`` per configuration, and the ``timing`` it measured with.
+            Rank 0's result, on every rank.
         """
         plugin, config = self.plugin, self.config
         device = model_device(pl_module)
         rng = capture_rng()
         step = TrainingStepRunner(pl_module, batch, batch_idx)
         try:
-            plugin._set_search_plan(PrecisionPlan())
+            plugin.try_plan(PrecisionPlan())
             timing = agree(trainer, choose_timing(config.timing, device.type, lambda: sample_load(step)))
             meter = LoadMeter()
             meter.start()
-            payload = self.measure(trainer, pl_module, step, timing)
+            result = self.measure(trainer, pl_module, step, timing)
             load = meter.stop()
             if config.timing is Timing.AUTO and timing.clock is ClockKind.WALL and agree(trainer, is_busy(load)):
                 timing = cpu_clock("this process's CPU time with one intra-op thread: the machine became busy during"
                                    f" the wall-time measurement ({load.describe()}), which was repeated", load)
-                payload = self.measure(trainer, pl_module, step, timing)
+                result = self.measure(trainer, pl_module, step, timing)
         finally:
             if self.progress is not None:
                 self.progress.close_stage()
             restore()
             restore_rng(rng)
-            plugin._set_search_plan(PrecisionPlan().with_provenance(role="trial", trial="fp32 reference"))
-        payload["timing"] = timing.to_dict()
-        return agree(trainer, payload)
+            plugin.try_plan(PrecisionPlan().with_provenance(role="trial", trial="fp32 reference"))
+        result.timing = timing.to_dict()
+        return agree(trainer, result)
 
-    def measure(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: Callable[[], None],
-                timing: TimingChoice) -> dict[str, Any]:
+    def measure(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: Step,
+                timing: TimingChoice) -> BatchStageResult:
         """Per-operator and whole-step measurements with ``timing``'s clock, and the decisions they give."""
-        plugin, low, config = self.plugin, self.low, self.config
         device = model_device(pl_module)
         modules = dict(iter_operators(pl_module))
-        lowerable = [n for n, m in modules.items() if lowering_for(m, low, device) not in (None, Lowering.NONE)]
-        all_low = PrecisionPlan.from_dict({n: low.value for n in lowerable})
+        lowerable = [n for n, m in modules.items() if lowering_for(m, self.low, device) not in (None, Lowering.NONE)]
         clock = timing.make_clock()
-        progress = self.progress
-        first = config.profile_warmup + config.profile_steps
-        if progress is not None:  # per-operator rounds, then whole-step rounds
-            progress.start_stage(len(lowerable), 2 * first)
+        if self.progress is not None:  # per-operator rounds, then whole-step rounds
+            rounds = self.config.profile_warmup + self.config.profile_steps
+            self.progress.start_stage(len(lowerable), 2 * rounds)
         with single_intra_op_thread(timing.single_thread):
-            profiler = OperatorProfiler(pl_module, clock, config.profile_steps, config.profile_warmup)
-            if progress is not None:
-                profiler.on_round = functools.partial(progress.round_done, f"per operator, fp32/{low.value}")
-            # weight copies saved as recipes, as in training (recast_weights_in_backward): not counted as saved bytes
-            configs: dict[str, Callable[[], Any]] = {
-                "fp32": functools.partial(with_weight_recording, plugin, PrecisionPlan()),
-                "low": functools.partial(with_weight_recording, plugin, all_low)}
-            started = time.perf_counter()
-            results = profiler.profile(configs, step)
-            budget = ExtraRounds(config, time.perf_counter() - started, config.profile_warmup + config.profile_steps)
-            while True:  # more rounds while an operator's comparison is undecided, within the budget
-                undecided = any(d.get("settled") is False for d in self.select(modules, lowerable, results)[0].values())
-                more = agree(trainer, budget.next_rounds() if undecided else 0)
-                if not more:
-                    break
-                if progress is not None:
-                    progress.extend_stage(more)
-                with budget.spending():
-                    profiler.extend(results, configs, step, more)
-            reduce_profile(trainer, results)
+            results = self._profile_operators(trainer, pl_module, step, clock, modules, lowerable)
             # every rank must time the same whole-step plans (each timing is a collective): rank 0's decisions
-            decisions, runs = agree(trainer, self.select(modules, lowerable, results))
+            decisions = agree(trainer, decide_operators(self.config, self.policy, self.low, modules, lowerable,
+                                                        results))
             order = results["fp32"].order
-            candidates = tuple(n for n in order if decisions.get(n, {}).get("decision") == "candidate")
-            alternatives = self.alternatives(modules, lowerable, order, decisions, candidates, runs)
-            plans = dict(alternatives)
-            if candidates:
-                plans = {"candidates": plan_for(low, runs, candidates), **plans}
-            step_configs: dict[str, Any] = {"fp32": lambda: plugin._set_search_plan(PrecisionPlan())}
-            for label, plan in plans.items():
-                step_configs[label] = functools.partial(activate, plugin, plan)
-            timer = StepTimer(clock, config.profile_steps, config.profile_warmup)
-            if progress is not None:
-                timer.on_round = functools.partial(progress.round_done, f"whole steps, {len(step_configs)} plans")
-            started = time.perf_counter()
-            times = timer.time(step_configs, step)
-            budget = ExtraRounds(config, time.perf_counter() - started, config.profile_warmup + config.profile_steps)
-            while True:
-                steps = StepComparison(times.ms)
-                more = agree(trainer, budget.next_rounds() if self.whole_step_undecided(steps, list(plans)) else 0)
-                if not more:
-                    break
-                if progress is not None:
-                    progress.extend_stage(more)
-                with budget.spending():
-                    timer.time(step_configs, step, into=times, rounds=more, warmup=0)
-            step_saved: dict[str, float] = {}
-            if config.objective is not Objective.THROUGHPUT:
-                saved = timer.saved_bytes(pl_module, step_configs, step)
-                step_saved = {k: reduce_mean(trainer, float(v)) for k, v in saved.items()}
+            runs = cheap_runs(order, decisions, modules)
+            names = [n for n in order if decisions[n].is_candidate]
+            alternatives = self._alternatives(modules, lowerable, order, decisions, names, runs)
+            plans = {"candidates": plan_for(self.low, runs, [Candidate(n) for n in names])} if names else {}
+            plans.update(alternatives)
+            times, step_saved = self._time_whole_steps(trainer, pl_module, step, clock, plans)
+        steps = StepComparison(times.ms)
         step_ms = {k: reduce_mean(trainer, min(v)) for k, v in times.ms.items()}
-        winner = agree(trainer, whole_step_winner(config, steps, step_saved, list(alternatives), bool(candidates)))
+        winner = agree(trainer, self.policy.winner(steps, step_saved, list(alternatives), bool(names)))
         if winner is not None:
-            candidates, runs = self.adopt(winner, alternatives[winner], order, decisions, step_ms, step_saved)
-        elif candidates:
-            verdict = agree(trainer, plan_pays(config, steps))
-            if verdict is not Verdict.BELOW:
-                ratio = steps.ratio("candidates", "fp32").describe()
-                why = ("cannot be told apart from fp32 as a whole step" if verdict is Verdict.UNDECIDED
-                       else "candidate plan as a whole not better than fp32")
-                for name in candidates:
-                    if not decisions[name].get("forced"):
-                        decisions[name]["decision"] = "fp32"
-                        decisions[name]["reason"] = f"{why} (step time {ratio})"
-                candidates = tuple(n for n in candidates if decisions[n].get("forced"))
-        memory = {label: {"saved_bytes": r.saved_bytes, "peak_bytes": r.peak_bytes} for label, r in results.items()}
-        gains = {n: decisions[n]["gain_ms"] for n in candidates}
-        lowered_saved: dict[str, Any] = {"choices": {}, "gains": {}, "step": {}}
-        if config.saved_options() and not plugin.compiled:  # compiled graphs: AOTAutograd decides what is saved
-            base = plan_for(low, runs, candidates) if candidates else PrecisionPlan()
+            names, runs = self._adopt(winner, alternatives[winner], order, decisions, step_ms, step_saved), []
+        elif names:
+            names = self._check_candidates(trainer, steps, names, decisions)
+        saved = SavedStageResult()
+        if self.config.saved_options() and not self.plugin.compiled:  # compiled: AOTAutograd decides what is saved
+            base = plan_for(self.low, runs, [Candidate(n) for n in names])
             with single_intra_op_thread(timing.single_thread):
-                lowered_saved = SavedStage(config, plugin, progress).measure(
+                saved = SavedStage(self.config, self.plugin, self.progress).measure(
                     trainer, pl_module, step, clock, base, modules, order, decisions)
-            candidates = tuple(merge_candidates(order, candidates, lowered_saved["choices"]))
-            gains.update(lowered_saved["gains"])
-        return {"decisions": decisions, "candidates": list(candidates), "saved": lowered_saved["choices"],
-                "saved_step": lowered_saved["step"], "gains": gains, "step_ms": step_ms,
-                "step_wall_ms": {k: reduce_mean(trainer, min(v)) for k, v in times.wall_ms.items()},
-                "step_ratios": steps.ratios(), "step_saved_bytes": step_saved, "runs": runs, "order": order,
-                "memory": memory}
+        compute = set(names)
+        candidates = [c for name in order for c in ((Candidate(name),) if name in compute else ())
+                      + ((Candidate.saved(name),) if name in saved.choices else ())]
+        candidates += [Candidate(n) for n in names if Candidate(n) not in candidates]  # forced ones that did not run
+        benefits = {Candidate(n): decisions[n].benefit for n in names}
+        benefits.update(saved.benefits)
+        return BatchStageResult(
+            decisions=decisions, candidates=tuple(candidates), benefits=benefits, runs=runs, saved=saved,
+            order=order, step_ms=step_ms,
+            step_wall_ms={k: reduce_mean(trainer, min(v)) for k, v in times.wall_ms.items()},
+            step_ratios=steps.ratios(), step_saved_bytes=step_saved,
+            memory={label: {"saved_bytes": r.saved_bytes, "peak_bytes": r.peak_bytes} for label, r in results.items()},
+        )
 
-    def whole_step_undecided(self, steps: StepComparison, labels: list[str]) -> bool:
-        """Whether a whole-step comparison that decides something could not tell its plans apart."""
-        margin = self.config.speed_margin
-        if self.config.objective is Objective.THROUGHPUT:
-            pairs = [(label, "fp32") for label in labels]
-            pairs += [(label, "candidates") for label in labels if label != "candidates" and "candidates" in labels]
-            return any(steps.faster(a, b, margin) is Verdict.UNDECIDED for a, b in pairs)
-        limit = self.config.max_memory_slowdown if self.config.objective is Objective.MEMORY else 1 - margin
-        return any(steps.ratio(label, "fp32").against(limit) is Verdict.UNDECIDED for label in labels)
+    # ---------------------------------------------------------------------------------------------- measuring
+    def _profile_operators(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: Step, clock: Clock,
+                           modules: dict[str, torch.nn.Module], lowerable: list[str]) -> dict[str, ProfileResult]:
+        """Every operator's time and saved bytes in FP32 and with everything lowerable lowered, with extra rounds
+        while an operator cannot be decided (within the budget); averaged over ranks."""
+        config, plugin = self.config, self.plugin
+        profiler = OperatorProfiler(pl_module, clock, config.profile_steps, config.profile_warmup)
+        if self.progress is not None:
+            profiler.on_round = functools.partial(self.progress.round_done, f"per operator, fp32/{self.low.value}")
+        # weight copies saved as recipes, as in training (recast_weights_in_backward): not counted as saved bytes;
+        # every lowered operator's output returns to fp32, so each is measured with its own casts
+        all_low = PrecisionPlan.from_dict({n: self.low.value for n in lowerable})
+        configs: dict[str, Callable[[], Any]] = {
+            "fp32": functools.partial(plugin.measured_step, PrecisionPlan(), calibrated=False),
+            "low": functools.partial(plugin.measured_step, all_low, calibrated=False)}
+        started = time.perf_counter()
+        results = profiler.profile(configs, step)
+        budget = ExtraRounds(config, time.perf_counter() - started, config.profile_warmup + config.profile_steps)
+        while True:
+            decided = decide_operators(config, self.policy, self.low, modules, lowerable, results)
+            undecided = any(d.settled is False for d in decided.values())
+            more = agree(trainer, budget.next_rounds() if undecided else 0)
+            if not more:
+                break
+            if self.progress is not None:
+                self.progress.extend_stage(more)
+            with budget.spending():
+                profiler.extend(results, configs, step, more)
+        reduce_profile(trainer, results)
+        return results
 
-    def alternatives(self, modules: dict[str, torch.nn.Module], lowerable: list[str], order: list[str],
-                     decisions: dict[str, dict[str, Any]], candidates: tuple[str, ...],
-                     runs: list[dict[str, Any]]) -> dict[str, PrecisionPlan]:
+    def _time_whole_steps(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: Step, clock: Clock,
+                          plans: dict[str, PrecisionPlan]) -> tuple[StepTimes, dict[str, float]]:
+        """Whole steps of FP32 and of ``plans``, interleaved, with extra rounds while a comparison the policy
+        decides from is undecided; and (objectives that weigh memory) the bytes each saves for backward."""
+        config = self.config
+        configs: dict[str, Callable[[], Any]] = {
+            label: functools.partial(self.plugin.measured_step, plan)
+            for label, plan in {"fp32": PrecisionPlan(), **plans}.items()}
+        timer = StepTimer(clock, config.profile_steps, config.profile_warmup)
+        if self.progress is not None:
+            timer.on_round = functools.partial(self.progress.round_done, f"whole steps, {len(configs)} plans")
+        started = time.perf_counter()
+        times = timer.time(configs, step)
+        budget = ExtraRounds(config, time.perf_counter() - started, config.profile_warmup + config.profile_steps)
+        while True:
+            undecided = self.policy.undecided(StepComparison(times.ms), list(plans))
+            more = agree(trainer, budget.next_rounds() if undecided else 0)
+            if not more:
+                break
+            if self.progress is not None:
+                self.progress.extend_stage(more)
+            with budget.spending():
+                timer.time(configs, step, into=times, rounds=more, warmup=0)
+        saved: dict[str, float] = {}
+        if self.policy.weighs_memory:
+            saved = {k: reduce_mean(trainer, float(v)) for k, v in timer.saved_bytes(pl_module, configs, step).items()}
+        return times, saved
+
+    # ---------------------------------------------------------------------------------------------- deciding
+    def _alternatives(self, modules: dict[str, torch.nn.Module], lowerable: list[str], order: list[str],
+                      decisions: dict[str, OperatorDecision], names: list[str],
+                      runs: list[CheapRun]) -> dict[str, PrecisionPlan]:
         """Whole-step alternatives to the per-operator candidate plan, timed side by side with it.
 
         Per-operator timings miss effects that only show in a whole step: casts vanish inside long low-precision
@@ -212,14 +222,13 @@ class BatchStage:
         from the candidate plan and from each other are timed.
         """
         low = self.low.value
-        allowed = [n for n in order if n in lowerable and not decisions[n].get("excluded")]
-        heavy = [n for n in allowed if classify(modules[n]) in _HEAVY_KINDS]
+        allowed = [n for n in order if n in lowerable and not decisions[n].excluded]
+        heavy = [n for n in allowed if classify(modules[n]) in HEAVY_KINDS]
         options = {
             "all_low": PrecisionPlan.from_dict({n: low for n in allowed}),
             "compute": PrecisionPlan.from_dict({n: low for n in heavy}),
         }
-        seen = {plan_for(self.low, runs, candidates).entries} if candidates else set()
-        seen.add(PrecisionPlan().entries)
+        seen = {plan_for(self.low, runs, [Candidate(n) for n in names]).entries, PrecisionPlan().entries}
         out: dict[str, PrecisionPlan] = {}
         for label, plan in options.items():
             if plan.entries not in seen:
@@ -227,14 +236,12 @@ class BatchStage:
                 out[label] = plan
         return out
 
-    def adopt(self, winner: str, plan: PrecisionPlan, order: list[str], decisions: dict[str, dict[str, Any]],
-              step_ms: dict[str, float], saved: dict[str, float] | None = None,
-              ) -> tuple[tuple[str, ...], list[dict[str, Any]]]:
-        """Make the operators of ``plan`` the candidates (no cheap-operator fills: the plan was timed as is)."""
+    def _adopt(self, winner: str, plan: PrecisionPlan, order: list[str], decisions: dict[str, OperatorDecision],
+               step_ms: dict[str, float], saved: dict[str, float]) -> list[str]:
+        """Make the operators of the winning alternative ``plan`` the candidates (no cheap-operator fills: the plan
+        was timed as it is); return them."""
         lowered = {selector for selector, precision in plan.entries if precision is not Precision.FP32}
         what = {"all_low": f"the all-{self.low} plan", "compute": "the plan of compute operators only"}[winner]
-        better = {Objective.THROUGHPUT: "faster as a whole", Objective.MEMORY: "leaner as a whole",
-                  Objective.BALANCED: "better in time x memory as a whole"}[self.config.objective]
         timing = f"({step_ms[winner]:.3f} vs {step_ms['fp32']:.3f} ms per step in fp32"
         timing += f", {step_ms['candidates']:.3f} ms for the candidates)" if "candidates" in step_ms else ")"
         if saved:
@@ -242,143 +249,23 @@ class BatchStage:
             timing += (f"; {saved[winner] / 2**20:.1f} MiB saved for backward vs {saved[incumbent] / 2**20:.1f} MiB"
                        f" for the {incumbent}")
         for name in order:
+            decision = decisions[name]
             if name in lowered:
-                decisions[name].update(decision="candidate", reason=f"lowered as in {what}, {better} {timing}")
-            elif decisions.get(name, {}).get("decision") in ("candidate", "fill") and not decisions[name].get("forced"):
-                decisions[name].update(decision="fp32", reason=f"left fp32: {what} is {better} {timing}")
-        candidates = tuple(n for n in order if n in lowered or decisions[n].get("forced"))
-        return candidates, []
+                decision.decision = Choice.CANDIDATE
+                decision.reason = f"lowered as in {what}, {self.policy.better} {timing}"
+            elif decision.decision in (Choice.CANDIDATE, Choice.FILL):
+                decision.keep_fp32(f"left fp32: {what} is {self.policy.better} {timing}")
+        return [n for n in order if n in lowered or decisions[n].forced]
 
-    def select(self, modules: dict[str, torch.nn.Module], lowerable: list[str],
-               results: dict[str, ProfileResult]) -> tuple[dict[str, dict[str, Any]], list[dict[str, Any]]]:
-        """Each operator's decision from its measurements, and the runs of cheap operators between candidates."""
-        config = self.config
-        fp32, low = results["fp32"].operators, results["low"].operators
-        decisions: dict[str, dict[str, Any]] = {}
-        fillable: set[str] = set()
-        include, exclude = config.included, config.excluded
-        for name, module in modules.items():
-            kind = classify(module)
-            entry: dict[str, Any] = {"type": type(module).__name__, "kind": kind.value,
-                                     "params": sum(p.numel() for p in module.parameters())}
-            a, b = fp32.get(name), low.get(name)
-            ratio = None
-            if a is not None:
-                entry["fp32"] = a.to_dict()
-            if b is not None:
-                entry["low"] = b.to_dict()
-            if a is not None and b is not None:
-                ratio = paired_ratio(results["fp32"].series(name), results["low"].series(name))
-                entry.update(time_ratio=ratio.ratio, time_spread=[ratio.low, ratio.high], rounds=ratio.rounds)
-            entry["gain_ms"] = 0.0
-            if name not in lowerable:
-                entry.update(decision="fp32", reason="shape-only" if kind is OperatorKind.SHAPE
-                             else f"no {self.low} kernel on this device")
-            elif exclude.matches(name, module):
-                entry.update(decision="fp32", reason="excluded by CoMPSearch(exclude=...)", excluded=True)
-            elif include.matches(name, module):
-                entry.update(decision="candidate", reason="included by CoMPSearch(include=...)", forced=True,
-                             gain_ms=(a.total_ms - b.total_ms) if a is not None and b is not None else 0.0)
-            elif a is None or b is None:
-                entry.update(decision="fp32", reason="not run in the training step")
-            elif kind in _HEAVY_KINDS:
-                entry.update(judge_operator(config, a.total_ms, b.total_ms, a.saved_bytes, b.saved_bytes, ratio))
-                entry["own_decision"] = entry["decision"]  # from its own measurement, before whole-step checks
-            else:
-                cheap_ok = b.compute_ms <= a.compute_ms * (1 + config.speed_margin) + config.min_gain_ms
-                entry.update(decision="fill" if cheap_ok else "fp32",
-                             reason="lowered only between lowered operators" if cheap_ok
-                             else f"slower in {self.low} ({b.compute_ms:.4f} vs {a.compute_ms:.4f} ms)")
-                if cheap_ok:
-                    fillable.add(name)
-            decisions[name] = entry
-        return decisions, cheap_runs(results["fp32"].order, decisions, fillable, modules)
-
-
-def cheap_runs(order: list[str], decisions: dict[str, dict[str, Any]], fillable: set[str],
-               modules: dict[str, torch.nn.Module]) -> list[dict[str, Any]]:
-    """Maximal runs of fillable cheap operators between two candidate operators, in execution order."""
-    runs = []
-    before: str | None = None
-    pending: list[str] = []
-    for name in order:
-        decision = decisions.get(name, {}).get("decision")
-        if decision == "candidate":
-            if before is not None and pending:
-                runs.append({"before": before, "after": name, "operators": list(pending)})
-            before, pending = name, []
-        elif name in fillable:
-            pending.append(name)
-        elif classify(modules[name]) is OperatorKind.SHAPE:
-            continue
-        else:
-            before, pending = None, []
-    return runs
-
-
-class ExtraRounds:
-    """The budget of extra measured rounds: a fraction (``extra_profile_time``) of the first rounds' time.
-
-    Args:
-        config: the search's settings.
-        first_seconds: how long the first rounds took (warm-up included).
-        first_rounds: how many rounds that was.
-    """
-
-    MAX_CHUNK = 16  # rounds added at a time (tiny models: many rounds fit the budget; re-check between chunks)
-    MIN_SECONDS = 0.5  # small models get at least this much: their rounds are short and noisy, and cheap
-
-    def __init__(self, config: SearchConfig, first_seconds: float, first_rounds: int) -> None:
-        self.per_round = first_seconds / max(first_rounds, 1)
-        fraction = config.extra_profile_time
-        self.left = max(first_seconds * fraction, self.MIN_SECONDS) if fraction > 0 else 0.0
-        self.chunk = max(config.profile_steps, 2)
-
-    def next_rounds(self) -> int:
-        """How many rounds to add now (0: the budget is spent)."""
-        affordable = int(self.left // self.per_round) if self.per_round > 0 else self.MAX_CHUNK
-        return max(0, min(self.chunk, affordable, self.MAX_CHUNK))
-
-    @contextmanager
-    def spending(self) -> Iterator[None]:
-        """Charge the block's time to the budget."""
-        started = time.perf_counter()
-        try:
-            yield
-        finally:
-            elapsed = time.perf_counter() - started
-            self.left -= elapsed
-            self.chunk = min(self.chunk * 2, self.MAX_CHUNK)
-
-
-class TrainingStepRunner:
-    """Runs the user's ``training_step`` plus backward on one batch, without logging, stepping or gradient sync."""
-
-    def __init__(self, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
-        self.pl_module = pl_module
-        self.batch = batch
-        self.batch_idx = batch_idx
-
-    def __call__(self) -> None:
-        module = self.pl_module
-        module.log = _ignore  # type: ignore[method-assign]
-        module.log_dict = _ignore  # type: ignore[method-assign]
-        try:
-            output = module.training_step(self.batch, self.batch_idx)
-            loss = output.get("loss") if isinstance(output, Mapping) else output
-            if module.automatic_optimization:
-                if not isinstance(loss, torch.Tensor):
-                    raise SearchConfigError(
-                        "CoMPSearch profiles the training step, but training_step returned"
-                        f" {type(output).__name__} instead of a loss tensor (or a dict with 'loss')."
-                    )
-                loss.backward()
-        finally:
-            del module.log
-            del module.log_dict
-            for param in module.parameters():
-                param.grad = None
-
-
-def _ignore(*args: Any, **kwargs: Any) -> None:
-    return None
+    def _check_candidates(self, trainer: pl.Trainer, steps: StepComparison, names: list[str],
+                          decisions: dict[str, OperatorDecision]) -> list[str]:
+        """The candidates, unless their plan as a whole does not pay (then only the forced ones stay)."""
+        verdict = agree(trainer, self.policy.candidates_pay(steps))
+        if verdict is Verdict.BELOW:
+            return names
+        ratio = steps.ratio("candidates", "fp32").describe()
+        why = ("cannot be told apart from fp32 as a whole step" if verdict is Verdict.UNDECIDED
+               else "candidate plan as a whole not better than fp32")
+        for name in names:
+            decisions[name].keep_fp32(f"{why} (step time {ratio})")
+        return [n for n in names if decisions[n].forced]

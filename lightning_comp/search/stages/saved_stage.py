@@ -3,166 +3,50 @@
 Runs for ``objective="memory"`` and ``objective="balanced"`` once the compute candidates are known. On top of the
 candidate plan, the training step is profiled with every eligible operator saving as computed, ``bf16`` and
 ``fp8`` (interleaved rounds, as for compute precision): per operator, the bytes it saves and its time, pack and
-unpack included. Operators that save the same tensor (a ReLU's output is the next Linear's saved input) are judged
-as one group (:func:`sharing_groups`): only together do they free it. A saved lowering becomes a candidate when it
-saves at least ``speed_margin`` of the bytes and the time stays within the objective's bound (:func:`judge_saved`);
-of two that qualify the smaller wins. A lowering another operator would still hold as computed is dropped
-(:func:`unshared_choices`: both forms would be held). The plan with every remaining lowering is then timed as a
-whole step beside the candidate plan, and kept only if it is leaner (memory) or better in time x memory (balanced)
-as a whole.
+unpack included. The decisions follow from them (:mod:`lightning_comp.search.decisions.saved`); the plan with every
+saved lowering is then timed as a whole step beside the candidate plan, and kept only if the objective's policy
+finds it better as a whole.
 
-Saved lowerings join the compute candidates in the epoch stage's group testing as keys ``"saved:<operator>"``, in
-execution order beside their operator, so a layer whose gradients suffer is isolated like any other candidate.
+Saved lowerings join the compute candidates in the epoch stage's group testing as candidates of the ``saved``
+dimension (:class:`~lightning_comp.search.candidates.Candidate`), in execution order beside their operator, so a
+layer whose gradients suffer is isolated like any other candidate.
 """
 
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 
-from lightning_comp.numerics.saved_precision import SavedPrecision
-from lightning_comp.operators.discovery import OperatorKind, classify
+from lightning_comp.numerics.precision import SavedPrecision
+from lightning_comp.operators.kinds import OperatorKind, classify
 from lightning_comp.plan.plan import PrecisionPlan
 from lightning_comp.plugins.comp import CoMPPrecision
-from lightning_comp.search.config import Objective, SearchConfig
-from lightning_comp.search.decisions.comparison import StepComparison
+from lightning_comp.search.candidates import Candidate
+from lightning_comp.search.config import SearchConfig
+from lightning_comp.search.decisions.objectives import policy_for
+from lightning_comp.search.decisions.operators import OperatorDecision
+from lightning_comp.search.decisions.saved import (
+    SavedDecision,
+    SavedStepCheck,
+    judge_saved,
+    sharing_groups,
+    unshared_choices,
+)
+from lightning_comp.search.decisions.whole_step import StepComparison
 from lightning_comp.search.measurement.clocks import Clock
-from lightning_comp.search.measurement.estimates import RatioEstimate, Verdict, compare_to, paired_ratio
-from lightning_comp.search.measurement.profiling import OperatorProfiler, ProfileResult, StepTimer
+from lightning_comp.search.measurement.estimates import RatioEstimate, paired_ratio
+from lightning_comp.search.measurement.profiling import OperatorProfiler, ProfileResult
+from lightning_comp.search.measurement.step_timing import StepTimer
 from lightning_comp.search.ranks import agree, reduce_mean, reduce_profile
 from lightning_comp.search.record.progress import SearchProgress
-from lightning_comp.search.stages.activation import activate
+from lightning_comp.search.stages.batch_result import SavedStageResult
 
-__all__ = ["SAVED_PREFIX", "SavedStage", "judge_saved", "merge_candidates", "saved_key", "sharing_groups",
-           "split_group", "unshared_choices"]
-
-SAVED_PREFIX = "saved:"
-
-
-def saved_key(name: str) -> str:
-    """The group-testing key of ``name``'s saved lowering."""
-    return SAVED_PREFIX + name
-
-
-def split_group(group: Sequence[str]) -> tuple[list[str], list[str]]:
-    """The operators a group lowers in compute precision, and those whose saved tensors it lowers."""
-    compute = [key for key in group if not key.startswith(SAVED_PREFIX)]
-    saved = [key[len(SAVED_PREFIX):] for key in group if key.startswith(SAVED_PREFIX)]
-    return compute, saved
-
-
-def merge_candidates(order: Sequence[str], candidates: Sequence[str], choices: dict[str, str]) -> list[str]:
-    """Compute candidates and saved lowerings in one list, in execution order, each saved key after its operator."""
-    compute = set(candidates)
-    out = [key for name in order
-           for key in ((name,) if name in compute else ()) + ((saved_key(name),) if name in choices else ())]
-    return out + [name for name in candidates if name not in out]  # forced candidates that did not run
-
-
-def sharing_groups(names: Sequence[str], sharing: dict[str, set[str]]) -> list[tuple[str, ...]]:
-    """``names`` grouped by the tensors they save: connected through :attr:`ProfileResult.sharing`, in order."""
-    position = {name: i for i, name in enumerate(names)}
-    seen: set[str] = set()
-    groups = []
-    for name in names:
-        if name in seen:
-            continue
-        group, todo = set(), [name]
-        while todo:
-            current = todo.pop()
-            if current in group or current not in position:
-                continue
-            group.add(current)
-            todo.extend(sharing.get(current, ()))
-        seen |= group
-        groups.append(tuple(sorted(group, key=position.__getitem__)))
-    return groups
-
-
-def _summed(result: ProfileResult, names: Sequence[str]) -> list[float]:
-    """The per-round total time of ``names`` together."""
-    series = [result.series(name) for name in names]
-    return [sum(values) for values in zip(*series)]
-
-
-def unshared_choices(choices: dict[str, str], sharing: dict[str, set[str]], forced: set[str]) -> dict[str, str]:
-    """The lowerings in ``choices`` that cannot pay because another operator keeps the same tensor as computed.
-
-    A tensor saved by two operators is held once; if one of them stores it compressed and the other as computed,
-    both forms are held and nothing is saved. Such a lowering is dropped (unless forced), which may make others
-    unshared in turn, so this repeats until nothing changes.
-
-    Args:
-        choices: operator -> saved precision chosen from its own measurement.
-        sharing: operator -> the other operators that save one of its tensors (:attr:`ProfileResult.sharing`).
-        forced: operators whose lowering ``include_saved`` forces (never dropped).
-
-    Returns:
-        operator -> why its lowering is dropped.
-    """
-    kept, dropped = dict(choices), {}
-    changed = True
-    while changed:
-        changed = False
-        for name in sorted(kept):
-            holders = sorted(other for other in sharing.get(name, ()) if other not in kept)
-            if holders and name not in forced:
-                shown = ", ".join(holders[:3]) + (f" and {len(holders) - 3} more" if len(holders) > 3 else "")
-                dropped[name] = (f"saves as computed: a tensor it saves is also saved by {shown}, which keep(s) it"
-                                 " as computed, so both forms would be held")
-                del kept[name]
-                changed = True
-    return dropped
-
-
-def judge_saved(config: SearchConfig, base_bytes: int, options: dict[SavedPrecision, tuple[int, RatioEstimate]],
-                ) -> dict[str, Any]:
-    """One operator's saved precision from its measurements.
-
-    Args:
-        config: the search's settings (objective, margin, slowdown accepted for memory).
-        base_bytes: bytes it saves as computed.
-        options: per saved precision, the bytes it saves and its time relative to saving as computed.
-
-    Returns:
-        ``decision`` (``"fp32"``, ``"bf16"`` or ``"fp8"``), ``reason``, ``gain`` (bytes for memory, score gain for
-        balanced) and per option its ``bytes`` and ``time_ratio``.
-    """
-    keep = 1 - config.speed_margin
-    out: dict[str, Any] = {"bytes": {"fp32": int(base_bytes)}, "time_ratio": {}}
-    reasons = []
-    chosen: tuple[SavedPrecision, float, str] | None = None
-    for saved, (nbytes, time) in sorted(options.items(), key=lambda item: item[1][0]):
-        out["bytes"][saved.value] = int(nbytes)
-        out["time_ratio"][saved.value] = [time.ratio, time.low, time.high]
-        if chosen is not None:
-            continue
-        mem = nbytes / base_bytes if base_bytes > 0 else 1.0
-        shown = f"{saved.value}: bytes x{mem:.2f}, time {time.describe()}"
-        if mem > keep:
-            reasons.append(f"{shown} saves too little")
-            continue
-        if config.objective is Objective.MEMORY:
-            verdict = time.against(config.max_memory_slowdown)
-            gain = float(base_bytes - nbytes)
-        else:
-            verdict = compare_to(math.sqrt(max(time.low, 0.0) * mem), math.sqrt(max(time.high, 0.0) * mem), keep)
-            gain = 1.0 - math.sqrt(max(time.ratio, 0.0) * mem)
-        if verdict is Verdict.BELOW:
-            chosen = (saved, gain, shown)
-        else:
-            reasons.append(f"{shown} {'costs too much time' if verdict is Verdict.ABOVE else 'undecided in time'}")
-    if chosen is None:
-        why = "; ".join(reasons) or "saves nothing for backward"
-        out.update(decision="fp32", reason=f"saves as computed: {why}", gain=0.0)
-    else:
-        out.update(decision=chosen[0].value, reason=f"pays: {chosen[2]}", gain=chosen[1])
-    return out
+__all__ = ["SavedStage"]
 
 
 class SavedStage:
@@ -176,6 +60,7 @@ class SavedStage:
 
     def __init__(self, config: SearchConfig, plugin: CoMPPrecision, progress: SearchProgress | None = None) -> None:
         self.config = config
+        self.policy = policy_for(config)
         self.plugin = plugin
         self.progress = progress
 
@@ -187,83 +72,91 @@ class SavedStage:
 
     def measure(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: Callable[[], None], clock: Clock,
                 base: PrecisionPlan, modules: dict[str, torch.nn.Module], order: list[str],
-                decisions: dict[str, dict[str, Any]]) -> dict[str, Any]:
-        """Measure, decide per operator (into ``decisions[name]["saved"]``), and check the plan as a whole step.
-
-        Returns:
-            ``choices`` (operator -> saved precision of the saved candidates), ``gains`` (per ``"saved:"`` key),
-            and ``step`` (whole-step times, ratios and bytes of the check, with its ``verdict``).
-        """
-        config, plugin = self.config, self.plugin
+                decisions: dict[str, OperatorDecision]) -> SavedStageResult:
+        """Measure, decide per operator (into each ``decisions[name].saved``), and check the plan as a whole step."""
         eligible = self.eligible(modules, order)
         # bf16 shrinks only what an operator computing in fp32 saves: not worth profiling when every one is lowered
-        options = tuple(s for s in config.saved_options() if s is not SavedPrecision.BF16
+        options = tuple(s for s in self.config.saved_options() if s is not SavedPrecision.BF16
                         or any(not base.precision_of(n, type(modules[n])).is_low for n in eligible))
         if not options:  # saved_precision="bf16" with every operator already computing in 16 bits
-            return {"choices": {}, "gains": {}, "step": {}}
+            return SavedStageResult()
+        results = self._profile(trainer, pl_module, step, clock, base, eligible, options)
+        result = self._decide(results, eligible, options, modules, decisions)
+        result.choices, result.benefits = agree(trainer, (result.choices, result.benefits))
+        if result.choices:
+            result.check = self._whole_step(trainer, pl_module, step, clock, base, result.choices)
+            if not result.check.pays:
+                for name in list(result.choices):
+                    saved = decisions[name].saved
+                    if saved is not None and not saved.forced:
+                        saved.keep_as_computed(f"saves as computed: {result.check.verdict}")
+                        del result.choices[name]
+                        result.benefits.pop(Candidate.saved(name))
+        return result
+
+    def _profile(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: Callable[[], None], clock: Clock,
+                 base: PrecisionPlan, eligible: list[str],
+                 options: tuple[SavedPrecision, ...]) -> dict[str, ProfileResult]:
+        """The candidate plan profiled with every eligible operator saving as computed and at each option."""
+        config, plugin = self.config, self.plugin
         plans = {"fp32": base, **{s.value: base.with_saved({n: s.value for n in eligible}) for s in options}}
         # Profiled as training steps run (calibrated cast boundaries, so a lowered operator's output stays low where
         # training keeps it low, and the tensors operators share are the ones training shares). A saved precision
         # does not move a cast boundary: one calibrating step of the base plan serves every configuration.
-        with activate(plugin, base):
+        with plugin.measured_step(base):
             step()
         configs: dict[str, Callable[[], Any]] = {
-            label: functools.partial(activate, plugin, plan) for label, plan in plans.items()}
+            label: functools.partial(plugin.measured_step, plan) for label, plan in plans.items()}
         profiler = OperatorProfiler(pl_module, clock, config.profile_steps, config.profile_warmup)
         if self.progress is not None:  # the bar counts rounds (each measures every configuration)
             self.progress.extend_stage(config.profile_warmup + config.profile_steps)
             profiler.on_round = functools.partial(self.progress.round_done, "saved precision, per operator")
         results = profiler.profile(configs, step)
         reduce_profile(trainer, results)
-        included = config.included_saved
-        choices: dict[str, str] = {}
-        gains: dict[str, float] = {}
-        ran = [n for n in eligible if n in results["fp32"].operators]
-        for group in sharing_groups(ran, results["fp32"].sharing):
-            # operators that save the same tensor are judged together: only together do they free it
-            measured = {s: (sum(results[s.value].operators[n].own_saved_bytes for n in group),
-                            paired_ratio(_summed(results["fp32"], group), _summed(results[s.value], group)))
-                        for s in options if all(n in results[s.value].operators for n in group)}
-            shared = judge_saved(config, sum(results["fp32"].operators[n].own_saved_bytes for n in group), measured)
-            for name in group:
-                entry = dict(shared, gain=shared["gain"] / len(group))
-                if len(group) > 1:
-                    entry.update(group=list(group), reason=f"{shared['reason']} (judged with {', '.join(group)}:"
-                                                           " they save the same tensors)")
-                if included.matches(name, modules[name]):
-                    entry["forced"] = True
-                    if entry["decision"] == "fp32":
-                        smallest = options[0].value  # fp8 with saved_precision="auto"
-                        entry.update(decision=smallest,
-                                     reason=f"included by CoMPSearch(include_saved=...) at {smallest}")
-                decisions.setdefault(name, {})["saved"] = entry
-                if entry["decision"] != "fp32":
-                    choices[name] = entry["decision"]
-                    gains[saved_key(name)] = float(entry["gain"])
-        forced = {n for n in choices if decisions[n]["saved"].get("forced")}
-        for name, why in unshared_choices(choices, results["fp32"].sharing, forced).items():
-            decisions[name]["saved"].update(decision="fp32", reason=why)
-            del choices[name]
-            gains.pop(saved_key(name))
-        choices, gains = agree(trainer, (choices, gains))
-        check = self.whole_step(trainer, pl_module, step, clock, base, choices) if choices else {}
-        if check and check["verdict"] != "pays":
-            for name in list(choices):
-                entry = decisions[name]["saved"]
-                if entry.get("forced"):
-                    continue
-                entry.update(decision="fp32", reason=f"saves as computed: {check['verdict']}")
-                del choices[name]
-                gains.pop(saved_key(name))
-        return {"choices": choices, "gains": gains, "step": check}
+        return results
 
-    def whole_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: Callable[[], None], clock: Clock,
-                   base: PrecisionPlan, choices: dict[str, str]) -> dict[str, Any]:
+    def _decide(self, results: dict[str, ProfileResult], eligible: list[str], options: tuple[SavedPrecision, ...],
+                modules: dict[str, torch.nn.Module], decisions: dict[str, OperatorDecision]) -> SavedStageResult:
+        """Each group of operators that save the same tensors judged together; forced and unshared ones settled."""
+        included = self.config.included_saved
+        result = SavedStageResult()
+        base = results["fp32"]
+        ran = [n for n in eligible if n in base.operators]
+        for group in sharing_groups(ran, base.sharing):
+            measured: dict[SavedPrecision, tuple[int, RatioEstimate]] = {
+                s: (sum(results[s.value].operators[n].own_saved_bytes for n in group),
+                    paired_ratio(_summed(base, group), _summed(results[s.value], group)))
+                for s in options if all(n in results[s.value].operators for n in group)}
+            shared = judge_saved(self.policy, sum(base.operators[n].own_saved_bytes for n in group), measured)
+            for name in group:
+                decision = _share_of(shared, group)
+                if included.matches(name, modules[name]):
+                    decision.forced = True
+                    if not decision.lowers:
+                        smallest = options[0]  # fp8 with saved_precision="auto"
+                        decision.decision = smallest
+                        decision.reason = f"included by CoMPSearch(include_saved=...) at {smallest.value}"
+                decisions[name].saved = decision
+                if decision.lowers:
+                    result.choices[name] = decision.decision
+                    result.benefits[Candidate.saved(name)] = decision.benefit
+        forced = {n for n, d in decisions.items() if d.saved is not None and d.saved.forced}
+        for name, why in unshared_choices(result.choices, base.sharing, forced).items():
+            saved = decisions[name].saved
+            assert saved is not None
+            saved.keep_as_computed(why)
+            del result.choices[name]
+            result.benefits.pop(Candidate.saved(name))
+        return result
+
+    def _whole_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: Callable[[], None], clock: Clock,
+                    base: PrecisionPlan, choices: dict[str, SavedPrecision]) -> SavedStepCheck:
         """Time the candidate plan with and without the saved lowerings as whole steps, and judge the difference."""
         config, plugin = self.config, self.plugin
-        plans = {"fp32": PrecisionPlan(), "candidates": base, "saved": base.with_saved(choices)}
+        with_saved = base.with_saved({name: saved.value for name, saved in choices.items()})
+        plans = {"fp32": PrecisionPlan(), "candidates": base, "saved": with_saved}
         configs: dict[str, Callable[[], Any]] = {
-            label: functools.partial(activate, plugin, plan) for label, plan in plans.items()}
+            label: functools.partial(plugin.measured_step, plan) for label, plan in plans.items()}
         timer = StepTimer(clock, config.profile_steps, config.profile_warmup)
         if self.progress is not None:
             self.progress.extend_stage(config.profile_warmup + config.profile_steps)
@@ -271,19 +164,27 @@ class SavedStage:
         times = timer.time(configs, step)
         saved = {k: reduce_mean(trainer, float(v)) for k, v in timer.saved_bytes(pl_module, configs, step).items()}
         steps = StepComparison(times.ms)
-        ratio = steps.ratio("saved", "fp32")
-        keep = 1 - config.speed_margin
-        mem = saved["saved"] / saved["candidates"] if saved["candidates"] > 0 else 1.0
-        if config.objective is Objective.MEMORY:
-            ok = mem <= keep and ratio.against(config.max_memory_slowdown) is Verdict.BELOW
-            bound = f"leaner within x{config.max_memory_slowdown:g} of fp32's time"
-        else:
-            versus = steps.ratio("saved", "candidates")
-            ok = compare_to(math.sqrt(max(versus.low, 0.0) * mem), math.sqrt(max(versus.high, 0.0) * mem),
-                            keep) is Verdict.BELOW
-            bound = f"better in time x memory than the candidates (step time {versus.describe()} of theirs)"
-        shown = (f"saved bytes x{mem:.2f} of the candidates' ({saved['saved'] / 2**20:.1f} vs"
-                 f" {saved['candidates'] / 2**20:.1f} MiB), step time {ratio.describe()} of fp32")
+        memory_ratio = saved["saved"] / saved["candidates"] if saved["candidates"] > 0 else 1.0
+        ok, bound = self.policy.saved_step(steps, memory_ratio)
+        shown = (f"saved bytes x{memory_ratio:.2f} of the candidates' ({saved['saved'] / 2**20:.1f} vs"
+                 f" {saved['candidates'] / 2**20:.1f} MiB), step time {steps.ratio('saved', 'fp32').describe()} of"
+                 " fp32")
         verdict = agree(trainer, "pays" if ok else f"as a whole step not {bound}: {shown}")
-        return {"verdict": verdict, "saved_bytes": saved, "step_ms": {k: min(v) for k, v in times.ms.items()},
-                "step_ratios": steps.ratios(), "description": shown}
+        return SavedStepCheck(pays=verdict == "pays", verdict=verdict, description=shown, saved_bytes=saved,
+                              step_ms={k: min(v) for k, v in times.ms.items()}, step_ratios=steps.ratios())
+
+
+def _share_of(shared: SavedDecision, group: tuple[str, ...]) -> SavedDecision:
+    """One member's copy of its group's decision: an equal share of what the group gains."""
+    share = replace(shared, bytes=dict(shared.bytes), time_ratios=dict(shared.time_ratios),
+                    gain_bytes=shared.gain_bytes // len(group), benefit=shared.benefit / len(group))
+    if len(group) > 1:
+        share.group = group
+        share.reason = f"{shared.reason} (judged with {', '.join(group)}: they save the same tensors)"
+    return share
+
+
+def _summed(result: ProfileResult, names: Sequence[str]) -> list[float]:
+    """The per-round total time of ``names`` together."""
+    series = [result.series(name) for name in names]
+    return [sum(values) for values in zip(*series)]

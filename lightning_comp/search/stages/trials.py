@@ -1,9 +1,10 @@
 """The epoch stage: convergence trials from one snapshot, their verdicts, and how the search ends.
 
 An FP32 reference trial and candidate trials train for ``trial_epochs`` each (or ``trial_batches`` of one epoch) on
-the same batches, and are judged on the monitored validation metric against the reference (``tolerance``). NaN/Inf
-losses and too many FP16 skipped steps reject a trial. Unsafe operators are isolated by adaptive group testing
-(:mod:`lightning_comp.search.decisions.group_search`). Rejected trials are rewound; the chosen trial's progress is kept.
+the same batches, and are judged on the monitored validation metric against the reference (``tolerance``; see
+:mod:`lightning_comp.search.decisions.trials`). NaN/Inf losses and too many FP16 skipped steps reject a trial. Unsafe
+operators are isolated by adaptive group testing (:mod:`lightning_comp.search.decisions.group_search`). Rejected
+trials are rewound; the chosen trial's progress is kept.
 """
 
 from __future__ import annotations
@@ -11,48 +12,29 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_comp.adapters import lightning_internals as lightning
-from lightning_comp.errors import SearchConfigError
-from lightning_comp.numerics.precision import Precision
+from lightning_comp.errors import UsageError
 from lightning_comp.plan.plan import PrecisionPlan
 from lightning_comp.plugins.comp import CoMPPrecision
+from lightning_comp.search.candidates import Candidate
 from lightning_comp.search.checks import no_validation_at_trial_end, nothing_to_search
 from lightning_comp.search.config import SearchConfig
 from lightning_comp.search.decisions.group_search import GroupSearch
+from lightning_comp.search.decisions.trial_plans import plan_for
+from lightning_comp.search.decisions.trials import TrialVerdict, judge_trial
 from lightning_comp.search.ranks import agree
 from lightning_comp.search.rewind.loop import LoopBudget, no_epoch_follows, rewind
 from lightning_comp.search.rewind.pause import CallbackPause
-from lightning_comp.search.stages.saved_stage import split_group
-from lightning_comp.search.state import Phase, SearchState, TrialRecord
+from lightning_comp.search.stages.batch_result import BatchStageResult
+from lightning_comp.search.state import Phase, Restore, SearchState, TrialRecord
 
-__all__ = ["TrialDriver", "judge_trial", "plan_for", "trial_batches", "warn_stopped_inside_the_search"]
-
-
-def plan_for(low: Precision, runs: list[dict[str, Any]], group: tuple[str, ...] | None,
-             saved: Mapping[str, str] | None = None) -> PrecisionPlan:
-    """The plan that lowers ``group`` to ``low``, plus the cheap operators of ``runs`` between two lowered ones.
-
-    Keys ``"saved:<name>"`` of ``group`` lower what ``<name>`` saves for backward to ``saved[<name>]``.
-    """
-    if not group:
-        return PrecisionPlan()
-    names, saved_names = split_group(group)
-    lowered = set(names)
-    entries = {name: low.value for name in names}
-    for run in runs:
-        if run["before"] in lowered and run["after"] in lowered:
-            entries.update({name: low.value for name in run["operators"]})
-    missing = [name for name in saved_names if not saved or name not in saved]
-    if missing:
-        raise SearchConfigError(f"Saved-precision candidates {missing} have no saved precision in the search state"
-                                f" ({dict(saved or {})!r}); the checkpoint is inconsistent.")
-    return PrecisionPlan.from_dict(entries, saved={name: saved[name] for name in saved_names} if saved else None)
+__all__ = ["TrialDriver", "trial_batches", "warn_stopped_inside_the_search"]
 
 
 def trial_batches(config: SearchConfig, epoch_length: int | float, accumulate: int = 1) -> int | None:
@@ -69,51 +51,25 @@ def trial_batches(config: SearchConfig, epoch_length: int | float, accumulate: i
     return batches if batches < epoch_length else None
 
 
-def metric_bound(config: SearchConfig, reference: float) -> float:
-    """The worst metric a trial may end with, given the reference trial's."""
-    slack = config.tolerance * (abs(reference) if config.tolerance_mode == "relative" else 1.0)
-    return reference + slack if config.mode == "min" else reference - slack
-
-
-def judge_trial(config: SearchConfig, trial: TrialRecord, steps: int, reference: float | None) -> tuple[str, str]:
-    """``("pass"|"fail", reason)`` for a closed trial that took ``steps`` optimizer steps."""
-    metric = float("nan") if trial.metric is None else trial.metric
-    if trial.nonfinite_loss or not math.isfinite(metric):
-        return "fail", "NaN/Inf loss or metric"
-    skipped = trial.skipped_steps / steps
-    if skipped > config.max_skipped_fraction:
-        return "fail", f"fp16 loss scaler skipped {skipped:.0%} of steps"
-    if trial.is_reference or reference is None:
-        return "pass", "reference"
-    bound = metric_bound(config, reference)
-    ok = metric <= bound if config.mode == "min" else metric >= bound
-    relation = "<=" if config.mode == "min" else ">="
-    if ok:
-        return "pass", f"{metric:.6g} {relation} {bound:.6g}"
-    return "fail", f"{metric:.6g} not {relation} {bound:.6g} (reference {reference:.6g})"
-
-
 class TrialDriver:
     """Starts, closes and judges trials, ends the search, and applies the rewind it leaves pending.
 
     Args:
         config: the search's settings.
-        state: the search's state (shared with the callback, mutated here).
+        state: the search's state (shared with the callback, mutated here; it holds the searched precision).
         plugin: the plugin the trials' plans run through.
-        low: the 16-bit precision searched.
         budget: the loop budget (epochs and steps given back for rejected trials).
         pause: the EarlyStopping pause, resumed once the model holds its final state.
         publish: writes and logs the decision record.
         capture: takes a snapshot of the run (for the reference trial's end).
     """
 
-    def __init__(self, config: SearchConfig, state: SearchState, plugin: CoMPPrecision, low: Precision | None,
-                 budget: LoopBudget, pause: CallbackPause, publish: Callable[[pl.Trainer, bool], None],
+    def __init__(self, config: SearchConfig, state: SearchState, plugin: CoMPPrecision, budget: LoopBudget,
+                 pause: CallbackPause, publish: Callable[[pl.Trainer, bool], None],
                  capture: Callable[[pl.Trainer, pl.LightningModule], dict[str, Any]]) -> None:
         self.config = config
         self.state = state
         self.plugin = plugin
-        self.low = low
         self.budget = budget
         self.pause = pause
         self.publish = publish
@@ -123,12 +79,13 @@ class TrialDriver:
         """Apply the state's extensions to the Trainer's limits."""
         self.budget.extend(trainer, self.state.extension_epochs, self.state.extension_steps)
 
-    def plan(self, group: tuple[str, ...] | None) -> PrecisionPlan:
+    def plan(self, group: Sequence[Candidate] | None) -> PrecisionPlan:
         """The plan of a trial of ``group``."""
         if not group:
             return PrecisionPlan()
-        assert self.low is not None
-        return plan_for(self.low, self.state.runs, group, self.state.saved_choices)
+        low = self.state.low_precision
+        assert low is not None
+        return plan_for(low, self.state.runs, group, self.state.saved_choices)
 
     def due(self, trial: TrialRecord, epochs_finished: int) -> bool:
         """Whether ``trial`` has trained its epochs and been validated at the end of its last one."""
@@ -136,15 +93,15 @@ class TrialDriver:
         return epochs_finished > last_epoch and str(last_epoch) in trial.metrics
 
     def start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, label: str,
-              group: tuple[str, ...] | None, rewind_first: bool) -> None:
+              group: tuple[Candidate, ...] | None, rewind_first: bool) -> None:
         """Start a trial of ``group`` (``None``: the FP32 reference), rewinding to the snapshot first if asked."""
         state = self.state
         if rewind_first:
             assert state.snapshot is not None and state.search_start_epoch is not None
             rewind(trainer, pl_module, self.plugin, state.snapshot, epoch=state.search_start_epoch)
-        self.plugin._set_search_plan(self.plan(group).with_provenance(role="trial", trial=label))
+        plan = self.plugin.try_plan(self.plan(group).with_provenance(role="trial", trial=label))
         state.trials.append(TrialRecord(
-            label=label, group=group, plan=self.plugin.plan.to_dict(), start_epoch=trainer.current_epoch,
+            label=label, group=group, plan=plan.to_dict(), start_epoch=trainer.current_epoch,
             start_step=trainer.global_step,
             batches=trial_batches(self.config, trainer.num_training_batches, trainer.accumulate_grad_batches),
             skipped_steps_before=self.plugin.skipped_steps, steps_before=self.plugin.optimizer_steps,
@@ -154,14 +111,18 @@ class TrialDriver:
         self.extend(trainer)
 
     def begin_fit(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """At a fit's start: put a chosen plan back, or end a search that cannot find anything here at once."""
+        """At a fit's start: put the plan the search is at back in force (the chosen one, or the running trial's),
+        or end at once a search that cannot find anything here."""
         state = self.state
-        if state.phase == Phase.DONE and state.chosen is not None:
-            self.plugin._set_search_plan(PrecisionPlan.from_dict(state.chosen))
-        elif state.phase == Phase.PENDING and self.low is None:
+        current = state.current_trial
+        if state.phase is Phase.DONE and state.chosen is not None:
+            self.plugin.try_plan(PrecisionPlan.from_dict(state.chosen))
+        elif state.phase is Phase.SEARCHING and current is not None:
+            self.plugin.try_plan(PrecisionPlan.from_dict(current.plan))
+        elif state.phase is Phase.PENDING and state.low_precision is None:
             self.finish(trainer, PrecisionPlan(), "fp32", reason="no 16-bit precision pays on this device")
-        elif state.phase == Phase.PENDING and self.low is not None:
-            why = nothing_to_search(self.config, self.low, pl_module)
+        elif state.phase is Phase.PENDING and state.low_precision is not None:
+            why = nothing_to_search(self.config, state.low_precision, pl_module)
             if why is not None:  # finish at once: no profiling, no trials, no extra epochs
                 rank_zero_warn(f"CoMPSearch: {why}. Training continues in fp32 without a search.")
                 self.finish(trainer, PrecisionPlan(), "fp32", reason=why)
@@ -176,37 +137,34 @@ class TrialDriver:
         self.pause.pause(trainer)
         self.start(trainer, pl_module, label="fp32 reference", group=None, rewind_first=False)
 
-    def after_batch_stage(self, trainer: pl.Trainer, result: dict[str, Any], seconds: float) -> None:
+    def after_batch_stage(self, trainer: pl.Trainer, result: BatchStageResult, seconds: float) -> None:
         """Take the batch stage's result: the candidates and the group testing over them, or the end of the search
         when nothing is worth a trial (the reference trial's epoch is then plain FP32 training, and kept)."""
-        assert self.low is not None
         state = self.state
-        state.runs = result["runs"]
-        state.saved_choices = dict(result.get("saved") or {})
-        state.profile = {"operators": result["decisions"],
-                         **{key: result[key] for key in ("step_ms", "step_wall_ms", "step_ratios", "step_saved_bytes",
-                                                   "order", "memory", "timing", "saved_step")}}
-        search = GroupSearch(tuple(result["candidates"]), result["gains"], self.config.max_trials)
-        state.group_search = search.state_dict()
-        state.low_precision = self.low.value
+        state.runs = result.runs
+        state.saved_choices = dict(result.saved.choices)
+        state.profile = result.profile()
+        state.group_search = GroupSearch(result.candidates, result.benefits, self.config.max_trials)
         state.profiling_seconds = seconds
-        reference = state.current_trial
-        if reference is not None:
-            reference.profiling_seconds = seconds
-        if search.done:
+        if state.group_search.done:
+            reference = state.current_trial
             assert reference is not None
-            reference.verdict, reference.reason = "pass", "no candidate operators: trained in fp32"
+            reference.verdict, reference.reason = TrialVerdict.PASS, "no candidate operators: trained in fp32"
             reference.seconds = 0.0
             self.finish(trainer, PrecisionPlan(), "fp32 reference", reason="no operator pays in low precision",
                         kept=True)
 
     def start_next(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Start the trial adaptive group testing asks for next."""
-        assert self.state.group_search is not None
-        search = GroupSearch.from_state(self.state.group_search)
+        """Start the trial adaptive group testing asks for next.
+
+        Raises:
+            UsageError: if the group testing has no trial to run although the search is not finished.
+        """
+        search = self.state.group_search
+        assert search is not None
         group = search.next_group()
         if group is None:  # pragma: no cover - the search finishes when its result is reached
-            raise RuntimeError("CoMPSearch has no trial to run although the search is not finished.")
+            raise UsageError("CoMPSearch has no trial to run although the search is not finished.")
         number = len(self.state.trials)  # labels are unique: the chosen trial is found by its label
         label = f"confirm safe set (trial {number})" if search.confirming is not None else (
             "all candidates" if group == search.candidates else f"group of {len(group)} (trial {number})")
@@ -220,35 +178,35 @@ class TrialDriver:
         last_epoch = str(trial.start_epoch + self.config.trial_epochs - 1)
         trial.metric = trial.metrics[last_epoch]
         # the batch stage runs inside the reference trial's first batch and is counted apart
-        trial.seconds = time.time() - trial.started - float(trial.profiling_seconds)
+        trial.seconds = time.time() - trial.started - (state.profiling_seconds if trial.is_reference else 0.0)
         trial.steps = trainer.global_step - trial.start_step
-        steps = max(1, self.plugin.optimizer_steps - trial.steps_before)
         trial.skipped_steps = self.plugin.skipped_steps - trial.skipped_steps_before
         state.extension_steps += trial.steps  # provisional, like the epochs: given back if this trial is kept
         self.extend(trainer)  # before Lightning checks max_steps after this batch
         trial.median_step_ms = statistics.median(trial.batch_ms) if trial.batch_ms else None
         reference = state.trials[0].metric if state.trials and not trial.is_reference else None
-        verdict, reason = agree(trainer, judge_trial(self.config, trial, steps, reference))
-        trial.verdict, trial.reason = verdict, reason
+        trial.verdict, trial.reason = agree(trainer, judge_trial(
+            self.config, trial.metric, nonfinite_loss=trial.nonfinite_loss, skipped_steps=trial.skipped_steps,
+            steps=self.plugin.optimizer_steps - trial.steps_before, reference=reference))
         if trial.is_reference:
             if not trial.batches:  # a reference of batches is never continued: its epoch was cut short
                 state.reference_end = self.capture(trainer, pl_module)
             return
-        assert state.group_search is not None and trial.group is not None
-        search = GroupSearch.from_state(state.group_search)
-        search.report(trial.group, verdict == "pass")
-        state.group_search = search.state_dict()
+        search = state.group_search
+        assert search is not None and trial.group is not None
+        search.report(trial.group, trial.verdict is TrialVerdict.PASS)
         if not search.done:
             return
         result = tuple(search.result or ())
         if not result:
             self.finish(trainer, PrecisionPlan(), "fp32 reference", reason="no candidate converged",
-                        restore="snapshot" if state.trials[0].batches else "reference_end")
-        elif verdict == "pass" and trial.group == result:
+                        restore=Restore.SNAPSHOT if state.trials[0].batches else Restore.REFERENCE_END)
+        elif trial.verdict is TrialVerdict.PASS and trial.group == result:
             self.finish(trainer, self.plan(result), trial.label, reason="converged", kept=True)
         else:  # the latest passing trial of exactly that group
-            label = next((t.label for t in reversed(state.trials) if t.group == result and t.verdict == "pass"), "")
-            self.finish(trainer, self.plan(result), label, reason="best passing group", restore="snapshot")
+            label = next((t.label for t in reversed(state.trials)
+                          if t.group == result and t.verdict is TrialVerdict.PASS), "")
+            self.finish(trainer, self.plan(result), label, reason="best passing group", restore=Restore.SNAPSHOT)
 
     def end_of_epoch(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Close the current trial if its last epoch ends here (and it was validated), else check it will be.
@@ -277,14 +235,14 @@ class TrialDriver:
         index = len(state.trials) - 1
         self.close(trainer, pl_module)
         self.budget.restore_validation(trainer)
-        if state.phase == Phase.DONE and state.kept_trial == index:
+        if state.phase is Phase.DONE and state.kept_trial == index:
             return  # the chosen trial trains on to the end of its epoch: its progress is kept whole
         self.budget.end_epoch_after_this_batch(trainer)
-        if state.phase == Phase.DONE and no_epoch_follows(trainer):
+        if state.phase is Phase.DONE and no_epoch_follows(trainer):
             self.apply_pending_restore(trainer, pl_module)  # no epoch start follows to apply it
 
     def finish(self, trainer: pl.Trainer, plan: PrecisionPlan, label: str, reason: str, kept: bool = False,
-               restore: str | None = None) -> None:
+               restore: Restore | None = None) -> None:
         """End the search with ``plan``.
 
         Args:
@@ -293,25 +251,24 @@ class TrialDriver:
             label: the label of the trial whose plan it is.
             reason: why the search ends so.
             kept: the trial now ending trained with ``plan``: keep its progress (its epochs are not extra).
-            restore: ``"reference_end"`` to continue from the end of the FP32 reference trial (its epochs are kept),
-                ``"snapshot"`` to rewind to the search's start; applied at the next epoch start.
+            restore: continue from the end of the FP32 reference trial (its epochs are kept), or rewind to the
+                search's start; applied at the next epoch start.
         """
         state = self.state
-        if kept or restore == "reference_end":
+        if kept or restore is Restore.REFERENCE_END:
             state.extension_epochs -= self.config.trial_epochs
             state.extension_steps -= int(state.trials[-1 if kept else 0].steps or 0)
-        state.kept_trial = len(state.trials) - 1 if kept else 0 if restore == "reference_end" else None
+        state.kept_trial = len(state.trials) - 1 if kept else 0 if restore is Restore.REFERENCE_END else None
         state.pending_restore = restore
-        if restore != "snapshot":
+        if restore is not Restore.SNAPSHOT:
             state.snapshot = None
-        if restore != "reference_end":
+        if restore is not Restore.REFERENCE_END:
             state.reference_end = None
         chosen = plan.with_provenance(
             role="chosen", made_by="CoMPSearch", trial=label, reason=reason, monitor=self.config.monitor,
-            tolerance=self.config.tolerance, tolerance_mode=self.config.tolerance_mode,
+            tolerance=self.config.tolerance, tolerance_mode=self.config.tolerance_mode.value,
         )
-        self.plugin._set_search_plan(chosen)
-        state.chosen = self.plugin.plan.to_dict()
+        state.chosen = self.plugin.try_plan(chosen).to_dict()
         state.chosen_label = label
         state.finish_reason = reason
         state.phase = Phase.DONE
@@ -326,11 +283,11 @@ class TrialDriver:
         restore = state.pending_restore
         if restore is None:
             return
-        snapshot = state.snapshot if restore == "snapshot" else state.reference_end
+        snapshot = state.snapshot if restore is Restore.SNAPSHOT else state.reference_end
         if snapshot is not None:
             chosen = self.plugin.plan
             rewind(trainer, pl_module, self.plugin, snapshot)
-            self.plugin._set_search_plan(chosen)  # a fresh loss scaler if the chosen plan has fp16
+            self.plugin.try_plan(chosen)  # a fresh loss scaler if the chosen plan has fp16
         state.pending_restore = None
         state.snapshot = None
         state.reference_end = None

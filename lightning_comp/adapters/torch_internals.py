@@ -1,0 +1,152 @@
+"""Every private torch attribute lightning-comp reads or calls, in one place.
+
+Some of what the package does has no public API in torch: entering an autocast region in a form TorchDynamo traces,
+handing tensors on to the saved-tensor hooks already in force, swapping a module's parameters for 16-bit copies for
+one call, the CPU's native 16-bit features, the classes all convolutions and norms derive from, what
+``torch.compile`` wraps a module in. Each access is a small function or constant here, and
+``tests/unit/test_torch_internals.py`` checks every one against the installed torch, so an upgrade that moves one
+fails in one named test instead of silently changing what a plan computes. Where torch may lack a symbol, the
+function says what happens instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
+from types import CodeType
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.utils import stateless
+
+__all__ = [
+    "BATCH_NORM_BASE",
+    "COMPILED_WRAPPER_ATTRIBUTE",
+    "CONV_BASE",
+    "ENTER_AUTOCAST",
+    "EXIT_AUTOCAST",
+    "NORM_BASE",
+    "cpu_feature_probe",
+    "dynamo_disabled",
+    "dynamo_guards_module_hooks",
+    "dynamo_traces_rnn",
+    "has_compiled_forward",
+    "is_compiled_module",
+    "never_compile_as_frame",
+    "reparametrized",
+    "saved_tensors_hooks_enabled",
+    "tensor_base",
+    "tensor_version",
+    "top_saved_tensors_hooks",
+    "update_rnn_flat_weights",
+]
+
+# ------------------------------------------------------------------------------------------------- module classes
+#: The base class of every ``nn.Conv*``/``nn.ConvTranspose*`` (``torch.nn.modules.conv._ConvNd``).
+CONV_BASE: type[nn.Module] = nn.modules.conv._ConvNd
+#: The base class of batch and instance norms (``torch.nn.modules.batchnorm._NormBase``).
+NORM_BASE: type[nn.Module] = nn.modules.batchnorm._NormBase
+#: The base class of the batch norms, not the instance norms (``torch.nn.modules.batchnorm._BatchNorm``).
+BATCH_NORM_BASE: type[nn.Module] = nn.modules.batchnorm._BatchNorm
+
+
+def update_rnn_flat_weights(module: nn.RNNBase) -> None:
+    """Point an RNN's flat-weight list at its current parameters again (``RNNBase._update_flat_weights``): after
+    its parameters were swapped for 16-bit copies and back, the list still holds the copies."""
+    module._update_flat_weights()
+
+
+# ------------------------------------------------------------------------------------------------------- tensors
+def tensor_base(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor ``tensor`` is a view of, or ``tensor`` itself (``Tensor._base``)."""
+    base = tensor._base
+    return tensor if base is None else base
+
+
+def tensor_version(tensor: torch.Tensor) -> int:
+    """The in-place modification counter of ``tensor`` (``Tensor._version``)."""
+    return int(tensor._version)
+
+
+@contextmanager
+def reparametrized(module: nn.Module, tensors: dict[str, torch.Tensor]) -> Iterator[None]:
+    """``module`` computes with ``tensors`` (name -> tensor, dotted names reach into children) in place of its
+    parameters inside the block (``torch.nn.utils.stateless._reparametrize_module``; ``torch.func.functional_call``
+    is the public form, but it runs the call itself, and a forward hook must let the module's own call run)."""
+    with stateless._reparametrize_module(module, tensors):
+        yield
+
+
+# -------------------------------------------------------------------------------------------- saved-tensor hooks
+def saved_tensors_hooks_enabled() -> bool:
+    """Whether saved-tensor hooks may be installed now (``torch._C._autograd._saved_tensors_hooks_is_enabled``;
+    torch disables them inside some of its own regions). ``True`` where torch has no such query."""
+    query = getattr(torch._C._autograd, "_saved_tensors_hooks_is_enabled", None)
+    return True if query is None else bool(query())
+
+
+def top_saved_tensors_hooks() -> tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]] | None:
+    """The ``(pack, unpack)`` pair of the innermost saved-tensor hooks in force (``save_on_cpu``, a memory probe, a
+    user's own), or ``None`` (``torch._C._autograd._top_saved_tensors_default_hooks``). Only the innermost pair is
+    called by autograd, so hooks installed inside must hand tensors on to these themselves."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    if top is None:  # pragma: no cover - every torch this package supports has it
+        return None
+    hooks = top(False)
+    return None if hooks is None else (hooks[0], hooks[1])
+
+
+# ------------------------------------------------------------------------------------------------- torch.compile
+#: The autocast region functions ``torch.export`` and TorchDynamo trace into a graph
+#: (``torch.amp.autocast_mode._enter_autocast(device_type, dtype, enabled, cache_enabled)`` and ``_exit_autocast``),
+#: the very function objects Dynamo recognises; ``None`` in a torch without them.
+ENTER_AUTOCAST: Callable[..., Any] | None = getattr(torch.amp.autocast_mode, "_enter_autocast", None)
+EXIT_AUTOCAST: Callable[[Any], None] | None = getattr(torch.amp.autocast_mode, "_exit_autocast", None)
+
+#: The attribute under which ``torch.compile``'s wrapper (``OptimizedModule``) holds the module it compiles.
+COMPILED_WRAPPER_ATTRIBUTE = "_orig_mod"
+
+
+def never_compile_as_frame(code: CodeType) -> None:
+    """TorchDynamo traces ``code`` only when inlining a caller, never as a frame of its own
+    (``torch._dynamo.eval_frame.skip_code``); nothing happens in a torch without it."""
+    skip_code = getattr(torch._dynamo.eval_frame, "skip_code", None)
+    if skip_code is not None:
+        skip_code(code)
+
+
+def dynamo_guards_module_hooks() -> AbstractContextManager[Any]:
+    """Graphs compiled inside guard on the hooks of the modules they call
+    (``torch._dynamo.config.skip_nnmodule_hook_guards=False``; by default Dynamo skips those guards)."""
+    return torch._dynamo.config.patch(skip_nnmodule_hook_guards=False)
+
+
+def dynamo_traces_rnn() -> bool:
+    """Whether TorchDynamo traces recurrent modules (``torch._dynamo.config.allow_rnn``, off by default)."""
+    return bool(torch._dynamo.config.allow_rnn)
+
+
+def dynamo_disabled() -> AbstractContextManager[Any]:
+    """Compiled code runs eagerly inside (``torch._dynamo.config.disable``): the fallback for a torch without the
+    public ``torch.compiler.set_stance`` (before 2.6)."""
+    return torch._dynamo.config.patch(disable=True)
+
+
+def is_compiled_module(module: nn.Module) -> bool:
+    """Whether ``module`` is ``torch.compile``'s wrapper of another module (``OptimizedModule``)."""
+    return type(module).__name__ == "OptimizedModule" and hasattr(module, COMPILED_WRAPPER_ATTRIBUTE)
+
+
+def has_compiled_forward(module: nn.Module) -> bool:
+    """Whether ``module.forward`` was replaced by a compiled function (``module.forward = torch.compile(...)``:
+    the function carries ``_torchdynamo_orig_callable``)."""
+    return getattr(module.__dict__.get("forward"), "_torchdynamo_orig_callable", None) is not None
+
+
+# ------------------------------------------------------------------------------------------------------------ CPU
+def cpu_feature_probe(name: str) -> Callable[[], bool] | None:
+    """torch's own probe of a CPU feature (``torch.cpu._is_<name>_supported``, e.g. ``avx512_bf16``,
+    ``amx_tile``), or ``None`` where this torch has none (callers then read ``/proc/cpuinfo``)."""
+    probe = getattr(getattr(torch, "cpu", None), f"_is_{name}_supported", None)
+    return probe if callable(probe) else None

@@ -1,0 +1,79 @@
+"""String enums that users spell in configs, plans and JSON: by their value, or by an alias, in any case."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from enum import Enum
+from typing import Any, TypeVar
+
+import torch
+
+from lightning_comp.errors import CoMPError, ConfigError
+
+__all__ = ["SpelledEnum"]
+
+_E = TypeVar("_E", bound="SpelledEnum")
+
+
+class SpelledEnum(str, Enum):
+    """A ``str`` enum whose members are spelled by their value or by an alias (case and surrounding blanks ignored).
+
+    ``Member("BFloat16")`` finds a member by an alias, as :meth:`parse` does; :meth:`parse` also accepts a member and,
+    where members name a torch dtype (a ``dtype`` property), that dtype, and raises the subclass's
+    :meth:`error_type` with a message naming the value and every valid spelling. Subclasses override the class methods
+    :meth:`aliases`, :meth:`noun`, :meth:`error_type` and, to explain the choices, :meth:`choices`.
+    """
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+    @classmethod
+    def aliases(cls) -> Mapping[str, str]:
+        """Other spellings: alias (lower case) -> a member's value."""
+        return {}
+
+    @classmethod
+    def noun(cls) -> str:
+        """What a member is, for messages (``"precision"``)."""
+        return "value"
+
+    @classmethod
+    def error_type(cls) -> type[CoMPError]:
+        """The exception :meth:`parse` raises."""
+        return ConfigError
+
+    @classmethod
+    def choices(cls) -> str:
+        """The valid spellings, for messages (``"'fp32', 'bf16' and 'fp16'"``)."""
+        values = [repr(member.value) for member in cls]
+        return values[0] if len(values) == 1 else ", ".join(values[:-1]) + " and " + values[-1]
+
+    @classmethod
+    def _missing_(cls, value: object) -> Any:
+        if not isinstance(value, str):
+            return None
+        key = value.strip().lower()
+        key = cls.aliases().get(key, key)
+        return next((member for member in cls if member.value == key), None)
+
+    @classmethod
+    def parse(cls: type[_E], value: object) -> _E:
+        """The member ``value`` spells (a member, its value, an alias or, where members have one, a torch dtype).
+
+        Raises:
+            CoMPError: of :meth:`error_type`, naming ``value`` and the valid spellings.
+        """
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, torch.dtype) and any(hasattr(member, "dtype") for member in cls):
+            for member in cls:
+                if getattr(member, "dtype", None) == value:
+                    return member
+            dtypes = ", ".join(str(member.dtype) for member in cls if hasattr(member, "dtype"))
+            raise cls.error_type()(f"Unsupported dtype {value!r} for a {cls.noun()}: valid dtypes are {dtypes}.")
+        try:
+            return cls(value)
+        except (ValueError, TypeError):
+            raise cls.error_type()(
+                f"Unknown {cls.noun()} {value!r}: valid {cls.noun()}s are {cls.choices()}."
+            ) from None

@@ -1,0 +1,160 @@
+"""The forward pre- and post-hook of one operator: the hot path of every step under a plan.
+
+The pre-hook puts the operator's precision into effect the way its :class:`~lightning_comp.devices.lowering.Lowering`
+says: it enters an autocast region (with the executor's own 16-bit weight copies for ``Linear``/``Conv``, so that
+backward can re-cast them), casts the floating inputs, swaps the parameters for 16-bit copies for the call, or, for
+an FP32 operator, casts 16-bit inputs back to FP32. It also enters the operator's saved-tensor hooks when its plan
+entry saves in a lower precision. The post-hook leaves what the pre-hook entered and decides the output's dtype: it
+stays low only where the step's cast boundaries (:mod:`lightning_comp.execution.cast_boundaries`) say every
+consumer computes in the same precision; anywhere else it returns to FP32.
+
+Parameters are read from the module at every call, never remembered: a deep copy of the model (an EMA or teacher
+model) computes with its own weights, and parameters replaced on the same module (``load_state_dict(assign=True)``,
+a sharded strategy swapping shards and full tensors around every forward) are the ones used and trained.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from contextlib import AbstractContextManager, ExitStack
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_comp.adapters.torch_internals import reparametrized, update_rnn_flat_weights
+from lightning_comp.common.nested import cast_floating, has_dtype
+from lightning_comp.devices.lowering import Lowering
+from lightning_comp.execution.cast_boundaries import LOW_DTYPES, ConsumerTracer
+from lightning_comp.execution.compiled_regions import compiling, enter_autocast, exit_autocast, only_inlined
+from lightning_comp.execution.failure_notes import note_failing_operator
+from lightning_comp.execution.hooked import HookedOperator
+from lightning_comp.execution.saved_tensors import SavedTensorCompressor
+from lightning_comp.execution.weight_casts import WeightCastRecorder
+from lightning_comp.operators.kinds import is_recurrent, weight_reading
+
+__all__ = ["StepState", "make_hooks"]
+
+PreHook = Callable[[nn.Module, Any, Any], Any]
+PostHook = Callable[[nn.Module, Any, Any], Any]
+
+
+@dataclass
+class StepState:
+    """What the hooks read of the step that runs now; the executor sets it at each step's start and end.
+
+    Attributes:
+        tracer: the consumer tracer of a calibrating step (``None`` in every other step).
+        chained: the low operators whose outputs stay low in this step.
+        device: the device the hooks were built for (for error notes).
+    """
+
+    tracer: ConsumerTracer | None = None
+    chained: frozenset[str] = frozenset()
+    device: torch.device | None = field(default=None)
+
+
+def make_hooks(op: HookedOperator, state: StepState, casts: WeightCastRecorder,
+               compressor: SavedTensorCompressor) -> tuple[PreHook, PostHook]:
+    """The pre-hook (with kwargs) and the post-hook (``always_call``) that run ``op`` in its planned precision.
+
+    Args:
+        op: the operator.
+        state: the step's state, read at every call.
+        casts: makes the 16-bit weight copies (and, while a step records, saves them as recipes).
+        compressor: makes the saved-tensor hooks of a lower saved precision.
+    """
+    assert state.device is not None
+    return _pre_hook(op, state, casts, compressor, state.device.type), _post_hook(op, state)
+
+
+def _pre_hook(op: HookedOperator, state: StepState, casts: WeightCastRecorder, compressor: SavedTensorCompressor,
+              device_type: str) -> PreHook:
+    dtype = op.precision.dtype
+    lowering = op.lowering
+    prefix = f"{op.name}." if op.name else ""  # qualified parameter names, for messages
+    # Linear/Conv-like operators get their 16-bit weight copies from the executor (so they can be re-cast in backward
+    # instead of kept); other autocast-lowered modules are left to autocast.
+    recast_own = lowering is Lowering.AUTOCAST and weight_reading(op.module)
+    saved = op.saved
+
+    def low_copies(module: nn.Module, recurse: bool) -> dict[str, torch.Tensor]:
+        # The parameters of the module being called, as they are now (see the module docstring).
+        return {n: casts.cast(prefix + n, p, dtype) for n, p in module.named_parameters(recurse=recurse)}
+
+    def pre_hook(module: nn.Module, args: Any, kwargs: Any) -> Any:
+        tracer = state.tracer
+        if tracer is not None:
+            tracer.enter(op, args, kwargs)
+        if op.transparent:
+            return None
+        if lowering is Lowering.AUTOCAST and compiling():  # a region Dynamo traces into the graph
+            op.contexts.append(enter_autocast(device_type, dtype))
+            return None
+        contexts: list[AbstractContextManager[Any]] = []  # entered now, left in the post-hook
+        result = None
+        if lowering is Lowering.AUTOCAST:
+            contexts.append(torch.autocast(device_type, dtype=dtype, cache_enabled=False))
+            if recast_own and casts.active:  # autocast finds the weights already low and leaves them be
+                contexts.append(reparametrized(module, low_copies(module, recurse=False)))
+        elif lowering is Lowering.INPUT or lowering is Lowering.PARAMS:
+            args, kwargs = cast_floating(args, dtype), cast_floating(kwargs, dtype)
+            copies = low_copies(module, recurse=True) if lowering is Lowering.PARAMS else {}
+            if copies:
+                contexts.append(reparametrized(module, copies))
+            result = args, kwargs
+        elif lowering is Lowering.NONE and has_dtype((args, kwargs), LOW_DTYPES):
+            result = cast_floating(args, torch.float32, LOW_DTYPES), cast_floating(kwargs, torch.float32, LOW_DTYPES)
+        if saved.compresses:
+            hooks = compressor.context(saved)
+            if hooks is not None:
+                contexts.append(hooks)
+        if contexts:
+            _enter(op, contexts)
+        return result
+
+    return only_inlined(pre_hook)
+
+
+def _enter(op: HookedOperator, contexts: list[AbstractContextManager[Any]]) -> None:
+    """Enter ``contexts`` and push what the post-hook must leave (one context as it is, several in an ExitStack)."""
+    if len(contexts) == 1:
+        contexts[0].__enter__()
+        op.contexts.append(contexts[0])
+        return
+    stack = ExitStack()
+    for context in contexts:
+        stack.enter_context(context)
+    op.contexts.append(stack)
+
+
+def _post_hook(op: HookedOperator, state: StepState) -> PostHook:
+    dtype = op.precision.dtype
+    # an RNN's flat-weight list still points at the low copies once its parameters are swapped back
+    rnn = op.lowering is Lowering.PARAMS and is_recurrent(op.module)
+    functional_region = op.lowering is Lowering.AUTOCAST
+
+    def post_hook(module: nn.Module, args: Any, output: Any) -> Any:
+        if functional_region and op.contexts and compiling():
+            exit_autocast(op.contexts.pop())
+        elif op.contexts:
+            op.contexts.pop().__exit__(None, None, None)
+            if rnn and is_recurrent(module):
+                update_rnn_flat_weights(module)
+        if output is None and (op.low or op.saved.compresses):  # always_call: forward raised, name the operator
+            note_failing_operator(op, sys.exc_info()[1], state.device)
+        tracer = state.tracer
+        if op.low and not op.transparent and output is not None:
+            if op.lowering is Lowering.OUTPUT:
+                output = cast_floating(output, dtype)
+            if tracer is not None and not has_dtype(output, (dtype,)):
+                tracer.ineffective.add(op.name)
+            if op.name not in state.chained:
+                output = cast_floating(output, torch.float32, LOW_DTYPES)
+        if tracer is not None:
+            tracer.exit(op, output)
+        return output
+
+    return only_inlined(post_hook)

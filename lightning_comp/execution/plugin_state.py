@@ -1,0 +1,65 @@
+"""What a ``CoMPPrecision`` keeps in a checkpoint: the plan in force, the loss scaler's state, its step counters.
+
+Plain Python types only, so that checkpoints load with ``torch.load(weights_only=True)``. One format version.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from lightning_comp.errors import PlanError
+
+__all__ = ["PLUGIN_STATE_VERSION", "PluginState"]
+
+PLUGIN_STATE_VERSION = 1
+_KEYS = frozenset({"version", "plan", "scaler", "skipped_steps", "optimizer_steps"})
+
+
+@dataclass(frozen=True)
+class PluginState:
+    """A ``CoMPPrecision``'s checkpoint state.
+
+    Attributes:
+        plan: the plan in force (:meth:`PrecisionPlan.to_dict`).
+        scaler: the FP16 loss scaler's ``state_dict()``, or ``None`` without one.
+        skipped_steps: optimizer steps the scaler skipped so far.
+        optimizer_steps: optimizer steps taken so far.
+    """
+
+    plan: dict[str, Any]
+    scaler: dict[str, Any] | None = None
+    skipped_steps: int = 0
+    optimizer_steps: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        """The checkpoint form (with its version)."""
+        return {"version": PLUGIN_STATE_VERSION, "plan": self.plan, "scaler": self.scaler,
+                "skipped_steps": self.skipped_steps, "optimizer_steps": self.optimizer_steps}
+
+    @classmethod
+    def from_dict(cls, data: object) -> PluginState:
+        """Read :meth:`to_dict`'s form.
+
+        Raises:
+            PlanError: naming what is wrong (not a mapping, another version, missing or unknown keys).
+        """
+        if not isinstance(data, Mapping) or "plan" not in data:
+            raise PlanError(f"Malformed CoMPPrecision state {data!r}: expected a mapping with a 'plan' key.")
+        version = data.get("version")
+        if version != PLUGIN_STATE_VERSION:
+            raise PlanError(f"Cannot load a CoMPPrecision state of version {version!r}: this version reads"
+                            f" {PLUGIN_STATE_VERSION}. Load it with the lightning-comp that wrote it.")
+        unknown, missing = sorted(set(data) - _KEYS), sorted(_KEYS - set(data))
+        if unknown:
+            raise PlanError(f"Unknown keys {unknown} in a CoMPPrecision state: it was written by another version of"
+                            " lightning-comp.")
+        if missing:
+            raise PlanError(f"Malformed CoMPPrecision state: missing keys {missing}; a state of version"
+                            f" {PLUGIN_STATE_VERSION} has exactly {sorted(_KEYS)}.")
+        if not isinstance(data["plan"], Mapping):
+            raise PlanError(f"Malformed CoMPPrecision state: its plan {data['plan']!r} is not a mapping.")
+        scaler = data["scaler"]
+        return cls(plan=dict(data["plan"]), scaler=None if scaler is None else dict(scaler),
+                   skipped_steps=int(data["skipped_steps"]), optimizer_steps=int(data["optimizer_steps"]))

@@ -1,0 +1,105 @@
+"""The codecs that store a tensor saved for backward at its :class:`~lightning_comp.numerics.precision.SavedPrecision`.
+
+``bf16`` halves a float32 activation; ``fp8`` stores it as ``float8_e4m3fn`` with one FP32 scale per tensor (a
+quarter of float32).
+
+The FP8 codec scales each tensor by a power of two that maps its largest magnitude into e4m3's top binade
+(224, 448], so it never overflows and the scaling itself is exact; an all-zero tensor keeps scale 1. A tensor
+holding NaN or Inf comes back as NaN everywhere, so the gradients it feeds are NaN and a search trial's NaN check
+rejects the plan instead of a silent clamp hiding it. No codec synchronises a CUDA stream: every decision is made on
+the device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from lightning_comp.errors import UsageError
+from lightning_comp.numerics.precision import SavedPrecision
+
+__all__ = ["FP8_DTYPE", "FP8_MAX", "CompressedTensor", "compress", "decode_fp8", "decompress", "shrinks"]
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
+_TINY = 2.0**-100  # below this amax, 448 / amax is too large for float32: such a tensor keeps scale 1
+
+
+@dataclass(frozen=True)
+class CompressedTensor:
+    """A saved tensor in its stored form.
+
+    Attributes:
+        data: the stored values (bfloat16, or float8_e4m3fn scaled by ``1 / inverse_scale``).
+        dtype: the dtype to give back in backward.
+        inverse_scale: the FP32 factor that turns ``data`` back into values (FP8 only).
+    """
+
+    data: torch.Tensor
+    dtype: torch.dtype
+    inverse_scale: torch.Tensor | None = None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held (the scale included)."""
+        scale = 0 if self.inverse_scale is None else self.inverse_scale.nbytes
+        return self.data.nbytes + scale
+
+
+def shrinks(tensor: torch.Tensor, saved: SavedPrecision) -> bool:
+    """Whether storing ``tensor`` at ``saved`` takes fewer bytes than keeping it (floating tensors only)."""
+    return (saved.compresses and tensor.is_floating_point() and tensor.dtype != FP8_DTYPE
+            and tensor.element_size() > saved.bytes_per_element)
+
+
+def compress(tensor: torch.Tensor, saved: SavedPrecision) -> CompressedTensor:
+    """Store ``tensor`` at ``saved`` (callers check :func:`shrinks` first). Never synchronises the device."""
+    with torch.no_grad():
+        value = tensor.detach()
+        if saved is SavedPrecision.BF16:
+            return CompressedTensor(value.to(torch.bfloat16), tensor.dtype)
+        if saved is SavedPrecision.FP8:
+            if value.numel():
+                low, high = torch.aminmax(value)
+                amax = torch.maximum(-low, high).float()
+            else:
+                amax = value.new_zeros((), dtype=torch.float32)
+            finite = torch.isfinite(amax)
+            usable = finite & (amax > _TINY)
+            # A power of two at or above amax / 448: scaling by it is exact in every float format (no bias from a
+            # rounded scale), and the largest magnitude lands in (224, 448], so nothing overflows without a clamp.
+            # NaN/Inf anywhere: a NaN scale makes every value NaN in backward (the NaN check sees it, nothing hides it)
+            power = torch.exp2(torch.ceil(torch.log2(amax / FP8_MAX)))
+            inverse = torch.where(usable, power, torch.where(finite, 1.0, torch.nan))
+            # (float16 is scaled in float32: 448 / amax overflows its range for small tensors)
+            scaled = value.float() if value.dtype == torch.float16 else value
+            data = torch.mul(scaled, inverse.reciprocal().to(scaled.dtype)).to(FP8_DTYPE)
+            return CompressedTensor(data, tensor.dtype, inverse)
+        raise UsageError(f"Saved precision {saved.value!r} stores tensors as computed: nothing to compress"
+                         " (check shrinks() first).")
+
+
+def decompress(packed: CompressedTensor) -> torch.Tensor:
+    """The tensor :func:`compress` stored, in its original dtype."""
+    if packed.inverse_scale is None:
+        return packed.data.to(packed.dtype)
+    if packed.dtype == torch.float16:  # its range cannot hold every scale
+        return (decode_fp8(packed.data, torch.float32) * packed.inverse_scale).to(packed.dtype)
+    return decode_fp8(packed.data, packed.dtype).mul_(packed.inverse_scale.to(packed.dtype))
+
+
+_DECODE_TABLES: dict[torch.dtype, torch.Tensor] = {}
+
+
+def decode_fp8(data: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``data.to(dtype)`` for float8_e4m3fn; on a CPU through a 256-entry table (bit-exact), because PyTorch's CPU
+    conversion of e4m3 is element by element (measured 1.7-4.3 ns per element on 2 EPYC cores, the table 1-1.5)."""
+    if data.device.type != "cpu":
+        return data.to(dtype)
+    table = _DECODE_TABLES.get(dtype)
+    if table is None:
+        codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(FP8_DTYPE)
+        table = _DECODE_TABLES[dtype] = codes.to(dtype)
+    index = data.view(torch.uint8).reshape(-1).to(torch.int32)
+    return torch.index_select(table, 0, index).view(data.shape)

@@ -1,0 +1,134 @@
+"""What an operator does, which decides how a low precision can apply to it: its :class:`OperatorKind`.
+
+An *operator* is a module that does the work itself: every leaf module, plus modules that must be treated whole
+because their forward is one fused kernel or uses parameters of its own next to its children (``nn.LSTM``/``nn.GRU``/
+``nn.RNN``, ``nn.MultiheadAttention`` and anything registered with :func:`register_atomic`).
+
+A few modules of libraries people train are known by qualified class name (nothing is imported): Hugging Face's
+``Conv1D`` computes as an ``nn.Linear`` and is lowered as one; ``GPT2Attention`` is atomic, like
+``nn.MultiheadAttention``.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import TypeGuard
+
+from torch import nn
+
+from lightning_comp.adapters.torch_internals import BATCH_NORM_BASE, CONV_BASE, NORM_BASE
+from lightning_comp.errors import ConfigError
+
+__all__ = ["OperatorKind", "autocast_like", "classify", "is_atomic", "is_recurrent", "normalises_input_only",
+           "register_atomic", "weight_reading"]
+
+
+class OperatorKind(str, Enum):
+    """What an operator does, which decides how low precision can apply to it."""
+
+    COMPUTE = "compute"  # matmul/conv/recurrent/attention: the ops low precision speeds up
+    NORM = "norm"  # BatchNorm/LayerNorm/GroupNorm/...: low-precision input, FP32 statistics
+    ELEMENTWISE = "elementwise"  # parameter-free activations, dropout, pooling, softmax, padding, ...
+    EMBEDDING = "embedding"  # table look-ups
+    SHAPE = "shape"  # Flatten/Unflatten/Identity: no arithmetic, dtype passes through unchanged
+    OTHER = "other"  # any other module with parameters (user-defined leaves)
+
+
+_ATOMIC_TYPES: set[type[nn.Module]] = {nn.RNNBase, nn.MultiheadAttention}
+# Modules of libraries people train, known by qualified class name (nothing is imported), lowered as torch modules
+# autocast lowers (autocast, or parameter copies where there is none). Computing as an nn.Linear:
+_KNOWN_COMPUTE = frozenset({
+    "transformers.pytorch_utils.Conv1D",  # GPT-2's c_attn/c_proj/c_fc: transposed weight, torch.addmm
+})
+# ... and treated whole, like nn.MultiheadAttention: their attention product is a functional call
+# (scaled_dot_product_attention) between their projections, which no operator hook of a child would ever see.
+_KNOWN_ATOMIC = frozenset({
+    "transformers.models.gpt2.modeling_gpt2.GPT2Attention",
+})
+_SHAPE_TYPES: tuple[type[nn.Module], ...] = (nn.Flatten, nn.Unflatten, nn.Identity)
+_AUTOCAST_TYPES: tuple[type[nn.Module], ...] = (nn.Linear, nn.Bilinear, CONV_BASE, nn.MultiheadAttention)
+_WEIGHT_READING_TYPES: tuple[type[nn.Module], ...] = (nn.Linear, CONV_BASE)
+_COMPUTE_TYPES: tuple[type[nn.Module], ...] = (*_AUTOCAST_TYPES, nn.RNNBase)
+_NORM_TYPES: tuple[type[nn.Module], ...] = (
+    NORM_BASE,
+    nn.LayerNorm,
+    nn.GroupNorm,
+    nn.LocalResponseNorm,
+    *((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ()),
+)
+_INPUT_ONLY_NORMS: tuple[type[nn.Module], ...] = (BATCH_NORM_BASE, nn.LocalResponseNorm)
+_EMBEDDING_TYPES: tuple[type[nn.Module], ...] = (nn.Embedding, nn.EmbeddingBag)
+
+
+def register_atomic(module_type: type[nn.Module]) -> type[nn.Module]:
+    """Treat every module of ``module_type`` (and its subclasses) as one operator, children included.
+
+    Use it for modules whose forward must run in one precision as a whole (fused blocks, custom kernels with
+    parameters of their own). Can be used as a class decorator.
+
+    Raises:
+        ConfigError: if ``module_type`` is not a subclass of ``torch.nn.Module``.
+    """
+    if not (isinstance(module_type, type) and issubclass(module_type, nn.Module)):
+        raise ConfigError(f"register_atomic expects a torch.nn.Module subclass, got {module_type!r}.")
+    _ATOMIC_TYPES.add(module_type)
+    return module_type
+
+
+_CLASS_NAMES: dict[type, frozenset[str]] = {}
+
+
+def _class_names(cls: type) -> frozenset[str]:
+    """The qualified names of ``cls`` and its base classes (computed once per class)."""
+    names = _CLASS_NAMES.get(cls)
+    if names is None:
+        names = _CLASS_NAMES[cls] = frozenset(f"{c.__module__}.{c.__qualname__}" for c in cls.__mro__)
+    return names
+
+
+def _known(module: nn.Module, table: frozenset[str]) -> bool:
+    """Whether ``module``'s class (or a base class) is in ``table`` (qualified class names)."""
+    return not _class_names(type(module)).isdisjoint(table)
+
+
+def is_atomic(module: nn.Module) -> bool:
+    """Whether ``module`` is one operator with everything inside it (recurrent, attention, registered)."""
+    return isinstance(module, tuple(_ATOMIC_TYPES)) or _known(module, _KNOWN_ATOMIC)
+
+
+def is_recurrent(module: nn.Module) -> TypeGuard[nn.RNNBase]:
+    """Whether ``module`` is an ``nn.LSTM``/``GRU``/``RNN``."""
+    return isinstance(module, nn.RNNBase)
+
+
+def autocast_like(module: nn.Module) -> bool:
+    """Whether ``module`` computes as a torch module autocast lowers (matmul, conv, attention)."""
+    return (isinstance(module, _AUTOCAST_TYPES) or _known(module, _KNOWN_COMPUTE)
+            or _known(module, _KNOWN_ATOMIC))
+
+
+def weight_reading(module: nn.Module) -> bool:
+    """Whether ``module`` is a ``Linear``/``Conv`` (or computes as one): an autocast-lowered operator whose forward
+    reads its own weight and bias, so its 16-bit copies can be made by the executor (and re-cast in backward)."""
+    return isinstance(module, _WEIGHT_READING_TYPES) or _known(module, _KNOWN_COMPUTE)
+
+
+def normalises_input_only(module: nn.Module) -> bool:
+    """Whether ``module`` is a norm whose kernels take a 16-bit input with FP32 parameters on every device
+    (batch norms, local response norm; CUDA's LayerNorm/GroupNorm kernels refuse mixed dtypes)."""
+    return isinstance(module, _INPUT_ONLY_NORMS)
+
+
+def classify(module: nn.Module) -> OperatorKind:
+    """The :class:`OperatorKind` of an operator module."""
+    if isinstance(module, _COMPUTE_TYPES) or autocast_like(module):
+        return OperatorKind.COMPUTE
+    if isinstance(module, _NORM_TYPES):
+        return OperatorKind.NORM
+    if isinstance(module, _EMBEDDING_TYPES):
+        return OperatorKind.EMBEDDING
+    if isinstance(module, _SHAPE_TYPES):
+        return OperatorKind.SHAPE
+    if any(True for _ in module.parameters()):
+        return OperatorKind.OTHER
+    return OperatorKind.ELEMENTWISE

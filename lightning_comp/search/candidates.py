@@ -1,0 +1,73 @@
+"""What the epoch stage trials: an operator's compute precision, or the precision of what it saves for backward."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+from lightning_comp.errors import SearchConfigError
+
+__all__ = ["Candidate", "Dimension", "candidates_from_plain", "candidates_to_plain"]
+
+
+class Dimension(str, Enum):
+    """Which of an operator's precisions a candidate lowers."""
+
+    COMPUTE = "compute"  # the precision it computes in
+    SAVED = "saved"  # the precision it stores its saved tensors in
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One lowering the epoch stage may trial: an operator and the dimension of its plan entry.
+
+    Attributes:
+        operator: the operator's name in the plan.
+        dimension: which of its precisions is lowered.
+    """
+
+    operator: str
+    dimension: Dimension = Dimension.COMPUTE
+
+    @classmethod
+    def saved(cls, operator: str) -> Candidate:
+        """The candidate that lowers what ``operator`` saves for backward."""
+        return cls(operator, Dimension.SAVED)
+
+    @property
+    def is_saved(self) -> bool:
+        """Whether this lowers what the operator saves (rather than what it computes in)."""
+        return self.dimension is Dimension.SAVED
+
+    def to_plain(self) -> list[str]:
+        """``[operator, dimension]``, as checkpoints hold it."""
+        return [self.operator, self.dimension.value]
+
+    @classmethod
+    def from_plain(cls, data: Any) -> Candidate:
+        """Read :meth:`to_plain`'s form.
+
+        Raises:
+            SearchConfigError: on anything else (the checkpoint is inconsistent).
+        """
+        if isinstance(data, (list, tuple)) and len(data) == 2 and isinstance(data[0], str):
+            try:
+                return cls(data[0], Dimension(data[1]))
+            except ValueError:
+                pass
+        raise SearchConfigError(f"Malformed CoMPSearch candidate {data!r}: expected [operator, 'compute'|'saved'].")
+
+    def __str__(self) -> str:
+        return self.operator if self.dimension is Dimension.COMPUTE else f"{self.operator} (saved)"
+
+
+def candidates_to_plain(candidates: Iterable[Candidate]) -> list[list[str]]:
+    """Candidates as checkpoints hold them."""
+    return [candidate.to_plain() for candidate in candidates]
+
+
+def candidates_from_plain(data: Sequence[Any]) -> tuple[Candidate, ...]:
+    """Read :func:`candidates_to_plain`'s form."""
+    return tuple(Candidate.from_plain(item) for item in data)

@@ -1,0 +1,241 @@
+"""One policy per :class:`~lightning_comp.search.config.Objective`: how it judges an operator, a saved precision
+and a whole step, how it ranks what it keeps, and how the record words it.
+
+Every time comparison is a :class:`~lightning_comp.search.measurement.estimates.RatioEstimate` from paired rounds:
+the median per-round ratio and its confidence interval. A comparison is *settled* when the whole interval lies on
+one side of the threshold (``1 - speed_margin`` for a gain, ``max_memory_slowdown`` for the slowdown the memory
+objective accepts); otherwise it is *undecided*, the batch stage takes more rounds, and what is still undecided at
+the end of its budget stays FP32 with that reason.
+
+=============  ===========================================================================================
+objective      a lowering pays when
+=============  ===========================================================================================
+throughput     the step gets faster by the margin (and by at least ``min_gain_ms``)
+memory         it saves the margin's share of the bytes kept for backward, within ``max_memory_slowdown``
+balanced       the geometric mean of its time and memory ratios to FP32 (the *balanced score*) beats the margin
+=============  ===========================================================================================
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import ClassVar
+
+from lightning_comp.errors import UsageError
+from lightning_comp.search.config import Objective, SearchConfig
+from lightning_comp.search.decisions.whole_step import StepComparison
+from lightning_comp.search.measurement.estimates import RatioEstimate, Verdict, compare_to
+
+__all__ = ["Judgement", "ObjectivePolicy", "balanced_score", "policy_for"]
+
+
+def balanced_score(time_ratio: float, memory_ratio: float) -> float:
+    """The balanced objective's score of a lowering: the geometric mean of its time and memory ratios to the
+    configuration it is compared with (below 1 is better)."""
+    return math.sqrt(max(time_ratio, 0.0) * memory_ratio)
+
+
+def _balanced_verdict(time: RatioEstimate, memory_ratio: float, threshold: float) -> Verdict:
+    """Where the balanced score's interval (from the time ratio's) lies against ``threshold``."""
+    return compare_to(balanced_score(time.low, memory_ratio), balanced_score(time.high, memory_ratio), threshold)
+
+
+@dataclass(frozen=True)
+class Judgement:
+    """A policy's judgement of one lowering.
+
+    Attributes:
+        verdict: ``BELOW``: it pays; ``ABOVE``: it does not; ``UNDECIDED``: the rounds cannot tell.
+        why: the measurements that decided, in words.
+        benefit: what keeping it gains, in the objective's unit (ms per step, bytes, or the balanced score's gain):
+            ranks the passing groups of the epoch stage.
+    """
+
+    verdict: Verdict
+    why: str
+    benefit: float
+
+
+class ObjectivePolicy(ABC):
+    """How one objective judges and ranks lowerings (see the module docstring).
+
+    Args:
+        config: the search's settings (margin, slowdown accepted for memory, smallest gain).
+    """
+
+    objective: ClassVar[Objective]
+    better: ClassVar[str]  # how a plan that wins a whole-step comparison is better, e.g. "faster as a whole"
+    weighs_memory: ClassVar[bool] = True  # whether whole steps' saved bytes decide anything
+
+    def __init__(self, config: SearchConfig) -> None:
+        self.config = config
+        self.keep = 1 - config.speed_margin
+
+    # ------------------------------------------------------------------------------------------------ per operator
+    @abstractmethod
+    def operator(self, time: RatioEstimate, t32: float, tlow: float, memory_ratio: float,
+                 bytes_saved: float) -> Judgement:
+        """One operator in low precision against FP32: its time ratio, times (ms), memory ratio and bytes saved."""
+
+    # -------------------------------------------------------------------------------------------------- whole step
+    @abstractmethod
+    def candidates_pay(self, steps: StepComparison) -> Verdict:
+        """Whether the candidate plan as a whole is worth trialling against FP32."""
+
+    @abstractmethod
+    def winner(self, steps: StepComparison, saved: dict[str, float], labels: list[str],
+               have_candidates: bool) -> str | None:
+        """The alternative plan (one of ``labels``) to trial instead of the candidates, if one wins beyond doubt.
+
+        Args:
+            steps: whole-step times of ``"fp32"``, ``"candidates"`` (if any) and ``labels``.
+            saved: bytes saved for backward per configuration (for the objectives that weigh memory).
+            labels: the alternatives.
+            have_candidates: whether a per-operator candidate plan exists (else alternatives compete with FP32).
+        """
+
+    @abstractmethod
+    def undecided(self, steps: StepComparison, labels: list[str]) -> bool:
+        """Whether a whole-step comparison this policy decides from could not tell its plans apart."""
+
+    # ------------------------------------------------------------------------------------------ saved-for-backward
+    def saved(self, time: RatioEstimate, memory_ratio: float, bytes_saved: float) -> Judgement:
+        """One saved precision of an operator (or group) against saving as computed.
+
+        Raises:
+            UsageError: for an objective that chooses no saved precision.
+        """
+        raise UsageError(f"objective={self.objective.value!r} chooses no saved precision.")
+
+    def saved_step(self, steps: StepComparison, memory_ratio: float) -> tuple[bool, str]:
+        """Whether the candidate plan with its saved lowerings (``"saved"``) pays as a whole step against the plan
+        without them (``"candidates"``), whose saved bytes it has ``memory_ratio`` of; and the bound, in words.
+
+        Raises:
+            UsageError: for an objective that chooses no saved precision.
+        """
+        raise UsageError(f"objective={self.objective.value!r} chooses no saved precision.")
+
+
+class ThroughputPolicy(ObjectivePolicy):
+    """Lower what gets faster."""
+
+    objective = Objective.THROUGHPUT
+    better = "faster as a whole"
+    weighs_memory = False
+
+    def operator(self, time: RatioEstimate, t32: float, tlow: float, memory_ratio: float,
+                 bytes_saved: float) -> Judgement:
+        verdict = time.against(self.keep)
+        if verdict is Verdict.BELOW and t32 * (1 - time.ratio) < self.config.min_gain_ms:
+            verdict = Verdict.ABOVE  # faster, but by less than min_gain_ms: not worth a trial
+        elif verdict is Verdict.UNDECIDED and t32 * (1 - time.low) < self.config.min_gain_ms:
+            verdict = Verdict.ABOVE  # even at its best it would gain less than min_gain_ms
+        return Judgement(verdict, _shown(time, t32, tlow), t32 - tlow)
+
+    def candidates_pay(self, steps: StepComparison) -> Verdict:
+        return steps.faster("candidates", "fp32", self.config.speed_margin)
+
+    def winner(self, steps: StepComparison, saved: dict[str, float], labels: list[str],
+               have_candidates: bool) -> str | None:
+        margin = self.config.speed_margin
+        winners = [label for label in labels if steps.faster(label, "fp32", margin) is Verdict.BELOW
+                   and (not have_candidates or steps.faster(label, "candidates", margin) is Verdict.BELOW)]
+        return min(winners, key=lambda label: steps.ratio(label, "fp32").ratio) if winners else None
+
+    def undecided(self, steps: StepComparison, labels: list[str]) -> bool:
+        margin = self.config.speed_margin
+        pairs = [(label, "fp32") for label in labels]
+        pairs += [(label, "candidates") for label in labels if label != "candidates" and "candidates" in labels]
+        return any(steps.faster(a, b, margin) is Verdict.UNDECIDED for a, b in pairs)
+
+
+class MemoryPolicy(ObjectivePolicy):
+    """Lower what saves memory for backward, within ``max_memory_slowdown`` of FP32's time."""
+
+    objective = Objective.MEMORY
+    better = "leaner as a whole"
+
+    def operator(self, time: RatioEstimate, t32: float, tlow: float, memory_ratio: float,
+                 bytes_saved: float) -> Judgement:
+        verdict = Verdict.ABOVE if memory_ratio > self.keep else time.against(self.config.max_memory_slowdown)
+        return Judgement(verdict, f"saved bytes x{memory_ratio:.2f}, {_shown(time, t32, tlow)}", bytes_saved)
+
+    def candidates_pay(self, steps: StepComparison) -> Verdict:
+        return Verdict.BELOW  # each candidate saves memory within the slowdown: the per-operator checks suffice
+
+    def winner(self, steps: StepComparison, saved: dict[str, float], labels: list[str],
+               have_candidates: bool) -> str | None:
+        incumbent = "candidates" if have_candidates else "fp32"
+        limit = self.config.max_memory_slowdown
+        winners = [label for label in labels if saved[label] <= saved[incumbent] * self.keep
+                   and steps.ratio(label, "fp32").against(limit) is Verdict.BELOW]
+        return min(winners, key=lambda label: saved[label]) if winners else None
+
+    def undecided(self, steps: StepComparison, labels: list[str]) -> bool:
+        limit = self.config.max_memory_slowdown
+        return any(steps.ratio(label, "fp32").against(limit) is Verdict.UNDECIDED for label in labels)
+
+    def saved(self, time: RatioEstimate, memory_ratio: float, bytes_saved: float) -> Judgement:
+        return Judgement(time.against(self.config.max_memory_slowdown), "", bytes_saved)
+
+    def saved_step(self, steps: StepComparison, memory_ratio: float) -> tuple[bool, str]:
+        limit = self.config.max_memory_slowdown
+        ok = memory_ratio <= self.keep and steps.ratio("saved", "fp32").against(limit) is Verdict.BELOW
+        return ok, f"leaner within x{limit:g} of fp32's time"
+
+
+class BalancedPolicy(ObjectivePolicy):
+    """Lower what improves the balanced score (time x memory)."""
+
+    objective = Objective.BALANCED
+    better = "better in time x memory as a whole"
+
+    def operator(self, time: RatioEstimate, t32: float, tlow: float, memory_ratio: float,
+                 bytes_saved: float) -> Judgement:
+        score = balanced_score(time.ratio, memory_ratio)
+        why = f"{_shown(time, t32, tlow)}, saved bytes x{memory_ratio:.2f}, balanced x{score:.2f}"
+        return Judgement(_balanced_verdict(time, memory_ratio, self.keep), why, 1.0 - score)
+
+    def candidates_pay(self, steps: StepComparison) -> Verdict:
+        return steps.faster("candidates", "fp32", self.config.speed_margin)
+
+    def winner(self, steps: StepComparison, saved: dict[str, float], labels: list[str],
+               have_candidates: bool) -> str | None:
+        incumbent = "candidates" if have_candidates else "fp32"
+
+        def score(label: str, end: str = "ratio") -> float:
+            if label == "fp32":
+                return 1.0
+            return balanced_score(getattr(steps.ratio(label, "fp32"), end), saved[label] / max(saved["fp32"], 1.0))
+
+        bar = score(incumbent, "low") * self.keep  # the incumbent at its best
+        winners = [label for label in labels if score(label, "high") <= bar]
+        return min(winners, key=score) if winners else None
+
+    def undecided(self, steps: StepComparison, labels: list[str]) -> bool:
+        return any(steps.ratio(label, "fp32").against(self.keep) is Verdict.UNDECIDED for label in labels)
+
+    def saved(self, time: RatioEstimate, memory_ratio: float, bytes_saved: float) -> Judgement:
+        return Judgement(_balanced_verdict(time, memory_ratio, self.keep), "",
+                         1.0 - balanced_score(time.ratio, memory_ratio))
+
+    def saved_step(self, steps: StepComparison, memory_ratio: float) -> tuple[bool, str]:
+        versus = steps.ratio("saved", "candidates")
+        ok = _balanced_verdict(versus, memory_ratio, self.keep) is Verdict.BELOW
+        return ok, f"better in time x memory than the candidates (step time {versus.describe()} of theirs)"
+
+
+_POLICIES: dict[Objective, type[ObjectivePolicy]] = {
+    policy.objective: policy for policy in (ThroughputPolicy, MemoryPolicy, BalancedPolicy)}
+
+
+def policy_for(config: SearchConfig) -> ObjectivePolicy:
+    """The policy of ``config.objective``."""
+    return _POLICIES[config.objective](config)
+
+
+def _shown(time: RatioEstimate, t32: float, tlow: float) -> str:
+    return f"time {time.describe()} ({t32:.4f} -> {tlow:.4f} ms)"

@@ -1,0 +1,190 @@
+"""Each operator's decision from the batch stage's per-operator measurements: a candidate, a fill, or FP32.
+
+Compute-heavy operators (matmul, convolution, recurrent, attention, embeddings, other modules with weights) are
+judged by the objective's policy (:mod:`lightning_comp.search.decisions.objectives`). Cheap operators (norms,
+activations) are *fills*: lowered only between two lowered operators, when that costs no time, so activations stay
+low across the run (:mod:`lightning_comp.search.decisions.trial_plans`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+from torch import nn
+
+from lightning_comp.numerics.precision import Precision
+from lightning_comp.operators.kinds import OperatorKind, classify
+from lightning_comp.search.config import SearchConfig
+from lightning_comp.search.decisions.objectives import ObjectivePolicy
+from lightning_comp.search.decisions.saved import SavedDecision
+from lightning_comp.search.measurement.estimates import RatioEstimate, Verdict, paired_ratio
+from lightning_comp.search.measurement.profiling import OperatorMeasurement, ProfileResult
+
+__all__ = ["HEAVY_KINDS", "Choice", "OperatorDecision", "decide_operators", "judge_operator"]
+
+HEAVY_KINDS = (OperatorKind.COMPUTE, OperatorKind.EMBEDDING, OperatorKind.OTHER)
+
+
+class Choice(str, Enum):
+    """What the batch stage decided for one operator's compute precision."""
+
+    CANDIDATE = "candidate"  # trialled in low precision
+    FILL = "fill"  # lowered only between two lowered operators
+    FP32 = "fp32"  # stays FP32, never trialled
+
+
+@dataclass
+class OperatorDecision:
+    """One operator's measurements and decision (the record holds :meth:`to_dict`).
+
+    Attributes:
+        type: the module's class name.
+        kind: what it does.
+        params: its parameter elements.
+        decision: what was decided.
+        reason: why, in words.
+        fp32: its measurement in FP32 (``None``: it did not run).
+        low: its measurement in low precision.
+        time: its low/FP32 time ratio over paired rounds, with the interval.
+        gain_ms: the time lowering it saves per step (FP32 minus low, ms; 0 where not measured).
+        gain_bytes: the bytes saved for backward that lowering it saves per step.
+        benefit: what lowering it gains in the objective's unit (ranks fallback groups).
+        memory_ratio: its low/FP32 ratio of bytes saved for backward (where the policy judged it).
+        settled: whether its rounds told the two precisions apart (where the policy judged it).
+        own_decision: the decision from its own measurement, before any whole-step check changed it.
+        excluded: ``CoMPSearch(exclude=...)`` named it.
+        forced: ``CoMPSearch(include=...)`` named it.
+        saved: the decision on the precision of what it saves for backward (memory and balanced objectives).
+    """
+
+    type: str
+    kind: OperatorKind
+    params: int
+    decision: Choice = Choice.FP32
+    reason: str = ""
+    fp32: OperatorMeasurement | None = None
+    low: OperatorMeasurement | None = None
+    time: RatioEstimate | None = None
+    gain_ms: float = 0.0
+    gain_bytes: int = 0
+    benefit: float = 0.0
+    memory_ratio: float | None = None
+    settled: bool | None = None
+    own_decision: Choice | None = None
+    excluded: bool = False
+    forced: bool = False
+    saved: SavedDecision | None = None
+
+    @property
+    def is_candidate(self) -> bool:
+        """Whether it is trialled in low precision."""
+        return self.decision is Choice.CANDIDATE
+
+    def keep_fp32(self, reason: str) -> None:
+        """Take it out of the candidates (a whole-step check found against it), unless it is forced."""
+        if not self.forced:
+            self.decision, self.reason = Choice.FP32, reason
+
+    def to_dict(self) -> dict[str, Any]:
+        """The record's form (plain JSON types)."""
+        out: dict[str, Any] = {"type": self.type, "kind": self.kind.value, "params": self.params}
+        if self.fp32 is not None:
+            out["fp32"] = self.fp32.to_dict()
+        if self.low is not None:
+            out["low"] = self.low.to_dict()
+        if self.time is not None:
+            out.update(time_ratio=self.time.ratio, time_spread=[self.time.low, self.time.high],
+                       rounds=self.time.rounds)
+        out.update(gain_ms=float(self.gain_ms), gain_bytes=int(self.gain_bytes), benefit=float(self.benefit),
+                   decision=self.decision.value, reason=self.reason)
+        if self.memory_ratio is not None:
+            out["memory_ratio"] = self.memory_ratio
+        if self.settled is not None:
+            out["settled"] = self.settled
+        if self.own_decision is not None:
+            out["own_decision"] = self.own_decision.value
+        if self.excluded:
+            out["excluded"] = True
+        if self.forced:
+            out["forced"] = True
+        if self.saved is not None:
+            out["saved"] = self.saved.to_dict()
+        return out
+
+
+def judge_operator(policy: ObjectivePolicy, fp32: OperatorMeasurement, low: OperatorMeasurement,
+                   time: RatioEstimate | None = None) -> dict[str, Any]:
+    """One operator's verdict from its FP32 and low-precision measurements, by ``policy``.
+
+    Args:
+        policy: the objective's policy.
+        fp32: its measurement in FP32 (times are minima over rounds).
+        low: its measurement in low precision.
+        time: the low/FP32 time ratio over paired rounds (``None``: exactly the ratio of the minima).
+
+    Returns:
+        The :class:`OperatorDecision` fields it decides: ``decision`` (candidate or FP32), ``reason``, ``settled``
+        (``False`` when the rounds could not tell the two apart: more rounds may settle it), ``time``,
+        ``memory_ratio`` and ``benefit``.
+    """
+    t32, tlow = fp32.total_ms, low.total_ms
+    if time is None:
+        exact = tlow / t32 if t32 > 0 else float("inf")
+        time = RatioEstimate(exact, exact, exact, 1, 1.0)
+    memory_ratio = low.saved_bytes / fp32.saved_bytes if fp32.saved_bytes > 0 else 1.0
+    judged = policy.operator(time, t32, tlow, memory_ratio, float(fp32.saved_bytes - low.saved_bytes))
+    if judged.verdict is Verdict.UNDECIDED:
+        reason = f"cannot be told apart from fp32 at a {policy.config.speed_margin:.0%} margin: {judged.why}"
+    else:
+        reason = ("pays: " if judged.verdict is Verdict.BELOW else "does not pay: ") + judged.why
+    return {"decision": Choice.CANDIDATE if judged.verdict is Verdict.BELOW else Choice.FP32, "reason": reason,
+            "settled": judged.verdict is not Verdict.UNDECIDED, "time": time, "memory_ratio": memory_ratio,
+            "benefit": judged.benefit}
+
+
+def decide_operators(config: SearchConfig, policy: ObjectivePolicy, low: Precision, modules: dict[str, nn.Module],
+                     lowerable: list[str], results: dict[str, ProfileResult]) -> dict[str, OperatorDecision]:
+    """Each operator's decision from the per-operator profile (``results["fp32"]`` and ``results["low"]``).
+
+    Args:
+        config: the search's settings (``include``/``exclude``, margin, smallest gain).
+        policy: the objective's policy.
+        low: the searched 16-bit precision.
+        modules: the model's operators by name.
+        lowerable: the operators that can compute in ``low`` on the device.
+        results: the profile of every operator in FP32 and in low precision.
+    """
+    fp32, lowered = results["fp32"], results["low"]
+    decisions: dict[str, OperatorDecision] = {}
+    for name, module in modules.items():
+        kind = classify(module)
+        a, b = fp32.operators.get(name), lowered.operators.get(name)
+        decision = OperatorDecision(type(module).__name__, kind, sum(p.numel() for p in module.parameters()),
+                                    fp32=a, low=b)
+        if a is not None and b is not None:
+            decision.time = paired_ratio(fp32.series(name), lowered.series(name))
+            decision.gain_ms = a.total_ms - b.total_ms
+            decision.gain_bytes = a.saved_bytes - b.saved_bytes
+        if name not in lowerable:
+            decision.reason = "shape-only" if kind is OperatorKind.SHAPE else f"no {low} kernel on this device"
+        elif config.excluded.matches(name, module):
+            decision.reason, decision.excluded = "excluded by CoMPSearch(exclude=...)", True
+        elif config.included.matches(name, module):
+            decision.decision, decision.reason, decision.forced = (
+                Choice.CANDIDATE, "included by CoMPSearch(include=...)", True)
+            if a is not None and b is not None:
+                decision.benefit = judge_operator(policy, a, b, decision.time)["benefit"]
+        elif a is None or b is None:
+            decision.reason = "not run in the training step"
+        elif kind in HEAVY_KINDS:
+            for key, value in judge_operator(policy, a, b, decision.time).items():
+                setattr(decision, key, value)
+            decision.own_decision = decision.decision  # from its own measurement, before whole-step checks
+        elif b.compute_ms <= a.compute_ms * (1 + config.speed_margin) + config.min_gain_ms:
+            decision.decision, decision.reason = Choice.FILL, "lowered only between lowered operators"
+        else:
+            decision.reason = f"slower in {low} ({b.compute_ms:.4f} vs {a.compute_ms:.4f} ms)"
+        decisions[name] = decision
+    return decisions

@@ -1,0 +1,176 @@
+"""Each operator's saved precision (memory and balanced objectives) from the saved stage's measurements.
+
+Operators that save the same tensor (a ReLU's output is the next Linear's saved input) are judged as one group
+(:func:`sharing_groups`): only together do they free it. A saved lowering qualifies when it saves at least
+``speed_margin`` of the bytes and the objective's policy accepts its time (:func:`judge_saved`); of two that qualify
+the smaller wins. A lowering another operator would still hold as computed is dropped (:func:`unshared_choices`:
+both forms would be held). The plan with every remaining lowering is then checked as a whole step
+(:class:`SavedStepCheck`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from lightning_comp.numerics.precision import SavedPrecision
+from lightning_comp.search.decisions.objectives import ObjectivePolicy
+from lightning_comp.search.measurement.estimates import RatioEstimate, Verdict
+
+__all__ = ["SavedDecision", "SavedStepCheck", "judge_saved", "sharing_groups", "unshared_choices"]
+
+
+@dataclass
+class SavedDecision:
+    """One operator's decision on the precision of what it saves for backward (the record holds :meth:`to_dict`).
+
+    Attributes:
+        decision: the saved precision chosen (``FP32``: as computed).
+        reason: why, in words.
+        bytes: the bytes it (or its group) saves, as computed (``"fp32"``) and at each precision measured.
+        time_ratios: per precision measured, its time relative to saving as computed: ``[ratio, low, high]``.
+        gain_bytes: the bytes the chosen precision saves per step (0 when saved as computed).
+        benefit: what the chosen precision gains in the objective's unit (ranks fallback groups).
+        group: the operators judged together with it (they save the same tensors), if any.
+        forced: ``CoMPSearch(include_saved=...)`` named it.
+    """
+
+    decision: SavedPrecision = SavedPrecision.FP32
+    reason: str = ""
+    bytes: dict[str, int] = field(default_factory=dict)
+    time_ratios: dict[str, list[float]] = field(default_factory=dict)
+    gain_bytes: int = 0
+    benefit: float = 0.0
+    group: tuple[str, ...] | None = None
+    forced: bool = False
+
+    @property
+    def lowers(self) -> bool:
+        """Whether it stores its saved tensors lower than computed."""
+        return self.decision.compresses
+
+    def keep_as_computed(self, reason: str) -> None:
+        """Save as computed after all (a whole-step check or a neighbour found against it)."""
+        self.decision, self.reason, self.gain_bytes, self.benefit = SavedPrecision.FP32, reason, 0, 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        """The record's form (plain JSON types)."""
+        out: dict[str, Any] = {"bytes": dict(self.bytes), "time_ratio": dict(self.time_ratios),
+                               "decision": self.decision.value, "reason": self.reason,
+                               "gain_bytes": int(self.gain_bytes), "benefit": float(self.benefit)}
+        if self.group is not None:
+            out["group"] = list(self.group)
+        if self.forced:
+            out["forced"] = True
+        return out
+
+
+@dataclass(frozen=True)
+class SavedStepCheck:
+    """The whole-step check of the saved lowerings: the candidate plan with and without them.
+
+    Attributes:
+        pays: whether the plan with them is better as a whole, by the objective.
+        verdict: ``"pays"``, or why not.
+        description: the bytes and times that decided, in words.
+        saved_bytes: bytes saved for backward per configuration (``fp32``, ``candidates``, ``saved``).
+        step_ms: the fastest round of each configuration.
+        step_ratios: each configuration's step time relative to FP32, with its interval.
+    """
+
+    pays: bool
+    verdict: str
+    description: str
+    saved_bytes: dict[str, float]
+    step_ms: dict[str, float]
+    step_ratios: dict[str, dict[str, float | int]]
+
+    def to_dict(self) -> dict[str, Any]:
+        """The record's form."""
+        return {"verdict": self.verdict, "saved_bytes": dict(self.saved_bytes), "step_ms": dict(self.step_ms),
+                "step_ratios": dict(self.step_ratios), "description": self.description}
+
+
+def sharing_groups(names: Sequence[str], sharing: dict[str, set[str]]) -> list[tuple[str, ...]]:
+    """``names`` grouped by the tensors they save: connected through ``ProfileResult.sharing``, in order."""
+    position = {name: i for i, name in enumerate(names)}
+    seen: set[str] = set()
+    groups = []
+    for name in names:
+        if name in seen:
+            continue
+        group, todo = set(), [name]
+        while todo:
+            current = todo.pop()
+            if current in group or current not in position:
+                continue
+            group.add(current)
+            todo.extend(sharing.get(current, ()))
+        seen |= group
+        groups.append(tuple(sorted(group, key=position.__getitem__)))
+    return groups
+
+
+def unshared_choices(choices: dict[str, SavedPrecision], sharing: dict[str, set[str]],
+                     forced: set[str]) -> dict[str, str]:
+    """The lowerings in ``choices`` that cannot pay because another operator keeps the same tensor as computed.
+
+    A tensor saved by two operators is held once; if one of them stores it compressed and the other as computed,
+    both forms are held and nothing is saved. Such a lowering is dropped (unless forced), which may make others
+    unshared in turn, so this repeats until nothing changes.
+
+    Args:
+        choices: operator -> saved precision chosen from its own measurement.
+        sharing: operator -> the other operators that save one of its tensors (``ProfileResult.sharing``).
+        forced: operators whose lowering ``include_saved`` forces (never dropped).
+
+    Returns:
+        operator -> why its lowering is dropped.
+    """
+    kept, dropped = dict(choices), {}
+    changed = True
+    while changed:
+        changed = False
+        for name in sorted(kept):
+            holders = sorted(other for other in sharing.get(name, ()) if other not in kept)
+            if holders and name not in forced:
+                shown = ", ".join(holders[:3]) + (f" and {len(holders) - 3} more" if len(holders) > 3 else "")
+                dropped[name] = (f"saves as computed: a tensor it saves is also saved by {shown}, which keep(s) it"
+                                 " as computed, so both forms would be held")
+                del kept[name]
+                changed = True
+    return dropped
+
+
+def judge_saved(policy: ObjectivePolicy, base_bytes: int,
+                options: dict[SavedPrecision, tuple[int, RatioEstimate]]) -> SavedDecision:
+    """One operator's (or group's) saved precision from its measurements, by ``policy``.
+
+    Args:
+        policy: the objective's policy (memory or balanced).
+        base_bytes: bytes it saves as computed.
+        options: per saved precision, the bytes it saves and its time relative to saving as computed.
+    """
+    decision = SavedDecision(bytes={"fp32": int(base_bytes)})
+    reasons = []
+    for saved, (nbytes, time) in sorted(options.items(), key=lambda item: item[1][0]):
+        decision.bytes[saved.value] = int(nbytes)
+        decision.time_ratios[saved.value] = [time.ratio, time.low, time.high]
+        if decision.lowers:
+            continue
+        memory_ratio = nbytes / base_bytes if base_bytes > 0 else 1.0
+        shown = f"{saved.value}: bytes x{memory_ratio:.2f}, time {time.describe()}"
+        if memory_ratio > policy.keep:
+            reasons.append(f"{shown} saves too little")
+            continue
+        judged = policy.saved(time, memory_ratio, float(base_bytes - nbytes))
+        if judged.verdict is Verdict.BELOW:
+            decision.decision, decision.reason = saved, f"pays: {shown}"
+            decision.gain_bytes, decision.benefit = int(base_bytes - nbytes), judged.benefit
+        else:
+            why = "costs too much time" if judged.verdict is Verdict.ABOVE else "undecided in time"
+            reasons.append(f"{shown} {why}")
+    if not decision.lowers:
+        decision.reason = f"saves as computed: {'; '.join(reasons) or 'saves nothing for backward'}"
+    return decision

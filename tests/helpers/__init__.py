@@ -1,0 +1,1 @@
+"""What the tests share: models, loaders, recorders, the search's test models, the process environment."""

@@ -1,0 +1,341 @@
+"""The search's decisions, without a Trainer: per operator, per saved precision, per whole step, per trial; the
+objective policies; adaptive group testing; the plan of a trial."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+from torch import nn
+
+from lightning_comp import CoMPPrecision
+from lightning_comp.errors import SearchConfigError, UsageError
+from lightning_comp.numerics.precision import Precision, SavedPrecision
+from lightning_comp.operators.discovery import iter_operators
+from lightning_comp.operators.kinds import OperatorKind
+from lightning_comp.search.candidates import Candidate, Dimension
+from lightning_comp.search.config import Objective, SearchConfig
+from lightning_comp.search.decisions.group_search import GroupSearch
+from lightning_comp.search.decisions.objectives import balanced_score, policy_for
+from lightning_comp.search.decisions.operators import Choice, OperatorDecision, judge_operator
+from lightning_comp.search.decisions.saved import judge_saved, sharing_groups, unshared_choices
+from lightning_comp.search.decisions.trial_plans import CheapRun, cheap_runs, plan_for
+from lightning_comp.search.decisions.trials import TrialVerdict, judge_trial
+from lightning_comp.search.decisions.whole_step import StepComparison
+from lightning_comp.search.measurement.estimates import RatioEstimate, Verdict, paired_ratio
+from lightning_comp.search.measurement.profiling import OperatorMeasurement
+from lightning_comp.search.stages.batch_stage import BatchStage
+
+
+def _measured(ms: float, saved_bytes: int = 0) -> OperatorMeasurement:
+    return OperatorMeasurement(forward_ms=ms, compute_ms=ms, saved_bytes=saved_bytes)
+
+
+def _judge(config: SearchConfig, t32: float, tlow: float, m32: int, mlow: int,
+           time: RatioEstimate | None = None) -> dict[str, Any]:
+    return judge_operator(policy_for(config), _measured(t32, m32), _measured(tlow, mlow), time)
+
+
+def _estimate(ratio: float) -> RatioEstimate:
+    return RatioEstimate(ratio, ratio * 0.97, ratio * 1.03, 6, 0.75)
+
+
+# ------------------------------------------------------------------------------------------------ per operator
+def test_an_operator_that_cannot_be_told_apart_stays_fp32_with_the_ratio_and_spread_as_reason() -> None:
+    config = SearchConfig()
+    noisy = paired_ratio([1.0] * 6, [0.7, 0.8, 1.1, 0.9, 1.2, 0.85])
+    verdict = _judge(config, 1.0, 0.85, 100, 50, noisy)
+    assert verdict["decision"] is Choice.FP32 and verdict["settled"] is False
+    # 6 rounds: the interval drops the lowest and the highest round
+    assert "cannot be told apart" in verdict["reason"] and "[0.80, 1.10]" in verdict["reason"]
+    assert (verdict["time"].low, verdict["time"].high) == (0.8, 1.1)
+    clear = paired_ratio([1.0] * 6, [0.5, 0.52, 0.48, 0.5, 0.51, 0.49])
+    assert _judge(config, 1.0, 0.5, 100, 50, clear)["decision"] is Choice.CANDIDATE
+    slow = paired_ratio([1.0] * 6, [2.0, 2.2, 1.9, 2.1, 2.0, 2.3])
+    verdict = _judge(config, 1.0, 2.0, 100, 50, slow)
+    assert verdict["decision"] is Choice.FP32 and verdict["settled"] is True
+    # 6 rounds: the interval runs from the 2nd to the 5th of the sorted ratios
+    assert verdict["reason"].startswith("does not pay") and (verdict["time"].low, verdict["time"].high) == (2.0, 2.2)
+    # undecided but worth less than min_gain_ms even at its best: settled as not worth it
+    tiny = _judge(SearchConfig(min_gain_ms=0.5), 1.0, 0.85, 100, 50, noisy)
+    assert tiny["settled"] is True and tiny["decision"] is Choice.FP32
+
+
+def test_memory_and_balanced_verdicts_use_the_interval() -> None:
+    maybe_too_slow = paired_ratio([1.0] * 6, [1.2, 1.3, 1.6, 1.7, 1.4, 1.45])
+    memory = _judge(SearchConfig(objective="memory", max_memory_slowdown=1.5), 1, 1.4, 100, 50, maybe_too_slow)
+    assert memory["settled"] is False and memory["decision"] is Choice.FP32
+    balanced = _judge(SearchConfig(objective="balanced"), 1, 1.0, 100, 50, paired_ratio([1.0] * 6, [1.0] * 6))
+    assert balanced["decision"] is Choice.CANDIDATE and balanced["settled"]  # sqrt(1 x 0.5) = 0.71
+
+
+@pytest.mark.parametrize(("objective", "benefit"), [
+    ("throughput", 0.5),  # ms per step
+    ("memory", 512.0),  # bytes saved for backward
+    ("balanced", 1 - math.sqrt(0.5 * 0.5)),  # the balanced score's gain
+])
+def test_each_policy_ranks_in_its_own_unit_while_the_record_keeps_ms_and_bytes(objective: str,
+                                                                               benefit: float) -> None:
+    config = SearchConfig(objective=objective)
+    judged = _judge(config, 1.0, 0.5, 1024, 512, _estimate(0.5))
+    assert judged["benefit"] == pytest.approx(benefit)
+    decision = OperatorDecision("Linear", OperatorKind.COMPUTE, 10, fp32=_measured(1.0, 1024),
+                                low=_measured(0.5, 512), gain_ms=0.5, gain_bytes=512, **judged)
+    record = decision.to_dict()
+    assert record["gain_ms"] == 0.5 and record["gain_bytes"] == 512 and record["benefit"] == pytest.approx(benefit)
+    assert record["decision"] == "candidate" and record["time_ratio"] == 0.5 and record["rounds"] == 6
+
+
+def test_the_balanced_score_is_the_geometric_mean_of_time_and_memory() -> None:
+    assert balanced_score(0.5, 0.5) == pytest.approx(0.5)
+    assert balanced_score(1.0, 0.25) == pytest.approx(0.5)
+    assert balanced_score(-1.0, 0.5) == 0.0  # a nonsensical negative ratio counts as no time
+
+
+def test_only_the_objectives_that_weigh_memory_choose_saved_precisions() -> None:
+    throughput = policy_for(SearchConfig())
+    assert not throughput.weighs_memory and SearchConfig().saved_options() == ()
+    with pytest.raises(UsageError, match="objective='throughput' chooses no saved precision"):
+        throughput.saved(_estimate(1.0), 0.5, 100.0)
+    assert [policy_for(SearchConfig(objective=o)).objective for o in ("memory", "balanced")] == [
+        Objective.MEMORY, Objective.BALANCED]
+
+
+# --------------------------------------------------------------------------------------------- per whole step
+def _rounds(step: dict[str, float], count: int = 6) -> dict[str, list[float]]:
+    """Per-round times around ``step`` (a steady machine: within 0.2 % of each other)."""
+    return {k: [v * (1 + 0.002 * ((i * 7) % 3 - 1)) for i in range(count)] for k, v in step.items()}
+
+
+def test_a_whole_step_plan_that_cannot_be_told_apart_is_undecided() -> None:
+    policy = policy_for(SearchConfig())
+    steps = StepComparison({"fp32": [10.0] * 6, "candidates": [8.0, 9.9, 8.1, 10.2, 8.0, 9.8]})
+    assert policy.candidates_pay(steps) is Verdict.UNDECIDED
+    steps = StepComparison({"fp32": [10.0] * 6, "candidates": [8.0, 8.1, 7.9, 8.0, 8.2, 7.8]})
+    assert policy.candidates_pay(steps) is Verdict.BELOW
+    assert steps.ratios()["candidates"]["ratio"] == pytest.approx(0.8)
+    assert policy_for(SearchConfig(objective="memory")).candidates_pay(steps) is Verdict.BELOW
+
+
+@pytest.mark.parametrize(
+    ("step", "expected"),
+    [
+        ({"fp32": 100, "candidates": 90, "compute": 80, "all_low": 84}, "compute"),  # fastest that beats both
+        ({"fp32": 100, "candidates": 82, "compute": 80, "all_low": 84}, None),  # 2.5 % is within the margin
+        ({"fp32": 100, "candidates": 70, "compute": 80, "all_low": 99}, None),  # the candidates win
+        ({"fp32": 100, "compute": 97, "all_low": 60}, "all_low"),  # no candidates: must beat fp32 only
+        ({"fp32": 100, "compute": 97, "all_low": 98}, None),
+    ],
+)
+def test_whole_step_winner_needs_the_margin_over_fp32_and_the_candidates(step: dict[str, float],
+                                                                       expected: str | None) -> None:
+    labels = [k for k in step if k not in ("fp32", "candidates")]
+    policy = policy_for(SearchConfig())
+    assert policy.winner(StepComparison(_rounds(step)), {}, labels, "candidates" in step) == expected
+    if expected is not None:  # a win in some rounds is not enough: the interval of the per-round ratios must clear
+        noisy = _rounds(step)
+        noisy[expected][1:3] = [noisy["fp32"][1], noisy["fp32"][2] * 1.2]
+        assert policy.winner(StepComparison(noisy), {}, labels, "candidates" in step) != expected
+
+
+@pytest.mark.parametrize(
+    ("saved", "step", "expected"),
+    [
+        ({"fp32": 100, "candidates": 60, "compute": 70, "all_low": 40}, {}, "all_low"),  # the leanest
+        ({"fp32": 100, "candidates": 60, "compute": 59, "all_low": 58}, {}, None),  # within the 5 % margin
+        ({"fp32": 100, "candidates": 60, "all_low": 40}, {"all_low": 160}, None),  # 1.6x slower than fp32
+        ({"fp32": 100, "compute": 97, "all_low": 50}, {}, "all_low"),  # no candidates: must beat fp32
+    ],
+)
+def test_memory_objective_adopts_the_leanest_whole_step_within_the_slowdown(
+        saved: dict[str, float], step: dict[str, float], expected: str | None) -> None:
+    policy = policy_for(SearchConfig(objective="memory"))
+    times = _rounds({k: step.get(k, 100.0) for k in saved})
+    labels = [k for k in saved if k not in ("fp32", "candidates")]
+    assert policy.winner(StepComparison(times), saved, labels, "candidates" in saved) == expected
+
+
+@pytest.mark.parametrize(
+    ("saved", "step", "expected"),
+    [
+        # all_low: time x0.6, bytes x0.5 -> 0.55; candidates: x0.5, x0.9 -> 0.67; compute: x0.55, x1.0 -> 0.74
+        ({"fp32": 100, "candidates": 90, "compute": 100, "all_low": 50},
+         {"fp32": 100, "candidates": 50, "compute": 55, "all_low": 60}, "all_low"),
+        # all_low 0.66 is within 5 % of the candidates' 0.67
+        ({"fp32": 100, "candidates": 90, "all_low": 72}, {"fp32": 100, "candidates": 50, "all_low": 60}, None),
+    ],
+)
+def test_balanced_objective_weighs_time_and_memory_of_whole_steps(
+        saved: dict[str, float], step: dict[str, float], expected: str | None) -> None:
+    policy = policy_for(SearchConfig(objective="balanced"))
+    labels = [k for k in saved if k not in ("fp32", "candidates")]
+    assert policy.winner(StepComparison(_rounds(step)), saved, labels, True) == expected
+
+
+def test_whole_step_alternatives_are_distinct_plans_without_excluded_operators() -> None:
+    model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    modules = dict(iter_operators(model))
+    order, lowerable = list(modules), list(modules)
+    choices = {"0": Choice.CANDIDATE, "1": Choice.FILL, "2": Choice.CANDIDATE, "3": Choice.FP32, "4": Choice.FP32}
+    decisions = {name: OperatorDecision("Linear", OperatorKind.COMPUTE, 0, decision=choice, excluded=name == "4")
+                 for name, choice in choices.items()}
+    runs = cheap_runs(order, decisions, modules)
+    assert runs == [CheapRun("0", "2", ("1",))]
+    stage = BatchStage(SearchConfig(verbose=False), Precision.BF16, CoMPPrecision())
+    alternatives = stage._alternatives(modules, lowerable, order, decisions, ["0", "2"], runs)
+    lowered = {label: {s for s, p in plan.entries if p is Precision.BF16} for label, plan in alternatives.items()}
+    # all_low leaves the excluded head out; compute = the Linears allowed (without the LayerNorm fill)
+    assert lowered == {"all_low": {"0", "1", "2", "3"}, "compute": {"0", "2"}}
+
+
+# ----------------------------------------------------------------------------------------- saved precisions
+def test_judge_saved_takes_the_smallest_precision_that_pays_for_the_objective() -> None:
+    memory = policy_for(SearchConfig(objective="memory", max_memory_slowdown=1.5))
+    options = {SavedPrecision.FP8: (256, _estimate(1.3)), SavedPrecision.BF16: (512, _estimate(1.1))}
+    assert judge_saved(memory, 1024, options).decision is SavedPrecision.FP8
+    slow = {SavedPrecision.FP8: (256, _estimate(2.0)), SavedPrecision.BF16: (512, _estimate(1.1))}
+    entry = judge_saved(memory, 1024, slow)
+    assert entry.decision is SavedPrecision.BF16 and entry.gain_bytes == 512 and entry.benefit == 512
+    assert entry.bytes == {"fp32": 1024, "fp8": 256, "bf16": 512}
+    assert entry.to_dict()["decision"] == "bf16" and entry.to_dict()["gain_bytes"] == 512
+    nothing = judge_saved(memory, 0, options)
+    assert nothing.decision is SavedPrecision.FP32 and "saves too little" in nothing.reason
+    balanced = policy_for(SearchConfig(objective="balanced"))
+    # balanced: sqrt(time x memory) must improve by the margin: fp8 at x1.3 time and x0.25 bytes does (0.57)
+    assert judge_saved(balanced, 1024, options).decision is SavedPrecision.FP8
+    assert judge_saved(balanced, 1024, {SavedPrecision.BF16: (1000, _estimate(1.0))}).decision is SavedPrecision.FP32
+
+
+def test_a_lowering_whose_tensor_another_operator_keeps_is_dropped() -> None:
+    sharing = {"relu": {"fc"}, "fc": {"relu"}, "norm": set(), "act": {"proj"}, "proj": {"act"}}
+    fp8 = SavedPrecision.FP8
+    dropped = unshared_choices({"fc": fp8, "norm": fp8, "act": fp8, "proj": fp8}, sharing, forced=set())
+    assert set(dropped) == {"fc"} and "also saved by relu" in dropped["fc"]  # relu keeps it: both forms held
+    assert unshared_choices({"fc": fp8}, sharing, forced={"fc"}) == {}  # include_saved forces it anyway
+    # dropping one makes its partner unshared in turn
+    chain = {"a": {"b"}, "b": {"a", "c"}, "c": {"b"}}
+    assert set(unshared_choices({"a": fp8, "b": fp8}, chain, forced=set())) == {"a", "b"}
+
+
+def test_operators_that_save_the_same_tensors_form_one_group_in_execution_order() -> None:
+    sharing = {"relu": {"fc"}, "fc": {"relu", "drop"}, "drop": {"fc"}, "norm": set()}
+    assert sharing_groups(["norm", "relu", "fc", "drop", "head"], sharing) == [
+        ("norm",), ("relu", "fc", "drop"), ("head",)]
+
+
+# -------------------------------------------------------------------------------------- the plan of a trial
+def test_a_trial_plan_lowers_its_compute_candidates_with_their_fills_and_its_saved_candidates() -> None:
+    runs = [CheapRun("l1", "l2", ("a1",))]
+    group = (Candidate("l1"), Candidate("l2"), Candidate.saved("a1"))
+    plan = plan_for(Precision.BF16, runs, group, {"a1": SavedPrecision.FP8})
+    assert {s: p.value for s, p in plan.entries} == {"l1": "bf16", "a1": "bf16", "l2": "bf16"}
+    assert plan.saved_of("a1") is SavedPrecision.FP8 and plan.saved_of("l2") is SavedPrecision.FP32
+    alone = plan_for(Precision.BF16, runs, (Candidate("l1"),))
+    assert {s for s, _ in alone.entries} == {"l1"}  # a run is lowered only when both of its ends are
+    assert plan_for(Precision.BF16, runs, None) == plan_for(Precision.BF16, runs, ()) == type(plan)()
+    with pytest.raises(SearchConfigError, match=r"\['a1'\] have no saved precision"):
+        plan_for(Precision.BF16, [], (Candidate.saved("a1"),), {})
+
+
+def test_candidates_are_typed_and_travel_as_plain_pairs() -> None:
+    saved = Candidate.saved("body.0")
+    assert saved.is_saved and saved.dimension is Dimension.SAVED and str(saved) == "body.0 (saved)"
+    assert Candidate.from_plain(saved.to_plain()) == saved and saved.to_plain() == ["body.0", "saved"]
+    assert Candidate("saved:x").to_plain() == ["saved:x", "compute"]  # any operator name, no prefix to confuse
+    with pytest.raises(SearchConfigError, match="Malformed CoMPSearch candidate"):
+        Candidate.from_plain("saved:body.0")
+
+
+# ---------------------------------------------------------------------------------------------- trial verdicts
+def test_trial_verdicts_against_the_reference_nan_and_skipped_steps() -> None:
+    config = SearchConfig(max_skipped_fraction=0.5, verbose=False)
+    kwargs: dict[str, Any] = {"nonfinite_loss": False, "skipped_steps": 3, "steps": 8}
+    assert judge_trial(config, 1.0, reference=None, **kwargs) == (TrialVerdict.PASS, "reference")  # 37.5% <= 50%
+    kwargs["skipped_steps"] = 5
+    assert judge_trial(config, 1.0, reference=None, **kwargs) == (TrialVerdict.FAIL,
+                                                                   "fp16 loss scaler skipped 62% of steps")
+    kwargs["skipped_steps"] = 0
+    assert judge_trial(config, 1.01, reference=1.0, **kwargs)[0] is TrialVerdict.PASS  # within 2 %
+    assert judge_trial(config, 1.03, reference=1.0, **kwargs) == (TrialVerdict.FAIL,
+                                                                   "1.03 not <= 1.02 (reference 1)")
+    assert judge_trial(config, float("nan"), reference=1.0, **kwargs)[0] is TrialVerdict.FAIL
+    assert judge_trial(config, 1.0, reference=1.0, **{**kwargs, "nonfinite_loss": True})[1] == "NaN/Inf loss or metric"
+    accuracy = SearchConfig(mode="max", tolerance=0.1, tolerance_mode="absolute")
+    assert judge_trial(accuracy, 0.85, reference=0.9, **kwargs) == (TrialVerdict.PASS, "0.85 >= 0.8")
+
+
+# ------------------------------------------------------------------------------------------------ group testing
+def _ops(*names: str) -> tuple[Candidate, ...]:
+    return tuple(Candidate(n) for n in names)
+
+
+def _oracle(unsafe: set[str]) -> Any:
+    return lambda group: not ({c.operator for c in group} & unsafe)
+
+
+@pytest.mark.parametrize("unsafe", [set(), {"op3"}, {"op0", "op7"}, {"op1", "op2", "op5"}])
+def test_group_search_finds_exactly_the_unsafe_operators(unsafe: set[str]) -> None:
+    candidates = _ops(*(f"op{i}" for i in range(8)))
+    search = GroupSearch(candidates, max_trials=64)
+    passes = _oracle(unsafe)
+    trials = 0
+    while not search.done:
+        group = search.next_group()
+        assert group is not None
+        search.report(group, passes(group))
+        search = GroupSearch.from_state(search.state_dict())  # survives a checkpoint at every step
+        trials += 1
+    assert {c.operator for c in search.result or ()} == {c.operator for c in candidates} - unsafe
+    u = max(1, len(unsafe))
+    assert trials <= 1 + 2 * u * math.ceil(math.log2(len(candidates))) + 1
+
+
+def test_group_search_falls_back_when_safe_groups_fail_together() -> None:
+    a, b, c, d = _ops("a", "b", "c", "d")
+    search = GroupSearch((a, b, c, d), benefits={a: 5.0, b: 1.0, c: 1.0, d: 1.0}, max_trials=16)
+    verdicts = {(a, b, c, d): False, (a, b): True, (c,): True}
+    while search.confirming is None:
+        group = search.next_group()
+        assert group is not None
+        search.report(group, verdicts[group])
+    # (c, d) and then (d,) were inferred to fail; the untried safe set must be confirmed by a trial
+    assert search.unsafe == [d] and search.confirming == (a, b, c)
+    search.report((a, b, c), False)  # the safe groups interact: the union fails
+    assert search.result == (a, b)  # the passing group with the largest estimated benefit
+
+
+def test_group_search_keeps_a_confirmed_safe_set() -> None:
+    a, b, c, d = _ops("a", "b", "c", "d")
+    search = GroupSearch((a, b, c, d), max_trials=16)
+    verdicts = {(a, b, c, d): False, (a, b): True, (c,): True, (a, b, c): True}
+    while not search.done:
+        group = search.next_group()
+        assert group is not None
+        search.report(group, verdicts[group])
+    assert search.result == (a, b, c) and search.trials == 4
+
+
+def test_group_search_infers_the_failing_half_without_a_trial() -> None:
+    a, b, c = _ops("a", "b", "c")
+    search = GroupSearch((a, b, c), max_trials=16)
+    tried = []
+    while not search.done:
+        group = search.next_group()
+        assert group is not None
+        tried.append(group)
+        search.report(group, b not in group)
+    assert search.result == (a, c)
+    assert (b, c) not in tried  # inferred to fail once (a,) passed
+    assert search.inferred == [b, c]
+
+
+def test_group_search_respects_the_trial_budget_and_refuses_a_verdict_for_another_group() -> None:
+    search = GroupSearch(_ops(*(f"op{i}" for i in range(16))), max_trials=3)
+    with pytest.raises(UsageError, match="waiting for"):
+        search.report(_ops("op0"), True)
+    while not search.done:
+        group = search.next_group()
+        assert group is not None
+        search.report(group, len(group) == 1)
+    assert search.trials <= 3

@@ -1,0 +1,201 @@
+"""Property tests (hypothesis) for plan parsing, precedence and round trips over arbitrary selectors/precisions."""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from lightning_comp import OperatorFingerprint, PlanError, Precision, PrecisionPlan, parse_precision
+
+SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+identifier = st.from_regex(r"[A-Za-z_][A-Za-z0-9_]{0,8}", fullmatch=True)
+segment = st.one_of(identifier, st.integers(0, 20).map(str))
+name = st.lists(segment, min_size=1, max_size=4).map(".".join)
+glob = st.lists(st.one_of(segment, st.sampled_from(["*", "?", "[0-3]", "lin*", "*.0"])), min_size=1, max_size=4).map(
+    ".".join
+).filter(lambda s: any(c in s for c in "*?["))
+type_selector = identifier.map(lambda s: "type:" + s)
+free_text = st.text(max_size=12).filter(lambda s: not s.startswith("type:"))  # any other string is a valid selector
+selector = st.one_of(name, glob, type_selector, free_text)
+
+
+SPELLINGS = {**{p.value: p for p in Precision}, **{a: Precision(v) for a, v in Precision.aliases().items()}}
+
+
+def _spellings(precision: Precision) -> st.SearchStrategy[Any]:
+    aliases = [a for a, p in SPELLINGS.items() if p is precision]
+    text = st.sampled_from(aliases).flatmap(
+        lambda a: st.tuples(st.sampled_from([a, a.upper(), a.title()]), st.sampled_from(["", " ", "\t"])).map(
+            lambda t: t[1] + t[0] + t[1]
+        )
+    )
+    return st.one_of(text, st.just(precision), st.just(precision.dtype))
+
+
+precision = st.sampled_from(list(Precision))
+precision_value = precision.flatmap(lambda p: _spellings(p).map(lambda v: (p, v)))
+entries = st.dictionaries(selector, precision_value, max_size=8)
+
+
+def _plan(raw: dict[str, tuple[Precision, Any]], default: Precision) -> PrecisionPlan:
+    return PrecisionPlan.from_dict({s: v for s, (_, v) in raw.items()}, default=default)
+
+
+@SETTINGS
+@given(raw=entries, default=precision)
+def test_spellings_parse_to_their_precision(raw: dict[str, tuple[Precision, Any]], default: Precision) -> None:
+    plan = _plan(raw, default)
+    assert dict(plan.entries) == {s: p for s, (p, _) in raw.items()}
+    assert plan.default is default
+    assert [s for s, _ in plan.entries] == sorted(raw)
+
+
+@SETTINGS
+@given(raw=entries, default=precision, notes=st.dictionaries(identifier, st.integers() | st.text(max_size=5)))
+def test_dict_and_json_round_trip(raw: dict[str, tuple[Precision, Any]], default: Precision, notes: dict) -> None:
+    plan = _plan(raw, default).with_provenance(**notes)
+    data = plan.to_dict()
+    assert PrecisionPlan.from_dict(data) == plan
+    restored = PrecisionPlan.from_dict(json.loads(json.dumps(data)))
+    assert restored == plan and restored.provenance == plan.provenance
+    assert restored.to_dict() == data  # serialisation is a fixed point
+
+
+@SETTINGS
+@given(
+    raw=entries,
+    default=precision,
+    operators=st.lists(st.tuples(name, identifier), max_size=6, unique_by=lambda t: t[0]),
+)
+def test_save_load_round_trip(
+    tmp_path_factory: pytest.TempPathFactory,
+    raw: dict[str, tuple[Precision, Any]],
+    default: Precision,
+    operators: list[tuple[str, str]],
+) -> None:
+    plan = _plan(raw, default)
+    if operators:  # a bound plan keeps its fingerprint and environment through the file
+        plan = PrecisionPlan(plan.entries, plan.default, OperatorFingerprint(tuple(operators)), "2.x", "cpu")
+    path = tmp_path_factory.mktemp("plans") / "plan.json"
+    assert PrecisionPlan.load(plan.save(path)) == plan
+
+
+_VALID = set(SPELLINGS)
+
+
+@SETTINGS
+@given(value=st.text(max_size=10).filter(lambda s: s.strip().lower() not in _VALID), sel=name)
+def test_invalid_precision_strings_raise_naming_the_value(value: str, sel: str) -> None:
+    with pytest.raises(PlanError) as info:
+        parse_precision(value)
+    assert repr(value) in str(info.value) and "'bf16'" in str(info.value)
+    with pytest.raises(PlanError) as info:
+        PrecisionPlan.from_dict({sel: value})
+    assert repr(value) in str(info.value) and repr(sel) in str(info.value)
+    with pytest.raises(PlanError):
+        PrecisionPlan.from_dict({}, default=value)
+
+
+@SETTINGS
+@given(value=st.one_of(st.integers(), st.floats(allow_nan=False), st.none(), st.lists(st.integers(), max_size=2)))
+def test_non_string_precisions_raise(value: object) -> None:
+    with pytest.raises(PlanError, match="Unknown precision"):
+        parse_precision(value)
+
+
+@SETTINGS
+@given(bad=identifier.map(lambda s: "type:" + s + "."), p=precision)
+def test_malformed_type_selectors_raise(bad: str, p: Precision) -> None:
+    with pytest.raises(PlanError, match="must name a class"):
+        PrecisionPlan.from_dict({bad: p})
+
+
+class _A(nn.Linear):
+    pass
+
+
+class _B(_A):
+    pass
+
+
+_CLASSES = [_B, _A, nn.Linear, nn.Module, object]
+
+
+def _oracle(plan: PrecisionPlan, op: str, klass: type) -> Precision:
+    """The documented precedence, spelled out independently: exact > longest glob > nearest type > default."""
+    table = dict(plan.entries)
+    if op in table and not any(c in op for c in "*?[") and not op.startswith("type:"):
+        return table[op]
+    globs = [
+        s for s in table if not s.startswith("type:") and any(c in s for c in "*?[") and fnmatch.fnmatchcase(op, s)
+    ]
+    if globs:
+        return table[max(globs, key=lambda s: (len(s), s))]
+    for k in klass.__mro__:
+        if "type:" + k.__name__ in table:
+            return table["type:" + k.__name__]
+    return plan.default
+
+
+@SETTINGS
+@given(
+    raw=entries,
+    default=precision,
+    op=name,
+    klass=st.sampled_from(_CLASSES[:3]),
+    types=st.dictionaries(st.sampled_from([c.__name__ for c in _CLASSES[:4]]), precision, max_size=4),
+)
+def test_precedence_matches_the_documented_rule(
+    raw: dict[str, tuple[Precision, Any]], default: Precision, op: str, klass: type, types: dict[str, Precision]
+) -> None:
+    plan = _plan(raw, default).with_entries({"type:" + t: p for t, p in types.items()})
+    assert plan.precision_of(op, klass) is _oracle(plan, op, klass)
+
+
+@SETTINGS
+@given(raw=entries, op=name, p=precision, q=precision)
+def test_exact_entry_always_decides_and_types_never_override_names(
+    raw: dict[str, tuple[Precision, Any]], op: str, p: Precision, q: Precision
+) -> None:
+    plan = _plan(raw, Precision.FP32)
+    assert plan.with_entries({op: p}).precision_of(op, _B) is p
+    named = plan.with_entries({op: p, "type:_B": q, "type:Linear": q})
+    assert named.precision_of(op, _B) is p
+    before = plan.precision_of(op)  # decided without a class: by name, glob or default
+    explained_by_name = any(
+        s == op or (any(c in s for c in "*?[") and not s.startswith("type:") and fnmatch.fnmatchcase(op, s))
+        for s, _ in plan.entries
+    )
+    if explained_by_name:
+        assert plan.with_entries({"type:_B": q}).precision_of(op, _B) is before
+
+
+@SETTINGS
+@given(raw=entries, default=precision)
+def test_entries_are_validated_against_a_model(raw: dict[str, tuple[Precision, Any]], default: Precision) -> None:
+    model = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+    plan = _plan(raw, default)
+    unmatched = plan.unmatched_entries(model)
+    for s in unmatched:
+        assert s in raw
+    matched = [s for s in raw if s not in unmatched]
+    for s in matched:  # every matched entry can decide at least one operator when it is the only entry
+        alone = PrecisionPlan.from_dict({s: "fp16"}, default="bf16")
+        assert Precision.FP16 in alone.resolve(model).values()
+    kept = PrecisionPlan.from_dict({s: p for s, (p, _) in raw.items() if s in matched}, default=default)
+    assert kept.bind(model).fingerprint == OperatorFingerprint.of(model)
+    if unmatched:
+        with pytest.raises(PlanError, match="match"):
+            plan.bind(model)
+
+
+def test_dtype_precisions_are_accepted() -> None:
+    assert PrecisionPlan.from_dict({"x": torch.bfloat16}) == PrecisionPlan.from_dict({"x": "bf16"})

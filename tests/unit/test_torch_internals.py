@@ -1,0 +1,132 @@
+"""Every private torch attribute the package touches, checked against the installed torch: an upgrade that renames or
+moves one fails here, by name, instead of silently changing what a plan computes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch import nn
+
+from lightning_comp.adapters import torch_internals as adapter
+from lightning_comp.execution.compiled_regions import is_compiled
+from lightning_comp.execution.saved_hooks import OuterHooks, take_back
+
+
+def test_module_base_classes_are_those_of_the_convolutions_and_norms() -> None:
+    assert all(issubclass(t, adapter.CONV_BASE) for t in (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose2d))
+    assert all(issubclass(t, adapter.NORM_BASE) for t in (nn.BatchNorm1d, nn.BatchNorm2d, nn.InstanceNorm2d))
+    assert issubclass(nn.BatchNorm2d, adapter.BATCH_NORM_BASE) and not issubclass(nn.InstanceNorm2d,
+                                                                                   adapter.BATCH_NORM_BASE)
+
+
+def test_an_rnn_points_at_its_own_parameters_again_after_a_swap() -> None:
+    rnn = nn.LSTM(2, 2)
+    with adapter.reparametrized(rnn, {n: p.to(torch.bfloat16) for n, p in rnn.named_parameters()}):
+        assert rnn.weight_ih_l0.dtype == torch.bfloat16
+    adapter.update_rnn_flat_weights(rnn)
+    assert all(w is p for w, p in zip(rnn._flat_weights, rnn.parameters(), strict=True))
+    out, _ = rnn(torch.ones(3, 1, 2))
+    assert out.dtype == torch.float32
+
+
+def test_tensor_base_and_version() -> None:
+    base = torch.ones(4)
+    view = base[1:3]
+    assert adapter.tensor_base(view) is base and adapter.tensor_base(base) is base
+    before = adapter.tensor_version(base)
+    base.add_(1)
+    assert adapter.tensor_version(base) == before + 1 and adapter.tensor_version(view) == before + 1
+
+
+def test_a_reparametrized_module_computes_with_the_given_tensors_and_gets_its_own_back() -> None:
+    layer = nn.Linear(2, 1, bias=False)
+    weight = layer.weight
+    with adapter.reparametrized(layer, {"weight": torch.zeros(1, 2)}):
+        assert float(layer(torch.ones(1, 2))) == 0.0
+    assert layer.weight is weight
+
+
+def test_saved_tensor_hooks_in_force_are_seen_and_handed_on() -> None:
+    assert adapter.saved_tensors_hooks_enabled()
+    assert adapter.top_saved_tensors_hooks() is None
+    packed: list[torch.Tensor] = []
+
+    def pack(tensor: torch.Tensor) -> Any:
+        packed.append(tensor)
+        return ("outer", tensor)
+
+    def unpack(saved: Any) -> torch.Tensor:
+        return saved[1]
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        hooks = adapter.top_saved_tensors_hooks()
+        assert hooks is not None and hooks[0] is pack and hooks[1] is unpack
+        outer = OuterHooks()
+        tensor = torch.ones(2)
+        assert take_back(outer.hand_on(tensor)) is tensor and packed == [tensor]
+    assert take_back(OuterHooks().hand_on(tensor)) is tensor  # no outer hooks: kept as it is
+
+
+def test_the_functional_autocast_pair_enters_and_leaves_a_region() -> None:
+    assert adapter.ENTER_AUTOCAST is torch.amp.autocast_mode._enter_autocast
+    assert adapter.EXIT_AUTOCAST is torch.amp.autocast_mode._exit_autocast
+    mode = adapter.ENTER_AUTOCAST("cpu", torch.bfloat16, True, False)
+    try:
+        assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
+    finally:
+        adapter.EXIT_AUTOCAST(mode)
+    assert not torch.is_autocast_enabled("cpu")
+
+
+def test_dynamo_settings_the_package_reads_and_patches() -> None:
+    def code() -> None:
+        return None
+
+    adapter.never_compile_as_frame(code.__code__)  # must not raise
+    assert torch._dynamo.config.skip_nnmodule_hook_guards
+    with adapter.dynamo_guards_module_hooks():
+        assert not torch._dynamo.config.skip_nnmodule_hook_guards
+    assert torch._dynamo.config.skip_nnmodule_hook_guards
+    assert adapter.dynamo_traces_rnn() is bool(torch._dynamo.config.allow_rnn)
+    with adapter.dynamo_disabled():
+        assert torch._dynamo.config.disable
+
+
+def test_compiled_modules_and_forwards_are_recognised() -> None:
+    plain = nn.Sequential(nn.Linear(2, 2))
+    compiled = torch.compile(nn.Linear(2, 2))
+    assert adapter.is_compiled_module(compiled) and not adapter.is_compiled_module(plain)
+    assert getattr(compiled, adapter.COMPILED_WRAPPER_ATTRIBUTE) is not None
+    module = nn.Linear(2, 2)
+    module.forward = torch.compile(module.forward)  # type: ignore[method-assign]
+    assert adapter.has_compiled_forward(module) and not adapter.has_compiled_forward(plain)
+    # what the plugin asks: compiled for fit (Lightning unwraps it), a compiled submodule, or a compiled forward
+    assert not is_compiled(plain) and is_compiled(nn.Sequential(compiled)) and is_compiled(module)
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = nn.Linear(2, 2)
+
+    from lightning.pytorch.utilities.compile import _maybe_unwrap_optimized
+
+    assert is_compiled(_maybe_unwrap_optimized(torch.compile(Module()))) and not is_compiled(Module())
+
+
+@pytest.mark.parametrize("feature", ["avx2", "avx512", "avx512_bf16", "amx_tile", "amx_fp16"])
+def test_torch_probes_each_cpu_feature(feature: str) -> None:
+    probe = adapter.cpu_feature_probe(feature)
+    assert probe is not None, f"torch.cpu._is_{feature}_supported is gone: /proc/cpuinfo answers instead"
+    assert isinstance(probe(), bool)
+    assert adapter.cpu_feature_probe("no_such_feature") is None
+
+
+@pytest.mark.parametrize("name", adapter.__all__)
+def test_every_adapter_symbol_is_exported(name: str) -> None:
+    symbol = getattr(adapter, name)
+    assert symbol is not None
+    if callable(symbol) and not isinstance(symbol, type):
+        assert symbol.__doc__ or symbol in (adapter.ENTER_AUTOCAST, adapter.EXIT_AUTOCAST)
