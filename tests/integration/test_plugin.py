@@ -4,6 +4,7 @@ every step kind, re-application, FP16 loss scaling."""
 from __future__ import annotations
 
 import copy
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +13,15 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_comp import CoMPPrecision, PlanError, PlanMismatchError, PrecisionPlan, StepKind, UnsupportedSetupError
+from lightning_comp import (
+    CoMPPrecision,
+    PlanError,
+    PlanMismatchError,
+    Precision,
+    PrecisionPlan,
+    StepKind,
+    UnsupportedSetupError,
+)
 from tests.helpers.models import MIXED_OPERATORS, WEIGHTS_ONLY, TinyMLP
 from tests.helpers.recording import DtypeRecorder, count_forward_hooks
 
@@ -331,6 +340,53 @@ def test_checkpoint_round_trip_and_resume(tmp_path: Path, make_mlp: Any, make_re
     pl.Trainer(plugins=[fresh], **fast_trainer_kwargs).validate(make_mlp(), loader, ckpt_path=path, verbose=False,
                                                                  **WEIGHTS_ONLY)
     assert fresh.plan == plugin.plan
+
+
+@pytest.mark.parametrize("how", ["constructor", "set_plan"])
+def test_an_explicit_plan_wins_over_the_checkpoints_with_a_warning_naming_both(
+        tmp_path: Path, how: str, make_mlp: Any, make_regression_loader: Any,
+        fast_trainer_kwargs: dict[str, Any]) -> None:
+    """Resuming a checkpoint (a searched one, say, that lowered the head) with a plan of the user's own: the user's
+    plan is the one that trains (it used to be replaced silently, and the head computed in bf16)."""
+    loader = make_regression_loader()
+    searched = CoMPPrecision({"type:Linear": "bf16"})  # stands for the plan a search chose: the head lowered
+    trainer = pl.Trainer(max_epochs=1, plugins=[searched], **fast_trainer_kwargs)
+    trainer.fit(make_mlp(), loader)
+    path = tmp_path / "searched.ckpt"
+    trainer.save_checkpoint(path)
+    mine = {"net.0": "bf16", "net.4": "fp32"}
+    plugin = CoMPPrecision(mine) if how == "constructor" else CoMPPrecision()
+    if how == "set_plan":
+        plugin.set_plan(mine)
+    model = make_mlp()
+    resumed = pl.Trainer(max_epochs=2, plugins=[plugin], **fast_trainer_kwargs)
+    with pytest.warns(UserWarning) as caught:
+        resumed.fit(model, loader, ckpt_path=path, **WEIGHTS_ONLY)
+    message = next(str(w.message) for w in caught if "the checkpoint holds the plan" in str(w.message))
+    assert "{'type:Linear': 'bf16', '<default>': 'fp32'}" in message  # what the checkpoint held
+    assert "{'net.0': 'bf16', 'net.4': 'fp32', '<default>': 'fp32'}" in message and "is kept" in message
+    assert {s: p.value for s, p in plugin.plan.entries} == mine
+    assert plugin.executor.precisions()["net.4"] is Precision.FP32 and plugin.executor.precisions()["net.0"].is_low
+    assert resumed.global_step == 8  # the rest of the checkpoint (weights, optimizer, progress) resumed
+    assert torch.load(path, weights_only=True)["CoMPPrecision"]["plan"]["entries"] == {"type:Linear": "bf16"}
+    resumed.save_checkpoint(tmp_path / "mine.ckpt")  # and from now on the user's plan is the checkpoint's
+    assert torch.load(tmp_path / "mine.ckpt", weights_only=True)["CoMPPrecision"]["plan"]["entries"] == mine
+
+
+def test_the_same_explicit_plan_as_the_checkpoints_resumes_without_a_warning(
+        tmp_path: Path, make_mlp: Any, make_regression_loader: Any, fast_trainer_kwargs: dict[str, Any]) -> None:
+    loader = make_regression_loader()
+    plan = {"type:Linear": "bf16"}
+    trainer = pl.Trainer(max_epochs=1, plugins=[CoMPPrecision(plan)], **fast_trainer_kwargs)
+    trainer.fit(make_mlp(), loader)
+    path = tmp_path / "run.ckpt"
+    trainer.save_checkpoint(path)
+    plugin = CoMPPrecision(plan)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*checkpoint holds the plan.*")
+        pl.Trainer(max_epochs=2, plugins=[plugin], **fast_trainer_kwargs).fit(make_mlp(), loader, ckpt_path=path,
+                                                                              **WEIGHTS_ONLY)
+    assert {s: p.value for s, p in plugin.plan.entries} == plan
 
 
 def test_resume_into_a_different_model_fails_loudly(tmp_path: Path, make_mlp: Any, make_regression_loader: Any,

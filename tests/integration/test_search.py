@@ -125,18 +125,22 @@ def test_decision_record_is_written_and_in_checkpoint(offset_run: dict[str, Any]
 
 
 @pytest.mark.slow
-def test_killed_mid_search_resumes_and_finishes_with_the_same_plan(offset_run: dict[str, Any], tmp_path: Path) -> None:
+@pytest.mark.parametrize("starting_plan", [None, {"head": "fp32"}])
+def test_killed_mid_search_resumes_and_finishes_with_the_same_plan(offset_run: dict[str, Any], tmp_path: Path,
+                                                                   starting_plan: dict[str, str] | None) -> None:
+    """Resumed with or without an explicit starting plan: the search, not that plan, decides what trains (its
+    trial's plan comes back from the checkpoint)."""
     checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)
     pl.seed_everything(0)
     trainer = search_trainer(tmp_path, [fixed_search(), _Crash(epoch=3), checkpoint], max_epochs=4,
-                             plugin=CoMPPrecision())
+                             plugin=CoMPPrecision(starting_plan))
     train, val = loaders()
     with pytest.raises(RuntimeError, match="simulated crash"):
         trainer.fit(WideMLP(), train, val)
     last = tmp_path / "ckpt" / "last.ckpt"
     assert torch.load(last, weights_only=True)["callbacks"]["CoMPSearch"]["phase"] == "searching"
     search = fixed_search()
-    plugin = CoMPPrecision()
+    plugin = CoMPPrecision(starting_plan)
     resumed = search_trainer(tmp_path, [search, ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)],
                              max_epochs=4, plugin=plugin)
     train, val = loaders()

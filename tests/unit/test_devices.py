@@ -19,11 +19,13 @@ from lightning_comp.devices import cpu_features as cpu_mod
 from lightning_comp.devices import device_classes as devices
 from lightning_comp.devices.device_classes import device_class
 from lightning_comp.errors import PlanError, PlanFileError
-from lightning_comp.execution.emulation import check_plan_device
+from lightning_comp.execution.emulation import check_plan_device, decline_slow_fp16
+from lightning_comp.execution.failure_notes import precision_may_cause
 from lightning_comp.plan import PLAN_VERSION
+from lightning_comp.plugins import comp as comp_plugin
 from tests.helpers.models import TinyMLP, regression_loader
 
-BF16, FP16 = Precision.BF16, Precision.FP16
+BF16, FP16, FP32 = Precision.BF16, Precision.FP16, Precision.FP32
 
 
 @pytest.fixture
@@ -198,3 +200,63 @@ def test_an_error_inside_a_lowered_operator_names_it_and_the_device() -> None:
     assert len(notes) == 1, notes
     assert "operator '1' (Picky) computing in bf16 (autocast lowering) on cpu [cpu " in notes[0]
     assert "Assign it 'fp32'" in notes[0]
+
+
+def test_an_error_that_does_not_come_from_precision_is_not_blamed_on_it() -> None:
+    """An out-of-range token index raises the same IndexError in fp32: the note must not advise fp32 as the fix."""
+    model = nn.Sequential(nn.Embedding(8, 4), nn.Linear(4, 4))
+    plugin = CoMPPrecision({"0": "bf16", "1": "bf16"})
+    plugin.convert_module(model)
+    with pytest.raises(IndexError, match="index out of range") as info, plugin.train_step_context():
+        model(torch.tensor([[1, 9]]))  # 9 is not a row of the table
+    (note,) = getattr(info.value, "__notes__", [])
+    assert "operator '0' (Embedding) computing in bf16 (output lowering)" in note
+    assert "may not come from precision" in note and "Assign it 'fp32'" not in note
+    with pytest.raises(IndexError) as fp32, torch.no_grad():
+        nn.Embedding(8, 4)(torch.tensor([[1, 9]]))  # the same error in fp32
+    assert type(fp32.value) is type(info.value)
+
+
+@pytest.mark.parametrize("message", [
+    "expected mat1 and mat2 to have the same dtype, but got: float != c10::BFloat16",
+    "\"addmm_impl_cpu_\" not implemented for 'Half'",
+    "could not create a primitive descriptor for the LSTM forward propagation primitive",
+])
+def test_errors_that_speak_of_dtypes_or_16_bit_kernels_advise_fp32(message: str) -> None:
+    assert precision_may_cause(RuntimeError(message))
+    assert not precision_may_cause(IndexError("index out of range in self"))
+    assert not precision_may_cause(RuntimeError("shape '[2, 3]' is invalid for input of size 4"))
+
+
+def test_declining_slow_fp16_keeps_the_saved_dimension_and_the_rest_of_the_plan() -> None:
+    """An fp16 plan on a device without fast fp16 runs its fp16 entries in fp32; its saved entries, saved default,
+    fingerprint and provenance are the plan's still (they used to be dropped: the plan was rebuilt from its compute
+    entries alone)."""
+    model = TinyMLP()
+    plan = PrecisionPlan.for_model(model, {"net.0": {"compute": "fp16", "saved": "fp8"}, "net.2": "bf16"},
+                                   provenance={"made_by": "me"})
+    plan = plan.with_saved({}, default="bf16")
+    no_fast_fp16 = DeviceClass("cpu", name="test", capability="AVX512", native=frozenset({BF16}),
+                               emulated=frozenset({FP16}))
+    with pytest.warns(UserWarning, match="no fast fp16"):
+        declined = decline_slow_fp16(plan, no_fast_fp16, allow=False)
+    assert declined.precision_of("net.0") is FP32 and declined.precision_of("net.2") is BF16
+    assert declined.saved == plan.saved and declined.saved_of("net.0").value == "fp8"
+    assert declined.saved_default is plan.saved_default and declined.saved_of("net.4").value == "bf16"
+    assert declined.fingerprint == plan.fingerprint and declined.provenance["made_by"] == "me"
+    assert declined.provenance["declined_fp16"] is True
+    assert decline_slow_fp16(plan, no_fast_fp16, allow=True) is plan
+
+
+def test_the_plugin_trains_a_declined_fp16_plan_with_its_saved_entries(
+        monkeypatch: pytest.MonkeyPatch, fast_trainer_kwargs: dict[str, Any]) -> None:
+    """The Trainer path of the same defect: the saved entries reach the operators' hooks."""
+    no_fast_fp16 = DeviceClass("cpu", name="test", capability="AVX512", native=frozenset({BF16}),
+                               emulated=frozenset({FP16}))
+    monkeypatch.setattr(comp_plugin, "device_class", lambda device: no_fast_fp16)
+    plugin = CoMPPrecision({"net.0": {"compute": "fp16", "saved": "fp8"}}, min_saved_bytes=0)
+    with pytest.warns(UserWarning, match="no fast fp16"):
+        pl.Trainer(max_steps=1, plugins=[plugin], **fast_trainer_kwargs).fit(TinyMLP(), regression_loader())
+    assert plugin.plan.precision_of("net.0") is FP32 and plugin.plan.saved_of("net.0").value == "fp8"
+    assert plugin.executor._operators["net.0"].saved.value == "fp8"
+    assert plugin.executor.saved_tensors.compressed_bytes > 0  # the fp8 codec ran in training

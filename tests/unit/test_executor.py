@@ -553,3 +553,36 @@ def test_a_16bit_plan_that_lowers_no_operator_warns_once_at_apply() -> None:
         warnings.simplefilter("error")
         _apply(model, {"0": "bf16"})  # a real 16-bit operator: no warning
         _apply(model, {})  # all fp32: nothing to say
+
+
+class _Scale(nn.Module):
+    """A leaf with a weight of its own that no autocast list covers: lowered through 16-bit parameter copies."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.weight
+
+
+@pytest.mark.parametrize("recast", [True, False])
+def test_parameters_replaced_after_the_plan_is_applied_are_the_ones_computed_with_and_trained(recast: bool) -> None:
+    """``load_state_dict(assign=True)`` (or a sharded strategy around every forward) puts new Parameter objects on
+    the same modules. The hooks must compute with those and give them gradients: they used to keep the Parameters
+    of the moment the plan was applied, so zeroed weights still gave a non-zero output and no gradient."""
+    model = nn.Sequential(nn.Linear(4, 4), _Scale(4), nn.Linear(4, 2))
+    executor = PlanExecutor(recast_weights_in_backward=recast)
+    executor.apply(model, PrecisionPlan.from_dict({}, default="bf16"))
+    x = torch.randn(3, 4)
+    _train_step(executor, model, x)  # calibrated with the first parameters
+    zeroed = {name: torch.zeros_like(value) for name, value in model.state_dict().items()}
+    model.load_state_dict(zeroed, assign=True)
+    for step in range(2):  # the calibrating step already ran: both a chained and a fresh step
+        out, loss = _train_step(executor, model, x)
+        assert torch.count_nonzero(out) == 0, (step, out)  # every weight and bias is zero now
+        (out.float().sum() + loss).backward()
+        for name, param in model.named_parameters():
+            assert param.grad is not None, (step, name)  # the new parameters are the ones trained
+        assert float(model[2].bias.grad.abs().sum()) > 0  # d(sum)/d(bias) is 3 per output, whatever the weights
+        model.zero_grad(set_to_none=True)
