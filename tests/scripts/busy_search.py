@@ -1,4 +1,4 @@
-"""The busy-machine scenario of issue 15, shared by ``tests/test_busy_machine.py`` and
+"""The busy-machine scenario of issue 15, shared by ``tests/unit/test_measurement.py`` and
 ``benchmarks/busy_machine.py``: a search's batch stage on an MLP whose operators span clear wins and clear losses.
 
 ``BusyMLP`` has a 512x512 ``Linear`` that BF16 makes ~0.55x as slow where BF16 is native, and a ``Linear(128, 8)``

@@ -1,11 +1,11 @@
 """Train an explicit plan that lowers LSTM, GRU, Conv1d, BatchNorm1d, LayerNorm and Linear to BF16, then run
 ``CoMPSearch()`` with its defaults, and write what happened as JSON.
 
-Run by ``tests/test_cpu_classes.py`` in a subprocess whose environment sets the CPU class, e.g.
+Run by ``tests/integration/test_cpu_classes.py`` in a subprocess whose environment sets the CPU class, e.g.
 ``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2``: ATen and oneDNN then run their AVX2 kernels on any x86 CPU,
 as on an AVX2-only machine (BF16 emulated, CPU-autocast BF16 LSTM unavailable).
 
-Usage: ``python tests/cpu_class_run.py OUT.json``
+Usage: ``python tests/scripts/cpu_class_run.py OUT.json``
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Run CoMPSearch under 2-process DDP on CPU (gloo); every rank writes the plan it ran at each epoch start.
 
-    python tests/ddp_search_run.py STRATEGY OUT_DIR [TRIAL_BATCHES|0] [throughput|memory]
+    python tests/scripts/ddp_search_run.py STRATEGY OUT_DIR [TRIAL_BATCHES|0] [throughput|memory]
 
 With ``memory`` the search also lowers what l2, l3 and l4 save for backward (pinned at fp8), so the ranks must agree
 on the saved dimension's measurements, candidates and trials too.

@@ -1,4 +1,4 @@
-"""Fault-injection runs for ``tests/test_faults.py``, plus the small models the fault tests share.
+"""Fault-injection runs for ``tests/integration/test_faults.py``, plus the small models the fault tests share.
 
 As a script it trains ``WideMLP`` with a deterministic ``CoMPSearch`` (candidates fixed by ``include``/``exclude``,
 un-shuffled data, so nothing depends on timing or on RNG state that Lightning does not checkpoint) and a
@@ -21,7 +21,7 @@ excluded); with ``--busy`` the whole run competes with processes that keep every
 
 Usage::
 
-    python tests/fault_run.py --root DIR [--kill POINT] [--resume] [--out result.json] [--every-n-train-steps N]
+    python tests/scripts/fault_run.py --root DIR [--kill POINT] [--resume] [--out result.json] [--every-n-train-steps N]
 """
 
 from __future__ import annotations
