@@ -105,7 +105,8 @@ def _pre_hook(op: HookedOperator, state: StepState, casts: WeightCastRecorder, c
             if copies:
                 contexts.append(reparametrized(module, copies))
             result = args, kwargs
-        elif lowering is Lowering.NONE and has_dtype((args, kwargs), LOW_DTYPES):
+        elif lowering is Lowering.NONE and (has_dtype(args, LOW_DTYPES) or (kwargs and has_dtype(kwargs, LOW_DTYPES))):
+            # (args and kwargs walked apart: each is a flat structure the walker takes on its fast path)
             result = cast_floating(args, torch.float32, LOW_DTYPES), cast_floating(kwargs, torch.float32, LOW_DTYPES)
         if saved.compresses:
             hooks = compressor.context(saved)
