@@ -10,7 +10,7 @@ with::
                                                    # memory-axis modes (two more searches per model: longer now)
     python benchmarks/compare.py --models cnn,gpt  # a subset
     python benchmarks/compare.py --models gpt,cnn --modes fp32,bf16-mixed,comp,comp-memory   # some modes only
-    python benchmarks/compare.py --smoke           # tiny models, a few steps (what tests/integration/test_benchmark_smoke.py runs)
+    python benchmarks/compare.py --smoke           # tiny models, a few steps (integration/test_benchmark_smoke.py)
     python benchmarks/compare.py --compile         # every mode with torch.compile'd forward (Inductor): FP32, AMP
                                                    # and CoMP, graph breaks counted (results/compile/)
     python benchmarks/compare.py --reanalyse benchmarks/results/compare_raw.json   # re-render without measuring

@@ -39,8 +39,10 @@ from compare_suite import RESULTS_DIR, SUITE  # noqa: E402
 
 from lightning_comp import zoo  # noqa: E402
 from lightning_comp.devices.lowering import Lowering, lowering_for
-from lightning_comp.execution.executor import PlanExecutor
-from lightning_comp.execution.steps import StepKind  # noqa: E402
+from lightning_comp.execution.executor import (
+    PlanExecutor,
+    StepKind,  # noqa: E402
+)
 from lightning_comp.numerics.precision import Precision  # noqa: E402
 from lightning_comp.operators.discovery import iter_operators  # noqa: E402
 from lightning_comp.operators.kinds import classify

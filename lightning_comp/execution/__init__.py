@@ -3,23 +3,20 @@
 =====================  ====================================================================================
 module                 what it holds
 =====================  ====================================================================================
-``steps``              :class:`StepKind`: the kinds of Lightning step
-``hooked``             :class:`HookedOperator`: the run-time state of one hooked operator
 ``saved_hooks``        handing saved tensors on to the saved-tensor hooks already in force
 ``weight_casts``       16-bit weight copies re-cast in backward instead of kept
 ``saved_tensors``      storing what operators save for backward at their planned saved precision
 ``compiled_regions``   autocast regions TorchDynamo traces; eager runs; compiled-model detection
 ``cast_boundaries``    where a low operator's output may stay low, found by tracing one step
-``failure_notes``      what an exception raised inside a lowered operator is told
-``hooks``              the pre- and post-hook of one operator (the hot path)
-``executor``           :class:`PlanExecutor`: puts a plan into effect on a model
+``hooks``              the pre- and post-hook of one operator (the hot path), and the note they add to an
+                       exception its forward raises
+``executor``           :class:`PlanExecutor`: puts a plan into effect on a model; :class:`StepKind`
 ``emulation``          a plan on a device where its 16-bit precision is emulated: warn, or decline FP16
 ``loss_scaling``       the FP16 loss scaler's life cycle, a scaled optimizer step
 ``plugin_state``       what the precision plugin keeps in a checkpoint
 =====================  ====================================================================================
 """
 
-from lightning_comp.execution.executor import PlanExecutor
-from lightning_comp.execution.steps import StepKind
+from lightning_comp.execution.executor import PlanExecutor, StepKind
 
 __all__ = ["PlanExecutor", "StepKind"]

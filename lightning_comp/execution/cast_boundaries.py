@@ -9,15 +9,16 @@ applied, with a ``TorchFunctionMode`` that sees every torch call made outside op
 from __future__ import annotations
 
 import weakref
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, Protocol
 
 import torch
 from torch.overrides import TorchFunctionMode
 
 from lightning_comp.common.nested import tensors
-from lightning_comp.execution.hooked import HookedOperator
+from lightning_comp.numerics.precision import Precision
 
-__all__ = ["LOW_DTYPES", "ConsumerTracer"]
+__all__ = ["LOW_DTYPES", "ConsumerTracer", "TracedOperator"]
 
 LOW_DTYPES = (torch.bfloat16, torch.float16)
 # Tensor metadata reads that neither consume values nor create tensors: they never force a cast boundary.
@@ -28,10 +29,26 @@ _METADATA_METHODS = frozenset({"size", "dim", "numel", "stride", "is_contiguous"
                                "storage_offset", "nelement", "ndimension", "is_complex"})
 
 
+class TracedOperator(Protocol):
+    """What the tracer reads of a hooked operator."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def precision(self) -> Precision: ...
+
+    @property
+    def low(self) -> bool: ...
+
+    @property
+    def transparent(self) -> bool: ...
+
+
 class ConsumerTracer(TorchFunctionMode):
     """Records, for one step, which operators consume each low-precision operator's output."""
 
-    def __init__(self, operators: dict[str, HookedOperator]) -> None:
+    def __init__(self, operators: Mapping[str, TracedOperator]) -> None:
         super().__init__()
         self.operators = operators
         self.depth = 0
@@ -59,7 +76,7 @@ class ConsumerTracer(TorchFunctionMode):
                     self.unused_calls.discard(self.call_of[id(tensor)])
         return func(*args, **kwargs)
 
-    def enter(self, op: HookedOperator, args: Any, kwargs: Any) -> None:
+    def enter(self, op: TracedOperator, args: Any, kwargs: Any) -> None:
         self.depth += 1
         sources: set[str] = set()
         for tensor in tensors((args, kwargs)):
@@ -75,7 +92,7 @@ class ConsumerTracer(TorchFunctionMode):
                     self.escaped.add(producer)
         self.pending.append(frozenset(sources))
 
-    def exit(self, op: HookedOperator, output: Any) -> None:
+    def exit(self, op: TracedOperator, output: Any) -> None:
         sources = self.pending.pop() if self.pending else frozenset()
         attributed = sources if op.transparent else (frozenset({op.name}) if op.low else frozenset())
         if attributed:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
+from enum import Enum
 from typing import Any
 
 import torch
@@ -30,17 +31,24 @@ from lightning_comp.devices.lowering import lowering_for, why_not_lowerable
 from lightning_comp.errors import PlanError
 from lightning_comp.execution.cast_boundaries import ConsumerTracer
 from lightning_comp.execution.compiled_regions import EagerCall, eager, untraceable
-from lightning_comp.execution.hooked import HookedOperator
-from lightning_comp.execution.hooks import StepState, make_hooks
+from lightning_comp.execution.hooks import HookedOperator, StepState, make_hooks
 from lightning_comp.execution.saved_tensors import DEFAULT_MIN_SAVED_BYTES, SavedTensorCompressor
-from lightning_comp.execution.steps import StepKind
 from lightning_comp.execution.weight_casts import WeightCastRecorder
 from lightning_comp.numerics.precision import Precision
 from lightning_comp.operators.discovery import iter_operators
 from lightning_comp.operators.kinds import classify
 from lightning_comp.plan.plan import PrecisionPlan
 
-__all__ = ["PlanExecutor"]
+__all__ = ["PlanExecutor", "StepKind"]
+
+class StepKind(str, Enum):
+    """The kind of Lightning step a forward belongs to; cast boundaries are calibrated per kind."""
+
+    TRAIN = "train"
+    VALIDATION = "validation"
+    TEST = "test"
+    PREDICT = "predict"
+
 
 # The executor whose hooks are on each model. A model carries one plan at a time: applying another executor (a new
 # CoMPPrecision for the same model, e.g. a second Trainer) takes the previous one's hooks off first.

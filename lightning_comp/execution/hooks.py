@@ -8,6 +8,13 @@ entry saves in a lower precision. The post-hook leaves what the pre-hook entered
 stays low only where the step's cast boundaries (:mod:`lightning_comp.execution.cast_boundaries`) say every
 consumer computes in the same precision; anywhere else it returns to FP32.
 
+When the forward raises, the post-hook adds a note to the exception naming the operator, its precision and the
+device, and, only where precision can be the cause, that assigning the operator FP32 may help: an out-of-range
+token index raises the same ``IndexError`` in FP32 as in BF16, and advising FP32 there would send the user the wrong
+way. The advice is given when the error speaks of dtypes or of the low-precision kernels (mixed dtypes, a missing
+16-bit kernel, oneDNN's primitive descriptors, float8); otherwise the note says that the error may not come from
+precision, and how to tell.
+
 Parameters are read from the module at every call, never remembered: a deep copy of the model (an EMA or teacher
 model) computes with its own weights, and parameters replaced on the same module (``load_state_dict(assign=True)``,
 a sharded strategy swapping shards and full tensors around every forward) are the ones used and trained.
@@ -15,6 +22,7 @@ a sharded strategy swapping shards and full tensors around every forward) are th
 
 from __future__ import annotations
 
+import re
 import sys
 from collections.abc import Callable
 from contextlib import AbstractContextManager, ExitStack
@@ -26,16 +34,49 @@ from torch import nn
 
 from lightning_comp.adapters.torch_internals import reparametrized, update_rnn_flat_weights
 from lightning_comp.common.nested import cast_floating, has_dtype
+from lightning_comp.devices.device_classes import device_class
 from lightning_comp.devices.lowering import Lowering
 from lightning_comp.execution.cast_boundaries import LOW_DTYPES, ConsumerTracer
 from lightning_comp.execution.compiled_regions import compiling, enter_autocast, exit_autocast, only_inlined
-from lightning_comp.execution.failure_notes import note_failing_operator
-from lightning_comp.execution.hooked import HookedOperator
 from lightning_comp.execution.saved_tensors import SavedTensorCompressor
 from lightning_comp.execution.weight_casts import WeightCastRecorder
-from lightning_comp.operators.kinds import is_recurrent, weight_reading
+from lightning_comp.numerics.precision import Precision, SavedPrecision
+from lightning_comp.operators.kinds import OperatorKind, is_recurrent, weight_reading
 
-__all__ = ["StepState", "make_hooks"]
+__all__ = ["HookedOperator", "StepState", "make_hooks", "note_failing_operator", "precision_may_cause"]
+
+@dataclass(eq=False)
+class HookedOperator:
+    """One hooked operator: what it computes in, how that is put into effect, what it saves in.
+
+    Attributes:
+        name: the operator's name in the plan.
+        module: the module.
+        kind: what it does.
+        precision: the precision the plan assigns it.
+        lowering: how that precision is put into effect on the device (``NONE``: it computes in FP32).
+        saved: the precision it stores its saved tensors in.
+        contexts: the contexts its pre-hook entered, left by its post-hook (a stack: a module may call itself).
+    """
+
+    name: str
+    module: nn.Module
+    kind: OperatorKind
+    precision: Precision
+    lowering: Lowering
+    saved: SavedPrecision = SavedPrecision.FP32
+    contexts: list[AbstractContextManager[Any]] = field(default_factory=list)
+
+    @property
+    def low(self) -> bool:
+        """Whether it computes in a 16-bit precision."""
+        return self.lowering is not Lowering.NONE
+
+    @property
+    def transparent(self) -> bool:
+        """Whether it only reshapes (its output has its input's dtype, whatever the plan says)."""
+        return self.kind is OperatorKind.SHAPE
+
 
 PreHook = Callable[[nn.Module, Any, Any], Any]
 PostHook = Callable[[nn.Module, Any, Any], Any]
@@ -159,3 +200,34 @@ def _post_hook(op: HookedOperator, state: StepState) -> PostHook:
         return output
 
     return only_inlined(post_hook)
+
+
+# Words of errors that mixed or 16-bit dtypes cause (torch's dtype names and messages, oneDNN's, CUDA kernels')
+_PRECISION_WORDS = re.compile(
+    r"dtype|scalar type|bfloat16|BFloat16|float16|\bHalf\b|\bhalf\b|float8|Float8|\bbf16\b|\bfp16\b|\bfp8\b"
+    r"|mat1 and mat2|same type|primitive descriptor|not implemented for|mkldnn|oneDNN|onednn|overflow",
+)
+
+
+def precision_may_cause(error: BaseException) -> bool:
+    """Whether ``error``'s message speaks of dtypes or 16-bit kernels, so that a lower precision may have caused it."""
+    return bool(_PRECISION_WORDS.search(str(error)))
+
+
+def note_failing_operator(op: HookedOperator, error: BaseException | None, device: torch.device | None) -> None:
+    """Add a note to ``error`` (raised inside ``op``'s forward) naming the operator, its precision and the device;
+    only the innermost lowered operator notes it, once."""
+    if error is None or getattr(error, "_comp_operator", None) is not None or not hasattr(error, "add_note"):
+        return
+    error._comp_operator = op.name  # type: ignore[attr-defined]
+    where = "unknown device" if device is None else f"{device} [{device_class(device).describe()}]"
+    saving = f", saving for backward in {op.saved.value}" if op.saved.compresses else ""
+    if precision_may_cause(error):
+        advice = (" Assign it 'fp32' in the plan, or exclude it from the search with CoMPSearch(exclude=[...]).")
+    else:
+        advice = (" The error does not speak of dtypes, so it may not come from precision: the same input would"
+                  " likely fail in fp32 too. To tell, assign the operator 'fp32' in the plan and run again.")
+    error.add_note(
+        f"lightning-comp: raised inside operator {op.name or '<root>'!r} ({type(op.module).__name__}) computing in"
+        f" {op.precision.value} ({op.lowering.value} lowering){saving} on {where}.{advice}"
+    )

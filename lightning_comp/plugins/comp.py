@@ -20,11 +20,10 @@ from lightning_comp.devices.device_classes import DeviceClass, device_class, mod
 from lightning_comp.errors import UnsupportedSetupError
 from lightning_comp.execution.compiled_regions import guarding_hooks, is_compiled
 from lightning_comp.execution.emulation import check_plan_device, decline_slow_fp16
-from lightning_comp.execution.executor import PlanExecutor
+from lightning_comp.execution.executor import PlanExecutor, StepKind
 from lightning_comp.execution.loss_scaling import ScalerSlot, scaled_optimizer_step
 from lightning_comp.execution.plugin_state import PluginState
 from lightning_comp.execution.saved_tensors import DEFAULT_MIN_SAVED_BYTES
-from lightning_comp.execution.steps import StepKind
 from lightning_comp.numerics.precision import Precision as Dtype
 from lightning_comp.plan.plan import PlanLike, PrecisionPlan, plan_from_any
 

@@ -239,8 +239,7 @@ def test_snapshots_stay_on_the_cpu_when_asked(tmp_path: Path) -> None:
 @pytest.mark.parametrize("saved", ["bf16", "fp8"])
 def test_saved_tensors_are_stored_compressed_on_cuda_without_host_synchronisation(saved: str) -> None:
     """The codecs decide scales on the device: packing a step's activations never waits for the GPU."""
-    from lightning_comp.execution.executor import PlanExecutor
-    from lightning_comp.execution.steps import StepKind
+    from lightning_comp.execution.executor import PlanExecutor, StepKind
     from tests.helpers.recording import sqnr
 
     torch.manual_seed(0)

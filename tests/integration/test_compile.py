@@ -16,8 +16,7 @@ from torch import nn
 from torch._dynamo.utils import counters
 
 from lightning_comp import CoMPPrecision, PlanError, PrecisionPlan, SearchConfigError, discover_operators
-from lightning_comp.execution.executor import PlanExecutor
-from lightning_comp.execution.steps import StepKind
+from lightning_comp.execution.executor import PlanExecutor, StepKind
 from lightning_comp.operators.discovery import iter_operators
 from lightning_comp.search.state import Phase
 from tests.helpers.compile import graph_breaks

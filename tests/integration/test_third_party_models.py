@@ -173,7 +173,7 @@ def test_resnet_search_chooses_a_plan_that_round_trips(tmp_path: Path) -> None:
 @needs_hf
 def test_gpt2_traces_under_a_plan_into_one_graph() -> None:
     """Compiled, the all-bf16 plan adds no graph break to GPT-2 (Dynamo traces Conv1D, the attention and the hooks)."""
-    from lightning_comp.execution.steps import StepKind
+    from lightning_comp.execution.executor import StepKind
     from tests.helpers.compile import graph_breaks
 
     model, tokens = _gpt2(), torch.randint(0, 256, (2, 64))

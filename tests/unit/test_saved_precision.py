@@ -18,8 +18,7 @@ from torch import nn
 
 from lightning_comp import PrecisionPlan
 from lightning_comp.errors import PlanError, PlanMismatchError
-from lightning_comp.execution.executor import PlanExecutor
-from lightning_comp.execution.steps import StepKind
+from lightning_comp.execution.executor import PlanExecutor, StepKind
 from lightning_comp.numerics.codecs import FP8_MAX, compress, decode_fp8, decompress
 from lightning_comp.numerics.precision import SavedPrecision, parse_saved_precision
 from lightning_comp.operators.discovery import iter_operators

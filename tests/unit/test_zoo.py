@@ -38,7 +38,7 @@ REPO_CONF_DIR = REPO / "conf"
 PRECISIONS = ("fp32", "bf16-mixed", "16-mixed", "bf16-true", "comp")
 MODELS = {"cnn1d": "mnist1d", "gru": "mnist1d", "narrow_mlp": "mnist1d", "char_lstm": "text", "char_gpt": "text"}
 MODELS["convnet_bn"] = "shapes"
-# libraries' own models, behind extras (tests/integration/test_third_party_models.py, tests/integration/test_examples.py)
+# libraries' own models, behind extras (integration/test_third_party_models.py, integration/test_examples.py)
 THIRD_PARTY_MODELS = {"hf_gpt2": "text", "tv_resnet": "shapes"}
 
 
