@@ -128,3 +128,37 @@ def test_snapshots_can_be_kept_on_the_cpu() -> None:
     assert CoMPSearch(snapshot_device="cpu").config.snapshot_device == "cpu"
     with pytest.raises(SearchConfigError, match=r"snapshot_device='gpu0'"):
         CoMPSearch(snapshot_device="gpu0")
+
+
+def test_a_snapshot_tells_every_difference_from_the_live_state_bit_for_bit() -> None:
+    """``matches`` (what the rewind tests rely on) sees a change in each part it compares, down to the sign of a
+    zero, and a restore makes it match again."""
+    model = CountingMLP()
+    average = ParamAverage()
+
+    class Capture(Callback):
+        def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+            self.trainer = trainer
+
+    capture = Capture()
+    trainer = pl.Trainer(accelerator="cpu", max_steps=2, callbacks=[average, capture], logger=False,
+                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
+    trainer.fit(model, DataLoader(teacher_data(64, seed=1), batch_size=16, shuffle=True,
+                                  generator=torch.Generator().manual_seed(0)))
+    snapshot = TrainingSnapshot.capture(trainer, model, callbacks=lambda cb: cb is average)
+    assert snapshot.matches(trainer, model)
+    optimizer = trainer.optimizers[0]
+    changes = {
+        "a weight's last bit": lambda: model.l1.weight.data.view(torch.int32).view(-1)[0].add_(1),
+        "a non-persistent buffer": lambda: model.forwards.add_(1),
+        "the optimizer's state": lambda: optimizer.param_groups[0].update(lr=optimizer.param_groups[0]["lr"] * 2),
+        "the dataloader's generator": lambda: torch.randperm(4, generator=trainer.train_dataloader.generator),
+        "a stateful callback": lambda: setattr(average, "updates", average.updates + 1),
+        "a zero's sign": lambda: model.l1.bias.data.__setitem__(0, -0.0 if float(model.l1.bias[0]) == 0 else 0.0),
+    }
+    for what, change in changes.items():
+        with torch.no_grad():
+            change()
+        assert not snapshot.matches(trainer, model), what
+        snapshot.restore(trainer, model)
+        assert snapshot.matches(trainer, model), what

@@ -13,7 +13,7 @@ from __future__ import annotations
 import copy
 import random
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import lightning.pytorch as pl
@@ -22,6 +22,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 from lightning_comp.adapters import lightning_internals as lightning
+from lightning_comp.common.nested import structures_equal, to_device
 from lightning_comp.errors import SnapshotMismatchError
 
 __all__ = ["TrainingSnapshot", "capture_rng", "restore_rng"]
@@ -111,7 +112,7 @@ class TrainingSnapshot:
         """
         def copy_to(obj: Any) -> Any:
             copied = copy.deepcopy(obj)
-            return copied if device is None else _to_device(copied, torch.device(device))
+            return copied if device is None else to_device(copied, torch.device(device))
 
         persistent = set(pl_module.state_dict())
         return cls(
@@ -193,17 +194,20 @@ class TrainingSnapshot:
 
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> TrainingSnapshot:
-        """Rebuild a snapshot from :meth:`to_state`'s dictionary (snapshots of earlier versions included)."""
-        return cls(
-            model=state["model"],
-            optimizers=list(state["optimizers"]),
-            schedulers=list(state["schedulers"]),
-            scaler=state.get("scaler"),
-            rng=state["rng"],
-            buffers=dict(state.get("buffers") or {}),
-            callbacks=dict(state.get("callbacks") or {}),
-            generators=list(state.get("generators") or []),
-        )
+        """Rebuild a snapshot from :meth:`to_state`'s dictionary.
+
+        Raises:
+            SnapshotMismatchError: on missing or unknown keys, naming them.
+        """
+        known = {f.name for f in fields(cls)}
+        if set(state) != known:
+            raise SnapshotMismatchError(
+                f"Malformed training snapshot: missing keys {sorted(known - set(state))}, unknown keys"
+                f" {sorted(set(state) - known)}; a snapshot has exactly {sorted(known)}."
+            )
+        return cls(model=state["model"], optimizers=list(state["optimizers"]), schedulers=list(state["schedulers"]),
+                   scaler=state["scaler"], rng=state["rng"], buffers=dict(state["buffers"]),
+                   callbacks=dict(state["callbacks"]), generators=list(state["generators"]))
 
     def matches(self, trainer: pl.Trainer, pl_module: pl.LightningModule, scaler: Any = None) -> bool:
         """Whether the live state equals this snapshot bit for bit (for tests and checks).
@@ -212,33 +216,22 @@ class TrainingSnapshot:
         and LR scheduler's state, the captured callbacks' and dataloader generators' states and, when ``scaler``
         is given and the snapshot holds scaler state, the loss scaler's state.
         """
-        live = pl_module.state_dict()
-        if live.keys() != self.model.keys():
-            return False
-        if not all(_equal(live[k], self.model[k].to(live[k].device)) for k in live):
-            return False
         buffers = dict(pl_module.named_buffers())
-        if not all(n in buffers and _equal(buffers[n], b.to(buffers[n].device)) for n, b in self.buffers.items()):
-            return False
-        if len(trainer.optimizers) != len(self.optimizers):
-            return False
-        if not all(_equal(_to_device(opt.state_dict(), torch.device("cpu")), _to_device(state, torch.device("cpu")))
-                   for opt, state in zip(trainer.optimizers, self.optimizers)):
-            return False
-        configs = trainer.lr_scheduler_configs
-        if len(configs) != len(self.schedulers):
-            return False
-        if not all(_equal(cfg.scheduler.state_dict(), state) for cfg, state in zip(configs, self.schedulers)):
-            return False
         by_key = {cb.state_key: cb for cb in lightning.callbacks(trainer)}
-        if not all(k in by_key and _equal(by_key[k].state_dict(), s) for k, s in self.callbacks.items()):
-            return False
-        generators = [g.get_state() for g in _loader_generators(trainer)]
-        if self.generators and not _equal(generators, self.generators):
-            return False
+        pairs = [
+            (pl_module.state_dict(), self.model),
+            ({name: buffers.get(name) for name in self.buffers}, self.buffers),
+            ([opt.state_dict() for opt in trainer.optimizers], self.optimizers),
+            ([cfg.scheduler.state_dict() for cfg in trainer.lr_scheduler_configs], self.schedulers),
+            ({key: by_key[key].state_dict() if key in by_key else None for key in self.callbacks}, self.callbacks),
+        ]
+        if self.generators:
+            pairs.append(([g.get_state() for g in _loader_generators(trainer)], self.generators))
         if scaler is not None and self.scaler is not None:
-            return _equal(scaler.state_dict(), self.scaler)
-        return True
+            pairs.append((scaler.state_dict(), self.scaler))
+        cpu = torch.device("cpu")
+        return all(structures_equal(to_device(live, cpu), to_device(stored, cpu), _bits_equal)
+                   for live, stored in pairs)
 
 
 def _loader_generators(trainer: pl.Trainer) -> list[torch.Generator]:
@@ -251,28 +244,6 @@ def _loader_generators(trainer: pl.Trainer) -> list[torch.Generator]:
             if isinstance(generator, torch.Generator) and not any(generator is g for g in found):
                 found.append(generator)
     return found
-
-
-def _to_device(obj: Any, device: torch.device) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device)
-    if isinstance(obj, dict):
-        return {k: _to_device(v, device) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_to_device(v, device) for v in obj]
-    if isinstance(obj, tuple):
-        return tuple(_to_device(v, device) for v in obj)
-    return obj
-
-
-def _equal(a: Any, b: Any) -> bool:
-    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-        return _bits_equal(a, b)
-    if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
-    return bool(a == b)
 
 
 _SAME_SIZE_INT = {2: torch.int16, 4: torch.int32, 8: torch.int64}
