@@ -2,19 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["format_table", "format_record"]
+from lightning_comp.common.tables import format_table
 
-
-def format_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    """Left-aligned plain-text table."""
-    cells = [[str(c) for c in header]] + [["" if c is None else str(c) for c in row] for row in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(cells[0], widths)).rstrip(), "  ".join("-" * w for w in widths)]
-    lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells[1:]]
-    return "\n".join(lines)
+__all__ = ["format_record"]
 
 
 def _ms(value: Any) -> str:

@@ -110,8 +110,7 @@ class BatchStage:
         lowerable = [n for n, m in modules.items() if lowering_for(m, self.low, device) not in (None, Lowering.NONE)]
         clock = timing.make_clock()
         if self.progress is not None:  # per-operator rounds, then whole-step rounds
-            rounds = self.config.profile_warmup + self.config.profile_steps
-            self.progress.start_stage(len(lowerable), 2 * rounds)
+            self.progress.start_stage(len(lowerable), 2 * self._first_rounds)
         with single_intra_op_thread(timing.single_thread):
             results = self._profile_operators(trainer, pl_module, step, clock, modules, lowerable)
             # every rank must time the same whole-step plans (each timing is a collective): rank 0's decisions
@@ -168,17 +167,13 @@ class BatchStage:
             "low": functools.partial(plugin.measured_step, all_low, calibrated=False)}
         started = time.perf_counter()
         results = profiler.profile(configs, step)
-        budget = ExtraRounds(config, time.perf_counter() - started, config.profile_warmup + config.profile_steps)
-        while True:
+
+        def undecided() -> bool:
             decided = decide_operators(config, self.policy, self.low, modules, lowerable, results)
-            undecided = any(d.settled is False for d in decided.values())
-            more = agree(trainer, budget.next_rounds() if undecided else 0)
-            if not more:
-                break
-            if self.progress is not None:
-                self.progress.extend_stage(more)
-            with budget.spending():
-                profiler.extend(results, configs, step, more)
+            return any(d.settled is False for d in decided.values())
+
+        self._extend_while(trainer, ExtraRounds(config, time.perf_counter() - started, self._first_rounds),
+                           undecided, lambda more: profiler.extend(results, configs, step, more))
         reduce_profile(trainer, results)
         return results
 
@@ -195,20 +190,30 @@ class BatchStage:
             timer.on_round = functools.partial(self.progress.round_done, f"whole steps, {len(configs)} plans")
         started = time.perf_counter()
         times = timer.time(configs, step)
-        budget = ExtraRounds(config, time.perf_counter() - started, config.profile_warmup + config.profile_steps)
-        while True:
-            undecided = self.policy.undecided(StepComparison(times.ms), list(plans))
-            more = agree(trainer, budget.next_rounds() if undecided else 0)
-            if not more:
-                break
-            if self.progress is not None:
-                self.progress.extend_stage(more)
-            with budget.spending():
-                timer.time(configs, step, into=times, rounds=more, warmup=0)
+        self._extend_while(trainer, ExtraRounds(config, time.perf_counter() - started, self._first_rounds),
+                           lambda: self.policy.undecided(StepComparison(times.ms), list(plans)),
+                           lambda more: timer.time(configs, step, into=times, rounds=more, warmup=0))
         saved: dict[str, float] = {}
         if self.policy.weighs_memory:
             saved = {k: reduce_mean(trainer, float(v)) for k, v in timer.saved_bytes(pl_module, configs, step).items()}
         return times, saved
+
+    @property
+    def _first_rounds(self) -> int:
+        return self.config.profile_warmup + self.config.profile_steps
+
+    def _extend_while(self, trainer: pl.Trainer, budget: ExtraRounds, undecided: Callable[[], bool],
+                      add: Callable[[int], Any]) -> None:
+        """Measure more rounds (``add(rounds)``) while something is ``undecided`` and the budget lasts; every rank
+        measures as many rounds as rank 0 asks for."""
+        while True:
+            more = agree(trainer, budget.next_rounds() if undecided() else 0)
+            if not more:
+                return
+            if self.progress is not None:
+                self.progress.extend_stage(more)
+            with budget.spending():
+                add(more)
 
     # ---------------------------------------------------------------------------------------------- deciding
     def _alternatives(self, modules: dict[str, torch.nn.Module], lowerable: list[str], order: list[str],
