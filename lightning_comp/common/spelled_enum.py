@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from enum import Enum
+from enum import Enum, EnumMeta
 from typing import Any, TypeVar
 
 import torch
@@ -15,10 +15,25 @@ __all__ = ["SpelledEnum"]
 _E = TypeVar("_E", bound="SpelledEnum")
 
 
-class SpelledEnum(str, Enum):
+class _Spellings(EnumMeta):
+    """``Member["memory"]`` finds a member by its value or an alias too, not only by its name (``"MEMORY"``): tools
+    that look members up by name, such as LightningCLI's argument parser, take what users write in configs."""
+
+    def __getitem__(cls, name: str) -> Any:
+        try:
+            return super().__getitem__(name)
+        except KeyError:
+            found = cls._missing_(name)  # type: ignore[attr-defined]
+            if found is None:
+                raise
+            return found
+
+
+class SpelledEnum(str, Enum, metaclass=_Spellings):
     """A ``str`` enum whose members are spelled by their value or by an alias (case and surrounding blanks ignored).
 
-    ``Member("BFloat16")`` finds a member by an alias, as :meth:`parse` does; :meth:`parse` also accepts a member and,
+    ``Member("BFloat16")`` and ``Member["bf16"]`` find a member by an alias, as :meth:`parse` does (so configs and
+    command lines may spell a member by its value; a member's name works too); :meth:`parse` also accepts a member and,
     where members name a torch dtype (a ``dtype`` property), that dtype, and raises the subclass's
     :meth:`error_type` with a message naming the value and every valid spelling. Subclasses override the class methods
     :meth:`aliases`, :meth:`noun`, :meth:`error_type` and, to explain the choices, :meth:`choices`.

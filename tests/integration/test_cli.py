@@ -16,7 +16,8 @@ import pytest
 
 pytest.importorskip("jsonargparse", reason="LightningCLI needs the 'cli' extra: pip install -e '.[cli]'")
 
-from lightning_comp import CoMPPrecision, CoMPSearch  # noqa: E402
+from lightning_comp import CoMPPrecision, CoMPSearch, Objective  # noqa: E402
+from lightning_comp.search import Timing  # noqa: E402
 from lightning_comp.search.measurement.clocks import single_intra_op_thread  # noqa: E402
 from tests.helpers.paths import REPO  # noqa: E402
 
@@ -122,6 +123,19 @@ def test_the_example_config_parses_with_the_plugin_and_the_search() -> None:
     assert isinstance(cli.trainer.precision_plugin, CoMPPrecision)
     search = _search(cli.trainer)
     assert search.config.trial_batches == 0.25 and search.config.warmup_epochs == 1
+
+
+def test_any_setting_reaches_the_search_through_its_config_spelled_as_in_yaml() -> None:
+    """Settings that are not keyword arguments of CoMPSearch travel in ``config``; choices are spelled by value."""
+    cli = main([
+        "--model", "lightning_comp.zoo.NarrowMLP", "--data", "lightning_comp.zoo.MNIST1DDataModule",
+        "--trainer.plugins=lightning_comp.CoMPPrecision", "--trainer.callbacks+=lightning_comp.CoMPSearch",
+        "--trainer.callbacks.tolerance=0.05", "--trainer.callbacks.config.objective=memory",
+        "--trainer.callbacks.config.timing=cpu", "--trainer.callbacks.config.profile_steps=2",
+    ], run=False)
+    config = _search(cli.trainer).config
+    assert (config.objective, config.timing, config.profile_steps, config.tolerance) == (
+        Objective.MEMORY, Timing.CPU, 2, 0.05)
 
 
 @pytest.mark.slow
