@@ -37,16 +37,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from compare_suite import RESULTS_DIR, SUITE  # noqa: E402
 
-from lightning_comp import zoo  # noqa: E402
-from lightning_comp.devices.lowering import Lowering, lowering_for
-from lightning_comp.execution.executor import (
-    PlanExecutor,
-    StepKind,  # noqa: E402
-)
-from lightning_comp.numerics.precision import Precision  # noqa: E402
-from lightning_comp.operators.discovery import iter_operators  # noqa: E402
-from lightning_comp.operators.kinds import classify
-from lightning_comp.plan.plan import PrecisionPlan  # noqa: E402
+from lightning_comp import PlanExecutor, Precision, PrecisionPlan, StepKind, zoo  # noqa: E402
+from lightning_comp.devices.lowering import Lowering, lowering_for  # noqa: E402
+from lightning_comp.operators import classify, iter_operators  # noqa: E402
 
 
 def _batch(model_key: str, seed: int) -> tuple[Any, Any, Any]:
