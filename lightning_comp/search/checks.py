@@ -13,6 +13,7 @@ from lightning_comp.numerics.precision import Precision
 from lightning_comp.operators.discovery import iter_operators
 from lightning_comp.plugins.comp import CoMPPrecision
 from lightning_comp.search.config import SavedPrecisions, SearchConfig
+from lightning_comp.search.decisions.objectives import policy_for
 
 __all__ = ["check_low_precision", "check_monitor", "check_optimization", "check_selectors", "check_trainer",
            "no_validation_at_trial_end", "nothing_to_search"]
@@ -105,7 +106,7 @@ def check_compiled(config: SearchConfig, plugin: CoMPPrecision) -> None:
     Raises:
         SearchConfigError: for ``saved_precision="bf16"``/``"fp8"`` or ``include_saved`` with a compiled model.
     """
-    if not plugin.compiled or not config.saved_options():
+    if not plugin.compiled or not policy_for(config).saved_options:
         return
     if config.saved_precision in (SavedPrecisions.BF16, SavedPrecisions.FP8) or config.include_saved:
         auto = config.saved_precision is SavedPrecisions.AUTO

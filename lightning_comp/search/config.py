@@ -287,12 +287,6 @@ class SearchConfig:
         """Operators never lowered."""
         return Selectors.of(self.exclude)
 
-    def saved_options(self) -> tuple[SavedPrecision, ...]:
-        """The saved precisions the memory and balanced objectives try, smallest first (empty: none)."""
-        if self.objective is Objective.THROUGHPUT:
-            return ()
-        return self.saved_precision.options
-
     def resolve_low_precision(self, device: DeviceClass) -> Precision | None:
         """The 16-bit precision to search with on ``device`` (``None`` when none is native there).
 

@@ -23,6 +23,7 @@ from lightning_comp.numerics.codecs import CompressedTensor
 from lightning_comp.numerics.precision import SavedPrecision
 from lightning_comp.search.candidates import Candidate
 from lightning_comp.search.config import SearchConfig
+from lightning_comp.search.decisions.objectives import policy_for
 from lightning_comp.search.measurement.clocks import single_intra_op_thread
 from lightning_comp.search.measurement.estimates import RatioEstimate
 from tests.helpers.search_models import WideMLP, loaders, search_trainer
@@ -58,10 +59,13 @@ def test_the_profiler_reports_which_operators_save_the_same_tensor() -> None:
 
 
 def test_saved_search_options_are_validated_and_only_memory_and_balanced_use_them() -> None:
-    assert SearchConfig().saved_options() == ()
-    assert SearchConfig(objective="memory").saved_options() == (SavedPrecision.FP8, SavedPrecision.BF16)
-    assert SearchConfig(objective="balanced", saved_precision="bf16").saved_options() == (SavedPrecision.BF16,)
-    assert SearchConfig(objective="memory", saved_precision="off").saved_options() == ()
+    def options(**settings: Any) -> tuple[SavedPrecision, ...]:
+        return policy_for(SearchConfig(**settings)).saved_options
+
+    assert options() == () and options(saved_precision="fp8") == ()  # throughput chooses no saved precision
+    assert options(objective="memory") == (SavedPrecision.FP8, SavedPrecision.BF16)
+    assert options(objective="balanced", saved_precision="bf16") == (SavedPrecision.BF16,)
+    assert options(objective="memory", saved_precision="off") == ()
     with pytest.raises(SearchConfigError, match=r"saved_precision='fp4'.*'auto'.*'bf16', 'fp8' or 'off'"):
         CoMPSearch(saved_precision="fp4")
     with pytest.raises(SearchConfigError, match="include_saved.*needs saved_precision other than 'off'"):

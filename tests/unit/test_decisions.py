@@ -95,7 +95,7 @@ def test_the_balanced_score_is_the_geometric_mean_of_time_and_memory() -> None:
 
 def test_only_the_objectives_that_weigh_memory_choose_saved_precisions() -> None:
     throughput = policy_for(SearchConfig())
-    assert not throughput.weighs_memory and SearchConfig().saved_options() == ()
+    assert not throughput.weighs_memory and throughput.saved_options == ()
     with pytest.raises(UsageError, match="objective='throughput' chooses no saved precision"):
         throughput.saved(_estimate(1.0), 0.5, 100.0)
     assert [policy_for(SearchConfig(objective=o)).objective for o in ("memory", "balanced")] == [

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from lightning_comp.errors import UsageError
+from lightning_comp.numerics.precision import SavedPrecision
 from lightning_comp.search.config import Objective, SearchConfig
 from lightning_comp.search.decisions.whole_step import StepComparison
 from lightning_comp.search.measurement.estimates import RatioEstimate, Verdict, compare_to
@@ -72,6 +73,11 @@ class ObjectivePolicy(ABC):
     def __init__(self, config: SearchConfig) -> None:
         self.config = config
         self.keep = 1 - config.speed_margin
+
+    @property
+    def saved_options(self) -> tuple[SavedPrecision, ...]:
+        """The saved precisions this objective tries for what operators save, smallest first (empty: none)."""
+        return self.config.saved_precision.options if self.weighs_memory else ()
 
     # ------------------------------------------------------------------------------------------------ per operator
     @abstractmethod

@@ -131,7 +131,7 @@ class BatchStage:
         elif names:
             names = self._check_candidates(trainer, steps, names, decisions)
         saved = SavedStageResult()
-        if self.config.saved_options() and not self.plugin.compiled:  # compiled: AOTAutograd decides what is saved
+        if self.policy.saved_options and not self.plugin.compiled:  # compiled: AOTAutograd decides what is saved
             base = plan_for(self.low, runs, [Candidate(n) for n in names])
             with single_intra_op_thread(timing.single_thread):
                 saved = SavedStage(self.config, self.plugin, self.progress).measure(

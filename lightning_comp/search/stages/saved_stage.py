@@ -76,7 +76,7 @@ class SavedStage:
         """Measure, decide per operator (into each ``decisions[name].saved``), and check the plan as a whole step."""
         eligible = self.eligible(modules, order)
         # bf16 shrinks only what an operator computing in fp32 saves: not worth profiling when every one is lowered
-        options = tuple(s for s in self.config.saved_options() if s is not SavedPrecision.BF16
+        options = tuple(s for s in self.policy.saved_options if s is not SavedPrecision.BF16
                         or any(not base.precision_of(n, type(modules[n])).is_low for n in eligible))
         if not options:  # saved_precision="bf16" with every operator already computing in 16 bits
             return SavedStageResult()
