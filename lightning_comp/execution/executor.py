@@ -108,11 +108,6 @@ class PlanExecutor:
         return self._compiled
 
     @property
-    def in_force(self) -> bool:
-        """Whether the plan applied last is on the model now (not taken off by :meth:`detach`)."""
-        return self._in_force
-
-    @property
     def num_hooks(self) -> int:
         """How many hook handles are registered (2 per hooked operator; 1 per operator run outside compiled graphs)."""
         return len(self._handles)
