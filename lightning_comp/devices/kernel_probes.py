@@ -20,6 +20,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
+from lightning_comp.errors import UnsupportedSetupError
 from lightning_comp.numerics.precision import Precision
 
 __all__ = ["RecurrentConfig", "RecurrentProbe", "probe_recurrent"]
@@ -65,7 +66,7 @@ def _run(module: nn.RNNBase, route: str, dtype: torch.dtype, device: torch.devic
             out = functional_call(module, copies, (x.to(dtype),))[0]
     out.float().sum().backward()
     if x.grad is None:  # pragma: no cover - autograd always reaches the input
-        raise RuntimeError("backward did not reach the input")
+        raise UnsupportedSetupError("backward did not reach the input")  # caught below: the route is ruled out
     return None if out.dtype == dtype else out.dtype
 
 
