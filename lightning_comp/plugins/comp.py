@@ -196,13 +196,6 @@ class CoMPPrecision(Precision):
         if not self._trial:
             accepted = frozenset({Dtype.FP16}) if self.allow_slow_fp16 else frozenset()
             check_plan_device(plan, model, target, stacklevel=4, accepted=accepted)
-        if not plan.is_all_fp32 and not plan.low_operators(model):
-            rank_zero_warn(
-                f"The plan {plan!r} assigns a 16-bit precision but lowers no operator of"
-                f" {type(model).__name__} (its entries match only shape-only operators, or the model has no"
-                " operator low precision applies to): training runs in fp32.",
-                stacklevel=3,
-            )
 
     def _ensure_placed(self) -> None:
         """Re-hook if the model computes somewhere else than the hooks were built for (Lightning moved it)."""
