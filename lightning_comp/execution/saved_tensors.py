@@ -75,9 +75,9 @@ class SavedTensorCompressor:
 
     Args:
         min_bytes: tensors smaller than this many bytes are saved as they are.
-        is_weight_copy: tells the weight copies a :class:`~lightning_comp.execution.weight_casts.WeightCastRecorder`
-        made (a
-            frozen parameter's copy has no autograd history that shows where it came from).
+        is_weight_copy: tells the weight copies a
+            :class:`~lightning_comp.execution.weight_casts.WeightCastRecorder` made (a frozen parameter's copy has no
+            autograd history that shows where it came from).
     """
 
     def __init__(self, min_bytes: int = DEFAULT_MIN_SAVED_BYTES,
