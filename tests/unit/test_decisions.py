@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from torch import nn
 
-from lightning_comp import CoMPPrecision
+from lightning_comp import CoMPPrecision, PrecisionPlan
 from lightning_comp.errors import SearchConfigError, UsageError
 from lightning_comp.numerics.precision import Precision, SavedPrecision
 from lightning_comp.operators.discovery import iter_operators
@@ -183,10 +183,15 @@ def test_whole_step_alternatives_are_distinct_plans_without_excluded_operators()
     runs = cheap_runs(order, decisions, modules)
     assert runs == [CheapRun("0", "2", ("1",))]
     stage = BatchStage(SearchConfig(verbose=False), Precision.BF16, CoMPPrecision())
-    alternatives = stage._alternatives(modules, lowerable, order, decisions, ["0", "2"], runs)
+    candidate_plan = plan_for(Precision.BF16, runs, [Candidate("0"), Candidate("2")])
+    alternatives = stage._alternatives(modules, lowerable, order, decisions, candidate_plan)
     lowered = {label: {s for s, p in plan.entries if p is Precision.BF16} for label, plan in alternatives.items()}
     # all_low leaves the excluded head out; compute = the Linears allowed (without the LayerNorm fill)
     assert lowered == {"all_low": {"0", "1", "2", "3"}, "compute": {"0", "2"}}
+    # an alternative that is the candidate plan itself is not timed twice
+    same_as_compute = stage._alternatives(modules, lowerable, order, decisions, PrecisionPlan.from_dict(
+        {"0": "bf16", "2": "bf16"}))
+    assert list(same_as_compute) == ["all_low"]
 
 
 # ----------------------------------------------------------------------------------------- saved precisions

@@ -32,7 +32,7 @@ from lightning_comp.search.candidates import Candidate
 from lightning_comp.search.config import SearchConfig, Timing
 from lightning_comp.search.decisions.objectives import policy_for
 from lightning_comp.search.decisions.operators import HEAVY_KINDS, Choice, OperatorDecision, decide_operators
-from lightning_comp.search.decisions.trial_plans import CheapRun, cheap_runs, plan_for
+from lightning_comp.search.decisions.trial_plans import cheap_runs, plan_for
 from lightning_comp.search.decisions.whole_step import StepComparison
 from lightning_comp.search.measurement.clock_choice import TimingChoice, choose_timing, cpu_clock, is_busy, sample_load
 from lightning_comp.search.measurement.clocks import Clock, ClockKind, single_intra_op_thread
@@ -119,8 +119,9 @@ class BatchStage:
             order = results["fp32"].order
             runs = cheap_runs(order, decisions, modules)
             names = [n for n in order if decisions[n].is_candidate]
-            alternatives = self._alternatives(modules, lowerable, order, decisions, names, runs)
-            plans = {"candidates": plan_for(self.low, runs, [Candidate(n) for n in names])} if names else {}
+            candidate_plan = plan_for(self.low, runs, [Candidate(n) for n in names]) if names else None
+            alternatives = self._alternatives(modules, lowerable, order, decisions, candidate_plan)
+            plans = {"candidates": candidate_plan} if candidate_plan is not None else {}
             plans.update(alternatives)
             times, step_saved = self._time_whole_steps(trainer, pl_module, step, clock, plans)
         steps = StepComparison(times.ms)
@@ -137,8 +138,12 @@ class BatchStage:
                 saved = SavedStage(self.config, self.plugin, self.progress).measure(
                     trainer, pl_module, step, clock, base, modules, order, decisions)
         compute = set(names)
-        candidates = [c for name in order for c in ((Candidate(name),) if name in compute else ())
-                      + ((Candidate.saved(name),) if name in saved.choices else ())]
+        candidates: list[Candidate] = []
+        for name in order:  # execution order, each saved candidate after its operator's compute candidate
+            if name in compute:
+                candidates.append(Candidate(name))
+            if name in saved.choices:
+                candidates.append(Candidate.saved(name))
         candidates += [Candidate(n) for n in names if Candidate(n) not in candidates]  # forced ones that did not run
         benefits = {Candidate(n): decisions[n].benefit for n in names}
         benefits.update(saved.benefits)
@@ -217,9 +222,9 @@ class BatchStage:
 
     # ---------------------------------------------------------------------------------------------- deciding
     def _alternatives(self, modules: dict[str, torch.nn.Module], lowerable: list[str], order: list[str],
-                      decisions: dict[str, OperatorDecision], names: list[str],
-                      runs: list[CheapRun]) -> dict[str, PrecisionPlan]:
-        """Whole-step alternatives to the per-operator candidate plan, timed side by side with it.
+                      decisions: dict[str, OperatorDecision],
+                      candidate_plan: PrecisionPlan | None) -> dict[str, PrecisionPlan]:
+        """Whole-step alternatives to the per-operator candidate plan (``None``: no candidate), timed beside it.
 
         Per-operator timings miss effects that only show in a whole step: casts vanish inside long low-precision
         runs (``all_low``), and cheap operators lowered between lowered ones can cost more than the casts they
@@ -233,7 +238,9 @@ class BatchStage:
             "all_low": PrecisionPlan.from_dict({n: low for n in allowed}),
             "compute": PrecisionPlan.from_dict({n: low for n in heavy}),
         }
-        seen = {plan_for(self.low, runs, [Candidate(n) for n in names]).entries, PrecisionPlan().entries}
+        seen = {PrecisionPlan().entries}
+        if candidate_plan is not None:
+            seen.add(candidate_plan.entries)
         out: dict[str, PrecisionPlan] = {}
         for label, plan in options.items():
             if plan.entries not in seen:
