@@ -50,7 +50,11 @@ def test_a_reparametrized_module_computes_with_the_given_tensors_and_gets_its_ow
 
 
 def test_saved_tensor_hooks_in_force_are_seen_and_handed_on() -> None:
+    # the query itself, not the adapter's fallback for a torch without it (which always answers True)
+    assert callable(getattr(torch._C._autograd, "_saved_tensors_hooks_is_enabled", None))
     assert adapter.saved_tensors_hooks_enabled()
+    with torch.autograd.graph.disable_saved_tensors_hooks("a region of torch's own"):
+        assert not adapter.saved_tensors_hooks_enabled()
     assert adapter.top_saved_tensors_hooks() is None
     packed: list[torch.Tensor] = []
 
@@ -85,7 +89,9 @@ def test_dynamo_settings_the_package_reads_and_patches() -> None:
     def code() -> None:
         return None
 
-    adapter.never_compile_as_frame(code.__code__)  # must not raise
+    # the function itself, not the adapter's silent fallback for a torch without it
+    assert callable(getattr(torch._dynamo.eval_frame, "skip_code", None))
+    adapter.never_compile_as_frame(code.__code__)
     assert torch._dynamo.config.skip_nnmodule_hook_guards
     with adapter.dynamo_guards_module_hooks():
         assert not torch._dynamo.config.skip_nnmodule_hook_guards
