@@ -25,7 +25,7 @@ __all__ = ["check_plan_device", "decline_slow_fp16", "emulated_operators"]
 _WARNED: set[tuple[str, str, str]] = set()
 
 
-def emulated_operators(plan: PrecisionPlan, model: nn.Module, device: DeviceClass) -> dict[str, str]:
+def emulated_operators(plan: PrecisionPlan, model: nn.Module, device: DeviceClass) -> dict[str, Precision]:
     """``{operator: precision}`` for the operators ``plan`` lowers to a precision ``device`` does not run natively."""
     out = {}
     modules = dict(iter_operators(model))
@@ -33,7 +33,7 @@ def emulated_operators(plan: PrecisionPlan, model: nn.Module, device: DeviceClas
         module = modules[name]
         precision = plan.precision_of(name, type(module))
         if not device.is_native(precision):
-            out[name] = precision.value
+            out[name] = precision
     return out
 
 
@@ -44,12 +44,11 @@ def check_plan_device(plan: PrecisionPlan, model: nn.Module, device: DeviceClass
 
     Precisions in ``accepted`` are not reported (the user insisted on them, e.g. ``allow_slow_fp16=True``).
     """
-    emulated = {name: p for name, p in emulated_operators(plan, model, device).items()
-                if Precision(p) not in accepted}
+    emulated = {name: p for name, p in emulated_operators(plan, model, device).items() if p not in accepted}
     if not emulated:
         return None
     key = (repr(plan), plan.fingerprint.digest if plan.fingerprint else "", device.describe())
-    precisions = "/".join(sorted(set(emulated.values())))
+    precisions = "/".join(sorted({p.value for p in emulated.values()}))
     names = ", ".join(list(emulated)[:8]) + (f", ... ({len(emulated)} in all)" if len(emulated) > 8 else "")
     if plan.device is not None and plan.device != device:
         origin = f" (made on {plan.device.describe()})"
