@@ -25,6 +25,7 @@ from lightning_comp.search.decisions.trials import TrialVerdict, judge_trial
 from lightning_comp.search.decisions.whole_step import StepComparison
 from lightning_comp.search.measurement.estimates import RatioEstimate, Verdict, paired_ratio
 from lightning_comp.search.measurement.profiling import OperatorMeasurement
+from lightning_comp.search.stages.batch_result import SavedStageResult
 from lightning_comp.search.stages.batch_stage import BatchStage
 
 
@@ -344,3 +345,13 @@ def test_group_search_respects_the_trial_budget_and_refuses_a_verdict_for_anothe
         assert group is not None
         search.report(group, len(group) == 1)
     assert search.trials <= 3
+
+
+def test_a_dropped_saved_candidate_leaves_its_choice_and_its_benefit_and_nothing_else() -> None:
+    result = SavedStageResult(choices={"a": SavedPrecision.FP8, "b": SavedPrecision.BF16},
+                              benefits={Candidate.saved("a"): 2.0, Candidate.saved("b"): 1.0, Candidate("a"): 3.0})
+    result.drop("a")
+    assert result.choices == {"b": SavedPrecision.BF16}
+    assert result.benefits == {Candidate.saved("b"): 1.0, Candidate("a"): 3.0}  # a's compute candidate stays
+    with pytest.raises(KeyError):
+        result.drop("a")

@@ -28,6 +28,11 @@ class SavedStageResult:
     benefits: dict[Candidate, float] = field(default_factory=dict)
     check: SavedStepCheck | None = None
 
+    def drop(self, operator: str) -> None:
+        """Take ``operator``'s saved candidate out (it saves as computed after all)."""
+        del self.choices[operator]
+        self.benefits.pop(Candidate.saved(operator))
+
 
 @dataclass
 class BatchStageResult:

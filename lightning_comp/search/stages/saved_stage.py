@@ -90,8 +90,7 @@ class SavedStage:
                     saved = decisions[name].saved
                     if saved is not None and not saved.forced:
                         saved.keep_as_computed(f"saves as computed: {result.check.verdict}")
-                        del result.choices[name]
-                        result.benefits.pop(Candidate.saved(name))
+                        result.drop(name)
         return result
 
     def _profile(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: Callable[[], None], clock: Clock,
@@ -145,8 +144,7 @@ class SavedStage:
             saved = decisions[name].saved
             assert saved is not None
             saved.keep_as_computed(why)
-            del result.choices[name]
-            result.benefits.pop(Candidate.saved(name))
+            result.drop(name)
         return result
 
     def _whole_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: Callable[[], None], clock: Clock,
