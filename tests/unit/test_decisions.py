@@ -18,7 +18,7 @@ from lightning_comp.search.candidates import Candidate, Dimension
 from lightning_comp.search.config import Objective, SearchConfig
 from lightning_comp.search.decisions.group_search import GroupSearch
 from lightning_comp.search.decisions.objectives import balanced_score, policy_for
-from lightning_comp.search.decisions.operators import Choice, OperatorDecision, judge_operator
+from lightning_comp.search.decisions.operators import Choice, OperatorDecision, OperatorVerdict, judge_operator
 from lightning_comp.search.decisions.saved import judge_saved, sharing_groups, unshared_choices
 from lightning_comp.search.decisions.trial_plans import CheapRun, cheap_runs, plan_for
 from lightning_comp.search.decisions.trials import TrialVerdict, judge_trial
@@ -34,7 +34,7 @@ def _measured(ms: float, saved_bytes: int = 0) -> OperatorMeasurement:
 
 
 def _judge(config: SearchConfig, t32: float, tlow: float, m32: int, mlow: int,
-           time: RatioEstimate | None = None) -> dict[str, Any]:
+           time: RatioEstimate | None = None) -> OperatorVerdict:
     return judge_operator(policy_for(config), _measured(t32, m32), _measured(tlow, mlow), time)
 
 
@@ -47,28 +47,28 @@ def test_an_operator_that_cannot_be_told_apart_stays_fp32_with_the_ratio_and_spr
     config = SearchConfig()
     noisy = paired_ratio([1.0] * 6, [0.7, 0.8, 1.1, 0.9, 1.2, 0.85])
     verdict = _judge(config, 1.0, 0.85, 100, 50, noisy)
-    assert verdict["decision"] is Choice.FP32 and verdict["settled"] is False
+    assert verdict.decision is Choice.FP32 and verdict.settled is False
     # 6 rounds: the interval drops the lowest and the highest round
-    assert "cannot be told apart" in verdict["reason"] and "[0.80, 1.10]" in verdict["reason"]
-    assert (verdict["time"].low, verdict["time"].high) == (0.8, 1.1)
+    assert "cannot be told apart" in verdict.reason and "[0.80, 1.10]" in verdict.reason
+    assert (verdict.time.low, verdict.time.high) == (0.8, 1.1)
     clear = paired_ratio([1.0] * 6, [0.5, 0.52, 0.48, 0.5, 0.51, 0.49])
-    assert _judge(config, 1.0, 0.5, 100, 50, clear)["decision"] is Choice.CANDIDATE
+    assert _judge(config, 1.0, 0.5, 100, 50, clear).decision is Choice.CANDIDATE
     slow = paired_ratio([1.0] * 6, [2.0, 2.2, 1.9, 2.1, 2.0, 2.3])
     verdict = _judge(config, 1.0, 2.0, 100, 50, slow)
-    assert verdict["decision"] is Choice.FP32 and verdict["settled"] is True
+    assert verdict.decision is Choice.FP32 and verdict.settled is True
     # 6 rounds: the interval runs from the 2nd to the 5th of the sorted ratios
-    assert verdict["reason"].startswith("does not pay") and (verdict["time"].low, verdict["time"].high) == (2.0, 2.2)
+    assert verdict.reason.startswith("does not pay") and (verdict.time.low, verdict.time.high) == (2.0, 2.2)
     # undecided but worth less than min_gain_ms even at its best: settled as not worth it
     tiny = _judge(SearchConfig(min_gain_ms=0.5), 1.0, 0.85, 100, 50, noisy)
-    assert tiny["settled"] is True and tiny["decision"] is Choice.FP32
+    assert tiny.settled is True and tiny.decision is Choice.FP32
 
 
 def test_memory_and_balanced_verdicts_use_the_interval() -> None:
     maybe_too_slow = paired_ratio([1.0] * 6, [1.2, 1.3, 1.6, 1.7, 1.4, 1.45])
     memory = _judge(SearchConfig(objective="memory", max_memory_slowdown=1.5), 1, 1.4, 100, 50, maybe_too_slow)
-    assert memory["settled"] is False and memory["decision"] is Choice.FP32
+    assert memory.settled is False and memory.decision is Choice.FP32
     balanced = _judge(SearchConfig(objective="balanced"), 1, 1.0, 100, 50, paired_ratio([1.0] * 6, [1.0] * 6))
-    assert balanced["decision"] is Choice.CANDIDATE and balanced["settled"]  # sqrt(1 x 0.5) = 0.71
+    assert balanced.decision is Choice.CANDIDATE and balanced.settled  # sqrt(1 x 0.5) = 0.71
 
 
 @pytest.mark.parametrize(("objective", "benefit"), [
@@ -80,9 +80,10 @@ def test_each_policy_ranks_in_its_own_unit_while_the_record_keeps_ms_and_bytes(o
                                                                                benefit: float) -> None:
     config = SearchConfig(objective=objective)
     judged = _judge(config, 1.0, 0.5, 1024, 512, _estimate(0.5))
-    assert judged["benefit"] == pytest.approx(benefit)
+    assert judged.benefit == pytest.approx(benefit)
     decision = OperatorDecision("Linear", OperatorKind.COMPUTE, 10, fp32=_measured(1.0, 1024),
-                                low=_measured(0.5, 512), gain_ms=0.5, gain_bytes=512, **judged)
+                                low=_measured(0.5, 512), gain_ms=0.5, gain_bytes=512)
+    judged.apply_to(decision)
     record = decision.to_dict()
     assert record["gain_ms"] == 0.5 and record["gain_bytes"] == 512 and record["benefit"] == pytest.approx(benefit)
     assert record["decision"] == "candidate" and record["time_ratio"] == 0.5 and record["rounds"] == 6

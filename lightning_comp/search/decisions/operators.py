@@ -22,7 +22,7 @@ from lightning_comp.search.decisions.saved import SavedDecision
 from lightning_comp.search.measurement.estimates import RatioEstimate, Verdict, paired_ratio
 from lightning_comp.search.measurement.profiling import OperatorMeasurement, ProfileResult
 
-__all__ = ["HEAVY_KINDS", "Choice", "OperatorDecision", "decide_operators", "judge_operator"]
+__all__ = ["HEAVY_KINDS", "Choice", "OperatorDecision", "OperatorVerdict", "decide_operators", "judge_operator"]
 
 HEAVY_KINDS = (OperatorKind.COMPUTE, OperatorKind.EMBEDDING, OperatorKind.OTHER)
 
@@ -114,8 +114,34 @@ class OperatorDecision:
         return out
 
 
+@dataclass(frozen=True)
+class OperatorVerdict:
+    """What a policy decides of one operator from its own measurements.
+
+    Attributes:
+        decision: candidate or FP32.
+        reason: why, with the measurements.
+        settled: ``False`` when the rounds could not tell the two precisions apart (more rounds may settle it).
+        time: the low/FP32 time ratio it was judged by.
+        memory_ratio: low/FP32 bytes saved for backward.
+        benefit: what lowering it gains, in the objective's unit.
+    """
+
+    decision: Choice
+    reason: str
+    settled: bool
+    time: RatioEstimate
+    memory_ratio: float
+    benefit: float
+
+    def apply_to(self, decision: OperatorDecision) -> None:
+        """Make this the operator's decision."""
+        decision.decision, decision.reason, decision.settled = self.decision, self.reason, self.settled
+        decision.time, decision.memory_ratio, decision.benefit = self.time, self.memory_ratio, self.benefit
+
+
 def judge_operator(policy: ObjectivePolicy, fp32: OperatorMeasurement, low: OperatorMeasurement,
-                   time: RatioEstimate | None = None) -> dict[str, Any]:
+                   time: RatioEstimate | None = None) -> OperatorVerdict:
     """One operator's verdict from its FP32 and low-precision measurements, by ``policy``.
 
     Args:
@@ -125,9 +151,7 @@ def judge_operator(policy: ObjectivePolicy, fp32: OperatorMeasurement, low: Oper
         time: the low/FP32 time ratio over paired rounds (``None``: exactly the ratio of the minima).
 
     Returns:
-        The :class:`OperatorDecision` fields it decides: ``decision`` (candidate or FP32), ``reason``, ``settled``
-        (``False`` when the rounds could not tell the two apart: more rounds may settle it), ``time``,
-        ``memory_ratio`` and ``benefit``.
+        The verdict, which :meth:`OperatorVerdict.apply_to` makes the operator's decision.
     """
     t32, tlow = fp32.total_ms, low.total_ms
     if time is None:
@@ -139,9 +163,9 @@ def judge_operator(policy: ObjectivePolicy, fp32: OperatorMeasurement, low: Oper
         reason = f"cannot be told apart from fp32 at a {policy.config.speed_margin:.0%} margin: {judged.why}"
     else:
         reason = ("pays: " if judged.verdict is Verdict.BELOW else "does not pay: ") + judged.why
-    return {"decision": Choice.CANDIDATE if judged.verdict is Verdict.BELOW else Choice.FP32, "reason": reason,
-            "settled": judged.verdict is not Verdict.UNDECIDED, "time": time, "memory_ratio": memory_ratio,
-            "benefit": judged.benefit}
+    return OperatorVerdict(Choice.CANDIDATE if judged.verdict is Verdict.BELOW else Choice.FP32, reason,
+                           settled=judged.verdict is not Verdict.UNDECIDED, time=time, memory_ratio=memory_ratio,
+                           benefit=judged.benefit)
 
 
 def decide_operators(config: SearchConfig, policy: ObjectivePolicy, low: Precision, modules: dict[str, nn.Module],
@@ -175,12 +199,11 @@ def decide_operators(config: SearchConfig, policy: ObjectivePolicy, low: Precisi
             decision.decision, decision.reason, decision.forced = (
                 Choice.CANDIDATE, "included by CoMPSearch(include=...)", True)
             if a is not None and b is not None:
-                decision.benefit = judge_operator(policy, a, b, decision.time)["benefit"]
+                decision.benefit = judge_operator(policy, a, b, decision.time).benefit
         elif a is None or b is None:
             decision.reason = "not run in the training step"
         elif kind in HEAVY_KINDS:
-            for key, value in judge_operator(policy, a, b, decision.time).items():
-                setattr(decision, key, value)
+            judge_operator(policy, a, b, decision.time).apply_to(decision)
             decision.own_decision = decision.decision  # from its own measurement, before whole-step checks
         elif b.compute_ms <= a.compute_ms * (1 + config.speed_margin) + config.min_gain_ms:
             decision.decision, decision.reason = Choice.FILL, "lowered only between lowered operators"
