@@ -35,23 +35,25 @@ def recurrent_config(module: nn.RNNBase) -> RecurrentConfig:
             bool(module.bias), bool(module.batch_first), str(getattr(module, "nonlinearity", "")))
 
 
-def _tiny(config: RecurrentConfig, device: torch.device) -> nn.RNNBase:
+def _tiny(config: RecurrentConfig) -> nn.RNNBase:
+    """A module of ``config`` on the meta device: built without drawing from the global RNG (the search's rewinds are
+    bit-exact), and never moved (its parameters are given to each call, see :func:`_parameters`)."""
     mode, bidirectional, layered, projected, bias, batch_first, nonlinearity = config
     kwargs: dict[str, Any] = dict(input_size=4, hidden_size=4, num_layers=2 if layered else 1, bias=bias,
-                                  batch_first=batch_first, bidirectional=bidirectional)
-    # built on the meta device, so the probe draws nothing from the global RNG (the search's rewinds are bit-exact)
-    meta = torch.device("meta")
+                                  batch_first=batch_first, bidirectional=bidirectional, device=torch.device("meta"))
     if mode == "LSTM":
-        module: nn.RNNBase = nn.LSTM(proj_size=2 if projected else 0, device=meta, **kwargs)
-    elif mode == "GRU":
-        module = nn.GRU(device=meta, **kwargs)
-    else:
-        module = nn.RNN(nonlinearity=nonlinearity or "tanh", device=meta, **kwargs)
-    module = module.to_empty(device=device)
-    with torch.no_grad():
-        for index, param in enumerate(module.parameters()):
-            param.fill_(0.05 * (index + 1))
-    return module
+        return nn.LSTM(proj_size=2 if projected else 0, **kwargs)
+    if mode == "GRU":
+        return nn.GRU(**kwargs)
+    return nn.RNN(nonlinearity=nonlinearity or "tanh", **kwargs)
+
+
+def _parameters(module: nn.RNNBase, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
+    """Constant parameters for ``module`` made on ``device`` directly. (Moving the meta module there instead would
+    swap its parameters, which fails for recurrent modules under a fake-tensor mode: their flat-weight list holds
+    weak references to them.)"""
+    return {name: torch.full(p.shape, 0.05 * (index + 1), dtype=dtype, device=device, requires_grad=True)
+            for index, (name, p) in enumerate(module.named_parameters())}
 
 
 def _run(module: nn.RNNBase, route: str, dtype: torch.dtype, device: torch.device) -> torch.dtype | None:
@@ -59,11 +61,10 @@ def _run(module: nn.RNNBase, route: str, dtype: torch.dtype, device: torch.devic
     x = torch.full((2, 3, 4), 0.5, device=device, requires_grad=True)
     if route == "autocast":
         with torch.autocast(device.type, dtype=dtype, cache_enabled=False):
-            out = module(x)[0]
+            out = functional_call(module, _parameters(module, torch.float32, device), (x,))[0]
     else:
         with torch.autocast(device.type, enabled=False):
-            copies = {name: p.to(dtype) for name, p in module.named_parameters()}
-            out = functional_call(module, copies, (x.to(dtype),))[0]
+            out = functional_call(module, _parameters(module, dtype, device), (x.to(dtype),))[0]
     out.float().sum().backward()
     if x.grad is None:  # pragma: no cover - autograd always reaches the input
         raise UnsupportedSetupError("backward did not reach the input")  # caught below: the route is ruled out
@@ -100,7 +101,7 @@ def _probe(config: RecurrentConfig, precision: Precision, device: torch.device) 
         warnings.simplefilter("ignore")
         for route in _ROUTES:
             try:
-                computed = _run(_tiny(config, device), route, dtype, device)
+                computed = _run(_tiny(config), route, dtype, device)
             except Exception as err:  # oneDNN, a missing kernel, an unusable device: the route is ruled out
                 failures.append((route, _first_line(err)))
                 continue
