@@ -36,6 +36,7 @@ __all__ = [
     "never_compile_as_frame",
     "reparametrized",
     "saved_tensors_hooks_enabled",
+    "storage_key",
     "tensor_base",
     "tensor_version",
     "top_saved_tensors_hooks",
@@ -67,6 +68,13 @@ def tensor_base(tensor: torch.Tensor) -> torch.Tensor:
 def tensor_version(tensor: torch.Tensor) -> int:
     """The in-place modification counter of ``tensor`` (``Tensor._version``)."""
     return int(tensor._version)
+
+
+def storage_key(tensor: torch.Tensor) -> int:
+    """What identifies the memory ``tensor`` lives in, shared by its views (the storage's C++ object,
+    ``UntypedStorage._cdata``). Unlike ``data_ptr()`` it tells storages apart that have no memory of their own:
+    fake and meta tensors (``data_ptr() == 0`` for all of them) and storages of no bytes."""
+    return int(tensor.untyped_storage()._cdata)
 
 
 @contextmanager

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 from torch.utils.weak import WeakTensorKeyDictionary
 
+from lightning_comp.adapters.torch_internals import storage_key
 from lightning_comp.errors import ConfigError
 from lightning_comp.execution.saved_hooks import OuterHooks, hooks_installable, take_back
 from lightning_comp.numerics.codecs import CompressedTensor, compress, decompress, shrinks
@@ -102,7 +103,7 @@ class SavedTensorCompressor:
     def watch(self, model: nn.Module) -> None:
         """Remember ``model``'s parameter storages (frozen ones too): they are never compressed. Called at every step,
         since parameters may be replaced between steps (``load_state_dict(assign=True)``)."""
-        self._parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self._parameters = {storage_key(p) for p in model.parameters()}
 
     def clear(self) -> None:
         """Forget shared compressed tensors (at the end of a step: the graph holds what it needs)."""
@@ -120,7 +121,7 @@ class SavedTensorCompressor:
             return True
         if isinstance(tensor, nn.Parameter) or (tensor.is_leaf and tensor.requires_grad):
             return True
-        if tensor.untyped_storage().data_ptr() in self._parameters:
+        if storage_key(tensor) in self._parameters:
             return True
         if self._is_weight_copy is not None and self._is_weight_copy(tensor):
             return True

@@ -41,6 +41,15 @@ def test_tensor_base_and_version() -> None:
     assert adapter.tensor_version(base) == before + 1 and adapter.tensor_version(view) == before + 1
 
 
+def test_storage_key_is_shared_by_views_and_tells_memoryless_storages_apart() -> None:
+    base = torch.ones(4)
+    assert adapter.storage_key(base[1:3]) == adapter.storage_key(base) == adapter.storage_key(base.view(2, 2))
+    assert adapter.storage_key(base.clone()) != adapter.storage_key(base)
+    meta = [torch.empty(3, device="meta") for _ in range(2)]
+    assert meta[0].untyped_storage().data_ptr() == meta[1].untyped_storage().data_ptr() == 0  # why data_ptr won't do
+    assert adapter.storage_key(meta[0]) != adapter.storage_key(meta[1])
+
+
 def test_a_reparametrized_module_computes_with_the_given_tensors_and_gets_its_own_back() -> None:
     layer = nn.Linear(2, 1, bias=False)
     weight = layer.weight

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from lightning_comp.adapters.torch_internals import storage_key
 from lightning_comp.common.nested import tensors
 from lightning_comp.operators.discovery import iter_operators
 from lightning_comp.search.measurement.clocks import Clock, ClockKind
@@ -108,7 +109,7 @@ class _RoundRecorder:
         self.own: dict[str, int] = defaultdict(int)
         self._own_seen: dict[str, set[int]] = defaultdict(set)
         self.order: list[str] = []
-        self._param_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self._param_storages = {storage_key(p) for p in model.parameters()}
         self._seen_storages: set[int] = set()
         self._hooked: list[torch.Tensor] = []
         self._hooked_ids: set[int] = set()

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_comp.adapters.torch_internals import storage_key
 from lightning_comp.search.measurement.clocks import Clock, ClockKind, make_clock
 
 __all__ = ["StepTimer", "StepTimes", "clock_for", "entered", "new_storage_bytes"]
@@ -88,7 +89,7 @@ class StepTimer:
 
         Run after :meth:`time`, so every configuration's cast boundaries are calibrated.
         """
-        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        params = {storage_key(p) for p in model.parameters()}
         out: dict[str, int] = {}
         for label, activate in configs.items():
             seen: set[int] = set()
@@ -106,12 +107,11 @@ class StepTimer:
 
 def new_storage_bytes(tensor: torch.Tensor, skip: set[int], seen: set[int]) -> int:
     """Bytes of ``tensor``'s storage the first time it is saved (0 for a storage in ``skip``, e.g. a parameter)."""
-    storage = tensor.untyped_storage()
-    ptr = storage.data_ptr()
-    if ptr in skip or ptr in seen:
+    key = storage_key(tensor)
+    if key in skip or key in seen:
         return 0
-    seen.add(ptr)
-    return storage.nbytes()
+    seen.add(key)
+    return tensor.untyped_storage().nbytes()
 
 
 def entered(context: Any) -> Any:
