@@ -4,6 +4,10 @@ A low-precision operator's output stays in the low dtype only where every consum
 low precision; anywhere else (an FP32 operator, a functional op outside any operator, the loss, the caller) it is
 cast back to FP32. :class:`ConsumerTracer` finds the consumers during the first step of each kind after a plan is
 applied, with a ``TorchFunctionMode`` that sees every torch call made outside operators.
+
+The same step finds plan entries that had no effect: a low operator none of whose torch calls (casts aside) returned
+a tensor of its low dtype. Its output's dtype alone would not tell: under CUDA autocast a region whose last op is on
+the FP32 list (``layer_norm``, ``softmax``, most losses) returns FP32 after its matmuls ran in 16 bits.
 """
 
 from __future__ import annotations
@@ -24,6 +28,9 @@ LOW_DTYPES = (torch.bfloat16, torch.float16)
 # Tensor metadata reads that neither consume values nor create tensors: they never force a cast boundary.
 _METADATA_GETTERS = frozenset({"shape", "dtype", "device", "requires_grad", "is_leaf", "ndim", "layout", "grad_fn",
                                "is_cuda", "is_sparse", "is_quantized", "is_meta", "names", "grad", "_version"})
+# Calls that only convert (the hooks' own input and weight casts among them): a low dtype out of them is no work.
+_CONVERSIONS = frozenset({"to", "type", "bfloat16", "half", "float", "double", "_to_copy", "clone", "detach",
+                          "contiguous", "copy_", "__get__"})
 _METADATA_METHODS = frozenset({"size", "dim", "numel", "stride", "is_contiguous", "is_floating_point",
                                "element_size", "__len__", "data_ptr", "get_device", "__repr__", "__format__",
                                "storage_offset", "nelement", "ndimension", "is_complex"})
@@ -61,6 +68,8 @@ class ConsumerTracer(TorchFunctionMode):
         self.escaped: set[str] = set()
         self.pending: list[frozenset[str]] = []
         self.ineffective: set[str] = set()
+        self.open: list[TracedOperator] = []  # the operators whose forward runs now (innermost last)
+        self.low_work: set[str] = set()  # low operators a call inside returned a tensor of their low dtype
         # Per call: the operators an output is attributed to, and which calls had no output used inside the step
         # (returned to the caller, e.g. from ``predict_step``): those must return in FP32 too.
         self.call_of: dict[int, int] = {}
@@ -74,10 +83,17 @@ class ConsumerTracer(TorchFunctionMode):
                 if self._known(tensor):
                     self.escaped.update(self.producers[id(tensor)])
                     self.unused_calls.discard(self.call_of[id(tensor)])
-        return func(*args, **kwargs)
+        result = func(*args, **kwargs)
+        if self.open:
+            op = self.open[-1]
+            if op.low and op.name not in self.low_work and getattr(func, "__name__", "") not in _CONVERSIONS \
+                    and any(t.dtype == op.precision.dtype for t in tensors(result)):
+                self.low_work.add(op.name)
+        return result
 
     def enter(self, op: TracedOperator, args: Any, kwargs: Any) -> None:
         self.depth += 1
+        self.open.append(op)
         sources: set[str] = set()
         for tensor in tensors((args, kwargs)):
             if not self._known(tensor):
@@ -93,6 +109,8 @@ class ConsumerTracer(TorchFunctionMode):
         self.pending.append(frozenset(sources))
 
     def exit(self, op: TracedOperator, output: Any) -> None:
+        if self.open:
+            self.open.pop()
         sources = self.pending.pop() if self.pending else frozenset()
         attributed = sources if op.transparent else (frozenset({op.name}) if op.low else frozenset())
         if attributed:
@@ -104,6 +122,11 @@ class ConsumerTracer(TorchFunctionMode):
                 self.call_of[id(tensor)] = call
                 self.refs[id(tensor)] = weakref.ref(tensor)
         self.depth -= 1
+
+    def had_effect(self, op: TracedOperator, output: Any) -> bool:
+        """Whether low operator ``op`` computed anything in its low dtype: its output is of that dtype, or a call
+        inside its forward (casts aside) returned a tensor of it."""
+        return op.name in self.low_work or any(t.dtype == op.precision.dtype for t in tensors(output))
 
     def _known(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` is an output this tracer recorded (and not a new tensor that reuses a dead one's id)."""

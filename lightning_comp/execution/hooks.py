@@ -191,7 +191,7 @@ def _post_hook(op: HookedOperator, state: StepState) -> PostHook:
         if op.low and not op.transparent and output is not None:
             if op.lowering is Lowering.OUTPUT:
                 output = cast_floating(output, dtype)
-            if tracer is not None and not has_dtype(output, (dtype,)):
+            if tracer is not None and not tracer.had_effect(op, output):
                 tracer.ineffective.add(op.name)
             if op.name not in state.chained:
                 output = cast_floating(output, torch.float32, LOW_DTYPES)
@@ -205,7 +205,8 @@ def _post_hook(op: HookedOperator, state: StepState) -> PostHook:
 # Words of errors that mixed or 16-bit dtypes cause (torch's dtype names and messages, oneDNN's, CUDA kernels')
 _PRECISION_WORDS = re.compile(
     r"dtype|scalar type|bfloat16|BFloat16|float16|\bHalf\b|\bhalf\b|float8|Float8|\bbf16\b|\bfp16\b|\bfp8\b"
-    r"|mat1 and mat2|same type|primitive descriptor|not implemented for|mkldnn|oneDNN|onednn|overflow",
+    r"|mat1 and mat2|same type|primitive descriptor|not implemented for|mkldnn|oneDNN|onednn|overflow"
+    r"|autocast",  # CUDA autocast refuses some ops outright (binary_cross_entropy: "unsafe to autocast")
 )
 
 

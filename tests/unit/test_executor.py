@@ -18,6 +18,7 @@ from torch import nn
 from lightning_comp import PlanError, PlanExecutor, PlanMismatchError, Precision, PrecisionPlan, StepKind
 from lightning_comp.common.nested import cast_floating
 from lightning_comp.devices.lowering import Lowering, lowering_for
+from lightning_comp.operators.kinds import register_atomic
 
 BF16, FP32 = torch.bfloat16, torch.float32
 
@@ -410,6 +411,26 @@ def test_ineffective_entries_warn_once() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         _train_step(executor, model, torch.randn(2, 2), kind=StepKind.VALIDATION)
+
+
+def test_an_operator_whose_last_op_returns_fp32_after_low_work_is_not_reported_ineffective() -> None:
+    """Under CUDA autocast a region ending in an op of CUDA's fp32 list (layer_norm, softmax) returns fp32 after its
+    matmuls ran in 16 bits: its entry had an effect. An upcast at the end stands for that op on any device."""
+
+    class ProjectThenUpcast(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = nn.Linear(2, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.proj(x).float()
+
+    register_atomic(ProjectThenUpcast)
+    model = nn.Sequential(ProjectThenUpcast(), nn.Linear(2, 2))
+    executor = _apply(model, default="bf16")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _train_step(executor, model, torch.randn(2, 2))
 
 
 def test_cast_floating_walks_nested_structures() -> None:
