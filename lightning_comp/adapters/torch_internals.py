@@ -31,6 +31,7 @@ __all__ = [
     "dynamo_disabled",
     "dynamo_guards_module_hooks",
     "dynamo_traces_rnn",
+    "grad_scaler_scale",
     "has_compiled_forward",
     "is_compiled_module",
     "never_compile_as_frame",
@@ -75,6 +76,13 @@ def storage_key(tensor: torch.Tensor) -> int:
     ``UntypedStorage._cdata``). Unlike ``data_ptr()`` it tells storages apart that have no memory of their own:
     fake and meta tensors (``data_ptr() == 0`` for all of them) and storages of no bytes."""
     return int(tensor.untyped_storage()._cdata)
+
+
+def grad_scaler_scale(scaler: torch.amp.GradScaler) -> torch.Tensor | None:
+    """The scaler's current scale as the tensor on its device (``GradScaler._scale``; ``None`` before its first
+    ``scale()`` or when disabled). ``get_scale()`` reads it back to the host: a sync each call."""
+    scale = getattr(scaler, "_scale", None)
+    return scale if isinstance(scale, torch.Tensor) else None
 
 
 @contextmanager

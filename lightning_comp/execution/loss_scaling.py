@@ -13,9 +13,10 @@ import torch
 from torch.optim import LBFGS
 
 from lightning_comp.adapters.lightning_internals import optimizer_handles_unscaling
+from lightning_comp.adapters.torch_internals import grad_scaler_scale
 from lightning_comp.errors import UnsupportedSetupError
 
-__all__ = ["ScalerSlot", "scaled_optimizer_step"]
+__all__ = ["ScalerSlot", "SkippedSteps", "scaled_optimizer_step"]
 
 
 class ScalerSlot:
@@ -57,12 +58,50 @@ class ScalerSlot:
             self.scaler.load_state_dict(dict(state))
 
 
+class SkippedSteps:
+    """How many optimizer steps the loss scaler skipped, counted where the scale lives.
+
+    Whether a step was skipped is a comparison of the scale tensor before and after ``update()``; adding it up on the
+    device keeps the host out of it: the count is read back (one sync) only when :attr:`value` is asked for (by a
+    search at a trial's end, or a checkpoint), not at every step.
+    """
+
+    def __init__(self, value: int = 0) -> None:
+        self._known = int(value)
+        self._pending: torch.Tensor | None = None
+
+    def add(self, skipped: torch.Tensor | bool) -> None:
+        """Count one step: ``skipped`` is a bool, or a 0-d bool tensor on the scaler's device."""
+        if isinstance(skipped, torch.Tensor):
+            step = skipped.to(torch.int64)
+            if self._pending is not None and self._pending.device == step.device:
+                self._pending = self._pending + step
+                return
+            if self._pending is not None:  # the scaler moved to another device: settle what the old one counted
+                self._known += int(self._pending.item())
+            self._pending = step
+            return
+        self._known += int(skipped)
+
+    @property
+    def value(self) -> int:
+        """The count (reads the device-side part back, once)."""
+        if self._pending is not None:
+            self._known += int(self._pending.item())
+            self._pending = None
+        return self._known
+
+
 def scaled_optimizer_step(scaler: torch.amp.GradScaler, optimizer: Any, model: Any, closure: Callable[[], Any],
-                          after_closure: Callable[[Any, Any], None], **kwargs: Any) -> tuple[Any, bool]:
-    """One optimizer step with loss scaling, as Lightning's ``MixedPrecision`` does it.
+                          after_closure: Callable[[Any, Any], None],
+                          **kwargs: Any) -> tuple[Any, torch.Tensor | bool]:
+    """One optimizer step with loss scaling, as Lightning's ``MixedPrecision`` does it, and no host sync of its own:
+    the only one is inside ``scaler.step`` (whether any gradient overflowed decides whether the step runs).
 
     Returns:
-        The step's output, and whether the scaler skipped the step (its scale went down).
+        The step's output, and whether the scaler skipped the step (its scale went down): a 0-d bool tensor on the
+        scaler's device (read it when needed, e.g. through :class:`SkippedSteps`), or ``False`` when nothing was
+        scaled.
 
     Raises:
         UnsupportedSetupError: for LBFGS, which re-evaluates the closure and cannot be loss-scaled.
@@ -76,7 +115,11 @@ def scaled_optimizer_step(scaler: torch.amp.GradScaler, optimizer: Any, model: A
     after_closure(model, optimizer)
     if skip_unscaling:
         return closure_result, False
-    scale_before = scaler.get_scale()
+    scale = grad_scaler_scale(scaler)
+    before = None if scale is None else scale.clone()
     step_output = scaler.step(optimizer, **kwargs)
     scaler.update()
-    return step_output, scaler.get_scale() < scale_before
+    after = grad_scaler_scale(scaler)  # update() writes the scale in place (or, given a new scale, may replace it)
+    if before is None or after is None:
+        return step_output, False
+    return step_output, after < before

@@ -21,7 +21,7 @@ from lightning_comp.errors import UnsupportedSetupError
 from lightning_comp.execution.compiled_regions import guarding_hooks, is_compiled
 from lightning_comp.execution.emulation import check_plan_device, decline_slow_fp16
 from lightning_comp.execution.executor import PlanExecutor, StepKind
-from lightning_comp.execution.loss_scaling import ScalerSlot, scaled_optimizer_step
+from lightning_comp.execution.loss_scaling import ScalerSlot, SkippedSteps, scaled_optimizer_step
 from lightning_comp.execution.plugin_state import PluginState
 from lightning_comp.execution.saved_tensors import DEFAULT_MIN_SAVED_BYTES
 from lightning_comp.numerics.precision import Precision as Dtype
@@ -88,7 +88,7 @@ class CoMPPrecision(Precision):
         self._executor = PlanExecutor(recast_weights_in_backward=recast_weights_in_backward,
                                       min_saved_bytes=min_saved_bytes)
         self._hook_guards = ExitStack()  # while a compiled model trains: Dynamo guards on hooks
-        self.skipped_steps = 0
+        self._skipped = SkippedSteps()
         self.optimizer_steps = 0
 
     # -------------------------------------------------------------------------------------------- the plan
@@ -113,6 +113,11 @@ class CoMPPrecision(Precision):
     def compiled(self) -> bool:
         """Whether the model runs under ``torch.compile`` (known once the Trainer has set it up)."""
         return self._executor.compiled
+
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps the FP16 loss scaler skipped so far (counted on the device: reading it is a host sync)."""
+        return self._skipped.value
 
     @property
     def executor(self) -> PlanExecutor:
@@ -290,7 +295,7 @@ class CoMPPrecision(Precision):
         if self.scaler is None:
             return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
         output, skipped = scaled_optimizer_step(self.scaler, optimizer, model, closure, self._after_closure, **kwargs)
-        self.skipped_steps += int(skipped)
+        self._skipped.add(skipped)
         return output
 
     @override
@@ -334,7 +339,7 @@ class CoMPPrecision(Precision):
                 " checkpoint's.",
             )
         self._scaler.load(state.scaler, self.plan.uses(Dtype.FP16), self._executor.model is not None)
-        self.skipped_steps = state.skipped_steps
+        self._skipped = SkippedSteps(state.skipped_steps)
         self.optimizer_steps = state.optimizer_steps
 
     @override
