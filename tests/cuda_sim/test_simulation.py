@@ -1,0 +1,56 @@
+"""The CUDA simulation, run from the main suite: one subprocess (the shim must be loaded before torch), all checks.
+
+Skipped, saying why, only where the shim cannot be built (no C++ compiler, or a torch that is not a CPU build).
+Failures are reported by check name, from the subprocess's JUnit XML.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+from tests.cuda_sim.shim import ShimUnavailable, build_shim, load_shim
+from tests.helpers.paths import REPO
+
+# at least this many checks must run: 4 GPUs x (12 operator cases x 4 plans + the rest); fewer means checks vanished
+MIN_CHECKS = 4 * 12 * 4
+
+
+@pytest.mark.slow
+def test_the_plan_executes_on_simulated_cuda_as_cuda_requires(tmp_path: Path) -> None:
+    try:
+        build_shim()
+    except ShimUnavailable as err:
+        pytest.skip(f"the CUDA simulation cannot run here: {err}")
+    report = tmp_path / "cuda_sim.xml"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
+    started = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", "tests.cuda_sim.run", "-q", "-p", "no:randomly",
+                           f"--junitxml={report}"], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=900, check=False)
+    seconds = time.perf_counter() - started
+    assert report.exists(), f"the simulation wrote no report (exit {done.returncode}):\n{done.stderr[-6000:]}"
+    suite = ET.parse(report).getroot()
+    suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
+    assert suite is not None
+    failed = [f"{case.get('classname')}::{case.get('name')}: {(bad.get('message') or '')[:400]}"
+              for case in suite.iter("testcase") for bad in (*case.findall("failure"), *case.findall("error"))]
+    assert not failed, f"{len(failed)} CUDA check(s) failed:\n" + "\n".join(failed[:30])
+    ran = int(suite.get("tests", 0)) - int(suite.get("skipped", 0))
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    assert ran >= MIN_CHECKS, f"only {ran} CUDA checks ran (expected at least {MIN_CHECKS})"
+    print(f"CUDA simulation: {ran} checks in {seconds:.0f} s")
+
+
+def test_the_shim_refuses_to_load_after_torch() -> None:
+    """Loaded after torch it would do nothing (torch would still see no accelerator): refused, saying so."""
+    import torch  # noqa: F401  (already imported by the suite; the point is that it is)
+
+    with pytest.raises(ShimUnavailable, match="torch was imported before the shim"):
+        load_shim(Path("unused.so"))
