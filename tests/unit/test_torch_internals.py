@@ -50,6 +50,15 @@ def test_storage_key_is_shared_by_views_and_tells_memoryless_storages_apart() ->
     assert adapter.storage_key(meta[0]) != adapter.storage_key(meta[1])
 
 
+def test_grad_scaler_scale_is_the_scale_tensor_updated_in_place() -> None:
+    scaler = torch.amp.GradScaler("cpu", init_scale=8.0)
+    assert adapter.grad_scaler_scale(scaler) is None  # before the first scale()
+    scaler.scale(torch.ones(()))
+    scale = adapter.grad_scaler_scale(scaler)
+    assert isinstance(scale, torch.Tensor) and float(scale) == scaler.get_scale() == 8.0
+    assert adapter.grad_scaler_scale(torch.amp.GradScaler("cpu", enabled=False)) is None
+
+
 def test_a_reparametrized_module_computes_with_the_given_tensors_and_gets_its_own_back() -> None:
     layer = nn.Linear(2, 1, bias=False)
     weight = layer.weight
