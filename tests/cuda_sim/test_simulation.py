@@ -54,3 +54,15 @@ def test_the_shim_refuses_to_load_after_torch() -> None:
 
     with pytest.raises(ShimUnavailable, match="torch was imported before the shim"):
         load_shim(Path("unused.so"))
+
+
+def test_the_gpu_check_script_refuses_a_machine_without_a_gpu(tmp_path: Path) -> None:
+    """``benchmarks/gpu_check.sh`` is for a GPU machine; elsewhere it stops at once (exit 2), saying why."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: run benchmarks/gpu_check.sh itself")
+    done = subprocess.run(["bash", str(REPO / "benchmarks" / "gpu_check.sh"), str(tmp_path)], cwd=REPO,
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "no CUDA device visible to torch" in (tmp_path / "device.txt").read_text()
