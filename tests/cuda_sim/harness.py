@@ -10,7 +10,7 @@ cast boundaries, the second runs with them (the two differ in which outputs stay
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -164,12 +164,3 @@ def _check_operator(run: SimRun, name: str, kind: OperatorKind, low: Precision) 
 
 def _has_work(run: SimRun, name: str) -> bool:
     return bool(run.recorder.work(name, "forward"))
-
-
-def work_summary(run: SimRun) -> Mapping[str, set[str]]:
-    """Per operator, ``"phase op dtype"`` of its work ops (for messages and the closing grid)."""
-    summary: dict[str, set[str]] = {}
-    for event in run.recorder.events:
-        if event.owner is not None and event.computes_in is not None:
-            summary.setdefault(event.owner, set()).add(f"{event.phase} {event.op} {event.computes_in}")
-    return summary

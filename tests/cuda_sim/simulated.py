@@ -17,12 +17,12 @@ from typing import Any
 from unittest import mock
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from lightning_comp.devices.device_classes import device_class
 from lightning_comp.devices.kernel_probes import probe_recurrent
 
-__all__ = ["GPUS", "REAL", "SimulatedGpu", "cuda_tensors", "host", "simulated_gpu"]
+__all__ = ["GPUS", "REAL", "SimulatedGpu", "cuda_tensors", "simulated_gpu"]
 
 
 @dataclass(frozen=True)
@@ -110,11 +110,6 @@ def cuda_tensors(gpu: SimulatedGpu) -> contextlib.AbstractContextManager[Any]:
     if not gpu.simulated:
         return contextlib.nullcontext()
     return _FakeCudaMode(allow_non_fake_inputs=True)
-
-
-def host() -> contextlib.AbstractContextManager[Any]:
-    """Leave the fake mode for a while (reading a real CPU tensor's value inside it raises, as it is fakeified)."""
-    return unset_fake_temporarily()
 
 
 def _register_missing_meta_kernels() -> None:
