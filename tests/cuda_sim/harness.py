@@ -73,7 +73,6 @@ def run_steps(gpu: SimulatedGpu, case: Case, plan: Any, *, steps: int = 2, min_s
     model = case.build().train()
     batch = case.batch()
     plugin = CoMPPrecision(plan, min_saved_bytes=min_saved_bytes)
-    caught: list[str] = []
     with warnings.catch_warnings(record=True) as seen, _on_device(gpu):
         warnings.simplefilter("always")
         plugin.convert_module(model)
@@ -99,8 +98,7 @@ def run_steps(gpu: SimulatedGpu, case: Case, plan: Any, *, steps: int = 2, min_s
             recorder.detach()
         run.grads = {n: (p.grad.dtype, p.grad.device.type) for n, p in model.named_parameters() if p.grad is not None}
         run.params = {n: (p.dtype, p.device.type) for n, p in model.named_parameters()}
-    caught.extend(str(w.message) for w in seen)
-    run.warnings = caught
+    run.warnings = [str(w.message) for w in seen]
     return run
 
 
