@@ -103,6 +103,20 @@ SUITE: dict[str, ModelSpec] = {
         data="CharTextDataModule", data_kwargs={"seq_len": 128, "num_samples": 800, "batch_size": 16},
         steps=60, segment=5, val_every=15, val_batches=3, search_batches=20,
     ),
+    "litgpt": ModelSpec(
+        key="litgpt", title="litgpt GPT, LLaMA-style (2 layers, 4 heads / 2 KV groups, 128 wide, RMSNorm, SwiGLU, RoPE;"
+        " randomly initialised) on pydoc text bytes, T128, batch 16",
+        model="LitGPT", model_kwargs={"width": 128, "depth": 2, "heads": 4, "query_groups": 2, "block_size": 128},
+        data="CharTextDataModule", data_kwargs={"seq_len": 128, "num_samples": 800, "batch_size": 16},
+        steps=60, segment=5, val_every=15, val_batches=3, search_batches=20,
+    ),
+    "x_transformer": ModelSpec(
+        key="x_transformer", title="x-transformers decoder (2 layers, 4 heads, 128 wide, rotary) on pydoc text bytes,"
+        " T128, batch 16",
+        model="XTransformerLM", model_kwargs={"width": 128, "depth": 2, "heads": 4, "block_size": 128},
+        data="CharTextDataModule", data_kwargs={"seq_len": 128, "num_samples": 800, "batch_size": 16},
+        steps=60, segment=5, val_every=15, val_batches=3, search_batches=20,
+    ),
     "tv_resnet": ModelSpec(
         key="tv_resnet", title="torchvision ResNet-18 (randomly initialised) on Shapes10 32x32, batch 64",
         model="TorchvisionResNet", model_kwargs={"arch": "resnet18"},
@@ -111,7 +125,8 @@ SUITE: dict[str, ModelSpec] = {
     ),
 }
 DEFAULT_MODELS = ("cnn", "gpt", "lstm", "mlp")
-OPTIONAL_MODELS = {"hf_gpt2": "transformers", "tv_resnet": "torchvision"}  # key -> the library it needs
+OPTIONAL_MODELS = {"hf_gpt2": "transformers", "litgpt": "litgpt", "x_transformer": "x_transformers",
+                   "tv_resnet": "torchvision"}  # key -> the library it needs
 
 
 def unavailable(key: str) -> str | None:
@@ -137,6 +152,10 @@ _SMOKE_SIZES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "gru": ({"width": 16, "depth": 1}, {"num_samples": 400, "batch_size": 16}),
     "hf_gpt2": ({"width": 32, "depth": 1, "heads": 2, "block_size": 32}, {"seq_len": 32, "num_samples": 200,
                                                                           "batch_size": 8}),
+    "litgpt": ({"width": 32, "depth": 1, "heads": 2, "query_groups": 1, "block_size": 32},
+               {"seq_len": 32, "num_samples": 200, "batch_size": 8}),
+    "x_transformer": ({"width": 32, "depth": 1, "heads": 2, "block_size": 32}, {"seq_len": 32, "num_samples": 200,
+                                                                                "batch_size": 8}),
     "tv_resnet": ({}, {"num_samples": 400, "batch_size": 16, "image_size": 32}),
 }
 _SMOKE_SEARCH = {"profile_steps": 1, "profile_warmup": 0, "max_trials": 2}

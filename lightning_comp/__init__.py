@@ -6,7 +6,7 @@ The package is layered; each package imports only those below it (``tests/unit/t
 package             what it holds
 ==================  ================================================================================================
 ``search``          ``CoMPSearch``: the two-stage search for a model's plan (measurement, decisions, stages, record)
-``plugins``         ``CoMPPrecision``: the Lightning precision plugin that trains with a plan
+``plugins``         ``CoMPPrecision``/``CoMPFabricPrecision``: the Trainer's and Fabric's precision plugins
 ``distributed``     half-precision gradient traffic and the worker-scaled learning rate for DDP
 ``execution``       putting a plan into effect: hooks, cast boundaries, weight casts, saved tensors, loss scaling
 ``plan``            ``PrecisionPlan``: entries, selectors, fingerprint, file format
@@ -46,7 +46,7 @@ from lightning_comp.execution import PlanExecutor, StepKind
 from lightning_comp.numerics import Precision, SavedPrecision, parse_precision
 from lightning_comp.operators import OperatorInfo, OperatorKind, discover_operators, register_atomic
 from lightning_comp.plan import OperatorFingerprint, PrecisionPlan, Selectors
-from lightning_comp.plugins import CoMPPrecision
+from lightning_comp.plugins import CoMPFabricPrecision, CoMPPrecision
 from lightning_comp.search import CoMPSearch, Objective, SearchConfig, SearchState, TrialRecord
 from lightning_comp.search.rewind.snapshot import TrainingSnapshot
 
@@ -54,6 +54,7 @@ __version__ = "0.1.0.dev0"
 
 __all__ = [
     "CoMPError",
+    "CoMPFabricPrecision",
     "CoMPPrecision",
     "CoMPSearch",
     "CommStats",

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.nn.utils import stateless
+from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = [
     "BATCH_NORM_BASE",
@@ -31,8 +32,10 @@ __all__ = [
     "dynamo_disabled",
     "dynamo_guards_module_hooks",
     "dynamo_traces_rnn",
+    "TORCH_DISPATCH_MODE",
     "grad_scaler_scale",
     "has_compiled_forward",
+    "in_backward",
     "is_compiled_module",
     "never_compile_as_frame",
     "reparametrized",
@@ -166,3 +169,15 @@ def cpu_feature_probe(name: str) -> Callable[[], bool] | None:
     ``amx_tile``), or ``None`` where this torch has none (callers then read ``/proc/cpuinfo``)."""
     probe = getattr(getattr(torch, "cpu", None), f"_is_{name}_supported", None)
     return probe if callable(probe) else None
+
+
+# ----------------------------------------------------------------------------------------------------- dispatch
+#: The base class of modes that see every aten op a step runs, after autograd and autocast
+#: (``torch.utils._python_dispatch.TorchDispatchMode``: documented, but in a private module).
+TORCH_DISPATCH_MODE: type[Any] = TorchDispatchMode
+
+
+def in_backward() -> bool:
+    """Whether the calling code runs inside the autograd engine, computing a backward node
+    (``torch._C._current_autograd_node()`` is not ``None`` there)."""
+    return torch._C._current_autograd_node() is not None

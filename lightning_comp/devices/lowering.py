@@ -4,6 +4,8 @@
 operator                           lowering
 =================================  ==========================================================================
 Linear, Conv, attention            an autocast region (parameter copies where the device has no autocast)
+a container's own work             an autocast region around its forward, in which each child operator keeps
+(``FUNCTIONAL``)                   its own precision (none where the device has no autocast)
 LSTM, GRU, RNN                     the first way that runs on the device, tried on a tiny copy
                                    (:mod:`lightning_comp.devices.kernel_probes`): autocast, else parameter copies
 norms                              a cast of the input (FP32 affine parameters and statistics) where the kernels
@@ -26,7 +28,7 @@ from lightning_comp.devices.kernel_probes import probe_recurrent
 from lightning_comp.numerics.precision import Precision
 from lightning_comp.operators.kinds import OperatorKind, autocast_like, classify, is_recurrent, normalises_input_only
 
-__all__ = ["Lowering", "lowering_for", "why_not_lowerable"]
+__all__ = ["Lowering", "autocast_available", "lowering_for", "why_not_lowerable"]
 
 
 class Lowering(str, Enum):
@@ -54,8 +56,10 @@ def lowering_for(module: nn.Module, precision: Precision, device: torch.device |
     if is_recurrent(module):
         route = probe_recurrent(module, precision, target).route
         return None if route is None else Lowering(route)
+    if kind is OperatorKind.FUNCTIONAL:  # calls between its children: only an autocast region reaches them
+        return Lowering.AUTOCAST if autocast_available(target.type) else None
     if autocast_like(module):  # where torch has no autocast, parameter copies do the same work
-        return Lowering.AUTOCAST if _autocast_available(target.type) else Lowering.PARAMS
+        return Lowering.AUTOCAST if autocast_available(target.type) else Lowering.PARAMS
     if kind is OperatorKind.NORM:
         # CPU kernels accept a 16-bit input with FP32 affine parameters; CUDA LayerNorm/GroupNorm do not.
         return Lowering.INPUT if normalises_input_only(module) or target.type == "cpu" else Lowering.PARAMS
@@ -72,9 +76,13 @@ def why_not_lowerable(module: nn.Module, precision: Precision, device: torch.dev
         failures = probe_recurrent(module, precision, torch.device(device)).describe_failures()
         if failures:
             return failures
+    if classify(module) is OperatorKind.FUNCTIONAL:
+        return (f"its own work (functional calls between its children) is lowered by an autocast region, and torch has"
+                f" no autocast for {torch.device(device).type}")
     return f"no way of lowering a {type(module).__name__} to {precision.value} runs there"
 
 
-def _autocast_available(device_type: str) -> bool:
-    available = getattr(torch.amp, "is_autocast_available", None)  # public since torch 2.4
+def autocast_available(device_type: str) -> bool:
+    """Whether torch has an autocast for ``device_type``."""
+    available = getattr(torch.amp, "isautocast_available", None)  # public since torch 2.4
     return device_type in ("cpu", "cuda") if available is None else bool(available(device_type))

@@ -3,7 +3,13 @@
 A low-precision operator's output stays in the low dtype only where every consumer of it is an operator of the same
 low precision; anywhere else (an FP32 operator, a functional op outside any operator, the loss, the caller) it is
 cast back to FP32. :class:`ConsumerTracer` finds the consumers during the first step of each kind after a plan is
-applied, with a ``TorchFunctionMode`` that sees every torch call made outside operators.
+applied, with a ``TorchFunctionMode`` that sees every torch call. A call consumes for the innermost operator whose
+forward runs it: for a ``FUNCTIONAL`` operator (a container computing between its children) that is its own work,
+so a child's output consumed there stays low only if the container computes in the child's precision.
+
+Containers that a step's trace is still examining (*provisional* operators, hooked for the first step only) consume
+as if they were no operator at all, and are never producers: the cast boundaries they give are conservative (an
+output may be cast back to FP32 where it could have stayed low), never wrong, whichever of them turn out to compute.
 
 The same step finds plan entries that had no effect: a low operator none of whose torch calls (casts aside) returned
 a tensor of its low dtype. Its output's dtype alone would not tell: under CUDA autocast a region whose last op is on
@@ -55,10 +61,10 @@ class TracedOperator(Protocol):
 class ConsumerTracer(TorchFunctionMode):
     """Records, for one step, which operators consume each low-precision operator's output."""
 
-    def __init__(self, operators: Mapping[str, TracedOperator]) -> None:
+    def __init__(self, operators: Mapping[str, TracedOperator], provisional: frozenset[str] = frozenset()) -> None:
         super().__init__()
         self.operators = operators
-        self.depth = 0
+        self.provisional = provisional
         # Keyed by id(); each entry keeps a weak reference so that an id reused by a new tensor after the old one
         # died is not mistaken for it. (Holding the outputs alive instead would keep every low activation of the
         # calibration step until its end: +150-200 MiB on a small GPT/CNN.)
@@ -78,11 +84,18 @@ class ConsumerTracer(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if self.depth == 0 and self.producers and not _is_metadata(func):
-            for tensor in tensors((args, kwargs)):
-                if self._known(tensor):
-                    self.escaped.update(self.producers[id(tensor)])
-                    self.unused_calls.discard(self.call_of[id(tensor)])
+        if self.producers and not _is_metadata(func):
+            consumer = self._consumer()
+            if consumer is None or not consumer.transparent:
+                for tensor in tensors((args, kwargs)):
+                    if self._known(tensor):
+                        self.unused_calls.discard(self.call_of[id(tensor)])
+                        for producer in self.producers[id(tensor)]:
+                            if consumer is None or not (consumer.low and consumer.precision is
+                                                        self.operators[producer].precision):
+                                self.escaped.add(producer)
+                            else:
+                                self.consumed.add(producer)
         result = func(*args, **kwargs)
         if self.open:
             op = self.open[-1]
@@ -91,9 +104,16 @@ class ConsumerTracer(TorchFunctionMode):
                 self.low_work.add(op.name)
         return result
 
+    def _consumer(self) -> TracedOperator | None:
+        """The operator a call made now consumes for: the innermost open one (``None``: outside, or provisional)."""
+        if not self.open:
+            return None
+        op = self.open[-1]
+        return None if op.name in self.provisional else op
+
     def enter(self, op: TracedOperator, args: Any, kwargs: Any) -> None:
-        self.depth += 1
         self.open.append(op)
+        provisional = op.name in self.provisional
         sources: set[str] = set()
         for tensor in tensors((args, kwargs)):
             if not self._known(tensor):
@@ -104,7 +124,7 @@ class ConsumerTracer(TorchFunctionMode):
                 self.consumed.add(producer)
                 if op.transparent:
                     continue
-                if not (op.low and op.precision is self.operators[producer].precision):
+                if provisional or not (op.low and op.precision is self.operators[producer].precision):
                     self.escaped.add(producer)
         self.pending.append(frozenset(sources))
 
@@ -112,7 +132,10 @@ class ConsumerTracer(TorchFunctionMode):
         if self.open:
             self.open.pop()
         sources = self.pending.pop() if self.pending else frozenset()
-        attributed = sources if op.transparent else (frozenset({op.name}) if op.low else frozenset())
+        if op.name in self.provisional:
+            attributed: frozenset[str] = frozenset()
+        else:
+            attributed = sources if op.transparent else (frozenset({op.name}) if op.low else frozenset())
         if attributed:
             call = len(self.call_names)
             self.call_names.append(attributed)
@@ -121,7 +144,6 @@ class ConsumerTracer(TorchFunctionMode):
                 self.producers[id(tensor)] = attributed
                 self.call_of[id(tensor)] = call
                 self.refs[id(tensor)] = weakref.ref(tensor)
-        self.depth -= 1
 
     def had_effect(self, op: TracedOperator, output: Any) -> bool:
         """Whether low operator ``op`` computed anything in its low dtype: its output is of that dtype, or a call

@@ -62,13 +62,14 @@ def only_inlined(fn: _Fn) -> _Fn:
 
 
 @only_inlined
-def enter_autocast(device_type: str, dtype: torch.dtype) -> Any:
-    """Enter an autocast region (weight cache off, as the executor's eager regions) and return its handle."""
+def enter_autocast(device_type: str, dtype: torch.dtype, enabled: bool = True) -> Any:
+    """Enter an autocast region (weight cache off, as the executor's eager regions; ``enabled=False``: a region in
+    which autocast is off) and return its handle."""
     if _enter_autocast is None:  # pragma: no cover
-        mode = torch.autocast(device_type, dtype=dtype, cache_enabled=False)
+        mode = torch.autocast(device_type, dtype=dtype, enabled=enabled, cache_enabled=False)
         mode.__enter__()
         return mode
-    return _enter_autocast(device_type, dtype, True, False)
+    return _enter_autocast(device_type, dtype, enabled, False)
 
 
 @only_inlined

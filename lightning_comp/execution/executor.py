@@ -11,12 +11,20 @@ device the hooks were built for, and whether the model runs compiled. A model ca
 the low dtype only where every consumer of it is an operator of the same low precision; anywhere else it is cast
 back to FP32. The consumers are found by tracing the first step of each kind (train/validation/test/predict) after a
 plan is applied. Calls outside a step, and operators the trace did not see, always cast back to FP32.
+
+**Operators found by tracing** (:mod:`lightning_comp.operators.owned_work`). The first step of each kind a model runs
+is also traced for the work its modules do themselves: a container found computing between its children (an
+attention module calling ``scaled_dot_product_attention`` or ``einsum``) becomes a ``FUNCTIONAL`` operator, and the
+plan is applied again with it. So that this first step already computes such work in its planned precision, every
+container not traced yet is hooked for it as a *provisional* operator (an autocast region in its planned precision,
+which changes nothing in a container that does no such work); its cast boundaries are then conservative, and the
+step calibrates them only if no new operator was found (else the next step of that kind does).
 """
 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from enum import Enum
 from typing import Any
@@ -27,7 +35,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from lightning_comp.devices.device_classes import device_class, model_device
-from lightning_comp.devices.lowering import lowering_for, why_not_lowerable
+from lightning_comp.devices.lowering import Lowering, autocast_available, lowering_for, why_not_lowerable
 from lightning_comp.errors import PlanError
 from lightning_comp.execution.cast_boundaries import ConsumerTracer
 from lightning_comp.execution.compiled_regions import EagerCall, eager, untraceable
@@ -35,8 +43,9 @@ from lightning_comp.execution.hooks import HookedOperator, StepState, make_hooks
 from lightning_comp.execution.saved_tensors import DEFAULT_MIN_SAVED_BYTES, SavedTensorCompressor
 from lightning_comp.execution.weight_casts import WeightCastRecorder
 from lightning_comp.numerics.precision import Precision
-from lightning_comp.operators.discovery import iter_operators
-from lightning_comp.operators.kinds import classify
+from lightning_comp.operators.discovery import iter_operators, iter_untraced_containers
+from lightning_comp.operators.kinds import OperatorKind, classify
+from lightning_comp.operators.owned_work import StepWork, WorkRecorder
 from lightning_comp.plan.plan import PrecisionPlan
 
 __all__ = ["PlanExecutor", "StepKind"]
@@ -85,6 +94,10 @@ class PlanExecutor:
         self._last_step_chained: frozenset[str] = frozenset()  # what the latest step's forward chained
         self._warned_ineffective: set[str] = set()
         self._calibrations: dict[tuple[Any, ...], dict[StepKind, frozenset[str]]] = {}
+        self._said_nothing_lowered: set[tuple[Any, ...]] = set()  # plans warned about lowering nothing
+        self._traced_kinds: set[StepKind] = set()  # kinds of step the model's work was traced in
+        self._traced_model: weakref.ref[nn.Module] | None = None
+        self._work: StepWork | None = None
 
     # ---------------------------------------------------------------------------------------------------- state
     @property
@@ -124,6 +137,11 @@ class PlanExecutor:
     def chained_operators(self, kind: StepKind) -> frozenset[str]:
         """Low-precision operators whose output stays low in steps of ``kind`` (empty until calibrated)."""
         return self._chained.get(kind, frozenset())
+
+    @property
+    def work(self) -> StepWork | None:
+        """The compute-heavy work of the model's first traced step, by owning module (``None`` before it ran)."""
+        return self._work
 
     def placed(self) -> bool:
         """Whether the plan is in force for the device the model computes on now (Lightning may have moved it)."""
@@ -182,7 +200,10 @@ class PlanExecutor:
         # (the search alternates plans) reuses its calibration instead of tracing again.
         key = (weakref.ref(model), bound.entries, bound.default, str(target))  # a dead model never matches
         self._chained = self._calibrations.setdefault(key, {})
-        if not bound.is_all_fp32 and not any(op.low and not op.transparent for op in operators.values()):
+        said = (bound.entries, bound.default, str(target))
+        if not bound.is_all_fp32 and not any(op.low and not op.transparent for op in operators.values()) \
+                and said not in self._said_nothing_lowered:
+            self._said_nothing_lowered.add(said)
             low = sorted({p.value for p in (bound.default, *(p for _, p in bound.entries)) if p is not Precision.FP32})
             rank_zero_warn(
                 f"The plan assigns {'/'.join(low)} but no operator of {type(model).__name__} computes in it on"
@@ -198,7 +219,10 @@ class PlanExecutor:
         self._in_force = True
         if not any(op.low or op.saved.compresses for op in self._operators.values()):
             return
-        for op in self._operators.values():
+        self._hook(self._operators.values())
+
+    def _hook(self, operators: Iterable[HookedOperator]) -> None:
+        for op in operators:
             pre_hook, post_hook = make_hooks(op, self._state, self._weight_casts, self._saved)
             if self._compiled and untraceable(op.module):  # a graph break inside its region would drop it
                 self._handles.append(EagerCall(op.module, pre_hook, post_hook))
@@ -206,17 +230,39 @@ class PlanExecutor:
             self._handles.append(op.module.register_forward_pre_hook(pre_hook, with_kwargs=True))
             self._handles.append(op.module.register_forward_hook(post_hook, always_call=True))
 
-    def detach(self) -> None:
-        """Take the hooks off the model but keep the plan, precisions and calibration for inspection.
+    def _drop_provisional(self, provisional: dict[str, HookedOperator], static_handles: int) -> None:
+        """Take a tracing step's provisional operators off again (and the plan's hooks it needed, if it has none)."""
+        if not provisional:
+            return
+        for handle in self._handles[static_handles:]:
+            handle.remove()
+        del self._handles[static_handles:]
+        for name, op in provisional.items():
+            self._operators.pop(name, None)
+            while op.contexts:  # left entered only by a forward that raised before its post-hook
+                op.contexts.pop().__exit__(None, None, None)
+        self._state.regions = 0
 
-        The model then computes in FP32 (and deep copies of it carry no hook); :meth:`apply` puts the hooks back.
-        """
+    def _uninstall(self) -> None:
+        """Remove the hooks and leave whatever a hook left entered (a forward that raised mid-way)."""
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
         for op in self._operators.values():
             while op.contexts:
                 op.contexts.pop().__exit__(None, None, None)
+            while op.shields:
+                shield = op.shields.pop()
+                if shield is not None:
+                    shield.exit()
+        self._state.regions = 0
+
+    def detach(self) -> None:
+        """Take the hooks off the model but keep the plan, precisions and calibration for inspection.
+
+        The model then computes in FP32 (and deep copies of it carry no hook); :meth:`apply` puts the hooks back.
+        """
+        self._uninstall()
         if self._model is not None and _OWNERS.get(self._model) is self:
             del _OWNERS[self._model]
         self._in_force = False
@@ -233,7 +279,17 @@ class PlanExecutor:
     # ---------------------------------------------------------------------------------------------------- steps
     @contextmanager
     def step(self, kind: StepKind) -> Iterator[None]:
-        """Run one Lightning step of ``kind``; the first one after a plan is applied calibrates cast boundaries."""
+        """Run one Lightning step of ``kind``; the first one of each kind traces the model's own work (see the
+        module docstring), the first one after a plan is applied calibrates cast boundaries.
+
+        Raises:
+            PlanMismatchError: after a tracing step, if a plan entry names containers none of which computes.
+            PlanError: after a tracing step, if a container found computing has no way of lowering on the device.
+        """
+        if self._model is not None and self._needs_trace(kind):
+            with self._tracing_step(kind):
+                yield
+            return
         if not self._handles:
             yield
             return
@@ -260,6 +316,64 @@ class PlanExecutor:
             self._saved.clear()
         self._chained[kind] = tracer.chained()
         self._warn_ineffective(tracer.ineffective)
+
+    def _needs_trace(self, kind: StepKind) -> bool:
+        model = self._model
+        if self._traced_model is None or self._traced_model() is not model:
+            self._traced_model = None if model is None else weakref.ref(model)
+            self._traced_kinds = set()
+        return kind not in self._traced_kinds
+
+    @contextmanager
+    def _tracing_step(self, kind: StepKind) -> Iterator[None]:
+        """A step that records which modules own compute-heavy work, with provisional operators hooked."""
+        model = self._model
+        assert model is not None
+        plan, device = self._plan, self._state.device
+        untraced = next(iter_untraced_containers(model), None) is not None
+        provisional: dict[str, HookedOperator] = {}
+        if plan is not None and device is not None and self._in_force:
+            provisional = _provisional_operators(model, plan, device, self._operators)
+        hooked = bool(self._handles) or any(op.low for op in provisional.values())
+        static_handles = len(self._handles)
+        if provisional:  # on top of the plan's own hooks (whose order among other hooks stays as it is)
+            if not self._handles:
+                self._hook(self._operators.values())  # FP32 operators shield themselves from the regions
+            self._operators = {**self._operators, **provisional}
+            self._hook(provisional.values())
+        before = set(self._operators) - set(provisional)
+        recording = self._weight_casts.recording() if self._recasting and hooked else nullcontext()
+        tracer = ConsumerTracer(self._operators, frozenset(provisional)) if hooked else None
+        self._state.tracer = tracer
+        self._saved.watch(model)
+        recorder = WorkRecorder(model)
+        try:
+            with eager() if self._compiled else nullcontext(), recorder, \
+                    tracer if tracer is not None else nullcontext(), recording:
+                yield
+        except BaseException:
+            self._drop_provisional(provisional, static_handles)
+            raise
+        finally:
+            self._state.tracer = None
+            self._saved.clear()
+        self._traced_kinds.add(kind)
+        if self._work is None or kind is StepKind.TRAIN:
+            self._work = recorder.work
+        self._drop_provisional(provisional, static_handles)
+        found = [name for name, _ in iter_operators(model) if name not in self._operators]
+        if found and plan is not None and device is not None and self._in_force:
+            self.apply(model, plan, device, compiled=self._compiled)  # the operators found join the plan's
+        elif plan is not None and untraced:
+            plan.validate(model)  # entries that waited for the trace: each must now match an operator
+        new = set(self._operators) - before
+        if new:  # cast boundaries found without these operators no longer hold
+            for calibration in self._calibrations.values():
+                calibration.clear()
+        if tracer is not None:
+            if not new and self._handles:
+                self._chained[kind] = tracer.chained()
+            self._warn_ineffective(tracer.ineffective & set(self._operators))
 
     @contextmanager
     def recomputing(self) -> Iterator[None]:
@@ -329,3 +443,20 @@ def _hooked_operators(model: nn.Module, plan: PrecisionPlan, device: torch.devic
             " 'saved' entries for a compiled model (CoMPSearch(saved_precision='off')), or train it uncompiled."
         )
     return operators
+
+
+def _provisional_operators(model: nn.Module, plan: PrecisionPlan, device: torch.device,
+                           operators: dict[str, HookedOperator]) -> dict[str, HookedOperator]:
+    """The containers of ``model`` not traced yet, hooked for one step as ``FUNCTIONAL`` operators in their planned
+    precision (an autocast region; FP32 where the device has none); none if no container is planned low."""
+    containers = [(n, m) for n, m in iter_untraced_containers(model) if n not in operators]
+    precisions = {n: plan.precision_of(n, type(m)) for n, m in containers}
+    if not any(p.is_low for p in precisions.values()):
+        return {}
+    autocast = autocast_available(device.type)
+    out = {}
+    for name, module in containers:
+        precision = precisions[name]
+        lowering = Lowering.AUTOCAST if precision.is_low and autocast else Lowering.NONE
+        out[name] = HookedOperator(name, module, OperatorKind.FUNCTIONAL, precision, lowering)
+    return out

@@ -8,6 +8,11 @@ entry saves in a lower precision. The post-hook leaves what the pre-hook entered
 stays low only where the step's cast boundaries (:mod:`lightning_comp.execution.cast_boundaries`) say every
 consumer computes in the same precision; anywhere else it returns to FP32.
 
+A ``FUNCTIONAL`` operator (a container computing between its children) is lowered by an autocast region around its
+whole forward. Its children keep their own plan entries inside it: an autocast-lowered child enters a region of its
+own precision, and every other child operator (FP32 ones, norms lowered by an input cast, ...) turns autocast off for
+its own call while such a region is open, so the container's precision never reaches into them.
+
 When the forward raises, the post-hook adds a note to the exception naming the operator, its precision and the
 device, and, only where precision can be the cause, that assigning the operator FP32 may help: an out-of-range
 token index raises the same ``IndexError`` in FP32 as in BF16, and advising FP32 there would send the user the wrong
@@ -57,6 +62,7 @@ class HookedOperator:
         lowering: how that precision is put into effect on the device (``NONE``: it computes in FP32).
         saved: the precision it stores its saved tensors in.
         contexts: the contexts its pre-hook entered, left by its post-hook (a stack: a module may call itself).
+        shields: the autocast-off regions its pre-hook entered inside an enclosing ``FUNCTIONAL`` region.
     """
 
     name: str
@@ -66,6 +72,7 @@ class HookedOperator:
     lowering: Lowering
     saved: SavedPrecision = SavedPrecision.FP32
     contexts: list[AbstractContextManager[Any]] = field(default_factory=list)
+    shields: list[Any] = field(default_factory=list)
 
     @property
     def low(self) -> bool:
@@ -90,11 +97,14 @@ class StepState:
         tracer: the consumer tracer of a calibrating step (``None`` in every other step).
         chained: the low operators whose outputs stay low in this step.
         device: the device the hooks were built for (for error notes).
+        regions: how many ``FUNCTIONAL`` operators' autocast regions are open now (child operators shield their own
+            call from them).
     """
 
     tracer: ConsumerTracer | None = None
     chained: frozenset[str] = frozenset()
     device: torch.device | None = field(default=None)
+    regions: int = 0
 
 
 def make_hooks(op: HookedOperator, state: StepState, casts: WeightCastRecorder,
@@ -120,6 +130,8 @@ def _pre_hook(op: HookedOperator, state: StepState, casts: WeightCastRecorder, c
     # instead of kept); other autocast-lowered modules are left to autocast.
     recast_own = lowering is Lowering.AUTOCAST and weight_reading(op.module)
     saved = op.saved
+    region = op.kind is OperatorKind.FUNCTIONAL and lowering is Lowering.AUTOCAST  # the container's own work
+    shields = not op.transparent and lowering is not Lowering.AUTOCAST  # from an enclosing container's region
 
     def low_copies(module: nn.Module, recurse: bool) -> dict[str, torch.Tensor]:
         # The parameters of the module being called, as they are now (see the module docstring).
@@ -131,11 +143,15 @@ def _pre_hook(op: HookedOperator, state: StepState, casts: WeightCastRecorder, c
             tracer.enter(op, args, kwargs)
         if op.transparent:
             return None
+        if region:
+            state.regions += 1
         if lowering is Lowering.AUTOCAST and compiling():  # a region Dynamo traces into the graph
             op.contexts.append(enter_autocast(device_type, dtype))
             return None
         contexts: list[AbstractContextManager[Any]] = []  # entered now, left in the post-hook
         result = None
+        if shields and state.regions:  # one entry per call while a region is open (None: autocast is off anyway)
+            op.shields.append(_shield(device_type) if torch.is_autocast_enabled(device_type) else None)
         if lowering is Lowering.AUTOCAST:
             contexts.append(torch.autocast(device_type, dtype=dtype, cache_enabled=False))
             if recast_own and casts.active:  # autocast finds the weights already low and leaves them be
@@ -160,6 +176,20 @@ def _pre_hook(op: HookedOperator, state: StepState, casts: WeightCastRecorder, c
     return only_inlined(pre_hook)
 
 
+class _Shield:
+    """An autocast-off region entered by a pre-hook and left by the post-hook (traced into compiled graphs)."""
+
+    def __init__(self, device_type: str) -> None:
+        self.mode = enter_autocast(device_type, torch.float32, enabled=False)
+
+    def exit(self) -> None:
+        exit_autocast(self.mode)
+
+
+def _shield(device_type: str) -> _Shield:
+    return _Shield(device_type)
+
+
 def _enter(op: HookedOperator, contexts: list[AbstractContextManager[Any]]) -> None:
     """Enter ``contexts`` and push what the post-hook must leave (one context as it is, several in an ExitStack)."""
     if len(contexts) == 1:
@@ -177,14 +207,22 @@ def _post_hook(op: HookedOperator, state: StepState) -> PostHook:
     # an RNN's flat-weight list still points at the low copies once its parameters are swapped back
     rnn = op.lowering is Lowering.PARAMS and is_recurrent(op.module)
     functional_region = op.lowering is Lowering.AUTOCAST
+    region = op.kind is OperatorKind.FUNCTIONAL and functional_region
+    shields = not op.transparent and not functional_region
 
     def post_hook(module: nn.Module, args: Any, output: Any) -> Any:
+        if region:
+            state.regions -= 1
         if functional_region and op.contexts and compiling():
             exit_autocast(op.contexts.pop())
         elif op.contexts:
             op.contexts.pop().__exit__(None, None, None)
             if rnn and is_recurrent(module):
                 update_rnn_flat_weights(module)
+        if shields and state.regions and op.shields:
+            shield = op.shields.pop()
+            if shield is not None:
+                shield.exit()
         if output is None and (op.low or op.saved.compresses):  # always_call: forward raised, name the operator
             note_failing_operator(op, sys.exc_info()[1], state.device)
         tracer = state.tracer

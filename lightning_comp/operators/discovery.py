@@ -1,8 +1,12 @@
 """Finding a model's operators: the modules a precision plan names (see :mod:`lightning_comp.operators.kinds`).
 
-Containers (``nn.Sequential``, blocks, the LightningModule itself) are not operators, and nothing inside an atomic
-operator is one either. Operator names are those of ``named_modules()`` without the level ``torch.compile`` inserts,
-so one plan fits a model compiled or not.
+Containers (``nn.Sequential``, blocks, the LightningModule itself) are not operators unless a trace found them
+computing between their children (:mod:`lightning_comp.operators.owned_work`); nothing inside an atomic operator is
+one; an empty ``nn.ModuleList``/``ModuleDict``/``Sequential`` is none either. Operator names are those of
+``named_modules()`` without the level ``torch.compile`` inserts, so one plan fits a model compiled or not.
+
+Until a model's first step is traced, its containers that may turn out to compute are *untraced*
+(:func:`iter_untraced_containers`): plan entries naming them are checked once the trace has run.
 """
 
 from __future__ import annotations
@@ -13,9 +17,14 @@ from dataclasses import dataclass
 from torch import nn
 
 from lightning_comp.adapters.torch_internals import COMPILED_WRAPPER_ATTRIBUTE
-from lightning_comp.operators.kinds import OperatorKind, classify, is_atomic
+from lightning_comp.operators.kinds import OperatorKind, classify, is_atomic, is_functional
+from lightning_comp.operators.owned_work import was_traced
 
-__all__ = ["OperatorInfo", "discover_operators", "iter_operators", "operator_name"]
+__all__ = ["OperatorInfo", "discover_operators", "iter_operators", "iter_untraced_containers", "operator_name"]
+
+# Containers by type: with no children they hold and compute nothing (an empty ModuleList is no operator).
+_EMPTY_CONTAINERS: tuple[type[nn.Module], ...] = (nn.ModuleList, nn.ModuleDict, nn.Sequential, nn.ParameterList,
+                                                  nn.ParameterDict)
 
 
 @dataclass(frozen=True)
@@ -46,11 +55,33 @@ def operator_name(qualified: str) -> str:
     return ".".join(part for part in qualified.split(".") if part != COMPILED_WRAPPER_ATTRIBUTE)
 
 
-def iter_operators(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
-    """Yield ``(name, module)`` for every operator of ``model``, in ``named_modules()`` order.
+def iter_operators(model: nn.Module, *, traced: bool = True) -> Iterator[tuple[str, nn.Module]]:
+    """Yield ``(name, module)`` for every operator of ``model``, in ``named_modules()`` order (a ``FUNCTIONAL``
+    operator before its children).
 
     Names are those of ``named_modules()`` without the level ``torch.compile`` inserts (see :func:`operator_name`).
+
+    Args:
+        model: the model.
+        traced: include the modules a trace found computing between their children (``False``: only what the module
+            tree alone says, as the plan's fingerprint records it).
     """
+    for name, module, kind in _walk(model):
+        if kind == "operator" or (kind == "functional" and traced):
+            yield name, module
+
+
+def iter_untraced_containers(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """Yield ``(name, module)`` for the containers of ``model`` that may compute between their children but have
+    not been traced yet (before the model's first step under a :class:`~lightning_comp.CoMPPrecision`)."""
+    for name, module, kind in _walk(model):
+        if kind == "untraced":
+            yield name, module
+
+
+def _walk(model: nn.Module) -> Iterator[tuple[str, nn.Module, str]]:
+    """Every module outside atomic operators, as ``"operator"``, ``"functional"``, ``"untraced"`` (a container not
+    traced yet) or ``"container"``; empty containers are left out."""
     skip_prefixes: list[str] = []
     for qualified, module in model.named_modules():
         name = operator_name(qualified)
@@ -58,10 +89,16 @@ def iter_operators(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
             continue
         if is_atomic(module):
             skip_prefixes.append(name + "." if name else "")  # a root atomic module: none of its children
-            yield name, module
+            yield name, module, "operator"
             continue
         if next(module.children(), None) is None:
-            yield name, module
+            if not isinstance(module, _EMPTY_CONTAINERS):
+                yield name, module, "operator"
+            continue
+        if is_functional(module):
+            yield name, module, "functional"
+        else:
+            yield name, module, "container" if was_traced(module) else "untraced"
 
 
 def discover_operators(model: nn.Module) -> list[OperatorInfo]:

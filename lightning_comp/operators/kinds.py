@@ -1,12 +1,14 @@
 """What an operator does, which decides how a low precision can apply to it: its :class:`OperatorKind`.
 
-An *operator* is a module that does the work itself: every leaf module, plus modules that must be treated whole
-because their forward is one fused kernel or uses parameters of its own next to its children (``nn.LSTM``/``nn.GRU``/
-``nn.RNN``, ``nn.MultiheadAttention`` and anything registered with :func:`register_atomic`).
+An *operator* is a module that does the work itself: every leaf module; modules that must be treated whole because
+their forward is one fused kernel, or reads its children's parameters without calling them (``nn.LSTM``/``nn.GRU``/
+``nn.RNN``, ``nn.MultiheadAttention`` and anything registered with :func:`register_atomic`); and modules with children
+that a trace found computing matmuls, convolutions, attention or recurrent cells themselves, between their children
+(``FUNCTIONAL``: litgpt's ``CausalSelfAttention``, x-transformers' ``Attend``, Hugging Face's ``GPT2Attention``; see
+:mod:`lightning_comp.operators.owned_work`). Their children stay operators of their own.
 
-A few modules of libraries people train are known by qualified class name (nothing is imported): Hugging Face's
-``Conv1D`` computes as an ``nn.Linear`` and is lowered as one; ``GPT2Attention`` is atomic, like
-``nn.MultiheadAttention``.
+Hugging Face's ``Conv1D`` is known by qualified class name (nothing is imported): it computes as an ``nn.Linear`` and
+is lowered as one.
 """
 
 from __future__ import annotations
@@ -18,8 +20,10 @@ from torch import nn
 
 from lightning_comp.adapters.torch_internals import BATCH_NORM_BASE, CONV_BASE, NORM_BASE
 from lightning_comp.errors import ConfigError
+from lightning_comp.operators.owned_work import owns_planned_work
 
-__all__ = ["OperatorKind", "autocast_like", "classify", "is_atomic", "is_recurrent", "normalises_input_only",
+__all__ = ["OperatorKind", "autocast_like", "classify", "is_atomic", "is_functional", "is_recurrent",
+           "normalises_input_only",
            "register_atomic", "weight_reading"]
 
 
@@ -32,6 +36,7 @@ class OperatorKind(str, Enum):
     EMBEDDING = "embedding"  # table look-ups
     SHAPE = "shape"  # Flatten/Unflatten/Identity: no arithmetic, dtype passes through unchanged
     OTHER = "other"  # any other module with parameters (user-defined leaves)
+    FUNCTIONAL = "functional"  # a module with children whose own forward computes (SDPA, einsum, matmul between them)
 
 
 _ATOMIC_TYPES: set[type[nn.Module]] = {nn.RNNBase, nn.MultiheadAttention}
@@ -39,11 +44,6 @@ _ATOMIC_TYPES: set[type[nn.Module]] = {nn.RNNBase, nn.MultiheadAttention}
 # autocast lowers (autocast, or parameter copies where there is none). Computing as an nn.Linear:
 _KNOWN_COMPUTE = frozenset({
     "transformers.pytorch_utils.Conv1D",  # GPT-2's c_attn/c_proj/c_fc: transposed weight, torch.addmm
-})
-# ... and treated whole, like nn.MultiheadAttention: their attention product is a functional call
-# (scaled_dot_product_attention) between their projections, which no operator hook of a child would ever see.
-_KNOWN_ATOMIC = frozenset({
-    "transformers.models.gpt2.modeling_gpt2.GPT2Attention",
 })
 _SHAPE_TYPES: tuple[type[nn.Module], ...] = (nn.Flatten, nn.Unflatten, nn.Identity)
 _AUTOCAST_TYPES: tuple[type[nn.Module], ...] = (nn.Linear, nn.Bilinear, CONV_BASE, nn.MultiheadAttention)
@@ -93,7 +93,7 @@ def _known(module: nn.Module, table: frozenset[str]) -> bool:
 
 def is_atomic(module: nn.Module) -> bool:
     """Whether ``module`` is one operator with everything inside it (recurrent, attention, registered)."""
-    return isinstance(module, tuple(_ATOMIC_TYPES)) or _known(module, _KNOWN_ATOMIC)
+    return isinstance(module, tuple(_ATOMIC_TYPES))
 
 
 def is_recurrent(module: nn.Module) -> TypeGuard[nn.RNNBase]:
@@ -102,9 +102,15 @@ def is_recurrent(module: nn.Module) -> TypeGuard[nn.RNNBase]:
 
 
 def autocast_like(module: nn.Module) -> bool:
-    """Whether ``module`` computes as a torch module autocast lowers (matmul, conv, attention)."""
-    return (isinstance(module, _AUTOCAST_TYPES) or _known(module, _KNOWN_COMPUTE)
-            or _known(module, _KNOWN_ATOMIC))
+    """Whether ``module`` computes as a torch module autocast lowers (matmul, conv, attention), or is a module whose
+    own functional work (found by tracing) only an autocast region can lower."""
+    return isinstance(module, _AUTOCAST_TYPES) or _known(module, _KNOWN_COMPUTE) or is_functional(module)
+
+
+def is_functional(module: nn.Module) -> bool:
+    """Whether ``module`` has children and a trace found it computing matmuls, convolutions, attention or recurrent
+    cells itself (an operator of kind ``FUNCTIONAL``)."""
+    return not isinstance(module, tuple(_ATOMIC_TYPES)) and owns_planned_work(module)
 
 
 def weight_reading(module: nn.Module) -> bool:
@@ -121,6 +127,8 @@ def normalises_input_only(module: nn.Module) -> bool:
 
 def classify(module: nn.Module) -> OperatorKind:
     """The :class:`OperatorKind` of an operator module."""
+    if is_functional(module):
+        return OperatorKind.FUNCTIONAL
     if isinstance(module, _COMPUTE_TYPES) or autocast_like(module):
         return OperatorKind.COMPUTE
     if isinstance(module, _NORM_TYPES):

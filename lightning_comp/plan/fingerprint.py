@@ -16,6 +16,9 @@ __all__ = ["OperatorFingerprint"]
 class OperatorFingerprint:
     """The names and types of a model's operators, in order: what a plan was made for.
 
+    Only the operators the module tree alone makes (``iter_operators(model, traced=False)``): modules a trace found
+    computing between their children depend on the first step, and a plan must fit before it (on resume).
+
     Attributes:
         operators: ``(name, class name)`` pairs, one per operator.
     """
@@ -25,7 +28,7 @@ class OperatorFingerprint:
     @classmethod
     def of(cls, model: nn.Module) -> OperatorFingerprint:
         """Fingerprint ``model``'s operators."""
-        return cls(tuple((name, type(module).__name__) for name, module in iter_operators(model)))
+        return cls(tuple((name, type(module).__name__) for name, module in iter_operators(model, traced=False)))
 
     @property
     def digest(self) -> str:

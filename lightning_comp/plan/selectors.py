@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from lightning_comp.errors import PlanError, PlanMismatchError
-from lightning_comp.operators.discovery import iter_operators
+from lightning_comp.operators.discovery import iter_operators, iter_untraced_containers
 
 __all__ = ["Selectors", "check_selector", "selector_kind"]
 
@@ -103,22 +103,14 @@ class Selectors:
         return self.match(name, module_type) is not None
 
     def unmatched(self, model: nn.Module) -> list[str]:
-        """The selectors that match no operator of ``model``."""
+        """The selectors that match no operator of ``model``.
+
+        A selector that matches only containers not traced yet (which may turn out to compute between their
+        children, see :mod:`lightning_comp.operators.owned_work`) is not reported until the trace has run.
+        """
         operators = list(iter_operators(model))
-        names = [name for name, _ in operators]
-        unmatched = []
-        for selector in self.selectors:
-            kind = selector_kind(selector)
-            if kind == "exact":
-                hit = selector in names
-            elif kind == "glob":
-                hit = any(fnmatch.fnmatchcase(n, selector) for n in names)
-            else:
-                wanted = selector[len(TYPE_PREFIX) :]
-                hit = any(wanted in {k.__name__ for k in type(m).__mro__} for _, m in operators)
-            if not hit:
-                unmatched.append(selector)
-        return unmatched
+        untraced = list(iter_untraced_containers(model))
+        return [s for s in self.selectors if not _hits(s, operators) and not _hits(s, untraced)]
 
     def validate(self, model: nn.Module, what: str = "plan entr") -> None:
         """Check every selector matches an operator of ``model``.
@@ -144,3 +136,14 @@ class Selectors:
             f"{len(unmatched)} {what}{'y matches' if len(unmatched) == 1 else 'ies match'} no operator of"
             f" {type(model).__name__}: {'; '.join(details)}. The model's operators are: {shown or '(none)'}."
         )
+
+
+def _hits(selector: str, modules: list[tuple[str, nn.Module]]) -> bool:
+    """Whether ``selector`` matches any of ``modules`` (``(name, module)`` pairs)."""
+    kind = selector_kind(selector)
+    if kind == "exact":
+        return any(name == selector for name, _ in modules)
+    if kind == "glob":
+        return any(fnmatch.fnmatchcase(name, selector) for name, _ in modules)
+    wanted = selector[len(TYPE_PREFIX) :]
+    return any(wanted in {k.__name__ for k in type(m).__mro__} for _, m in modules)

@@ -1,12 +1,14 @@
 """Lightning precision plugins that train with a precision plan, one plugin per module.
 
+==========  ===========================================================================
+module      plugin
 ========  =============================================================================
-module    plugin
-========  =============================================================================
-``comp``  :class:`CoMPPrecision`: the Trainer's plugin (single device, DDP)
-========  =============================================================================
+``comp``    :class:`CoMPPrecision`: the Trainer's plugin (single device, DDP)
+``fabric``  :class:`CoMPFabricPrecision`: Lightning Fabric's plugin (a plan from a file or a mapping)
+==========  ===========================================================================
 """
 
 from lightning_comp.plugins.comp import CoMPPrecision
+from lightning_comp.plugins.fabric import CoMPFabricPrecision
 
-__all__ = ["CoMPPrecision"]
+__all__ = ["CoMPFabricPrecision", "CoMPPrecision"]

@@ -14,10 +14,14 @@ Hydra option       class                      data (option, kind)          opera
 ``char_gpt``       :class:`CharGPT`           ``text`` (tokens)            Linear, LayerNorm, GELU, attention
 ``convnet_bn``     :class:`ConvNetBN`         ``shapes`` (image)           Conv2d, BatchNorm2d, ReLU, MaxPool, Linear
 ``hf_gpt2``        :class:`HFGPT2`            ``text`` (tokens)            transformers GPT-2 (extra ``hf``)
+``litgpt``         :class:`LitGPT`            ``text`` (tokens)            litgpt GPT, LLaMA-style (``litgpt``)
+``litgpt_moe``     :class:`LitGPT`            ``text`` (tokens)            litgpt GPT, mixture of experts
+``x_transformer``  :class:`XTransformerLM`    ``text`` (tokens)            x-transformers decoder
+                                                                           (extra ``xtransformers``)
 ``tv_resnet``      :class:`TorchvisionResNet` ``shapes`` (image)           torchvision ResNet (extra ``vision``)
 =================  =========================  ===========================  =====================================
 
-The last two wrap libraries' own models (:mod:`lightning_comp.zoo.third_party`); their libraries are imported only
+The last six wrap libraries' own models (:mod:`lightning_comp.zoo.third_party`); their libraries are imported only
 when such a model is built.
 """
 
@@ -35,7 +39,7 @@ from lightning_comp.zoo.models import (
     ZooModule,
 )
 from lightning_comp.zoo.text import VOCAB_SIZE, CharTextDataModule, load_corpus
-from lightning_comp.zoo.third_party import HFGPT2, TorchvisionResNet
+from lightning_comp.zoo.third_party import HFGPT2, LitGPT, TorchvisionResNet, XTransformerLM
 
 __all__ = [
     "CLASS_NAMES",
@@ -52,10 +56,12 @@ __all__ = [
     "HFGPT2",
     "InMemoryDataModule",
     "LanguageModelModule",
+    "LitGPT",
     "MNIST1DDataModule",
     "NarrowMLP",
     "ShapesDataModule",
     "TorchvisionResNet",
+    "XTransformerLM",
     "ZooModule",
     "load_corpus",
     "load_mnist1d",

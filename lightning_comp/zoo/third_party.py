@@ -1,16 +1,22 @@
-"""Models nobody here wrote: Hugging Face ``transformers`` GPT-2 and a ``torchvision`` ResNet, as zoo modules.
+"""Models nobody here wrote, as zoo modules: Hugging Face ``transformers`` GPT-2, Lightning's ``litgpt`` GPT
+(LLaMA-style and mixture-of-experts configs), an ``x-transformers`` decoder, and a ``torchvision`` ResNet.
 
 Each wraps the library's own model, randomly initialised from its config (nothing is downloaded), untouched: the
 plan reaches its layers through forward hooks like any other model's. The libraries are optional extras
-(``pip install "lightning-comp[hf]"`` / ``"lightning-comp[vision]"``); building a module without its library raises
-:class:`~lightning_comp.errors.MissingExtraError` (an ``ImportError``) naming the extra.
+(``pip install "lightning-comp[hf]"``, ``[litgpt]``, ``[xtransformers]``, ``[vision]``); building a module without
+its library raises :class:`~lightning_comp.errors.MissingExtraError` (an ``ImportError``) naming the extra.
 
 What the operators are:
 
 - GPT-2's projections are ``transformers.pytorch_utils.Conv1D`` (a Linear with a transposed weight, ``torch.addmm``):
-  compute operators, lowered like ``nn.Linear``. Each ``GPT2Attention`` is one operator, like
-  ``nn.MultiheadAttention``: its attention product is a functional ``scaled_dot_product_attention`` call between its
-  projections, which no hook of a child would see (see :mod:`lightning_comp.operators.discovery`).
+  compute operators, lowered like ``nn.Linear``. Each ``GPT2Attention`` calls ``scaled_dot_product_attention`` between
+  its projections: a trace of the first step makes it a ``FUNCTIONAL`` operator for that work, its projections and
+  dropouts staying operators of their own (see :mod:`lightning_comp.operators.owned_work`).
+- litgpt's ``CausalSelfAttention`` (``qkv``/``proj`` Linears, rotary embeddings, grouped-query SDPA between them) is
+  a ``FUNCTIONAL`` operator the same way; its ``RMSNorm`` is a leaf with a weight, lowered by parameter copies; the
+  ``LLaMAMoE`` router and experts are Linears (the token routing, top-k and index ops, stays FP32 between them).
+- x-transformers' ``Attend`` computes attention with ``einsum`` (two ``bmm``) around its Dropout child: a
+  ``FUNCTIONAL`` operator; its ``Rearrange`` layers are shape-only.
 - torchvision's ResNet is built of ``nn`` modules only (``Conv2d``, ``BatchNorm2d``, ``ReLU``, pools, ``Linear``);
   its residual additions are functional and stay FP32 (each block's ``ReLU`` module runs twice per forward).
 """
@@ -28,7 +34,7 @@ from lightning_comp.zoo.data import check_positive_int
 from lightning_comp.zoo.models import ClassifierModule, LanguageModelModule
 from lightning_comp.zoo.text import VOCAB_SIZE
 
-__all__ = ["HFGPT2", "TorchvisionResNet", "require"]
+__all__ = ["HFGPT2", "LitGPT", "TorchvisionResNet", "XTransformerLM", "require"]
 
 
 def require(module: str, extra: str) -> ModuleType:
@@ -88,6 +94,88 @@ class HFGPT2(LanguageModelModule):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """Map ``[B, T]`` byte ids to ``[B, T, vocab_size]`` logits (the zoo's FP32 loss is applied outside)."""
         return self.gpt2(input_ids=tokens).logits
+
+
+class LitGPT(LanguageModelModule):
+    """Lightning's ``litgpt.GPT``, randomly initialised from a small LLaMA-style ``litgpt.Config``, as a byte-level
+    language model: RMSNorm, SwiGLU MLP (``LLaMAMLP``), grouped-query attention, rotary embeddings.
+
+    Args:
+        width: Embedding width (``n_embd``).
+        depth: Transformer blocks (``n_layer``).
+        heads: Query heads (``n_head``).
+        query_groups: Key/value heads (``n_query_groups``; ``heads`` must be a multiple).
+        block_size: Longest sequence.
+        experts: ``0`` for the dense ``LLaMAMLP``; else that many experts of a ``LLaMAMoE`` per block.
+        experts_per_token: Experts each token is routed to (``LLaMAMoE`` only).
+        vocab_size: Vocabulary (bytes: 256).
+        lr: AdamW learning rate.
+        weight_decay: AdamW weight decay.
+    """
+
+    data_kinds: ClassVar[tuple[str, ...]] = ("tokens",)
+
+    def __init__(self, width: int = 128, depth: int = 2, heads: int = 4, query_groups: int = 2,
+                 block_size: int = 128, experts: int = 0, experts_per_token: int = 2,
+                 vocab_size: int = VOCAB_SIZE, lr: float = 1e-3, weight_decay: float = 0.01) -> None:
+        super().__init__(vocab_size=vocab_size, lr=lr, weight_decay=weight_decay)
+        litgpt = require("litgpt", "litgpt")
+        for name, value in (("width", width), ("depth", depth), ("heads", heads), ("query_groups", query_groups),
+                            ("block_size", block_size), ("experts_per_token", experts_per_token)):
+            check_positive_int(name, value)
+        if width % heads or heads % query_groups:
+            raise ConfigError(f"LitGPT(width={width}, heads={heads}, query_groups={query_groups}): width must be a"
+                              " multiple of heads, and heads a multiple of query_groups.")
+        if experts < 0 or (experts and experts_per_token > experts):
+            raise ConfigError(f"LitGPT(experts={experts}, experts_per_token={experts_per_token}): experts must be 0"
+                              " (dense) or at least experts_per_token.")
+        mlp = {"mlp_class_name": "LLaMAMoE", "n_expert": experts, "n_expert_per_token": experts_per_token,
+               "moe_intermediate_size": width} if experts else {"mlp_class_name": "LLaMAMLP"}
+        self.config = litgpt.Config(n_layer=depth, n_embd=width, n_head=heads, n_query_groups=query_groups,
+                                    vocab_size=vocab_size, padded_vocab_size=vocab_size, block_size=block_size,
+                                    bias=False, norm_class_name="RMSNorm", intermediate_size=2 * width,
+                                    rotary_percentage=1.0, parallel_residual=False, **mlp)
+        self.gpt = litgpt.GPT(self.config)
+        self.save_hyperparameters()
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Map ``[B, T]`` byte ids to ``[B, T, vocab_size]`` logits."""
+        return self.gpt(tokens)
+
+
+class XTransformerLM(LanguageModelModule):
+    """An ``x_transformers.TransformerWrapper`` around a ``Decoder`` (rotary embeddings), randomly initialised, as a
+    byte-level language model.
+
+    Args:
+        width: Model width (``dim``).
+        depth: Decoder layers.
+        heads: Attention heads.
+        block_size: Longest sequence (``max_seq_len``).
+        vocab_size: Vocabulary (bytes: 256).
+        lr: AdamW learning rate.
+        weight_decay: AdamW weight decay.
+    """
+
+    data_kinds: ClassVar[tuple[str, ...]] = ("tokens",)
+
+    def __init__(self, width: int = 128, depth: int = 2, heads: int = 4, block_size: int = 128,
+                 vocab_size: int = VOCAB_SIZE, lr: float = 1e-3, weight_decay: float = 0.01) -> None:
+        super().__init__(vocab_size=vocab_size, lr=lr, weight_decay=weight_decay)
+        x_transformers = require("x_transformers", "xtransformers")
+        for name, value in (("width", width), ("depth", depth), ("heads", heads), ("block_size", block_size)):
+            check_positive_int(name, value)
+        if width % heads:
+            raise ConfigError(f"XTransformerLM(width={width}, heads={heads}): width must be a multiple of heads.")
+        self.net = x_transformers.TransformerWrapper(
+            num_tokens=vocab_size, max_seq_len=block_size,
+            attn_layers=x_transformers.Decoder(dim=width, depth=depth, heads=heads, attn_dim_head=width // heads,
+                                               rotary_pos_emb=True))
+        self.save_hyperparameters()
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Map ``[B, T]`` byte ids to ``[B, T, vocab_size]`` logits."""
+        return self.net(tokens)
 
 
 class TorchvisionResNet(ClassifierModule):

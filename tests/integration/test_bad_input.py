@@ -423,13 +423,19 @@ def test_plugin_plan_on_a_model_without_floating_point_operators(tmp_path: Path)
     train, val = _small_loaders()
     with pytest.raises(PlanMismatchError, match=r"'type:Linear'\. The model's operators are: flat\."):
         _trainer(tmp_path, CoMPPrecision({"type:Linear": "bf16"})).fit(NoFloatOps(), train, val)
-    # entries that do match (a shape-only operator, or only a default) are accepted, say that they lower nothing,
-    # and cost nothing: no hooks
-    for plan in ({"flat": "bf16"}, PrecisionPlan(default="bf16")):
-        plugin = CoMPPrecision(plan)
-        with pytest.warns(UserWarning) as caught:
-            _trainer(tmp_path, plugin).fit(NoFloatOps(), train, val)
-        said = [str(w.message) for w in caught if "no operator of NoFloatOps" in str(w.message)
-                or "lowers no operator" in str(w.message)]
-        assert len(said) == 1 and "assigns bf16 but no operator of NoFloatOps computes in it" in said[0], said
-        assert plugin.executor.num_hooks == 0 and plugin.executor.precisions() == {"flat": Precision.FP32}
+    # an entry that matches only the shape-only module is accepted, says once that it lowers nothing, costs nothing
+    # (no hooks), and the trace of the first step says where the work is: the root computes it between its children
+    plugin = CoMPPrecision({"flat": "bf16"})
+    with pytest.warns(UserWarning) as caught:
+        _trainer(tmp_path, plugin).fit(NoFloatOps(), train, val)
+    said = [str(w.message) for w in caught]
+    nothing = [m for m in said if "assigns bf16 but no operator of NoFloatOps computes in it" in m]
+    unplanned = [m for m in said if "stays in fp32" in m]
+    assert len(nothing) == 1 and len(unplanned) == 1, said
+    assert "<root> (NoFloatOps, 100%)" in unplanned[0] and "'type:NoFloatOps': 'bf16'" in unplanned[0]
+    assert plugin.executor.num_hooks == 0
+    assert plugin.executor.precisions() == {"": Precision.FP32, "flat": Precision.FP32}
+    # a default of bf16 reaches that work: the root is a FUNCTIONAL operator, its matmul lowered
+    plugin = CoMPPrecision(PrecisionPlan(default="bf16"))
+    _trainer(tmp_path, plugin).fit(NoFloatOps(), train, val)
+    assert plugin.executor.precisions() == {"": Precision.BF16, "flat": Precision.FP32}

@@ -190,6 +190,10 @@ def _library(module: str) -> str | None:
 # and `model=tv_resnet data=shapes` (the ResNet takes no width/depth knobs, so no size=tiny: explicit limits instead).
 THIRD_PARTY = [
     pytest.param("hf_gpt2", "text", ("size=tiny", "model.heads=2"), "transformers", id="hf_gpt2"),
+    pytest.param("litgpt", "text", ("size=tiny", "model.heads=2", "model.query_groups=1"), "litgpt", id="litgpt"),
+    pytest.param("litgpt_moe", "text", ("size=tiny", "model.heads=2", "model.query_groups=1"), "litgpt",
+                 id="litgpt_moe"),
+    pytest.param("x_transformer", "text", ("size=tiny", "model.heads=2"), "x_transformers", id="x_transformer"),
     pytest.param("tv_resnet", "shapes", ("trainer.max_epochs=1", "trainer.limit_train_batches=4",
                                          "trainer.limit_val_batches=2", "trainer.num_sanity_val_steps=0",
                                          "trainer.enable_progress_bar=false", "data.num_samples=320",

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from lightning_comp import OperatorFingerprint, PlanError, Precision, PrecisionPlan, parse_precision
+from lightning_comp.operators.owned_work import WorkRecorder
 
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
@@ -182,6 +183,8 @@ def test_exact_entry_always_decides_and_types_never_override_names(
 @given(raw=entries, default=precision)
 def test_entries_are_validated_against_a_model(raw: dict[str, tuple[Precision, Any]], default: Precision) -> None:
     model = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+    with WorkRecorder(model):  # traced: the container is known to compute nothing itself (else entries wait)
+        model(torch.randn(1, 2))
     plan = _plan(raw, default)
     unmatched = plan.unmatched_entries(model)
     for s in unmatched:

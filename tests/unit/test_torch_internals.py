@@ -154,3 +154,18 @@ def test_every_adapter_symbol_is_exported(name: str) -> None:
     assert symbol is not None
     if callable(symbol) and not isinstance(symbol, type):
         assert symbol.__doc__ or symbol in (adapter.ENTER_AUTOCAST, adapter.EXIT_AUTOCAST)
+
+
+def test_the_dispatch_mode_sees_aten_ops_and_backward_is_told_apart() -> None:
+    seen: list[tuple[str, bool]] = []
+
+    class Mode(adapter.TORCH_DISPATCH_MODE):  # type: ignore[misc]
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            seen.append((func.overloadpacket.__name__, adapter.in_backward()))
+            return func(*args, **(kwargs or {}))
+
+    weight = torch.randn(3, 2, requires_grad=True)
+    with Mode():
+        (torch.randn(4, 3) @ weight).sum().backward()
+    assert ("mm", False) in seen and ("mm", True) in seen  # the forward matmul, and backward's
+    assert not adapter.in_backward()

@@ -83,7 +83,8 @@ class BatchStage:
         rng = capture_rng()
         step = TrainingStepRunner(pl_module, batch, batch_idx)
         try:
-            plugin.try_plan(PrecisionPlan())
+            with plugin.measured_step(PrecisionPlan()):  # a model's first step traces the operators it computes in
+                step()
             timing = agree(trainer, choose_timing(config.timing, device.type, lambda: sample_load(step)))
             meter = LoadMeter()
             meter.start()
