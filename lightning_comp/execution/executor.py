@@ -342,6 +342,7 @@ class PlanExecutor:
             self._operators = {**self._operators, **provisional}
             self._hook(provisional.values())
         before = set(self._operators) - set(provisional)
+        self._last_step_chained = frozenset()  # a tracing step hands every output on in fp32, as a calibrating one
         recording = self._weight_casts.recording() if self._recasting and hooked else nullcontext()
         tracer = ConsumerTracer(self._operators, frozenset(provisional)) if hooked else None
         self._state.tracer = tracer
@@ -458,5 +459,5 @@ def _provisional_operators(model: nn.Module, plan: PrecisionPlan, device: torch.
     for name, module in containers:
         precision = precisions[name]
         lowering = Lowering.AUTOCAST if precision.is_low and autocast else Lowering.NONE
-        out[name] = HookedOperator(name, module, OperatorKind.FUNCTIONAL, precision, lowering)
+        out[name] = HookedOperator(name, module, OperatorKind.FUNCTIONAL, precision, lowering, provisional=True)
     return out

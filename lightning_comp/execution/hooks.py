@@ -63,6 +63,7 @@ class HookedOperator:
         saved: the precision it stores its saved tensors in.
         contexts: the contexts its pre-hook entered, left by its post-hook (a stack: a module may call itself).
         shields: the autocast-off regions its pre-hook entered inside an enclosing ``FUNCTIONAL`` region.
+        provisional: a container hooked for a tracing step only (it may turn out to compute nothing itself).
     """
 
     name: str
@@ -73,6 +74,7 @@ class HookedOperator:
     saved: SavedPrecision = SavedPrecision.FP32
     contexts: list[AbstractContextManager[Any]] = field(default_factory=list)
     shields: list[Any] = field(default_factory=list)
+    provisional: bool = False
 
     @property
     def low(self) -> bool:
@@ -180,7 +182,7 @@ class _Shield:
     """An autocast-off region entered by a pre-hook and left by the post-hook (traced into compiled graphs)."""
 
     def __init__(self, device_type: str) -> None:
-        self.mode = enter_autocast(device_type, torch.float32, enabled=False)
+        self.mode = enter_autocast(device_type, torch.bfloat16, enabled=False)  # (a dtype autocast accepts)
 
     def exit(self) -> None:
         exit_autocast(self.mode)
@@ -256,7 +258,8 @@ def precision_may_cause(error: BaseException) -> bool:
 def note_failing_operator(op: HookedOperator, error: BaseException | None, device: torch.device | None) -> None:
     """Add a note to ``error`` (raised inside ``op``'s forward) naming the operator, its precision and the device;
     only the innermost lowered operator notes it, once."""
-    if error is None or getattr(error, "_comp_operator", None) is not None or not hasattr(error, "add_note"):
+    if error is None or getattr(error, "_comp_operator", None) is not None or not hasattr(error, "add_note") \
+            or op.provisional:  # a container being traced: the operator inside it, if any, notes the error
         return
     error._comp_operator = op.name  # type: ignore[attr-defined]
     where = "unknown device" if device is None else f"{device} [{device_class(device).describe()}]"

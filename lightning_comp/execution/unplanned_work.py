@@ -20,15 +20,17 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
+from lightning_comp.execution.executor import PlanExecutor
 from lightning_comp.numerics.precision import Precision
 from lightning_comp.operators.discovery import iter_operators
 from lightning_comp.operators.kinds import OperatorKind, classify
 from lightning_comp.operators.owned_work import OUTSIDE, StepWork
 from lightning_comp.plan.plan import PrecisionPlan
 
-__all__ = ["UNPLANNED_SHARE", "UnplannedWork", "unplanned_work"]
+__all__ = ["UNPLANNED_SHARE", "UnplannedWork", "UnplannedWorkWarnings", "unplanned_work"]
 
 #: The share of a step's counted floating-point work left in FP32 unplanned above which a warning is given.
 UNPLANNED_SHARE = 0.05
@@ -127,3 +129,32 @@ def _covering(module: str, operators: Mapping[str, nn.Module]) -> str | None:
         if (not name or module.startswith(name + ".")) and (best is None or len(name) > len(best)):
             best = name
     return best
+
+
+class UnplannedWorkWarnings:
+    """A plugin's warnings about unplanned work: once per plan (and traced work), never for a search's trials."""
+
+    def __init__(self) -> None:
+        self._seen: set[tuple[object, ...]] = set()
+
+    def check(self, executor: PlanExecutor, users_own: bool, owner: str) -> UnplannedWork | None:
+        """Look at the plan ``executor`` has in force, once it has traced the model's work; warn (prefixed with
+        ``owner``) when its unplanned share exceeds :data:`UNPLANNED_SHARE`. Returns the report, if one was made.
+
+        Args:
+            executor: the plugin's executor.
+            users_own: the plan is the user's own (``FUNCTIONAL`` operators the default leaves in FP32 are reported);
+                else a search's or a checkpoint's plan (only work outside every operator is).
+            owner: the plugin's name, for the message.
+        """
+        work, plan, model = executor.work, executor.plan, executor.model
+        if work is None or plan is None or model is None or plan.is_all_fp32 or plan.provenance.get("role") == "trial":
+            return None
+        key = (plan.entries, plan.default, users_own, tuple(sorted(work.by_module)))
+        if key in self._seen:
+            return None
+        self._seen.add(key)
+        report = unplanned_work(work, plan, model, executor.precisions(), by_default=users_own)
+        if report.share > UNPLANNED_SHARE:
+            rank_zero_warn(f"{owner}: {report.message()}", stacklevel=5)
+        return report

@@ -24,7 +24,7 @@ from lightning_comp.execution.executor import PlanExecutor, StepKind
 from lightning_comp.execution.loss_scaling import ScalerSlot, SkippedSteps, scaled_optimizer_step
 from lightning_comp.execution.plugin_state import PluginState
 from lightning_comp.execution.saved_tensors import DEFAULT_MIN_SAVED_BYTES
-from lightning_comp.execution.unplanned_work import UNPLANNED_SHARE, unplanned_work
+from lightning_comp.execution.unplanned_work import UnplannedWorkWarnings
 from lightning_comp.numerics.precision import Precision as Dtype
 from lightning_comp.plan.plan import PlanLike, PrecisionPlan, plan_from_any
 
@@ -90,7 +90,7 @@ class CoMPPrecision(Precision):
                                       min_saved_bytes=min_saved_bytes)
         self._hook_guards = ExitStack()  # while a compiled model trains: Dynamo guards on hooks
         self._skipped = SkippedSteps()
-        self._reported: set[tuple[Any, ...]] = set()  # plans whose unplanned work was looked at
+        self._unplanned = UnplannedWorkWarnings()
         self.optimizer_steps = 0
 
     # -------------------------------------------------------------------------------------------- the plan
@@ -206,19 +206,8 @@ class CoMPPrecision(Precision):
         self._report_unplanned()
 
     def _report_unplanned(self) -> None:
-        """Warn (once per plan) when the plan in force leaves more than ``UNPLANNED_SHARE`` of the traced step's
-        floating-point work in FP32 unplanned (:mod:`lightning_comp.execution.unplanned_work`); not for trials."""
-        executor = self._executor
-        work, plan, model = executor.work, executor.plan, executor.model
-        if work is None or plan is None or model is None or plan.is_all_fp32 or plan.provenance.get("role") == "trial":
-            return
-        key = (plan.entries, plan.default, self._users_own, tuple(sorted(work.by_module)))
-        if key in self._reported:
-            return
-        self._reported.add(key)
-        report = unplanned_work(work, plan, model, executor.precisions(), by_default=self._users_own)
-        if report.share > UNPLANNED_SHARE:
-            rank_zero_warn(f"CoMPPrecision: {report.message()}", stacklevel=5)
+        """Warn when the plan leaves much of the traced step's work in FP32 unplanned (not for trials)."""
+        self._unplanned.check(self._executor, self._users_own, type(self).__name__)
 
     def _ensure_placed(self) -> None:
         """Re-hook if the model computes somewhere else than the hooks were built for (Lightning moved it)."""

@@ -26,6 +26,7 @@ from lightning_comp.execution.executor import PlanExecutor, StepKind
 from lightning_comp.execution.loss_scaling import ScalerSlot, SkippedSteps
 from lightning_comp.execution.plugin_state import PluginState
 from lightning_comp.execution.saved_tensors import DEFAULT_MIN_SAVED_BYTES
+from lightning_comp.execution.unplanned_work import UnplannedWorkWarnings
 from lightning_comp.numerics.precision import Precision as Dtype
 from lightning_comp.plan.plan import PlanLike, PrecisionPlan, plan_from_any
 
@@ -73,6 +74,7 @@ class CoMPFabricPrecision(Precision):
         self._executor = PlanExecutor(recast_weights_in_backward=recast_weights_in_backward,
                                       min_saved_bytes=min_saved_bytes)
         self._skipped = SkippedSteps()
+        self._unplanned = UnplannedWorkWarnings()
         self.optimizer_steps = 0
 
     # -------------------------------------------------------------------------------------------- the plan
@@ -124,6 +126,7 @@ class CoMPFabricPrecision(Precision):
         self._scaler.sync(plan.uses(Dtype.FP16), device.type)
         check_plan_device(plan, model, target, stacklevel=4,
                           accepted=frozenset({Dtype.FP16}) if self.allow_slow_fp16 else frozenset())
+        self._unplanned.check(self._executor, self._users_own, type(self).__name__)
 
     # ---------------------------------------------------------------------------------------- Fabric hooks
     @override
@@ -132,7 +135,15 @@ class CoMPFabricPrecision(Precision):
 
         Raises:
             PlanMismatchError: if the plan does not fit ``module``.
+            UsageError: if another module was set up with this plugin (a plugin holds one module's plan).
         """
+        attached = self._executor.model
+        if attached is not None and attached is not module:
+            raise UsageError(
+                f"CoMPFabricPrecision already holds the plan of a {type(attached).__name__}; setting up a second module"
+                f" ({type(module).__name__}) with it would take the plan off the first. Set up one module per Fabric,"
+                " or put both into one nn.Module."
+            )
         self._requested.validate(module)
         self._executor.attach(module, compiled=is_compiled(module))
         return module
@@ -151,6 +162,7 @@ class CoMPFabricPrecision(Precision):
             self._apply()  # the first forward, or the module moved
         with self._executor.step(StepKind.TRAIN if model.training else StepKind.VALIDATION):
             yield
+        self._unplanned.check(self._executor, self._users_own, type(self).__name__)  # once the work is traced
 
     @override
     def backward(self, tensor: Tensor, model: nn.Module | None, *args: Any, **kwargs: Any) -> None:

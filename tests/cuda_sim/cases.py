@@ -14,9 +14,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["CASES", "Case", "HAS_TRANSFORMERS"]
+__all__ = ["CASES", "Case", "HAS_TRANSFORMERS", "installed"]
 
 HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
+
+
+def installed(module: str | None) -> bool:
+    """Whether a case's optional library is installed (``None``: it needs none)."""
+    return module is None or importlib.util.find_spec(module) is not None
 WIDTH, SEQ, VOCAB, CLASSES, BATCH = 16, 6, 24, 4, 3
 
 
@@ -82,6 +87,7 @@ class Case:
     needs: str | None = None
 
 
+
 def _vectors() -> torch.Tensor:
     return torch.randn(BATCH, WIDTH)
 
@@ -106,6 +112,18 @@ def _gpt2() -> nn.Module:
     from lightning_comp.zoo import HFGPT2
 
     return LanguageHead(HFGPT2(width=WIDTH, depth=1, heads=2, block_size=SEQ * 2))
+
+
+def _litgpt() -> nn.Module:
+    from lightning_comp.zoo import LitGPT
+
+    return LanguageHead(LitGPT(width=WIDTH, depth=1, heads=4, query_groups=2, block_size=SEQ * 2, vocab_size=VOCAB))
+
+
+def _x_transformer() -> nn.Module:
+    from lightning_comp.zoo import XTransformerLM
+
+    return LanguageHead(XTransformerLM(width=WIDTH, depth=1, heads=2, block_size=SEQ * 2, vocab_size=VOCAB))
 
 
 def _zoo_gpt() -> nn.Module:
@@ -148,4 +166,10 @@ CASES: tuple[Case, ...] = (
     Case("zoo LSTM", _zoo_lstm, _tokens, ("LSTM", "Embedding")),
     Case("GPT-2 (Conv1D, GPT2Attention)", _gpt2, _tokens, ("Conv1D", "GPT2Attention", "LayerNorm", "Embedding"),
          needs="transformers"),
+    # functional operators: attention computed between modules (SDPA with grouped-query heads; einsum)
+    Case("litgpt (CausalSelfAttention, RMSNorm)", _litgpt, _tokens, ("CausalSelfAttention", "Linear", "Embedding"),
+         needs="litgpt"),
+    # (not litgpt's mixture of experts: its routing, torch.where(mask), has data-dependent shapes that fake tensors
+    # cannot compute; the CPU tests train it)
+    Case("x-transformers (Attend: einsum)", _x_transformer, _tokens, ("Attend", "Linear"), needs="x_transformers"),
 )

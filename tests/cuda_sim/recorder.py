@@ -167,14 +167,19 @@ class CudaRecorder(TorchDispatchMode):
         super().__init__()
         self.events: list[OpEvent] = []
         self.on_event = on_event
+        self.watched: set[str] = set()
         self._stack: list[str] = []
         self._inputs: list[set[Any]] = []
         self._owner_of_node: dict[Any, str] = {}
         self.calls: list[CallEvent] = []
         self._handles: list[Any] = []
-        named = dict(model.named_modules()) if operators is None else dict(operators)
-        for name, module in named.items():
-            if name:
+        self.watch(dict(model.named_modules()) if operators is None else dict(operators))
+
+    def watch(self, operators: Mapping[str, nn.Module]) -> None:
+        """Own ops by these operators too (those a trace of the first step found, once it has run)."""
+        for name, module in operators.items():
+            if name and name not in self.watched:
+                self.watched.add(name)
                 self._handles.append(module.register_forward_pre_hook(self._push(name), prepend=True))
                 self._handles.append(module.register_forward_pre_hook(self._called(name), with_kwargs=True))
                 self._handles.append(module.register_forward_hook(self._pop(name), always_call=True))

@@ -16,7 +16,7 @@ import torch
 
 from lightning_comp import CoMPPrecision, CoMPSearch, OperatorKind, PrecisionPlan, discover_operators
 from lightning_comp.execution.executor import PlanExecutor, StepKind
-from lightning_comp.zoo import HFGPT2, CharTextDataModule, ShapesDataModule, TorchvisionResNet
+from lightning_comp.zoo import HFGPT2, CharTextDataModule, LitGPT, ShapesDataModule, TorchvisionResNet, XTransformerLM
 from tests.helpers.recording import DtypeRecorder
 
 
@@ -66,13 +66,17 @@ def test_a_missing_library_is_named_with_its_extra(monkeypatch: pytest.MonkeyPat
     real = importlib.import_module
 
     def fake(name: str, *args: Any) -> Any:
-        if name.startswith(("transformers", "torchvision")):
+        if name.startswith(("transformers", "torchvision", "litgpt", "x_transformers")):
             raise ImportError(f"No module named {name!r}")
         return real(name, *args)
 
     monkeypatch.setattr(importlib, "import_module", fake)
     with pytest.raises(ImportError, match=r'transformers is not installed.*pip install "lightning-comp\[hf\]"'):
         HFGPT2()
+    with pytest.raises(ImportError, match=r'litgpt is not installed.*"lightning-comp\[litgpt\]"'):
+        LitGPT()
+    with pytest.raises(ImportError, match=r'x_transformers is not installed.*"lightning-comp\[xtransformers\]"'):
+        XTransformerLM()
     with pytest.raises(ImportError, match=r'torchvision.models is not installed.*"lightning-comp\[vision\]"'):
         TorchvisionResNet()
 
@@ -189,3 +193,14 @@ def test_gpt2_traces_under_a_plan_into_one_graph() -> None:
     with executor.step(StepKind.TRAIN):
         graphs, breaks, reasons = graph_breaks(model, tokens)
     assert (graphs, breaks) == (1, 0), reasons
+
+
+def test_litgpt_and_x_transformers_settings_are_checked() -> None:
+    if _importable("litgpt") is None:
+        with pytest.raises(ValueError, match=r"LitGPT\(width=30, heads=4, query_groups=2\)"):
+            LitGPT(width=30)
+        with pytest.raises(ValueError, match=r"experts=1, experts_per_token=2"):
+            LitGPT(experts=1)
+    if _importable("x_transformers") is None:
+        with pytest.raises(ValueError, match=r"XTransformerLM\(width=30, heads=4\)"):
+            XTransformerLM(width=30)

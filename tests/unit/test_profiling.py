@@ -64,3 +64,49 @@ def test_every_round_is_kept_paired_and_more_rounds_can_be_added_with_any_clock(
     times = timer.time(configs, step)
     timer.time(configs, step, into=times, rounds=3, warmup=0)
     assert {k: len(v) for k, v in times.ms.items()} == {"a": 5, "b": 5} and times.wall_ms["a"] == times.ms["a"]
+
+
+class _Slow(nn.Module):
+    """A child whose forward takes 30 ms of wall time and no CPU (a sleep)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import time
+
+        time.sleep(0.03)
+        return x * 1.0
+
+
+class _Container(nn.Module):
+    """Computes between its children: a matmul on its own weight, handed to a slow child, then a Linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(32, 256))
+        self.slow = _Slow()
+        self.out = nn.Linear(256, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.slow(torch.relu(x @ self.w)))
+
+
+def test_a_functional_operator_is_charged_its_own_work_only() -> None:
+    from lightning_comp.operators.owned_work import WorkRecorder
+    from lightning_comp.search.measurement.clocks import ClockKind, make_clock
+
+    model = nn.Sequential(nn.Linear(32, 32), _Container())
+    x = torch.randn(64, 32)
+    with WorkRecorder(model):  # the first step's trace: the container computes between its children
+        model(x)
+
+    def step() -> None:
+        model.zero_grad(set_to_none=True)
+        model(x).square().mean().backward()
+
+    result = OperatorProfiler(model, make_clock(ClockKind.WALL), rounds=2, warmup=1).profile(
+        {"fp32": lambda: None}, step)["fp32"]
+    ops = result.operators
+    assert set(ops) == {"0", "1", "1.slow", "1.out"}
+    assert ops["1.slow"].forward_ms >= 25.0  # the sleep is the child's
+    assert ops["1"].forward_ms < ops["1.slow"].forward_ms  # ... and not counted again in the container's
+    assert ops["1"].backward_ms > 0.0  # the backward of its matmul, from the slow child's input gradient on
+    assert ops["1.out"].backward_ms > 0.0

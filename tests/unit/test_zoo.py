@@ -39,7 +39,8 @@ PRECISIONS = ("fp32", "bf16-mixed", "16-mixed", "bf16-true", "comp")
 MODELS = {"cnn1d": "mnist1d", "gru": "mnist1d", "narrow_mlp": "mnist1d", "char_lstm": "text", "char_gpt": "text"}
 MODELS["convnet_bn"] = "shapes"
 # libraries' own models, behind extras (integration/test_third_party_models.py, integration/test_examples.py)
-THIRD_PARTY_MODELS = {"hf_gpt2": "text", "tv_resnet": "shapes"}
+THIRD_PARTY_MODELS = {"hf_gpt2": "text", "litgpt": "text", "litgpt_moe": "text", "x_transformer": "text",
+                      "tv_resnet": "shapes"}
 
 
 @pytest.fixture(autouse=True, scope="module")

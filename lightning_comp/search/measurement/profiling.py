@@ -2,7 +2,10 @@
 
 Timing is by forward pre/post hooks (forward) and by gradient hooks on each operator's output (backward: the time
 from the moment an operator's output gradient is ready to the next such moment is charged to that operator, which
-matches the autograd engine's reverse execution order). What a millisecond counts is the clock's
+matches the autograd engine's reverse execution order). A ``FUNCTIONAL`` operator (a container computing between its
+children) is charged its own work only: its children's forward time is taken off its own, and the tensors its own
+work hands to a child get gradient hooks of its own, so that the backward of its work (from the moment a child's
+input gradient is ready) is charged to it and not to the child that ran before. What a millisecond counts is the clock's
 (:mod:`lightning_comp.search.measurement.clocks`): CUDA events, wall time, or the measuring thread's CPU time; wall
 time is kept beside a CPU-time measurement. The memory an operator holds for backward is the bytes of the tensors
 it saves (``torch.autograd.graph.saved_tensors_hooks``), not counting tensors that alias parameters.
@@ -29,6 +32,7 @@ from torch.utils.hooks import RemovableHandle
 from lightning_comp.adapters.torch_internals import storage_key
 from lightning_comp.common.nested import tensors
 from lightning_comp.operators.discovery import iter_operators
+from lightning_comp.operators.kinds import is_functional
 from lightning_comp.search.measurement.clocks import Clock, ClockKind
 from lightning_comp.search.measurement.step_timing import clock_for, entered, new_storage_bytes
 
@@ -103,7 +107,9 @@ class _RoundRecorder:
         self.clock = clock
         self.handles: list[RemovableHandle] = []
         self.stack: list[str] = []
-        self.marks: dict[str, list[list[Any]]] = defaultdict(list)  # per call: [t0, t1, t2, t3]
+        # per call: [t0, t1, t2, t3, the children's forward ms, their wall ms] (children: of FUNCTIONAL operators)
+        self.marks: dict[str, list[list[Any]]] = defaultdict(list)
+        self.functional: set[str] = set()
         self.grad_events: list[tuple[Any, str]] = []
         self.saved: dict[str, int] = defaultdict(int)
         self.own: dict[str, int] = defaultdict(int)
@@ -114,6 +120,8 @@ class _RoundRecorder:
         self._hooked: list[torch.Tensor] = []
         self._hooked_ids: set[int] = set()
         for name, module in iter_operators(model):
+            if is_functional(module):
+                self.functional.add(name)
             self.handles += [
                 module.register_forward_pre_hook(self._pre_outer(name), prepend=True),
                 module.register_forward_pre_hook(self._pre_inner(name)),
@@ -123,10 +131,17 @@ class _RoundRecorder:
 
     def _pre_outer(self, name: str) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any) -> None:
+            parent = self.stack[-1] if self.stack else None
+            if parent in self.functional:  # what the container's own work hands this child: its backward is his
+                for tensor in tensors(args):
+                    if tensor.requires_grad and id(tensor) not in self._hooked_ids:
+                        self._hooked_ids.add(id(tensor))
+                        self._hooked.append(tensor)
+                        tensor.register_hook(self._grad_hook(parent))
             self.stack.append(name)
             if name not in self.marks:
                 self.order.append(name)
-            self.marks[name].append([self.clock.now(), None, None, None])
+            self.marks[name].append([self.clock.now(), None, None, None, 0.0, 0.0])
 
         return hook
 
@@ -144,9 +159,14 @@ class _RoundRecorder:
 
     def _post_outer(self, name: str) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
-            self.marks[name][-1][3] = self.clock.now()
+            call = self.marks[name][-1]
+            call[3] = self.clock.now()
             if self.stack:
                 self.stack.pop()
+            if self.stack and self.stack[-1] in self.functional:  # the container is charged its own work only
+                outer = self.marks[self.stack[-1]][-1]
+                outer[4] += self.clock.elapsed_ms(call[0], call[3])
+                outer[5] += self.clock.wall_ms(call[0], call[3])
             inputs = {id(t) for t in tensors(args)}
             for tensor in tensors(output):
                 # An operator that hands back its input (Dropout(p=0) in training, Identity, in-place
@@ -195,12 +215,12 @@ class _RoundRecorder:
         for name, calls in self.marks.items():
             m = OperatorMeasurement(calls=len(calls), saved_bytes=self.saved.get(name, 0),
                                     own_saved_bytes=self.own.get(name, 0))
-            for t0, t1, t2, t3 in calls:
+            for t0, t1, t2, t3, inner_ms, inner_wall_ms in calls:
                 if t3 is None:
                     continue
-                m.forward_ms += self.clock.elapsed_ms(t0, t3)
-                m.compute_ms += self.clock.elapsed_ms(t1, t2)
-                m.wall_ms += self.clock.wall_ms(t0, t3)
+                m.forward_ms += max(0.0, self.clock.elapsed_ms(t0, t3) - inner_ms)
+                m.compute_ms += max(0.0, self.clock.elapsed_ms(t1, t2) - inner_ms)
+                m.wall_ms += max(0.0, self.clock.wall_ms(t0, t3) - inner_wall_ms)
             out[name] = m
         events = self.grad_events + [(backward_end, "")]
         for (start, name), (end, _) in zip(events, events[1:]):

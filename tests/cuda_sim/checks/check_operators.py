@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from lightning_comp.numerics.precision import Precision
-from tests.cuda_sim.cases import CASES, HAS_TRANSFORMERS, Case
+from tests.cuda_sim.cases import CASES, Case, installed
 from tests.cuda_sim.harness import check_run, run_steps
 from tests.cuda_sim.simulated import SimulatedGpu
 
@@ -24,8 +24,8 @@ _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def _cases() -> list[object]:
-    return [pytest.param(c, id=c.name, marks=pytest.mark.skipif(c.needs == "transformers" and not HAS_TRANSFORMERS,
-                                                                reason="needs transformers (the [hf] extra)"))
+    return [pytest.param(c, id=c.name, marks=pytest.mark.skipif(not installed(c.needs),
+                                                                reason=f"needs {c.needs} (an extra)"))
             for c in CASES]
 
 
