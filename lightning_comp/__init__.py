@@ -46,7 +46,7 @@ from lightning_comp.execution import PlanExecutor, StepKind
 from lightning_comp.numerics import Precision, SavedPrecision, parse_precision
 from lightning_comp.operators import OperatorInfo, OperatorKind, discover_operators, register_atomic
 from lightning_comp.plan import OperatorFingerprint, PrecisionPlan, Selectors
-from lightning_comp.plugins import CoMPFabricPrecision, CoMPPrecision
+from lightning_comp.plugins import CoMPFabricPrecision, CoMPFSDPPrecision, CoMPPrecision
 from lightning_comp.search import CoMPSearch, Objective, SearchConfig, SearchState, TrialRecord
 from lightning_comp.search.rewind.snapshot import TrainingSnapshot
 
@@ -54,6 +54,7 @@ __version__ = "0.1.0.dev0"
 
 __all__ = [
     "CoMPError",
+    "CoMPFSDPPrecision",
     "CoMPFabricPrecision",
     "CoMPPrecision",
     "CoMPSearch",

@@ -37,6 +37,7 @@ __all__ = [
     "set_max_steps",
     "set_sampler_epochs",
     "set_val_check_batch",
+    "setup_fsdp_activation_checkpointing",
     "train_dataloaders",
     "val_check_batch",
     "val_check_time_interval",
@@ -143,3 +144,12 @@ def ddp_comm_hook(strategy: DDPStrategy) -> Any:
 def ddp_comm_state(strategy: DDPStrategy) -> Any:
     """The state handed to ``DDPStrategy(ddp_comm_state=...)`` (``DDPStrategy._ddp_comm_state``)."""
     return strategy._ddp_comm_state
+
+
+def setup_fsdp_activation_checkpointing(strategy: Any, model: Any) -> None:
+    """Apply an ``FSDPStrategy``'s activation checkpointing to its wrapped ``model`` as Lightning's own model set-up
+    does (``lightning.pytorch.strategies.fsdp._setup_activation_checkpointing`` with the strategy's
+    ``_activation_checkpointing_kwargs``)."""
+    from lightning.pytorch.strategies.fsdp import _setup_activation_checkpointing
+
+    _setup_activation_checkpointing(model, strategy._activation_checkpointing_kwargs)

@@ -24,6 +24,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 __all__ = [
     "BATCH_NORM_BASE",
     "COMPILED_WRAPPER_ATTRIBUTE",
+    "FSDP2_MODULE",
+    "WRAPPER_ATTRIBUTES",
     "CONV_BASE",
     "ENTER_AUTOCAST",
     "EXIT_AUTOCAST",
@@ -77,8 +79,20 @@ def tensor_version(tensor: torch.Tensor) -> int:
 def storage_key(tensor: torch.Tensor) -> int:
     """What identifies the memory ``tensor`` lives in, shared by its views (the storage's C++ object,
     ``UntypedStorage._cdata``). Unlike ``data_ptr()`` it tells storages apart that have no memory of their own:
-    fake and meta tensors (``data_ptr() == 0`` for all of them) and storages of no bytes."""
+    fake and meta tensors (``data_ptr() == 0`` for all of them) and storages of no bytes. A ``DTensor`` (an FSDP2
+    shard) has no storage of its own: its local shard's identifies it."""
+    to_local = getattr(tensor, "to_local", None)
+    if to_local is not None and _is_dtensor(tensor):
+        tensor = to_local()
     return int(tensor.untyped_storage()._cdata)
+
+
+def _is_dtensor(tensor: torch.Tensor) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - a torch built without distributed
+        return False
+    return isinstance(tensor, DTensor)
 
 
 def grad_scaler_scale(scaler: torch.amp.GradScaler) -> torch.Tensor | None:
@@ -125,6 +139,26 @@ EXIT_AUTOCAST: Callable[[Any], None] | None = getattr(torch.amp.autocast_mode, "
 
 #: The attribute under which ``torch.compile``'s wrapper (``OptimizedModule``) holds the module it compiles.
 COMPILED_WRAPPER_ATTRIBUTE = "_orig_mod"
+
+#: The attributes under which wrappers hold the module they wrap, and which module names therefore contain:
+#: ``torch.compile``'s ``OptimizedModule``, FSDP1's ``FullyShardedDataParallel`` (``_fsdp_wrapped_module``, as
+#: ``torch.distributed.fsdp._common_utils.FSDP_WRAPPED_MODULE``) and activation checkpointing's
+#: ``CheckpointWrapper`` (``_checkpoint_wrapped_module``, ``torch.distributed.algorithms._checkpoint.
+#: checkpoint_wrapper._CHECKPOINT_WRAPPED_MODULE``). A plan names modules without them.
+WRAPPER_ATTRIBUTES: frozenset[str] = frozenset({COMPILED_WRAPPER_ATTRIBUTE, "_fsdp_wrapped_module",
+                                                "_checkpoint_wrapped_module"})
+
+
+def _fsdp2_module() -> type[Any] | None:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch built without distributed
+        return None
+    return FSDPModule  # type: ignore[no-any-return]
+
+
+#: The class FSDP2's ``fully_shard`` mixes into every module it shards (``FSDP<Class>``), or ``None``.
+FSDP2_MODULE: type[Any] | None = _fsdp2_module()
 
 
 def never_compile_as_frame(code: CodeType) -> None:

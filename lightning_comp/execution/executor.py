@@ -228,7 +228,9 @@ class PlanExecutor:
                 self._handles.append(EagerCall(op.module, pre_hook, post_hook))
                 continue
             self._handles.append(op.module.register_forward_pre_hook(pre_hook, with_kwargs=True))
-            self._handles.append(op.module.register_forward_hook(post_hook, always_call=True))
+            # first among the post-hooks: the module's parameters are put back before anything after the forward
+            # (FSDP2 reshards in a post-hook it appended when the model was sharded)
+            self._handles.append(op.module.register_forward_hook(post_hook, always_call=True, prepend=True))
 
     def _drop_provisional(self, provisional: dict[str, HookedOperator], static_handles: int) -> None:
         """Take a tracing step's provisional operators off again (and the plan's hooks it needed, if it has none)."""

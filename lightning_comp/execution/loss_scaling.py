@@ -24,20 +24,24 @@ class ScalerSlot:
 
     Args:
         scaler: a user's own scaler (kept whatever the plan), or ``None`` for one made when needed.
+        factory: makes a scaler for a device type (default ``torch.amp.GradScaler``; FSDP1 needs
+            ``ShardedGradScaler``, whose overflow check spans every rank's gradient shard).
     """
 
-    def __init__(self, scaler: torch.amp.GradScaler | None = None) -> None:
+    def __init__(self, scaler: torch.amp.GradScaler | None = None,
+                 factory: Callable[[str], torch.amp.GradScaler] | None = None) -> None:
         self.scaler = scaler
         self.user_supplied = scaler is not None
         self._device: str | None = None
+        self._factory = factory or (lambda device: torch.amp.GradScaler(device=device))
 
     def sync(self, uses_fp16: bool, device_type: str) -> None:
         """Have a scaler for ``device_type`` exactly when the plan uses FP16 (its state kept when the model moved)."""
         if uses_fp16:
             if self.scaler is None:
-                self.scaler = torch.amp.GradScaler(device=device_type)
+                self.scaler = self._factory(device_type)
             elif not self.user_supplied and self._device not in (None, device_type):
-                moved = torch.amp.GradScaler(device=device_type)
+                moved = self._factory(device_type)
                 state = self.scaler.state_dict()
                 if state:
                     moved.load_state_dict(state)
@@ -53,7 +57,7 @@ class ScalerSlot:
             return
         if self.scaler is None and not model_known and uses_fp16:
             self._device = "cuda" if torch.cuda.is_available() else "cpu"  # a guess: sync() moves it once placed
-            self.scaler = torch.amp.GradScaler(device=self._device)
+            self.scaler = self._factory(self._device)
         if self.scaler is not None:  # None: the plan in force has no fp16 (e.g. declined on this device)
             self.scaler.load_state_dict(dict(state))
 

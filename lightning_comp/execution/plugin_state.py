@@ -1,6 +1,10 @@
 """What a ``CoMPPrecision`` keeps in a checkpoint: the plan in force, the loss scaler's state, its step counters.
 
 Plain Python types only, so that checkpoints load with ``torch.load(weights_only=True)``. One format version.
+
+Lightning files a precision plugin's state under the plugin's class name; ours goes under :data:`CHECKPOINT_KEY`
+instead, whatever the class (``CoMPPrecision``, its FSDP form, a user's subclass), so that a plan saved under one
+strategy resumes under another. Checkpoints written before read from :data:`LEGACY_CHECKPOINT_KEYS`.
 """
 
 from __future__ import annotations
@@ -11,9 +15,13 @@ from typing import Any
 
 from lightning_comp.errors import PlanError
 
-__all__ = ["PLUGIN_STATE_VERSION", "PluginState"]
+__all__ = ["CHECKPOINT_KEY", "LEGACY_CHECKPOINT_KEYS", "PLUGIN_STATE_VERSION", "PluginState"]
 
 PLUGIN_STATE_VERSION = 1
+#: The checkpoint key of the plugin's state, the same for every plugin class of the package.
+CHECKPOINT_KEY = "lightning_comp"
+#: Where checkpoints written before :data:`CHECKPOINT_KEY` hold it (Lightning's key: the class name).
+LEGACY_CHECKPOINT_KEYS = ("CoMPPrecision",)
 _KEYS = frozenset({"version", "plan", "scaler", "skipped_steps", "optimizer_steps"})
 
 

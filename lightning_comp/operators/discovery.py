@@ -16,11 +16,12 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from lightning_comp.adapters.torch_internals import COMPILED_WRAPPER_ATTRIBUTE
+from lightning_comp.adapters.torch_internals import FSDP2_MODULE, WRAPPER_ATTRIBUTES
 from lightning_comp.operators.kinds import OperatorKind, classify, is_atomic, is_functional
 from lightning_comp.operators.owned_work import was_traced
 
-__all__ = ["OperatorInfo", "discover_operators", "iter_operators", "iter_untraced_containers", "operator_name"]
+__all__ = ["OperatorInfo", "discover_operators", "iter_operators", "iter_untraced_containers", "operator_name",
+           "operator_type"]
 
 # Containers by type: with no children they hold and compute nothing (an empty ModuleList is no operator).
 _EMPTY_CONTAINERS: tuple[type[nn.Module], ...] = (nn.ModuleList, nn.ModuleDict, nn.Sequential, nn.ParameterList,
@@ -47,12 +48,24 @@ class OperatorInfo:
 
 
 def operator_name(qualified: str) -> str:
-    """The plan's name for the module at ``qualified`` (a ``named_modules()`` name): the wrapper level that
-    ``torch.compile`` inserts (``net._orig_mod.0``) is left out, so a plan names the same operators whether or not a
-    submodule is compiled (``net.0``)."""
-    if COMPILED_WRAPPER_ATTRIBUTE not in qualified:
+    """The plan's name for the module at ``qualified`` (a ``named_modules()`` name): the levels wrappers insert
+    (``torch.compile``'s ``_orig_mod``, FSDP1's ``_fsdp_wrapped_module``, activation checkpointing's
+    ``_checkpoint_wrapped_module``) are left out, so one plan names the same operators wrapped or not."""
+    parts = qualified.split(".")
+    if WRAPPER_ATTRIBUTES.isdisjoint(parts):
         return qualified
-    return ".".join(part for part in qualified.split(".") if part != COMPILED_WRAPPER_ATTRIBUTE)
+    return ".".join(part for part in parts if part not in WRAPPER_ATTRIBUTES)
+
+
+def operator_type(module: nn.Module) -> type[nn.Module]:
+    """The class a plan knows ``module`` by: its own, or, for a module FSDP2 sharded (whose class it swapped for
+    ``FSDP<Class>``), the class it had."""
+    cls = type(module)
+    if FSDP2_MODULE is not None and isinstance(module, FSDP2_MODULE):
+        for base in cls.__mro__[1:]:
+            if not issubclass(base, FSDP2_MODULE) and issubclass(base, nn.Module):
+                return base
+    return cls
 
 
 def iter_operators(model: nn.Module, *, traced: bool = True) -> Iterator[tuple[str, nn.Module]]:
@@ -110,5 +123,6 @@ def discover_operators(model: nn.Module) -> list[OperatorInfo]:
     for name, module in iter_operators(model):
         kind = classify(module)
         num_params = sum(p.numel() for p in module.parameters())
-        infos.append(OperatorInfo(name, type(module).__name__, kind, num_params, kind is not OperatorKind.SHAPE))
+        lowerable = kind is not OperatorKind.SHAPE
+        infos.append(OperatorInfo(name, operator_type(module).__name__, kind, num_params, lowerable))
     return infos

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
-from lightning_comp.adapters.torch_internals import COMPILED_WRAPPER_ATTRIBUTE, TORCH_DISPATCH_MODE, in_backward
+from lightning_comp.adapters.torch_internals import TORCH_DISPATCH_MODE, WRAPPER_ATTRIBUTES, in_backward
 
 __all__ = ["OUTSIDE", "OwnedWork", "StepWork", "WorkFamily", "WorkRecorder", "owns_planned_work", "was_traced",
            "work_family"]
@@ -201,7 +201,7 @@ class WorkRecorder:
     def __init__(self, model: nn.Module) -> None:
         self._names: dict[int, tuple[str, nn.Module]] = {}
         for qualified, module in model.named_modules():
-            name = ".".join(p for p in qualified.split(".") if p != COMPILED_WRAPPER_ATTRIBUTE)
+            name = ".".join(p for p in qualified.split(".") if p not in WRAPPER_ATTRIBUTES)
             self._names.setdefault(id(module), (name, module))
         self._stack: list[int] = []
         self._ops: dict[int, Counter[str]] = {}

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from lightning_comp.operators.discovery import iter_operators
+from lightning_comp.operators.discovery import iter_operators, operator_type
 
 __all__ = ["OperatorFingerprint"]
 
@@ -28,7 +28,8 @@ class OperatorFingerprint:
     @classmethod
     def of(cls, model: nn.Module) -> OperatorFingerprint:
         """Fingerprint ``model``'s operators."""
-        return cls(tuple((name, type(module).__name__) for name, module in iter_operators(model, traced=False)))
+        return cls(tuple((name, operator_type(module).__name__)
+                         for name, module in iter_operators(model, traced=False)))
 
     @property
     def digest(self) -> str:

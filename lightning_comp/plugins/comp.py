@@ -22,7 +22,7 @@ from lightning_comp.execution.compiled_regions import guarding_hooks, is_compile
 from lightning_comp.execution.emulation import check_plan_device, decline_slow_fp16
 from lightning_comp.execution.executor import PlanExecutor, StepKind
 from lightning_comp.execution.loss_scaling import ScalerSlot, SkippedSteps, scaled_optimizer_step
-from lightning_comp.execution.plugin_state import PluginState
+from lightning_comp.execution.plugin_state import CHECKPOINT_KEY, LEGACY_CHECKPOINT_KEYS, PluginState
 from lightning_comp.execution.saved_tensors import DEFAULT_MIN_SAVED_BYTES
 from lightning_comp.execution.unplanned_work import UnplannedWorkWarnings
 from lightning_comp.numerics.precision import Precision as Dtype
@@ -80,18 +80,22 @@ class CoMPPrecision(Precision):
         recast_weights_in_backward: bool = True,
         min_saved_bytes: int = DEFAULT_MIN_SAVED_BYTES,
     ) -> None:
-        super().__init__()
+        Precision.__init__(self)  # (not super(): a subclass that is also an FSDPPrecision must not run its __init__)
         self._requested: PrecisionPlan = plan_from_any(plan)  # asked for; the executor holds it bound, in force
         self._users_own = plan is not None  # the user's own plan wins over a checkpoint's
         self._trial = False  # the plan was put in force by try_plan (no emulation warning)
         self.allow_slow_fp16 = bool(allow_slow_fp16)
-        self._scaler = ScalerSlot(scaler)
+        self._scaler = ScalerSlot(scaler, self._new_scaler)
         self._executor = PlanExecutor(recast_weights_in_backward=recast_weights_in_backward,
                                       min_saved_bytes=min_saved_bytes)
         self._hook_guards = ExitStack()  # while a compiled model trains: Dynamo guards on hooks
         self._skipped = SkippedSteps()
         self._unplanned = UnplannedWorkWarnings()
         self.optimizer_steps = 0
+
+    def _new_scaler(self, device_type: str) -> torch.amp.GradScaler:
+        """The loss scaler an FP16 plan gets on ``device_type`` (a strategy's plugin may need another kind)."""
+        return torch.amp.GradScaler(device=device_type)
 
     # -------------------------------------------------------------------------------------------- the plan
     @property
@@ -349,6 +353,30 @@ class CoMPPrecision(Precision):
         self._scaler.load(state.scaler, self.plan.uses(Dtype.FP16), self._executor.model is not None)
         self._skipped = SkippedSteps(state.skipped_steps)
         self.optimizer_steps = state.optimizer_steps
+
+    @override
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """File the state Lightning stored under this plugin's class name under ``"lightning_comp"`` instead, the
+        same key for every plugin class of the package (a plan saved under DDP resumes under FSDP, and back)."""
+        state = checkpoint.pop(type(self).__qualname__, None)
+        checkpoint[CHECKPOINT_KEY] = self.state_dict() if state is None else state
+
+    @override
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Restore the state from ``"lightning_comp"`` (or the class-named key of checkpoints written before it,
+        unless Lightning restored that already, under this very class's name).
+
+        Raises:
+            PlanError: if the state is malformed, of another version, or has unknown keys.
+            PlanMismatchError: if the stored plan was made for a different model.
+        """
+        if CHECKPOINT_KEY in checkpoint:
+            self.load_state_dict(checkpoint[CHECKPOINT_KEY])
+            return
+        for key in LEGACY_CHECKPOINT_KEYS:
+            if key in checkpoint and key != type(self).__qualname__:
+                self.load_state_dict(checkpoint[key])
+                return
 
     @override
     def teardown(self) -> None:

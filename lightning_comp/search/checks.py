@@ -36,8 +36,14 @@ def check_trainer(trainer: pl.Trainer, config: SearchConfig) -> CoMPPrecision:
     strategy = type(trainer.strategy).__name__
     if any(bad in strategy for bad in ("FSDP", "DeepSpeed", "XLA", "ModelParallel")):
         raise UnsupportedSetupError(
-            f"CoMPSearch cannot run under {strategy}: it rewinds and re-hooks the whole model, which sharded"
-            " strategies do not allow. Use strategy='auto', 'ddp' or 'ddp_spawn'."
+            f"CoMPSearch cannot run under {strategy}: it rewinds every trial to a snapshot of the whole model,"
+            " optimizer and loop, and trials a plan per operator, which sharded state (a shard per rank, plans"
+            " fixed into FSDP units) does not allow. Use strategy='auto', 'ddp' or 'ddp_spawn' to search, on one"
+            " device or under DDP with a configuration that fits (a smaller batch or model), then train sharded"
+            " with the plan it chose: CoMPSearch saves it in the checkpoint and as plan.json"
+            " (search.chosen_plan.save(path)); pass that file to CoMPPrecision(path) under ModelParallelStrategy"
+            " (FSDP2) or to CoMPFSDPPrecision(path) under FSDPStrategy (FSDP1). Plan names and fingerprints hold"
+            " through FSDP's wrappers."
         )
     if trainer.limit_val_batches == 0:
         raise SearchConfigError(

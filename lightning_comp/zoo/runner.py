@@ -137,7 +137,7 @@ def _export_comp(trainer: pl.Trainer, out: Path) -> dict[str, str]:
     """Save the CoMP plan and search record (if any) and print the plan; returns the written paths."""
     paths: dict[str, str] = {}
     plugin = trainer.precision_plugin
-    plan = getattr(plugin, "plan", None) if type(plugin).__name__ == "CoMPPrecision" else None
+    plan = getattr(plugin, "plan", None) if any(c.__name__ == "CoMPPrecision" for c in type(plugin).__mro__) else None
     if plan is not None:
         print("CoMP precision plan:\n" + str(plan.summary()), flush=True)
         paths["plan_path"] = str(plan.save(out / "plan.json") or out / "plan.json")

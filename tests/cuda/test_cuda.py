@@ -164,7 +164,7 @@ def test_an_fp16_plan_scales_the_loss_on_cuda_and_resumes(tmp_path: Path) -> Non
     assert plugin.scaler.get_scale() < 65536.0
     path = tmp_path / "fp16.ckpt"
     trainer.save_checkpoint(path)
-    state = torch.load(path, weights_only=True)["CoMPPrecision"]
+    state = torch.load(path, weights_only=True)["lightning_comp"]
     assert state["scaler"]["scale"] == plugin.scaler.get_scale()
     resumed = CoMPPrecision(allow_slow_fp16=True)
     _trainer(tmp_path, resumed, max_steps=10, enable_checkpointing=False).fit(_Overflowing(), _regression(),

@@ -289,8 +289,8 @@ def test_fsdp_on_cpu_is_refused_before_anything_else() -> None:
         pl.Trainer(accelerator="cpu", strategy=FSDPStrategy(), plugins=[CoMPPrecision()], logger=False)
 
 
-def _fake_trainer(strategy: Any) -> SimpleNamespace:
-    return SimpleNamespace(precision_plugin=CoMPPrecision(), precision="32-true", strategy=strategy,
+def _fake_trainer(strategy: Any, plugin: CoMPPrecision | None = None) -> SimpleNamespace:
+    return SimpleNamespace(precision_plugin=plugin or CoMPPrecision(), precision="32-true", strategy=strategy,
                            limit_val_batches=1.0, check_val_every_n_epoch=1)
 
 
@@ -302,6 +302,14 @@ def test_search_refuses_sharded_strategies_by_name(name: str) -> None:
     message = str(info.value)
     assert f"CoMPSearch cannot run under {name}" in message
     assert "Use strategy='auto', 'ddp' or 'ddp_spawn'" in message
+    assert "CoMPPrecision(path) under ModelParallelStrategy" in message and "CoMPFSDPPrecision(path)" in message
+
+
+def test_search_refuses_fsdp1_with_the_fsdp_form_of_the_plugin_too() -> None:
+    from lightning_comp import CoMPFSDPPrecision
+
+    with pytest.raises(UnsupportedSetupError, match="CoMPSearch cannot run under FSDPStrategy"):
+        _search().setup(_fake_trainer(FSDPStrategy(), CoMPFSDPPrecision()), WideMLP(width=32), "fit")  # type: ignore[arg-type]
 
 
 def test_search_accepts_ddp(tmp_path: Path) -> None:

@@ -318,7 +318,7 @@ def test_checkpoint_round_trip_and_resume(tmp_path: Path, make_mlp: Any, make_re
     path = tmp_path / "run.ckpt"
     trainer.save_checkpoint(path)
     ckpt = torch.load(path, weights_only=True)  # plain types only
-    state = ckpt["CoMPPrecision"]
+    state = ckpt["lightning_comp"]
     assert state["plan"] == plugin.plan.to_dict() and state["scaler"] is None
     assert state["optimizer_steps"] == 4 and state["skipped_steps"] == 0
     assert PrecisionPlan.from_dict(state["plan"]) == plugin.plan
@@ -368,9 +368,9 @@ def test_an_explicit_plan_wins_over_the_checkpoints_with_a_warning_naming_both(
     assert {s: p.value for s, p in plugin.plan.entries} == mine
     assert plugin.executor.precisions()["net.4"] is Precision.FP32 and plugin.executor.precisions()["net.0"].is_low
     assert resumed.global_step == 8  # the rest of the checkpoint (weights, optimizer, progress) resumed
-    assert torch.load(path, weights_only=True)["CoMPPrecision"]["plan"]["entries"] == {"type:Linear": "bf16"}
+    assert torch.load(path, weights_only=True)["lightning_comp"]["plan"]["entries"] == {"type:Linear": "bf16"}
     resumed.save_checkpoint(tmp_path / "mine.ckpt")  # and from now on the user's plan is the checkpoint's
-    assert torch.load(tmp_path / "mine.ckpt", weights_only=True)["CoMPPrecision"]["plan"]["entries"] == mine
+    assert torch.load(tmp_path / "mine.ckpt", weights_only=True)["lightning_comp"]["plan"]["entries"] == mine
 
 
 def test_the_same_explicit_plan_as_the_checkpoints_resumes_without_a_warning(
@@ -398,11 +398,11 @@ def test_resume_into_a_different_model_fails_loudly(tmp_path: Path, make_mlp: An
     trainer.save_checkpoint(path)
     plugin = CoMPPrecision()
     plugin.convert_module(make_mlp())  # a fresh instance of the same architecture: fine
-    plugin.load_state_dict(torch.load(path, weights_only=True)["CoMPPrecision"])
+    plugin.load_state_dict(torch.load(path, weights_only=True)["lightning_comp"])
     other = CoMPPrecision()
     other.convert_module(nn.Sequential(nn.Linear(8, 1)))
     with pytest.raises(PlanMismatchError, match="different model"):
-        other.load_state_dict(torch.load(path, weights_only=True)["CoMPPrecision"])
+        other.load_state_dict(torch.load(path, weights_only=True)["lightning_comp"])
     with pytest.raises(PlanError, match="Malformed CoMPPrecision state"):
         other.load_state_dict({"nope": 1})
 
@@ -493,7 +493,7 @@ def test_fp16_loss_scaling_skips_overflowing_steps_and_checkpoints_the_scaler(
 
     path = tmp_path / "fp16.ckpt"
     trainer.save_checkpoint(path)
-    state = torch.load(path, weights_only=True)["CoMPPrecision"]
+    state = torch.load(path, weights_only=True)["lightning_comp"]
     assert state["scaler"]["scale"] == plugin.scaler.get_scale() < 2.0**16
     assert state["skipped_steps"] == plugin.skipped_steps
     resumed = CoMPPrecision(allow_slow_fp16=True)
@@ -549,3 +549,31 @@ def test_deepspeed_engine_is_refused() -> None:
     DeepSpeedEngine = type("DeepSpeedEngine", (nn.Module,), {})
     with pytest.raises(UnsupportedSetupError, match="DeepSpeed"):
         CoMPPrecision().connect(DeepSpeedEngine(), [], [])
+
+
+def test_the_plan_is_filed_under_one_key_whatever_the_plugin_class(tmp_path: Path, make_mlp: Any,
+                                                                  make_regression_loader: Any,
+                                                                  fast_trainer_kwargs: dict[str, Any]) -> None:
+    """A plan saved by CoMPPrecision resumes under a subclass (the FSDP form, a user's), and a checkpoint written
+    before the key existed (under the class name) still resumes."""
+    from lightning_comp import CoMPFSDPPrecision
+
+    class MyPlugin(CoMPPrecision):
+        pass
+
+    trainer = pl.Trainer(max_epochs=1, plugins=[CoMPPrecision({"type:Linear": "bf16"})], **fast_trainer_kwargs)
+    trainer.fit(make_mlp(), make_regression_loader())
+    path = tmp_path / "saved.ckpt"
+    trainer.save_checkpoint(path)
+    ckpt = torch.load(path, weights_only=True)
+    assert "lightning_comp" in ckpt and "CoMPPrecision" not in ckpt
+    for plugin in (MyPlugin(), CoMPFSDPPrecision()):
+        plugin.on_load_checkpoint(ckpt)
+        assert plugin.plan.entries == (("type:Linear", Precision.BF16),), type(plugin).__name__
+    old = MyPlugin()
+    old.on_load_checkpoint({"CoMPPrecision": ckpt["lightning_comp"]})  # written before the key existed
+    assert old.plan.entries == (("type:Linear", Precision.BF16),)
+    resumed = MyPlugin()
+    pl.Trainer(max_epochs=2, plugins=[resumed], **fast_trainer_kwargs).fit(make_mlp(), make_regression_loader(),
+                                                                          ckpt_path=path)
+    assert resumed.plan.entries == (("type:Linear", Precision.BF16),)  # through Lightning's own restore

@@ -108,7 +108,7 @@ def test_decision_record_is_written_and_in_checkpoint(offset_run: dict[str, Any]
     ckpt = torch.load(path, weights_only=True)
     assert ckpt["callbacks"]["CoMPSearch"]["phase"] == "done"
     assert ckpt["callbacks"]["CoMPSearch"]["chosen"]["entries"] == saved.to_dict()["entries"]
-    assert ckpt["CoMPPrecision"]["plan"]["entries"] == saved.to_dict()["entries"]
+    assert ckpt["lightning_comp"]["plan"]["entries"] == saved.to_dict()["entries"]
     # resuming after the search restores the plan and does not search again
     search = fixed_search()
     plugin = CoMPPrecision()

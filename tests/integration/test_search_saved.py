@@ -101,7 +101,7 @@ def test_group_testing_isolates_the_layer_whose_saved_tensors_break_convergence(
     path = tmp_path / "done.ckpt"
     trainer.save_checkpoint(path)
     ckpt = torch.load(path, weights_only=True)
-    assert ckpt["CoMPPrecision"]["plan"]["saved"] == {"l2": "fp8", "l4": "fp8"}
+    assert ckpt["lightning_comp"]["plan"]["saved"] == {"l2": "fp8", "l4": "fp8"}
     assert ckpt["callbacks"]["CoMPSearch"]["saved_choices"] == {"l2": "fp8", "l3": "fp8", "l4": "fp8"}
     resumed_search, resumed_plugin = pinned_saved_search(), CoMPPrecision()
     resumed = search_trainer(tmp_path, [resumed_search], max_epochs=trainer.current_epoch + 1, plugin=resumed_plugin)

@@ -140,3 +140,13 @@ def test_every_adapter_function_is_exported_and_documented(name: str) -> None:
     assert callable(function) and function.__doc__
 
 
+
+
+def test_fsdp_activation_checkpointing_is_applied_as_lightning_does() -> None:
+    from lightning.pytorch.strategies import FSDPStrategy
+    from torch import nn
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    adapter.setup_fsdp_activation_checkpointing(FSDPStrategy(activation_checkpointing_policy={nn.Linear}), model)
+    assert "0._checkpoint_wrapped_module" in dict(model.named_modules())
+    assert type(model[1]).__name__ == "ReLU"

@@ -183,3 +183,18 @@ def test_recurrent_lowering_falls_back_to_parameter_copies_where_autocast_cannot
         assert lowering_for(nn.LSTM(2, 2, num_layers=2), BF16, "cpu") is None
     finally:
         kernel_probes.probe_recurrent.cache_clear()  # type: ignore[attr-defined]
+
+
+def test_names_and_types_hold_through_wrappers() -> None:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+
+    from lightning_comp.operators.discovery import operator_name
+    from lightning_comp.plan.fingerprint import OperatorFingerprint
+
+    plain = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    wrapped = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    apply_activation_checkpointing(wrapped, check_fn=lambda m: isinstance(m, nn.Linear))
+    assert "0._checkpoint_wrapped_module" in dict(wrapped.named_modules())
+    assert [n for n, _ in iter_operators(wrapped)] == ["0", "1", "2"]
+    assert OperatorFingerprint.of(wrapped) == OperatorFingerprint.of(plain)
+    assert operator_name("blocks.0._fsdp_wrapped_module._checkpoint_wrapped_module.attn") == "blocks.0.attn"

@@ -169,3 +169,12 @@ def test_the_dispatch_mode_sees_aten_ops_and_backward_is_told_apart() -> None:
         (torch.randn(4, 3) @ weight).sum().backward()
     assert ("mm", False) in seen and ("mm", True) in seen  # the forward matmul, and backward's
     assert not adapter.in_backward()
+
+
+def test_the_wrapper_attributes_are_torchs_own() -> None:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_WRAPPED_MODULE
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp._common_utils import FSDP_WRAPPED_MODULE
+
+    assert {"_orig_mod", FSDP_WRAPPED_MODULE, _CHECKPOINT_WRAPPED_MODULE} == adapter.WRAPPER_ATTRIBUTES
+    assert adapter.FSDP2_MODULE is FSDPModule
