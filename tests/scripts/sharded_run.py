@@ -145,6 +145,11 @@ class Probe(pl.Callback):
         if type(trainer.strategy.model).__name__ == "DistributedDataParallel":
             pl_module.overflow_step = self.overflow_step  # replicated gradients: overflow before the all-reduce
 
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
+        # between forward and backward: FSDP2 modules must hold their DTensor shards again (not freed full tensors)
+        self.info.setdefault("sharded_before_backward", []).append(
+            sorted({type(m.weight).__name__ for m in pl_module.modules() if isinstance(m, nn.Linear)}))
+
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         sharded = type(trainer.strategy.model).__name__ != "DistributedDataParallel"
         if sharded and trainer.global_step == self.overflow_step and trainer.global_rank == 1:
