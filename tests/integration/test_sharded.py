@@ -27,7 +27,7 @@ from tests.helpers.paths import REPO
 
 SCRIPT = REPO / "tests" / "scripts" / "sharded_run.py"
 # FSDP1 root-only without activation checkpointing, and auto-wrapped with it (the checkpoint and overflow tests run
-# the auto-wrapped one too): every wrapper a plan must see through, in 5 modes x 2 plans
+# that one too), in 5 modes x 2 plans; and FSDP1 auto-wrapped without it, for one plan
 MODES = ("ddp", "fsdp1", "fsdp1_wrap_ac", "fsdp2", "fsdp2_policy")
 PLANS = ("bf16", "fp16")
 STEPS = 8  # two epochs of four
@@ -83,8 +83,10 @@ def _same_parameters(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], wha
         assert torch.equal(value, b[name]), f"{what}: {name} differs"
 
 
-@pytest.mark.parametrize("plan", PLANS)
-@pytest.mark.parametrize("mode", MODES)
+GRID = [(mode, plan) for mode in MODES for plan in PLANS] + [("fsdp1_wrap", "bf16")]  # auto-wrapped, no AC
+
+
+@pytest.mark.parametrize(("mode", "plan"), GRID)
 def test_a_sharded_run_equals_the_one_process_reference(runs: Runs, mode: str, plan: str) -> None:
     ref = runs("reference", plan)[0]
     low = "torch.bfloat16" if plan == "bf16" else "torch.float16"
