@@ -49,11 +49,12 @@ def fsdp2_policy(plan: PlanLike, module: nn.Module, name: str = "") -> Any:
         raise UnsupportedSetupError(f"torch {torch.__version__} has no FSDP2 (MixedPrecisionPolicy).") from error
     resolved = plan_from_any(plan)
     prefix = f"{name}." if name else ""
-    inner = [operator_name(n) + "." for n, m in module.named_modules()
+    inner = [operator_name(n) for n, m in module.named_modules()  # units sharded already: their own policies
              if n and FSDP2_MODULE is not None and isinstance(m, FSDP2_MODULE)]
     precisions = set()
     for op_name, op in iter_operators(module, traced=False):
-        if any(op_name.startswith(p) for p in inner) or not any(True for _ in op.parameters(recurse=False)):
+        if any(op_name == u or op_name.startswith(u + ".") for u in inner) \
+                or not any(True for _ in op.parameters(recurse=False)):
             continue
         precisions.add(resolved.precision_of(prefix + op_name if op_name else name, operator_type(op)))
     low = next(iter(precisions)) if len(precisions) == 1 else Precision.FP32

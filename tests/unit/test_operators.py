@@ -198,3 +198,18 @@ def test_names_and_types_hold_through_wrappers() -> None:
     assert [n for n, _ in iter_operators(wrapped)] == ["0", "1", "2"]
     assert OperatorFingerprint.of(wrapped) == OperatorFingerprint.of(plain)
     assert operator_name("blocks.0._fsdp_wrapped_module._checkpoint_wrapped_module.attn") == "blocks.0.attn"
+
+
+def test_an_fsdp2_policy_follows_the_plan_of_the_parameters_its_unit_manages() -> None:
+    import torch
+
+    from lightning_comp.distributed import fsdp2_policy
+
+    block = nn.Sequential(nn.Linear(4, 4), nn.GELU(), nn.Linear(4, 4), nn.LayerNorm(4))
+    assert fsdp2_policy({"type:Linear": "bf16"}, block, "blocks.0").param_dtype is None  # the LayerNorm is fp32
+    uniform = fsdp2_policy({"type:Linear": "bf16", "type:LayerNorm": "bf16"}, block, "blocks.0")
+    assert (uniform.param_dtype, uniform.reduce_dtype, uniform.cast_forward_inputs) == (torch.bfloat16,
+                                                                                        torch.float32, False)
+    assert fsdp2_policy({"blocks.0.0": "fp16", "blocks.0.2": "fp16", "blocks.0.3": "fp16"}, block,
+                        "blocks.0").param_dtype is torch.float16  # names are the model's, prefix included
+    assert fsdp2_policy({"type:Linear": "bf16"}, nn.Sequential(nn.Linear(4, 4)), "").param_dtype is torch.bfloat16
