@@ -153,7 +153,7 @@ def _pre_hook(op: HookedOperator, state: StepState, casts: WeightCastRecorder, c
         contexts: list[AbstractContextManager[Any]] = []  # entered now, left in the post-hook
         result = None
         if shields and state.regions:  # one entry per call while a region is open (None: autocast is off anyway)
-            op.shields.append(_shield(device_type) if torch.is_autocast_enabled(device_type) else None)
+            op.shields.append(_Shield(device_type) if torch.is_autocast_enabled(device_type) else None)
         if lowering is Lowering.AUTOCAST:
             contexts.append(torch.autocast(device_type, dtype=dtype, cache_enabled=False))
             if recast_own and casts.active:  # autocast finds the weights already low and leaves them be
@@ -186,10 +186,6 @@ class _Shield:
 
     def exit(self) -> None:
         exit_autocast(self.mode)
-
-
-def _shield(device_type: str) -> _Shield:
-    return _Shield(device_type)
 
 
 def _enter(op: HookedOperator, contexts: list[AbstractContextManager[Any]]) -> None:

@@ -136,11 +136,6 @@ class OwnedWork:
         """Whether it holds work an autocast region lowers (matmul, convolution, attention, recurrent)."""
         return any(f.planned for f in self.families)
 
-    def describe(self) -> str:
-        """E.g. ``"bmm x2, 1.2 MFLOP"``."""
-        ops = ", ".join(f"{op} x{n}" if n > 1 else op for op, n in self.ops)
-        return f"{ops}, {_human(self.flops)}" if self.flops else ops
-
 
 @dataclass(frozen=True)
 class StepWork:
@@ -160,13 +155,6 @@ class StepWork:
     def total_flops(self) -> int:
         """Every counted floating-point operation of the step's forward."""
         return sum(work.flops for work in self.by_module.values())
-
-
-def _human(flops: int) -> str:
-    for unit, scale in (("GFLOP", 1e9), ("MFLOP", 1e6), ("kFLOP", 1e3)):
-        if flops >= scale:
-            return f"{flops / scale:.1f} {unit}"
-    return f"{flops} FLOP"
 
 
 # Module objects found to own planned work, and every module object a trace has seen: a module of a model that was

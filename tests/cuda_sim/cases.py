@@ -14,9 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["CASES", "Case", "HAS_TRANSFORMERS", "installed"]
-
-HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
+__all__ = ["CASES", "Case", "installed"]
 
 
 def installed(module: str | None) -> bool:
