@@ -39,7 +39,9 @@ _CONVERSIONS = frozenset({"to", "type", "bfloat16", "half", "float", "double", "
                           "contiguous", "copy_", "__get__"})
 _METADATA_METHODS = frozenset({"size", "dim", "numel", "stride", "is_contiguous", "is_floating_point",
                                "element_size", "__len__", "data_ptr", "get_device", "__repr__", "__format__",
-                               "storage_offset", "nelement", "ndimension", "is_complex"})
+                               "storage_offset", "nelement", "ndimension", "is_complex",
+                               # gradient hooks (a profiler's, a user's): they read no values now
+                               "register_hook", "register_post_accumulate_grad_hook", "retain_grad"})
 
 
 class TracedOperator(Protocol):

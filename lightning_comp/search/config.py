@@ -140,6 +140,11 @@ class SearchConfig:
             choose, per operator, the precision its tensors saved for backward are stored in (``saved_precision``),
             and trial those choices like compute precision.
         speed_margin: fraction by which lowering must beat FP32 before it is preferred (noise guard).
+        switch_margin: the tie rule of the whole-step comparison: a fixed policy (AMP's plan) or another
+            whole-step alternative is trialled instead of the per-operator candidates only when its step is faster
+            than theirs by this fraction beyond doubt (the whole interval of the per-round ratios below
+            ``1 - switch_margin``). Within it the candidates are kept, so near ties do not flip from run to run,
+            and the chosen plan is never slower than the best alternative by more than this, within measured noise.
         min_gain_ms: smallest per-step gain (ms) for an operator to be lowered (throughput objective).
         max_trials: most candidate trials (the FP32 reference not counted); then the best passing group is taken.
         max_skipped_fraction: an FP16 trial whose loss scaler skips more than this fraction of its steps is rejected.
@@ -175,6 +180,7 @@ class SearchConfig:
     low_precision: LowPrecision = LowPrecision.AUTO
     objective: Objective = Objective.THROUGHPUT
     speed_margin: float = 0.05
+    switch_margin: float = 0.02
     min_gain_ms: float = 0.005
     max_trials: int = 12
     max_skipped_fraction: float = 0.05
@@ -231,6 +237,9 @@ class SearchConfig:
         if not _number(self.extra_profile_time) or not 0 <= self.extra_profile_time <= 100:
             self._fail("extra_profile_time", "it must be a number in [0, 100]: the extra measuring time allowed when"
                        " the first rounds cannot decide, as a fraction of the time they took")
+        if not _number(self.switch_margin) or not 0 <= self.switch_margin < 1:
+            self._fail("switch_margin", "it must be a number in [0, 1): how much faster than the candidates an"
+                       " alternative plan's step must be to replace them")
         for name in ("speed_margin", "min_gain_ms", "max_skipped_fraction"):
             if not _number(getattr(self, name)) or not 0 <= getattr(self, name) < 1e6:
                 self._fail(name, "it must be a number >= 0")

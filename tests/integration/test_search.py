@@ -304,3 +304,39 @@ def test_unknown_keys_in_a_search_state_are_an_error_naming_them(finished_search
     missing = {k: v for k, v in finished_search.state_dict().items() if k != "runs"}
     with pytest.raises(SearchConfigError, match=r"Missing keys \['runs'\]"):
         CoMPSearch(verbose=False).load_state_dict(missing)
+
+
+def test_the_batch_stage_measures_operators_at_training_cast_boundaries_and_times_amps_plan(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from lightning_comp.search.stages import batch_stage
+
+    pl.seed_everything(0)
+    model = WideMLP(offset=False)
+    seen: dict[str, set[torch.dtype]] = {"a2": set(), "a3": set()}
+    profiling = {"on": False}
+    for name in seen:  # registered before the plugin's hooks: sees the dtype the producer hands on
+        getattr(model, name).register_forward_pre_hook(
+            lambda m, args, name=name: seen[name].add(args[0].dtype) if profiling["on"] else None)
+    original = batch_stage.BatchStage._profile_operators
+
+    def recorded(self: Any, *args: Any) -> Any:
+        profiling["on"] = True
+        try:
+            return original(self, *args)
+        finally:
+            profiling["on"] = False
+
+    monkeypatch.setattr(batch_stage.BatchStage, "_profile_operators", recorded)
+    search = fixed_search(include=["l2", "l3", "l4"], exclude=["l1", "head"])
+    trainer = search_trainer(tmp_path, [search], max_epochs=3, plugin=CoMPPrecision())
+    train, val = loaders(n_train=512, n_val=256)
+    trainer.fit(model, train, val)
+    record = search.record
+    assert record is not None
+    # per operator, the all-low plan runs as training would run it: l2's output stays bf16 into the bf16 ReLU
+    # (no cast back to fp32 charged to l2), next to the fp32 rounds
+    assert seen["a2"] == {torch.float32, torch.bfloat16} and seen["a3"] == {torch.float32, torch.bfloat16}
+    # AMP's plan (one global region lowers a1 after l1 too, and a4) is timed beside fp32 and the candidates
+    assert {"fp32", "candidates", "amp"} <= set(record["step_ms"])
+    # the candidate plan's own boundaries differ from the all-low plan's: its operators are measured there too
+    assert all("in_plan" in record["operators"][name] for name in ("l2", "l3", "l4"))

@@ -26,6 +26,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_comp import CoMPPrecision, CoMPSearch, device_class
 from lightning_comp.devices.lowering import lowering_for
 from lightning_comp.operators.discovery import iter_operators
+from lightning_comp.search.record.text import format_record
 from tests.helpers.recording import DtypeRecorder
 
 LOWERED = ("lstm", "gru", "conv", "bn", "ln", "fc", "head")
@@ -150,7 +151,9 @@ def main(out: Path) -> None:
     record = search.record or {}
     result["search"] = {"low_precision": record.get("low_precision"), "finish_reason": record.get("finish_reason"),
                         "trials": len(record.get("trials", [])), "extension_epochs": record.get("extension_epochs"),
-                        "epochs": trainer.current_epoch}
+                        "epochs": trainer.current_epoch, "num_operators": record.get("num_operators"),
+                        "model_operators": len(list(iter_operators(trainer.lightning_module))),
+                        "report": format_record(record)}
     out.write_text(json.dumps(result, indent=2))
 
 

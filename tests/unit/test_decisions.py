@@ -18,13 +18,19 @@ from lightning_comp.search.candidates import Candidate, Dimension
 from lightning_comp.search.config import Objective, SearchConfig
 from lightning_comp.search.decisions.group_search import GroupSearch
 from lightning_comp.search.decisions.objectives import balanced_score, policy_for
-from lightning_comp.search.decisions.operators import Choice, OperatorDecision, OperatorVerdict, judge_operator
+from lightning_comp.search.decisions.operators import (
+    Choice,
+    OperatorDecision,
+    OperatorVerdict,
+    judge_operator,
+    recheck_at_plan_boundaries,
+)
 from lightning_comp.search.decisions.saved import judge_saved, sharing_groups, unshared_choices
 from lightning_comp.search.decisions.trial_plans import CheapRun, cheap_runs, plan_for
 from lightning_comp.search.decisions.trials import TrialVerdict, judge_trial
 from lightning_comp.search.decisions.whole_step import StepComparison
 from lightning_comp.search.measurement.estimates import RatioEstimate, Verdict, paired_ratio
-from lightning_comp.search.measurement.profiling import OperatorMeasurement
+from lightning_comp.search.measurement.profiling import OperatorMeasurement, ProfileResult
 from lightning_comp.search.stages.batch_result import SavedStageResult
 from lightning_comp.search.stages.batch_stage import BatchStage
 
@@ -104,6 +110,38 @@ def test_only_the_objectives_that_weigh_memory_choose_saved_precisions() -> None
         Objective.MEMORY, Objective.BALANCED]
 
 
+def _profile(ms_per_round: dict[str, list[float]]) -> ProfileResult:
+    rounds = [{name: _measured(series[i]) for name, series in ms_per_round.items()}
+              for i in range(len(next(iter(ms_per_round.values()))))]
+    return ProfileResult(operators={n: _measured(min(v)) for n, v in ms_per_round.items()}, rounds=rounds)
+
+
+def test_a_candidate_that_pays_only_with_its_neighbours_low_is_dropped_at_the_plans_cast_boundaries() -> None:
+    policy = policy_for(SearchConfig())
+    decisions = {
+        "fc1": OperatorDecision("Linear", OperatorKind.COMPUTE, 64, decision=Choice.CANDIDATE,
+                                time=paired_ratio([1.0] * 6, [0.7] * 6)),
+        "fc2": OperatorDecision("Linear", OperatorKind.COMPUTE, 64, decision=Choice.CANDIDATE),
+        "act": OperatorDecision("GELU", OperatorKind.ELEMENTWISE, 0, decision=Choice.FILL),
+        "fc3": OperatorDecision("Linear", OperatorKind.COMPUTE, 64, decision=Choice.CANDIDATE, forced=True),
+        "ln": OperatorDecision("LayerNorm", OperatorKind.NORM, 16),
+    }
+    # at the plan's boundaries: fc1 pays two casts (x1.2, beyond doubt), fc2 still gains, fc3 is forced
+    fp32 = _profile({n: [1.0] * 6 for n in decisions})
+    plan = _profile({"fc1": [1.2, 1.21, 1.19, 1.2, 1.22, 1.2], "fc2": [0.6] * 6, "act": [1.5] * 6,
+                     "fc3": [2.0] * 6, "ln": [1.0] * 6})
+    dropped = recheck_at_plan_boundaries(policy, decisions, {"fp32": fp32, "plan": plan})
+    assert list(dropped) == ["fc1"]
+    assert dropped["fc1"].startswith("pays with its neighbours low (time x0.70") and "x1.20" in dropped["fc1"]
+    assert decisions["fc1"].in_plan_time is not None and decisions["fc1"].in_plan_time.ratio == pytest.approx(1.2)
+    assert decisions["fc1"].to_dict()["in_plan_time_ratio"] == pytest.approx(1.2)
+    assert decisions["ln"].in_plan is None  # not a candidate: not rechecked, nothing recorded
+    # undecided at the plan's boundaries (the interval straddles the margin): kept, the whole step decides
+    noisy = _profile({"fc1": [0.8, 1.1, 0.9, 1.2, 0.85, 1.0], "fc2": [0.6] * 6, "act": [1.0] * 6,
+                      "fc3": [1.0] * 6, "ln": [1.0] * 6})
+    assert recheck_at_plan_boundaries(policy, decisions, {"fp32": fp32, "plan": noisy}) == {}
+
+
 # --------------------------------------------------------------------------------------------- per whole step
 def _rounds(step: dict[str, float], count: int = 6) -> dict[str, list[float]]:
     """Per-round times around ``step`` (a steady machine: within 0.2 % of each other)."""
@@ -124,14 +162,16 @@ def test_a_whole_step_plan_that_cannot_be_told_apart_is_undecided() -> None:
     ("step", "expected"),
     [
         ({"fp32": 100, "candidates": 90, "compute": 80, "all_low": 84}, "compute"),  # fastest that beats both
-        ({"fp32": 100, "candidates": 82, "compute": 80, "all_low": 84}, None),  # 2.5 % is within the margin
+        ({"fp32": 100, "candidates": 82, "compute": 80, "all_low": 84}, "compute"),  # 2.4 %: beyond the tie rule
+        ({"fp32": 100, "candidates": 81, "amp": 80, "all_low": 84}, None),  # 1.2 %: a tie, the candidates stay
         ({"fp32": 100, "candidates": 70, "compute": 80, "all_low": 99}, None),  # the candidates win
+        ({"fp32": 100, "candidates": 99, "amp": 96}, None),  # beats the candidates, but fp32 by less than 5 %
         ({"fp32": 100, "compute": 97, "all_low": 60}, "all_low"),  # no candidates: must beat fp32 only
         ({"fp32": 100, "compute": 97, "all_low": 98}, None),
     ],
 )
-def test_whole_step_winner_needs_the_margin_over_fp32_and_the_candidates(step: dict[str, float],
-                                                                       expected: str | None) -> None:
+def test_whole_step_winner_needs_the_speed_margin_over_fp32_and_the_switch_margin_over_the_candidates(
+        step: dict[str, float], expected: str | None) -> None:
     labels = [k for k in step if k not in ("fp32", "candidates")]
     policy = policy_for(SearchConfig())
     assert policy.winner(StepComparison(_rounds(step)), {}, labels, "candidates" in step) == expected
@@ -186,14 +226,15 @@ def test_whole_step_alternatives_are_distinct_plans_without_excluded_operators()
     assert runs == [CheapRun("0", "2", ("1",))]
     stage = BatchStage(SearchConfig(verbose=False), Precision.BF16, CoMPPrecision())
     candidate_plan = plan_for(Precision.BF16, runs, [Candidate("0"), Candidate("2")])
-    alternatives = stage._alternatives(modules, lowerable, order, decisions, candidate_plan)
+    amp = {"0", "1", "2", "3", "4"}  # what a global autocast region lowered
+    alternatives = stage._alternatives(modules, lowerable, order, decisions, candidate_plan, {"0", "3", "4"})
     lowered = {label: {s for s, p in plan.entries if p is Precision.BF16} for label, plan in alternatives.items()}
-    # all_low leaves the excluded head out; compute = the Linears allowed (without the LayerNorm fill)
-    assert lowered == {"all_low": {"0", "1", "2", "3"}, "compute": {"0", "2"}}
-    # an alternative that is the candidate plan itself is not timed twice
+    # AMP's plan and all_low leave the excluded head out; compute = the Linears allowed (without the LayerNorm fill)
+    assert lowered == {"amp": {"0", "3"}, "all_low": {"0", "1", "2", "3"}, "compute": {"0", "2"}}
+    # an alternative that is the candidate plan itself, or one timed already, is not timed twice (AMP's = all_low)
     same_as_compute = stage._alternatives(modules, lowerable, order, decisions, PrecisionPlan.from_dict(
-        {"0": "bf16", "2": "bf16"}))
-    assert list(same_as_compute) == ["all_low"]
+        {"0": "bf16", "2": "bf16"}), amp)
+    assert list(same_as_compute) == ["amp"]
 
 
 # ----------------------------------------------------------------------------------------- saved precisions

@@ -20,9 +20,12 @@ import pytest
 import torch
 
 from lightning_comp.errors import SearchConfigError, UsageError
+from lightning_comp.numerics.precision import Precision
+from lightning_comp.operators.discovery import iter_operators
 from lightning_comp.search import SearchConfig
 from lightning_comp.search.config import Timing
 from lightning_comp.search.measurement import machine_load
+from lightning_comp.search.measurement.autocast_lowering import lowered_under_autocast
 from lightning_comp.search.measurement.clock_choice import BUSY_CPUS, choose_timing
 from lightning_comp.search.measurement.clocks import ClockKind, ThreadCpuClock, make_clock, single_intra_op_thread
 from lightning_comp.search.measurement.estimates import Verdict, paired_ratio
@@ -216,3 +219,37 @@ def test_kill_and_resume_on_a_busy_machine_ends_with_the_killed_runs_own_decisio
     lowerable = {name for name, decision in info["decisions"].items() if decision in ("candidate", "fill")}
     lowered = {name for name, precision in result["plan"].items() if precision != "fp32"}
     assert lowered <= lowerable, (lowered, info["decisions"])
+
+
+# ------------------------------------------------------------------------------------------ AMP's plan, observed
+class _Residual(torch.nn.Module):
+    """Embedding -> Linear -> GELU, a residual add (fp32 + bf16 promotes to fp32), a LayerNorm and a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(16, 8)
+        self.fc = torch.nn.Linear(8, 8)
+        self.act = torch.nn.GELU()
+        self.norm = torch.nn.LayerNorm(8)
+        self.norm_after_fc = torch.nn.LayerNorm(8)
+        self.head = torch.nn.Linear(8, 4)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.emb(idx)
+        h = self.act(self.fc(x))
+        return self.head(self.norm(x + h)) + self.norm_after_fc(h).sum()
+
+
+def test_amps_plan_is_what_one_global_autocast_region_lowers_in_the_step() -> None:
+    model = _Residual()
+    modules = dict(iter_operators(model))
+    idx = torch.randint(0, 16, (3, 5))
+
+    def step() -> None:
+        model(idx).float().sum().backward()
+
+    lowered = lowered_under_autocast(modules, step, "cpu", Precision.BF16)
+    # the matmuls, and what their low outputs flow into; not the embedding, nor the norm after the fp32 residual add
+    assert lowered == {"fc", "act", "norm_after_fc", "head"}
+    assert not torch.is_autocast_enabled("cpu") and all(not m._forward_hooks for m in model.modules())
+    assert lowered_under_autocast(modules, step, "cpu", Precision.FP32) == frozenset()

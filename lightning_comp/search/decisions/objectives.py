@@ -146,16 +146,19 @@ class ThroughputPolicy(ObjectivePolicy):
 
     def winner(self, steps: StepComparison, saved: dict[str, float], labels: list[str],
                have_candidates: bool) -> str | None:
-        margin = self.config.speed_margin
+        """The tie rule: an alternative must beat FP32 by ``speed_margin`` and the candidates (if any) by
+        ``switch_margin``, each beyond doubt; of those that do, the fastest."""
+        margin, switch = self.config.speed_margin, self.config.switch_margin
         winners = [label for label in labels if steps.faster(label, "fp32", margin) is Verdict.BELOW
-                   and (not have_candidates or steps.faster(label, "candidates", margin) is Verdict.BELOW)]
+                   and (not have_candidates or steps.faster(label, "candidates", switch) is Verdict.BELOW)]
         return min(winners, key=lambda label: steps.ratio(label, "fp32").ratio) if winners else None
 
     def undecided(self, steps: StepComparison, labels: list[str]) -> bool:
-        margin = self.config.speed_margin
-        pairs = [(label, "fp32") for label in labels]
-        pairs += [(label, "candidates") for label in labels if label != "candidates" and "candidates" in labels]
-        return any(steps.faster(a, b, margin) is Verdict.UNDECIDED for a, b in pairs)
+        margin, switch = self.config.speed_margin, self.config.switch_margin
+        pairs = [(label, "fp32", margin) for label in labels]
+        if "candidates" in steps.ms:
+            pairs += [(label, "candidates", switch) for label in labels if label != "candidates"]
+        return any(steps.faster(a, b, m) is Verdict.UNDECIDED for a, b, m in pairs)
 
 
 class MemoryPolicy(ObjectivePolicy):

@@ -22,7 +22,8 @@ from lightning_comp.search.decisions.saved import SavedDecision
 from lightning_comp.search.measurement.estimates import RatioEstimate, Verdict, paired_ratio
 from lightning_comp.search.measurement.profiling import OperatorMeasurement, ProfileResult
 
-__all__ = ["HEAVY_KINDS", "Choice", "OperatorDecision", "OperatorVerdict", "decide_operators", "judge_operator"]
+__all__ = ["HEAVY_KINDS", "Choice", "OperatorDecision", "OperatorVerdict", "decide_operators", "judge_operator",
+           "recheck_at_plan_boundaries"]
 
 HEAVY_KINDS = (OperatorKind.COMPUTE, OperatorKind.EMBEDDING, OperatorKind.OTHER)
 
@@ -46,7 +47,11 @@ class OperatorDecision:
         decision: what was decided.
         reason: why, in words.
         fp32: its measurement in FP32 (``None``: it did not run).
-        low: its measurement in low precision.
+        low: its measurement in low precision, with every lowerable operator lowered (the all-low plan's cast
+            boundaries: its output stays low where its consumers compute low too).
+        in_plan: its measurement in the candidate plan, at that plan's cast boundaries (where they differ from the
+            all-low plan's; ``None``: not measured).
+        in_plan_time: its low/FP32 time ratio there.
         time: its low/FP32 time ratio over paired rounds, with the interval.
         gain_ms: the time lowering it saves per step (FP32 minus low, ms; 0 where not measured).
         gain_bytes: the bytes saved for backward that lowering it saves per step.
@@ -66,6 +71,8 @@ class OperatorDecision:
     reason: str = ""
     fp32: OperatorMeasurement | None = None
     low: OperatorMeasurement | None = None
+    in_plan: OperatorMeasurement | None = None
+    in_plan_time: RatioEstimate | None = None
     time: RatioEstimate | None = None
     gain_ms: float = 0.0
     gain_bytes: int = 0
@@ -97,6 +104,11 @@ class OperatorDecision:
         if self.time is not None:
             out.update(time_ratio=self.time.ratio, time_spread=[self.time.low, self.time.high],
                        rounds=self.time.rounds)
+        if self.in_plan is not None:
+            out["in_plan"] = self.in_plan.to_dict()
+        if self.in_plan_time is not None:
+            out.update(in_plan_time_ratio=self.in_plan_time.ratio,
+                       in_plan_time_spread=[self.in_plan_time.low, self.in_plan_time.high])
         out.update(gain_ms=float(self.gain_ms), gain_bytes=int(self.gain_bytes), benefit=float(self.benefit),
                    decision=self.decision.value, reason=self.reason)
         if self.memory_ratio is not None:
@@ -211,3 +223,34 @@ def decide_operators(config: SearchConfig, policy: ObjectivePolicy, low: Precisi
             decision.reason = f"slower in {low} ({b.compute_ms:.4f} vs {a.compute_ms:.4f} ms)"
         decisions[name] = decision
     return decisions
+
+
+def recheck_at_plan_boundaries(policy: ObjectivePolicy, decisions: dict[str, OperatorDecision],
+                               profile: dict[str, ProfileResult]) -> dict[str, str]:
+    """The candidates that stop paying at the candidate plan's own cast boundaries, with the reason for each.
+
+    Operators are first judged with every lowerable operator lowered, so none is charged an output cast that
+    training with its neighbours lowered does not pay. Where the candidate plan keeps a neighbour in FP32, the
+    operator pays that cast after all; ``profile`` (``"fp32"`` and ``"plan"``, paired rounds at the plan's
+    boundaries) measures it, and a candidate judged there not to pay any more (beyond doubt) is named. Forced ones
+    and fills are kept; every measured candidate's ``in_plan`` measurement is recorded.
+
+    Returns:
+        name -> why it is dropped (empty: every candidate still pays). The caller takes them out (``keep_fp32``).
+    """
+    fp32, plan = profile["fp32"], profile["plan"]
+    dropped: dict[str, str] = {}
+    for name, decision in decisions.items():
+        a, b = fp32.operators.get(name), plan.operators.get(name)
+        if not decision.is_candidate or a is None or b is None:
+            continue
+        decision.in_plan = b
+        decision.in_plan_time = paired_ratio(fp32.series(name), plan.series(name))
+        if decision.forced or decision.kind not in HEAVY_KINDS:
+            continue
+        verdict = judge_operator(policy, a, b, decision.in_plan_time)
+        if verdict.decision is Choice.FP32 and verdict.settled:
+            before = decision.time.describe() if decision.time is not None else "?"
+            dropped[name] = (f"pays with its neighbours low (time {before}) but not at the candidate plan's cast"
+                             f" boundaries: {verdict.reason.removeprefix('does not pay: ')}")
+    return dropped

@@ -62,7 +62,7 @@ def build_record(state: SearchState, config: SearchConfig) -> dict[str, Any]:
         "lowered_operators": [] if chosen is None else [s for s, p in chosen["entries"].items() if p != "fp32"],
         "saved_lowered": {} if chosen is None else {s: p for s, p in (chosen.get("saved") or {}).items()
                                                     if p != "fp32"},
-        "num_operators": len(profile.get("operators", {})),
+        "num_operators": profile.get("num_operators", len(profile.get("operators", {}))),
         "operators": profile.get("operators", {}),
         "timing": profile.get("timing"),
         "step_ms": profile.get("step_ms", {}),

@@ -15,25 +15,31 @@ def _ms(value: Any) -> str:
 
 def format_record(record: dict[str, Any]) -> str:
     """The decision record of a :class:`~lightning_comp.CoMPSearch` as text: trials, operators, cost."""
-    low = record.get("low_precision") or "low"
+    low = record.get("low_precision") or "16 bits"
     out = [
         f"CoMPSearch: chose '{record.get('chosen_trial')}' ({record.get('finish_reason')}):"
         f" {len(record.get('lowered_operators', []))} of {record.get('num_operators', 0)} operators in {low}"
         + (f", {len(record['saved_lowered'])} save for backward in "
            f"{'/'.join(sorted(set(record['saved_lowered'].values())))}" if record.get("saved_lowered") else ""),
-        "",
-        "Convergence trials (monitor {m}, mode {mo}, tolerance {t} {tm}; {length}):".format(
-            m=record["monitor"], mo=record["mode"], t=record["tolerance"], tm=record["tolerance_mode"],
-            length=_trial_length(record)),
-        format_table(
-            ("trial", "low ops", "metric", "verdict", "why", "step ms", "seconds", "kept"),
-            [
-                (t["label"], len(t["low_operators"]), "" if t["metric"] is None else f"{t['metric']:.6g}",
-                 t["verdict"], t["reason"], _ms(t["median_step_ms"]), _ms(t["seconds"]), "yes" if t["kept"] else "")
-                for t in record.get("trials", [])
-            ],
-        ),
     ]
+    if record.get("trials"):
+        out += [
+            "",
+            "Convergence trials (monitor {m}, mode {mo}, tolerance {t} {tm}; {length}):".format(
+                m=record["monitor"], mo=record["mode"], t=record["tolerance"], tm=record["tolerance_mode"],
+                length=_trial_length(record)),
+            format_table(
+                ("trial", "low ops", "metric", "verdict", "why", "step ms", "seconds", "kept"),
+                [
+                    (t["label"], len(t["low_operators"]), "" if t["metric"] is None else f"{t['metric']:.6g}",
+                     t["verdict"], t["reason"], _ms(t["median_step_ms"]), _ms(t["seconds"]),
+                     "yes" if t["kept"] else "")
+                    for t in record["trials"]
+                ],
+            ),
+        ]
+    else:
+        out.append("No convergence trials: nothing was left to trial.")
     operators = record.get("operators") or {}
     if operators:
         rows = []

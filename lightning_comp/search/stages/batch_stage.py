@@ -31,9 +31,16 @@ from lightning_comp.plugins.comp import CoMPPrecision
 from lightning_comp.search.candidates import Candidate
 from lightning_comp.search.config import SearchConfig, Timing
 from lightning_comp.search.decisions.objectives import policy_for
-from lightning_comp.search.decisions.operators import HEAVY_KINDS, Choice, OperatorDecision, decide_operators
+from lightning_comp.search.decisions.operators import (
+    HEAVY_KINDS,
+    Choice,
+    OperatorDecision,
+    decide_operators,
+    recheck_at_plan_boundaries,
+)
 from lightning_comp.search.decisions.trial_plans import cheap_runs, plan_for
 from lightning_comp.search.decisions.whole_step import StepComparison
+from lightning_comp.search.measurement.autocast_lowering import lowered_under_autocast
 from lightning_comp.search.measurement.clock_choice import TimingChoice, choose_timing, cpu_clock, is_busy, sample_load
 from lightning_comp.search.measurement.clocks import Clock, ClockKind, single_intra_op_thread
 from lightning_comp.search.measurement.estimates import Verdict
@@ -48,7 +55,14 @@ from lightning_comp.search.rewind.snapshot import capture_rng, restore_rng
 from lightning_comp.search.stages.batch_result import BatchStageResult, SavedStageResult
 from lightning_comp.search.stages.saved_stage import SavedStage
 
-__all__ = ["BatchStage"]
+__all__ = ["ALTERNATIVES", "BatchStage"]
+
+# The whole-step alternatives to the per-operator candidate plan, in words ("{low}": the searched precision)
+ALTERNATIVES = {
+    "amp": "AMP's plan (what one global {low} autocast region lowers)",
+    "all_low": "the all-{low} plan",
+    "compute": "the plan of compute operators only",
+}
 
 Step = Callable[[], None]
 
@@ -110,6 +124,8 @@ class BatchStage:
         modules = dict(iter_operators(pl_module))
         lowerable = [n for n, m in modules.items() if lowering_for(m, self.low, device) not in (None, Lowering.NONE)]
         clock = timing.make_clock()
+        with self.plugin.measured_step(PrecisionPlan(), calibrated=False):  # the model in fp32, under AMP's region
+            amp = agree(trainer, sorted(lowered_under_autocast(modules, step, device.type, self.low)))
         if self.progress is not None:  # per-operator rounds, then whole-step rounds
             self.progress.start_stage(len(lowerable), 2 * self._first_rounds)
         with single_intra_op_thread(timing.single_thread):
@@ -121,7 +137,17 @@ class BatchStage:
             runs = cheap_runs(order, decisions, modules)
             names = [n for n in order if decisions[n].is_candidate]
             candidate_plan = plan_for(self.low, runs, [Candidate(n) for n in names]) if names else None
-            alternatives = self._alternatives(modules, lowerable, order, decisions, candidate_plan)
+            if candidate_plan is not None and candidate_plan.entries != self._all_low(lowerable).entries:
+                # its cast boundaries differ from the all-low plan's the operators were measured at
+                plan_profile = self._profile_at_boundaries(trainer, pl_module, step, clock, candidate_plan)
+                dropped = agree(trainer, recheck_at_plan_boundaries(self.policy, decisions, plan_profile))
+                for name, why in dropped.items():
+                    decisions[name].keep_fp32(why)
+                if dropped:
+                    runs = cheap_runs(order, decisions, modules)
+                    names = [n for n in order if decisions[n].is_candidate]
+                    candidate_plan = plan_for(self.low, runs, [Candidate(n) for n in names]) if names else None
+            alternatives = self._alternatives(modules, lowerable, order, decisions, candidate_plan, set(amp))
             plans = {"candidates": candidate_plan} if candidate_plan is not None else {}
             plans.update(alternatives)
             times, step_saved = self._time_whole_steps(trainer, pl_module, step, clock, plans)
@@ -165,12 +191,18 @@ class BatchStage:
         profiler = OperatorProfiler(pl_module, clock, config.profile_steps, config.profile_warmup)
         if self.progress is not None:
             profiler.on_round = functools.partial(self.progress.round_done, f"per operator, fp32/{self.low.value}")
-        # weight copies saved as recipes, as in training (recast_weights_in_backward): not counted as saved bytes;
-        # every lowered operator's output returns to fp32, so each is measured with its own casts
-        all_low = PrecisionPlan.from_dict({n: self.low.value for n in lowerable})
+        # Weight copies are saved as recipes, as in training (recast_weights_in_backward): not counted as saved bytes.
+        # The all-low plan runs at its training cast boundaries (calibrated): an operator's output stays low where
+        # its consumers compute low too, so no operator is charged an output cast that training with its
+        # neighbours lowered does not pay. The candidate plan's own boundaries are checked afterwards
+        # (_profile_at_boundaries).
+        all_low = self._all_low(lowerable)
         configs: dict[str, Callable[[], Any]] = {
             "fp32": functools.partial(plugin.measured_step, PrecisionPlan(), calibrated=False),
-            "low": functools.partial(plugin.measured_step, all_low, calibrated=False)}
+            "low": functools.partial(plugin.measured_step, all_low)}
+        if config.profile_warmup == 0:  # the calibrating step traces, slower than a step: never a measured one
+            with plugin.measured_step(all_low):
+                step()
         started = time.perf_counter()
         results = profiler.profile(configs, step)
 
@@ -180,6 +212,26 @@ class BatchStage:
 
         self._extend_while(trainer, ExtraRounds(config, time.perf_counter() - started, self._first_rounds),
                            undecided, lambda more: profiler.extend(results, configs, step, more))
+        reduce_profile(trainer, results)
+        return results
+
+    def _all_low(self, lowerable: list[str]) -> PrecisionPlan:
+        """The plan lowering every operator that can compute in the searched precision on the device."""
+        return PrecisionPlan.from_dict({n: self.low.value for n in lowerable})
+
+    def _profile_at_boundaries(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: Step, clock: Clock,
+                               plan: PrecisionPlan) -> dict[str, ProfileResult]:
+        """Every operator's time under ``plan`` at its training cast boundaries (beside FP32, interleaved): where
+        an operator next to one ``plan`` keeps in FP32 pays the casts it would pay in training; averaged over
+        ranks."""
+        config, plugin = self.config, self.plugin
+        profiler = OperatorProfiler(pl_module, clock, config.profile_steps, max(config.profile_warmup, 1))
+        if self.progress is not None:
+            self.progress.extend_stage(max(config.profile_warmup, 1) + config.profile_steps)
+            profiler.on_round = functools.partial(self.progress.round_done, "per operator, at the plan's casts")
+        results = profiler.profile({
+            "fp32": functools.partial(plugin.measured_step, PrecisionPlan(), calibrated=False),
+            "plan": functools.partial(plugin.measured_step, plan)}, step)
         reduce_profile(trainer, results)
         return results
 
@@ -223,19 +275,22 @@ class BatchStage:
 
     # ---------------------------------------------------------------------------------------------- deciding
     def _alternatives(self, modules: dict[str, torch.nn.Module], lowerable: list[str], order: list[str],
-                      decisions: dict[str, OperatorDecision],
-                      candidate_plan: PrecisionPlan | None) -> dict[str, PrecisionPlan]:
+                      decisions: dict[str, OperatorDecision], candidate_plan: PrecisionPlan | None,
+                      amp: set[str]) -> dict[str, PrecisionPlan]:
         """Whole-step alternatives to the per-operator candidate plan (``None``: no candidate), timed beside it.
 
-        Per-operator timings miss effects that only show in a whole step: casts vanish inside long low-precision
-        runs (``all_low``), and cheap operators lowered between lowered ones can cost more than the casts they
-        save, e.g. a bf16 LayerNorm on a CPU (``compute``: the compute operators alone). Only plans that differ
-        from the candidate plan and from each other are timed.
+        ``amp`` is the fixed policy a user would otherwise pick: the operators one global autocast region lowers
+        (:mod:`lightning_comp.search.measurement.autocast_lowering`); FP32, the other fixed policy, is always timed.
+        The others catch effects per-operator timings miss: casts vanish inside long low-precision runs
+        (``all_low``), and cheap operators lowered between lowered ones can cost more than the casts they save,
+        e.g. a bf16 LayerNorm on a CPU (``compute``: the compute operators alone). Only plans that differ from the
+        candidate plan and from each other are timed; ``CoMPSearch(exclude=...)`` holds in each.
         """
         low = self.low.value
         allowed = [n for n in order if n in lowerable and not decisions[n].excluded]
         heavy = [n for n in allowed if classify(modules[n]) in HEAVY_KINDS]
         options = {
+            "amp": PrecisionPlan.from_dict({n: low for n in allowed if n in amp}),
             "all_low": PrecisionPlan.from_dict({n: low for n in allowed}),
             "compute": PrecisionPlan.from_dict({n: low for n in heavy}),
         }
@@ -254,7 +309,7 @@ class BatchStage:
         """Make the operators of the winning alternative ``plan`` the candidates (no cheap-operator fills: the plan
         was timed as it is); return them."""
         lowered = {selector for selector, precision in plan.entries if precision is not Precision.FP32}
-        what = {"all_low": f"the all-{self.low} plan", "compute": "the plan of compute operators only"}[winner]
+        what = ALTERNATIVES[winner].format(low=self.low)
         timing = f"({step_ms[winner]:.3f} vs {step_ms['fp32']:.3f} ms per step in fp32"
         timing += f", {step_ms['candidates']:.3f} ms for the candidates)" if "candidates" in step_ms else ")"
         if saved:

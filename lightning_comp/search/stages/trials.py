@@ -19,7 +19,10 @@ import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_comp.adapters import lightning_internals as lightning
+from lightning_comp.devices.device_classes import device_class, model_device
+from lightning_comp.devices.emulation_speed import why_nothing_pays
 from lightning_comp.errors import UsageError
+from lightning_comp.operators.discovery import iter_operators
 from lightning_comp.plan.plan import PrecisionPlan
 from lightning_comp.plugins.comp import CoMPPrecision
 from lightning_comp.search.candidates import Candidate
@@ -120,11 +123,15 @@ class TrialDriver:
         elif state.phase is Phase.SEARCHING and current is not None:
             self.plugin.try_plan(PrecisionPlan.from_dict(current.plan))
         elif state.phase is Phase.PENDING and state.low_precision is None:
-            self.finish(trainer, PrecisionPlan(), "fp32", reason="no 16-bit precision pays on this device")
+            device = model_device(pl_module)
+            state.profile = {"num_operators": len(list(iter_operators(pl_module)))}
+            self.finish(trainer, PrecisionPlan(), "fp32", reason=agree(trainer, why_nothing_pays(
+                device_class(device), device)))
         elif state.phase is Phase.PENDING and state.low_precision is not None:
             why = nothing_to_search(self.config, state.low_precision, pl_module)
             if why is not None:  # finish at once: no profiling, no trials, no extra epochs
                 rank_zero_warn(f"CoMPSearch: {why}. Training continues in fp32 without a search.")
+                state.profile = {"num_operators": len(list(iter_operators(pl_module)))}
                 self.finish(trainer, PrecisionPlan(), "fp32", reason=why)
 
     def begin_search(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
