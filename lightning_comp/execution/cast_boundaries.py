@@ -78,6 +78,7 @@ class ConsumerTracer(TorchFunctionMode):
         self.ineffective: set[str] = set()
         self.open: list[TracedOperator] = []  # the operators whose forward runs now (innermost last)
         self.low_work: set[str] = set()  # low operators a call inside returned a tensor of their low dtype
+        self.fed_low: set[str] = set()  # operators computing in FP32 that received a 16-bit floating input
         # Per call: the operators an output is attributed to, and which calls had no output used inside the step
         # (returned to the caller, e.g. from ``predict_step``): those must return in FP32 too.
         self.call_of: dict[int, int] = {}
@@ -117,7 +118,10 @@ class ConsumerTracer(TorchFunctionMode):
         self.open.append(op)
         provisional = op.name in self.provisional
         sources: set[str] = set()
-        for tensor in tensors((args, kwargs)):
+        inputs = tensors((args, kwargs))
+        if not op.low and not op.transparent and any(t.dtype in LOW_DTYPES for t in inputs):
+            self.fed_low.add(op.name)
+        for tensor in inputs:
             if not self._known(tensor):
                 continue
             self.unused_calls.discard(self.call_of[id(tensor)])

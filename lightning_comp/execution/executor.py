@@ -24,7 +24,7 @@ step calibrates them only if no new operator was found (else the next step of th
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from enum import Enum
 from typing import Any
@@ -32,13 +32,13 @@ from typing import Any
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
-from torch.utils.hooks import RemovableHandle
 
 from lightning_comp.devices.device_classes import device_class, model_device
 from lightning_comp.devices.lowering import Lowering, autocast_available, lowering_for, why_not_lowerable
 from lightning_comp.errors import PlanError
 from lightning_comp.execution.cast_boundaries import ConsumerTracer
-from lightning_comp.execution.compiled_regions import EagerCall, eager, untraceable
+from lightning_comp.execution.compiled_regions import eager
+from lightning_comp.execution.hook_registry import HookRegistry, always_hooked
 from lightning_comp.execution.hooks import HookedOperator, StepState, make_hooks
 from lightning_comp.execution.saved_tensors import DEFAULT_MIN_SAVED_BYTES, SavedTensorCompressor
 from lightning_comp.execution.weight_casts import WeightCastRecorder
@@ -83,7 +83,7 @@ class PlanExecutor:
         self.recast_weights_in_backward = bool(recast_weights_in_backward)
         self._weight_casts = WeightCastRecorder()
         self._saved = SavedTensorCompressor(min_saved_bytes, is_weight_copy=self._weight_casts.made)
-        self._handles: list[RemovableHandle | EagerCall] = []
+        self._hooks = HookRegistry(lambda op: make_hooks(op, self._state, self._weight_casts, self._saved))
         self._operators: dict[str, HookedOperator] = {}
         self._plan: PrecisionPlan | None = None
         self._model: nn.Module | None = None
@@ -94,6 +94,10 @@ class PlanExecutor:
         self._last_step_chained: frozenset[str] = frozenset()  # what the latest step's forward chained
         self._warned_ineffective: set[str] = set()
         self._calibrations: dict[tuple[Any, ...], dict[StepKind, frozenset[str]]] = {}
+        # per calibrated kind of step: the FP32 operators seen receiving a 16-bit input (they keep their hooks)
+        self._fed_low: dict[StepKind, frozenset[str]] = {}
+        self._fed_low_calibrations: dict[tuple[Any, ...], dict[StepKind, frozenset[str]]] = {}
+        self._always_hooked: frozenset[str] = frozenset()
         self._said_nothing_lowered: set[tuple[Any, ...]] = set()  # plans warned about lowering nothing
         self._traced_kinds: set[StepKind] = set()  # kinds of step the model's work was traced in
         self._traced_model: weakref.ref[nn.Module] | None = None
@@ -123,7 +127,11 @@ class PlanExecutor:
     @property
     def num_hooks(self) -> int:
         """How many hook handles are registered (2 per hooked operator; 1 per operator run outside compiled graphs)."""
-        return len(self._handles)
+        return len(self._hooks)
+
+    def hooked_operators(self) -> frozenset[str]:
+        """The operators carrying hooks now (see :mod:`lightning_comp.execution.hook_registry`)."""
+        return frozenset(name for name in self._operators if name in self._hooks)
 
     @property
     def saved_tensors(self) -> SavedTensorCompressor:
@@ -200,6 +208,7 @@ class PlanExecutor:
         # (the search alternates plans) reuses its calibration instead of tracing again.
         key = (weakref.ref(model), bound.entries, bound.default, str(target))  # a dead model never matches
         self._chained = self._calibrations.setdefault(key, {})
+        self._fed_low = self._fed_low_calibrations.setdefault(key, {})
         said = (bound.entries, bound.default, str(target))
         if not bound.is_all_fp32 and not any(op.low and not op.transparent for op in operators.values()) \
                 and said not in self._said_nothing_lowered:
@@ -215,30 +224,31 @@ class PlanExecutor:
         return bound
 
     def _install(self) -> None:
-        """Register every operator's hooks (none when no operator computes or saves in a lower precision)."""
+        """Register the hooks of the plan (none when no operator computes or saves in a lower precision): every
+        operator's, then, for the kinds of step calibrated already, only those that change something."""
         self._in_force = True
-        if not any(op.low or op.saved.compresses for op in self._operators.values()):
+        self._always_hooked = always_hooked(self._operators)
+        if not self._always_hooked:
             return
-        self._hook(self._operators.values())
+        self._hooks.hook(self._operators.values(), compiled=self._compiled)
+        self._prune()
 
-    def _hook(self, operators: Iterable[HookedOperator]) -> None:
-        for op in operators:
-            pre_hook, post_hook = make_hooks(op, self._state, self._weight_casts, self._saved)
-            if self._compiled and untraceable(op.module):  # a graph break inside its region would drop it
-                self._handles.append(EagerCall(op.module, pre_hook, post_hook))
-                continue
-            self._handles.append(op.module.register_forward_pre_hook(pre_hook, with_kwargs=True))
-            # first among the post-hooks: the module's parameters are put back before anything after the forward
-            # (FSDP2 reshards in a post-hook it appended when the model was sharded)
-            self._handles.append(op.module.register_forward_hook(post_hook, always_call=True, prepend=True))
-
-    def _drop_provisional(self, provisional: dict[str, HookedOperator], static_handles: int) -> None:
-        """Take a tracing step's provisional operators off again (and the plan's hooks it needed, if it has none)."""
-        if not provisional:
+    def _prune(self) -> None:
+        """Take the hooks off the FP32 operators that change nothing in any kind of step calibrated so far (see
+        :mod:`lightning_comp.execution.hook_registry`); steps of a kind not calibrated yet re-hook them first. Not
+        under ``torch.compile``: hooks traced into a graph cost nothing per call, and changing them recompiles."""
+        if self._compiled or not self._fed_low or not self._always_hooked:
             return
-        for handle in self._handles[static_handles:]:
-            handle.remove()
-        del self._handles[static_handles:]
+        keep = self._always_hooked.union(*self._fed_low.values())
+        self._hooks.unhook([name for name in self._operators if name not in keep])
+
+    def _hook_all(self) -> list[str]:
+        """Hook the plan's operators that carry no hooks now (for a calibrating or tracing step); return them."""
+        return self._hooks.hook(self._operators.values(), compiled=self._compiled)
+
+    def _drop_provisional(self, provisional: dict[str, HookedOperator]) -> None:
+        """Take a tracing step's provisional operators off again."""
+        self._hooks.unhook(provisional)
         for name, op in provisional.items():
             self._operators.pop(name, None)
             while op.contexts:  # left entered only by a forward that raised before its post-hook
@@ -247,9 +257,7 @@ class PlanExecutor:
 
     def _uninstall(self) -> None:
         """Remove the hooks and leave whatever a hook left entered (a forward that raised mid-way)."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
+        self._hooks.clear()
         for op in self._operators.values():
             while op.contexts:
                 op.contexts.pop().__exit__(None, None, None)
@@ -274,6 +282,7 @@ class PlanExecutor:
         self.detach()
         self._operators = {}
         self._chained = {}
+        self._fed_low = {}
         self._state.chained = frozenset()
         self._plan = None
         self._state.device = None
@@ -292,7 +301,7 @@ class PlanExecutor:
             with self._tracing_step(kind):
                 yield
             return
-        if not self._handles:
+        if not self._hooks:
             yield
             return
         assert self._model is not None
@@ -309,6 +318,7 @@ class PlanExecutor:
                 self._saved.clear()
             return
         self._last_step_chained = frozenset()  # a calibrating step hands every output on in fp32
+        self._hook_all()  # it finds the call pattern with every operator hooked
         tracer = state.tracer = ConsumerTracer(self._operators)
         try:
             with eager() if self._compiled else nullcontext(), tracer, recording:
@@ -316,8 +326,14 @@ class PlanExecutor:
         finally:
             state.tracer = None
             self._saved.clear()
-        self._chained[kind] = tracer.chained()
+        self._calibrated(kind, tracer)
         self._warn_ineffective(tracer.ineffective)
+
+    def _calibrated(self, kind: StepKind, tracer: ConsumerTracer) -> None:
+        """Keep what a calibrating step of ``kind`` found, and take off the hooks that change nothing."""
+        self._chained[kind] = tracer.chained()
+        self._fed_low[kind] = frozenset(tracer.fed_low)
+        self._prune()
 
     def _needs_trace(self, kind: StepKind) -> bool:
         model = self._model
@@ -336,13 +352,13 @@ class PlanExecutor:
         provisional: dict[str, HookedOperator] = {}
         if plan is not None and device is not None and self._in_force:
             provisional = _provisional_operators(model, plan, device, self._operators)
-        hooked = bool(self._handles) or any(op.low for op in provisional.values())
-        static_handles = len(self._handles)
-        if provisional:  # on top of the plan's own hooks (whose order among other hooks stays as it is)
-            if not self._handles:
-                self._hook(self._operators.values())  # FP32 operators shield themselves from the regions
+        planned = bool(self._hooks)  # the plan's own hooks (whose order among other hooks stays as it is)
+        hooked = planned or any(op.low for op in provisional.values())
+        # every operator hooked: FP32 ones shield themselves from the provisional regions, and the step may calibrate
+        added = self._hook_all() if hooked else []
+        if provisional:
             self._operators = {**self._operators, **provisional}
-            self._hook(provisional.values())
+            self._hooks.hook(provisional.values(), compiled=self._compiled)
         before = set(self._operators) - set(provisional)
         self._last_step_chained = frozenset()  # a tracing step hands every output on in fp32, as a calibrating one
         recording = self._weight_casts.recording() if self._recasting and hooked else nullcontext()
@@ -355,7 +371,8 @@ class PlanExecutor:
                     tracer if tracer is not None else nullcontext(), recording:
                 yield
         except BaseException:
-            self._drop_provisional(provisional, static_handles)
+            self._drop_provisional(provisional)
+            self._hooks.unhook([] if planned else added)
             raise
         finally:
             self._state.tracer = None
@@ -363,7 +380,9 @@ class PlanExecutor:
         self._traced_kinds.add(kind)
         if self._work is None or kind is StepKind.TRAIN:
             self._work = recorder.work
-        self._drop_provisional(provisional, static_handles)
+        self._drop_provisional(provisional)
+        if not planned:  # an all-FP32 plan carries no hooks after the trace
+            self._hooks.unhook(added)
         found = [name for name, _ in iter_operators(model) if name not in self._operators]
         if found and plan is not None and device is not None and self._in_force:
             self.apply(model, plan, device, compiled=self._compiled)  # the operators found join the plan's
@@ -371,18 +390,19 @@ class PlanExecutor:
             plan.validate(model)  # entries that waited for the trace: each must now match an operator
         new = set(self._operators) - before
         if new:  # cast boundaries found without these operators no longer hold
-            for calibration in self._calibrations.values():
-                calibration.clear()
+            for calibrations in (self._calibrations, self._fed_low_calibrations):
+                for calibration in calibrations.values():
+                    calibration.clear()
         if tracer is not None:
-            if not new and self._handles:
-                self._chained[kind] = tracer.chained()
+            if not new and self._hooks:
+                self._calibrated(kind, tracer)
             self._warn_ineffective(tracer.ineffective & set(self._operators))
 
     @contextmanager
     def recomputing(self) -> Iterator[None]:
         """Backward of the latest step: forwards re-run in it (activation checkpointing) chain and save lowered
         operators' outputs exactly as that step's forward did, so they recompute the same dtypes."""
-        if not self._handles:
+        if not self._hooks:
             yield
             return
         self._state.chained = self._last_step_chained
@@ -394,7 +414,7 @@ class PlanExecutor:
 
     def weight_cast_recording(self) -> AbstractContextManager[Any]:
         """Save lowered weights for backward as recipes, as training steps do (for a step run outside Lightning's)."""
-        return self._weight_casts.recording() if self._recasting and self._handles else nullcontext()
+        return self._weight_casts.recording() if self._recasting and self._hooks else nullcontext()
 
     @property
     def _recasting(self) -> bool:

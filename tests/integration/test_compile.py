@@ -14,6 +14,7 @@ import pytest
 import torch
 from torch import nn
 from torch._dynamo.utils import counters
+from torch._functorch._aot_autograd.autograd_cache import BypassAOTAutogradCache, check_node_safe
 
 from lightning_comp import CoMPPrecision, PlanError, PrecisionPlan, SearchConfigError, discover_operators
 from lightning_comp.execution.executor import PlanExecutor, StepKind
@@ -34,11 +35,19 @@ class GraphRecorder:
         self.phase = phase  # called at each compilation (e.g. the search's phase)
         self.graphs: list[dict[str, torch.dtype]] = []
         self.phases: list[Any] = []
+        self.uncacheable: list[str] = []  # why AOTAutograd's cache would bypass a graph (its own check, per node)
+        self.autocast_nodes = 0  # the regions' state setters traced into the graphs
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
         names = {str(id(module)): name for name, module in iter_operators(self.model)}
         dtypes = {}
         for node in gm.graph.nodes:
+            if node.op == "call_function":
+                self.autocast_nodes += "autocast" in getattr(node.target, "__name__", "")
+                try:
+                    check_node_safe(node)
+                except BypassAOTAutogradCache as why:
+                    self.uncacheable.append(str(why))
             stack = node.meta.get("nn_module_stack")
             if node.op != "call_function" or not stack or getattr(node.target, "__name__", "") not in _MAIN_OPS:
                 continue
@@ -151,6 +160,18 @@ def test_every_operator_computes_in_its_planned_dtype_inside_one_compiled_graph(
     expected = {name: (torch.bfloat16 if name in plan else torch.float32) for name in train_graph}
     assert train_graph == expected
     assert len(train_graph) == 6  # conv, bn, fc, ln, gelu, head: every operator with arithmetic was traced
+    # The regions are traced as autocast's state setters, which AOTAutograd's cache accepts: a new process loads the
+    # compiled graphs from the cache instead of compiling again (a `with torch.autocast` inside the compiled code
+    # would put `_enter_autocast` in the graph, which makes the cache bypass).
+    assert recorder.autocast_nodes > 0 and recorder.uncacheable == []
+    control = GraphRecorder(nn.Module())  # the check sees the bypass where it is
+
+    def with_region(x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", torch.bfloat16):
+            return x @ x
+
+    torch.compile(with_region, backend=control)(torch.randn(4, 4))
+    assert any("_enter_autocast" in why for why in control.uncacheable), control.uncacheable
 
 
 def test_compiled_training_follows_the_eager_plan_step_for_step(tmp_path: Path) -> None:

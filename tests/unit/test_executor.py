@@ -122,6 +122,42 @@ def test_fp32_operator_computes_in_fp32_when_its_input_arrives_low(dtype_recorde
         assert head[1](torch.randn(2, 4, dtype=BF16)).dtype == FP32
 
 
+def test_fp32_operators_that_change_nothing_carry_no_hooks_after_the_calibrating_step(dtype_recorder: Any) -> None:
+    """Hooks cost every module call its fast path: an fp32 operator keeps them only where they do something."""
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+            self.act = nn.ReLU()  # fp32 after a bf16 Linear: it receives fp32 (the Linear's output returns)
+            self.flat = nn.Flatten()  # shape-only: kept, lowered outputs stay low through it
+            self.side = nn.Linear(4, 4)  # fp32, fed the user's own bf16 tensor: keeps its input cast
+            self.head = nn.Linear(4, 2)  # fp32: changes nothing
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.flat(self.act(self.fc(x)))) + self.side(x.bfloat16()).sum()
+
+    model = Net()
+    executor = _apply(model, {"fc": "bf16"})
+    assert executor.hooked_operators() == {"fc", "act", "flat", "side", "head"}  # until a step calibrates
+    x = torch.randn(3, 4)
+    first, _ = _train_step(executor, model, x)  # the first step traces and calibrates
+    assert executor.hooked_operators() == {"fc", "flat", "side"} and executor.num_hooks == 6
+    dtype_recorder.attach(model)
+    with executor.step(StepKind.TRAIN), dtype_recorder:
+        second = model(x)
+    assert torch.equal(first, second)  # the same numbers with fewer hooks
+    assert dtype_recorder.ops_of("side", "addmm")[0].inputs == [FP32, FP32, FP32]  # still cast back to fp32
+    assert dtype_recorder.ops_of("fc", "addmm")[0].inputs == [BF16, BF16, BF16]
+    # a kind of step not calibrated yet runs with every operator hooked, then prunes again
+    with executor.step(StepKind.VALIDATION):
+        assert executor.hooked_operators() == {"fc", "act", "flat", "side", "head"}
+        model(x)
+    assert executor.hooked_operators() == {"fc", "flat", "side"}
+    # re-applying the plan keeps the calibration: pruned at once
+    executor.apply(model, executor.plan)
+    assert executor.hooked_operators() == {"fc", "flat", "side"}
+
+
 def test_transparent_shape_operator_passes_low_tensors_on(dtype_recorder: Any) -> None:
     model = nn.Sequential(nn.Conv1d(2, 2, 1), nn.Flatten(), nn.Linear(8, 2))
     executor = _apply(model, {"0": "bf16", "2": "bf16"})  # the Flatten is fp32 by default: no arithmetic anyway
