@@ -13,6 +13,9 @@ clearly slower operator became a candidate of its own.
 Usage::
 
     python benchmarks/busy_machine.py [--repeats 5] [--timing auto,wall] [--out benchmarks/results]
+    python benchmarks/busy_machine.py --scenario default_example --timing auto --tag default_example
+
+``--scenario default_example`` runs the batch stage of the default example (``python examples/train.py``) instead.
 
 ``--timing none`` runs without the argument (for versions of the package that did not have it). Run under
 ``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2`` to see the AVX2-only class on a newer CPU.
@@ -36,7 +39,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the repository: tests.scripts
 
-from tests.scripts.busy_search import CLEAR, batch_stage_record  # noqa: E402
+from tests.scripts.busy_search import CLEAR, batch_stage_record, default_example_record  # noqa: E402
 from tests.scripts.competitor import competing_load  # noqa: E402
 
 
@@ -120,13 +123,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timing", default="auto,wall", help="comma-separated: auto, wall, cpu, none")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     parser.add_argument("--tag", default="", help="suffix of the output files, e.g. avx2")
+    parser.add_argument("--scenario", choices=["busy_mlp", "default_example"], default="busy_mlp",
+                        help="busy_mlp: BusyMLP, BF16 pinned; default_example: the batch stage of examples/train.py")
     args = parser.parse_args(argv)
+    run = batch_stage_record if args.scenario == "busy_mlp" else default_example_record
     settings = [s.strip() for s in args.timing.split(",") if s.strip()]
     report: dict[str, Any] = {
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "machine": f"{platform.processor() or platform.machine()}, torch {torch.__version__},"
                    f" ATen CPU capability {torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} threads",
-        "repeats": args.repeats, "settings": {}, "raw": {},
+        "repeats": args.repeats, "scenario": args.scenario, "settings": {}, "raw": {},
     }
     loads = []
     started = time.perf_counter()
@@ -135,11 +141,11 @@ def main(argv: list[str] | None = None) -> int:
             timing = None if setting == "none" else setting
             runs: dict[str, list[dict[str, Any]]] = {"quiet": [], "busy": []}
             for i in range(args.repeats):
-                runs["quiet"].append(summarize(batch_stage_record(Path(tmp) / f"{setting}-q{i}", timing, seed=i)))
+                runs["quiet"].append(summarize(run(Path(tmp) / f"{setting}-q{i}", timing, seed=i)))
             with competing_load() as load:
                 loads.append(load.others_cpus)
                 for i in range(args.repeats):
-                    runs["busy"].append(summarize(batch_stage_record(Path(tmp) / f"{setting}-b{i}", timing, seed=i)))
+                    runs["busy"].append(summarize(run(Path(tmp) / f"{setting}-b{i}", timing, seed=i)))
             report["settings"][setting] = analyse(runs)
             report["raw"][setting] = runs
             print(setting, json.dumps(report["settings"][setting], indent=1), flush=True)

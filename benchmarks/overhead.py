@@ -3,11 +3,15 @@
 Two questions, each answered side by side in one process with interleaved rounds:
 
 (a) **FP32 plan overhead.** A model of ~100 small operators trained with ``CoMPPrecision`` and an all-FP32 plan,
-    against the same model without the plugin (``precision="32-true"``). Target: at most 3 % more step time.
-    For information, the same model with a plan that puts one operator in BF16 (so that every operator is hooked)
-    is measured too: that is the per-hook cost a search trial pays.
+    against the same model without the plugin (``precision="32-true"``). Target: at most 2 % more step time.
+    For information, the same model with a plan that puts one operator in BF16 is measured too (after the first
+    step only that operator carries hooks: FP32 operators that change nothing are unhooked).
 (b) **BF16 plan throughput.** 8 x (Linear(1024, 1024) + ReLU), batch 512, trained with an all-BF16 plan against
     Lightning's ``precision="bf16-mixed"`` (one global autocast region). Target: at least 0.9x its throughput.
+(c) **AMP's plan under CoMP.** The suite's ``cnn`` and ``gpt`` (the default example) trained with the plan that one
+    global autocast region amounts to (observed as the search observes it,
+    :mod:`lightning_comp.search.measurement.autocast_lowering`) against ``precision="bf16-mixed"`` itself: the
+    price of per-operator hooks for the same arithmetic. Target: step time within 2 %.
 
 Method: the variants take turns training one and the same model, each in a fresh ``Trainer`` per round (the plugin's
 hooks are removed after each turn). A callback times every training batch from ``on_train_batch_start`` to
@@ -44,12 +48,13 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_comp import CoMPPrecision, PrecisionPlan, device_class
+from lightning_comp import CoMPPrecision, Precision, PrecisionPlan, device_class
 from lightning_comp.devices.cpu_features import cpu_features, cpu_name
 
 RESULTS = Path(__file__).resolve().parent / "results" / "overhead.json"
-TARGET_FP32_OVERHEAD = 0.03
+TARGET_FP32_OVERHEAD = 0.02
 TARGET_BF16_RATIO = 0.90
+TARGET_AMP_PLAN_OVERHEAD = 0.02
 
 
 class _Regressor(pl.LightningModule):
@@ -138,6 +143,13 @@ def run_rounds(
     x = torch.randn(batch * (steps + warmup), in_features)
     y = torch.randn(batch * (steps + warmup), in_features)
     loader = DataLoader(TensorDataset(x, y), batch_size=batch)
+    return run_zoo_rounds(name, model, loader, variants, baseline, rounds, steps, warmup)
+
+
+def run_zoo_rounds(name: str, model: pl.LightningModule, loader: DataLoader, variants: dict[str, Variant],
+                   baseline: str, rounds: int, steps: int, warmup: int) -> dict[str, Any]:
+    """Train ``model`` under each variant ``steps + warmup`` batches of ``loader`` per round, in rotating order."""
+    batch = loader.batch_size or 1
     per_round: dict[str, list[float]] = {v: [] for v in variants}
     per_round_cpu: dict[str, list[float]] = {v: [] for v in variants}
     all_batches: dict[str, list[float]] = {v: [] for v in variants}
@@ -183,13 +195,13 @@ def run_rounds(
 
 
 def bench_a(rounds: int, steps: int, warmup: int) -> dict[str, Any]:
-    def probe_plan() -> dict[str, Any]:  # one BF16 operator: every operator gets hooks
+    def probe_plan() -> dict[str, Any]:  # one BF16 operator: after the first step only it carries hooks
         return {"plugins": [CoMPPrecision({"net.0": "bf16"})]}
 
     variants: dict[str, Variant] = {
         "no_plugin": lambda: {"precision": "32-true"},
         "comp_fp32": lambda: {"plugins": [CoMPPrecision(PrecisionPlan())]},
-        "comp_one_bf16_all_hooked": probe_plan,
+        "comp_one_bf16": probe_plan,
     }
     result = run_rounds("a", small_ops_net, variants, "no_plugin", 64, 64, rounds, steps, warmup)
     r = result["ratios_vs_no_plugin"]["comp_fp32"]
@@ -214,6 +226,59 @@ def bench_b(rounds: int, steps: int, warmup: int) -> dict[str, Any]:
     return result
 
 
+def _zoo_model(key: str) -> tuple[pl.LightningModule, Any]:
+    """The suite's model ``key`` and one training batch of its size (the data's shapes; values are random)."""
+    from compare_suite import SUITE  # (benchmarks/ is the script's own directory on sys.path)
+
+    from lightning_comp import zoo
+
+    spec = SUITE[key]
+    model = getattr(zoo, spec.model)(**spec.model_kwargs)
+    data = getattr(zoo, spec.data)(**spec.data_kwargs)
+    data.prepare_data()
+    data.setup("fit")
+    return model, next(iter(data.train_dataloader()))
+
+
+def amp_plan(model: pl.LightningModule, batch: Any) -> PrecisionPlan:
+    """The plan one global BF16 autocast region amounts to on this device, observed in one training step."""
+    from lightning_comp.operators.discovery import iter_operators
+    from lightning_comp.search.measurement.autocast_lowering import lowered_under_autocast
+
+    def step() -> None:
+        model.training_step(batch, 0).backward()
+        model.zero_grad(set_to_none=True)
+
+    model.log = lambda *a, **k: None  # type: ignore[method-assign]
+    try:
+        lowered = lowered_under_autocast(dict(iter_operators(model)), step, "cpu", Precision.BF16)
+    finally:
+        del model.log
+    return PrecisionPlan.from_dict({name: "bf16" for name in sorted(lowered)})
+
+
+def bench_c(rounds: int, steps: int, warmup: int, keys: tuple[str, ...] = ("cnn", "gpt")) -> dict[str, Any]:
+    out: dict[str, Any] = {"target": f"comp_amp_plan step time <= {1 + TARGET_AMP_PLAN_OVERHEAD:.2f} x bf16_mixed"
+                                     " (median over rounds) on every model", "models": {}}
+    for key in keys:
+        torch.manual_seed(0)
+        model, batch = _zoo_model(key)
+        plan = amp_plan(model, batch)
+        loader = DataLoader([tuple(t[i] for t in batch) for i in range(len(batch[0]))] * (steps + warmup),
+                            batch_size=len(batch[0]))
+        variants: dict[str, Variant] = {
+            "bf16_mixed": lambda: {"precision": "bf16-mixed"},
+            "comp_amp_plan": lambda plan=plan: {"plugins": [CoMPPrecision(plan)]},  # type: ignore[misc]
+        }
+        result = run_zoo_rounds(key, model, loader, variants, "bf16_mixed", rounds, steps, warmup)
+        ratio = result["ratios_vs_bf16_mixed"]["comp_amp_plan"]["time_ratio_median"]
+        result.update(plan=plan.to_dict()["entries"], lowered=len(plan.entries),
+                      pass_=ratio <= 1 + TARGET_AMP_PLAN_OVERHEAD)
+        out["models"][key] = result
+    out["pass"] = all(r["pass_"] for r in out["models"].values())
+    return out
+
+
 def _table(name: str, result: dict[str, Any], baseline: str) -> str:
     lines = [
         f"\n== {name} ==",
@@ -236,9 +301,10 @@ def _table(name: str, result: dict[str, Any], baseline: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--only", choices=["a", "b"], default=None)
+    parser.add_argument("--only", choices=["a", "b", "c"], default=None)
     parser.add_argument("--rounds", type=int, default=9)
-    parser.add_argument("--steps", type=int, default=None, help="timed batches per round (default a: 60, b: 8)")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="timed batches per round (default a: 60, b: 8, c: 6)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument(
@@ -276,10 +342,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.only in (None, "b"):
         out["b_bf16_plan_throughput"] = bench_b(args.rounds, args.steps or 8, args.warmup)
         print(_table("(b) all-BF16 plan vs bf16-mixed, 8 x Linear(1024)", out["b_bf16_plan_throughput"], "bf16_mixed"))
+    if args.only in (None, "c"):
+        out["c_amp_plan_overhead"] = bench_c(args.rounds, args.steps or 6, args.warmup)
+        for key, result in out["c_amp_plan_overhead"]["models"].items():
+            result["target"], result["pass"] = out["c_amp_plan_overhead"]["target"], result["pass_"]
+            print(_table(f"(c) AMP's plan under CoMP vs bf16-mixed, {key} ({result['lowered']} operators lowered)",
+                         result, "bf16_mixed"))
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    if args.only and args.out.exists():  # keep the other benchmark's last result
+    if args.only and args.out.exists():  # keep the other benchmarks' last results
         previous = json.loads(args.out.read_text())
-        out = {**{k: v for k, v in previous.items() if k.startswith(("a_", "b_"))}, **out}
+        out = {**{k: v for k, v in previous.items() if k.startswith(("a_", "b_", "c_"))}, **out}
     args.out.write_text(json.dumps(out, indent=2) + "\n")
     print(f"\nwrote {args.out}")
     return 0

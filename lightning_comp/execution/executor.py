@@ -39,7 +39,7 @@ from lightning_comp.errors import PlanError
 from lightning_comp.execution.cast_boundaries import ConsumerTracer
 from lightning_comp.execution.compiled_regions import eager
 from lightning_comp.execution.hook_registry import HookRegistry, always_hooked
-from lightning_comp.execution.hooks import HookedOperator, StepState, make_hooks
+from lightning_comp.execution.hooks import HookedOperator, PostHook, PreHook, StepState, make_hooks
 from lightning_comp.execution.saved_tensors import DEFAULT_MIN_SAVED_BYTES, SavedTensorCompressor
 from lightning_comp.execution.weight_casts import WeightCastRecorder
 from lightning_comp.numerics.precision import Precision
@@ -83,7 +83,7 @@ class PlanExecutor:
         self.recast_weights_in_backward = bool(recast_weights_in_backward)
         self._weight_casts = WeightCastRecorder()
         self._saved = SavedTensorCompressor(min_saved_bytes, is_weight_copy=self._weight_casts.made)
-        self._hooks = HookRegistry(lambda op: make_hooks(op, self._state, self._weight_casts, self._saved))
+        self._hooks = HookRegistry(self._make_hooks)  # (a bound method: the plugin pickles for ddp_spawn)
         self._operators: dict[str, HookedOperator] = {}
         self._plan: PrecisionPlan | None = None
         self._model: nn.Module | None = None
@@ -232,6 +232,9 @@ class PlanExecutor:
             return
         self._hooks.hook(self._operators.values(), compiled=self._compiled)
         self._prune()
+
+    def _make_hooks(self, op: HookedOperator) -> tuple[PreHook, PostHook]:
+        return make_hooks(op, self._state, self._weight_casts, self._saved)
 
     def _prune(self) -> None:
         """Take the hooks off the FP32 operators that change nothing in any kind of step calibrated so far (see

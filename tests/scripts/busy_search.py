@@ -62,6 +62,37 @@ def batch_stage_record(root: Path, timing: str | None = "auto", seed: int = 0, *
     return record
 
 
+def default_example_record(root: Path, timing: str | None = "auto", seed: int = 0, **search: Any) -> dict[str, Any]:
+    """The batch stage of the default example (``python examples/train.py``: CharGPT on pydoc text, model and data
+    as ``lightning_comp/conf`` configures them, the search's shipped settings), one-batch trials; its record."""
+    from omegaconf import OmegaConf
+
+    import lightning_comp
+    from lightning_comp import zoo
+
+    conf = Path(lightning_comp.__file__).resolve().parent / "conf"
+    kwargs = {}
+    for group, name in (("model", "char_gpt"), ("data", "text")):
+        node = OmegaConf.to_container(OmegaConf.load(conf / group / f"{name}.yaml"), resolve=True)
+        assert isinstance(node, dict)
+        kwargs[group] = {k: v for k, v in node.items() if not str(k).startswith("_")}
+    shipped = OmegaConf.to_container(OmegaConf.load(conf / "precision" / "comp.yaml"), resolve=True)
+    assert isinstance(shipped, dict)
+    settings = {k: v for k, v in shipped["callbacks"]["comp_search"].items() if not str(k).startswith("_")}
+    settings.update(warmup_epochs=0, trial_batches=1, verbose=False, record_dir=str(root), **search)
+    if timing is not None:
+        settings["timing"] = timing
+    pl.seed_everything(seed, verbose=False)
+    callback = CoMPSearch(**settings)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=1, limit_train_batches=2, limit_val_batches=1,
+                         plugins=[CoMPPrecision()], callbacks=[callback], logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, enable_checkpointing=False, default_root_dir=str(root))
+    trainer.fit(zoo.CharGPT(**kwargs["model"]), datamodule=zoo.CharTextDataModule(**kwargs["data"]))
+    record = callback.record
+    assert record is not None, "the search did not finish"
+    return record
+
+
 def clear_operators(record: dict[str, Any]) -> dict[str, str]:
     """Operators judged by their own times whose whole interval lies at least :data:`CLEAR` from 1, and what their
     own measurement decided (before the whole-step checks, which judge plans, not operators)."""
