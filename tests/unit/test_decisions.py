@@ -158,6 +158,20 @@ def test_a_whole_step_plan_that_cannot_be_told_apart_is_undecided() -> None:
     assert policy_for(SearchConfig(objective="memory")).candidates_pay(steps) is Verdict.BELOW
 
 
+def test_extra_whole_step_rounds_go_to_the_plans_of_undecided_comparisons_only() -> None:
+    policy = policy_for(SearchConfig())
+    rounds = _rounds({"fp32": 100, "candidates": 70, "all_low": 85})
+    rounds["compute"] = [70.0 * f for f in (0.95, 1.02, 0.97, 1.03, 0.96, 1.01)]  # a near tie with the candidates
+    involved = policy.undecided(StepComparison(rounds), ["candidates", "all_low", "compute"])
+    assert involved == {"candidates", "compute"}  # all_low is clearly slower than the candidates, and faster than fp32
+    # two more rounds of those two only: each pair is compared over the rounds both were measured in
+    rounds["candidates"] += [70.0, 70.0]
+    rounds["compute"] += [70.0, 70.0]
+    steps = StepComparison(rounds)
+    assert steps.ratio("compute", "candidates").rounds == 8 and steps.ratio("all_low", "candidates").rounds == 6
+    assert policy_for(SearchConfig(objective="memory")).undecided(steps, ["all_low"]) == frozenset()
+
+
 @pytest.mark.parametrize(
     ("step", "expected"),
     [

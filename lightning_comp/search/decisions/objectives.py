@@ -103,8 +103,9 @@ class ObjectivePolicy(ABC):
         """
 
     @abstractmethod
-    def undecided(self, steps: StepComparison, labels: list[str]) -> bool:
-        """Whether a whole-step comparison this policy decides from could not tell its plans apart."""
+    def undecided(self, steps: StepComparison, labels: list[str]) -> frozenset[str]:
+        """The plans (``"fp32"``, ``"candidates"`` and of ``labels``) of the whole-step comparisons this policy
+        decides from that could not tell their plans apart (empty: every one is decided)."""
 
     # ------------------------------------------------------------------------------------------ saved-for-backward
     def saved(self, time: RatioEstimate, memory_ratio: float, bytes_saved: float) -> Judgement:
@@ -153,12 +154,12 @@ class ThroughputPolicy(ObjectivePolicy):
                    and (not have_candidates or steps.faster(label, "candidates", switch) is Verdict.BELOW)]
         return min(winners, key=lambda label: steps.ratio(label, "fp32").ratio) if winners else None
 
-    def undecided(self, steps: StepComparison, labels: list[str]) -> bool:
+    def undecided(self, steps: StepComparison, labels: list[str]) -> frozenset[str]:
         margin, switch = self.config.speed_margin, self.config.switch_margin
         pairs = [(label, "fp32", margin) for label in labels]
         if "candidates" in steps.ms:
             pairs += [(label, "candidates", switch) for label in labels if label != "candidates"]
-        return any(steps.faster(a, b, m) is Verdict.UNDECIDED for a, b, m in pairs)
+        return _involved(steps, pairs)
 
 
 class MemoryPolicy(ObjectivePolicy):
@@ -183,9 +184,9 @@ class MemoryPolicy(ObjectivePolicy):
                    and steps.ratio(label, "fp32").against(limit) is Verdict.BELOW]
         return min(winners, key=lambda label: saved[label]) if winners else None
 
-    def undecided(self, steps: StepComparison, labels: list[str]) -> bool:
+    def undecided(self, steps: StepComparison, labels: list[str]) -> frozenset[str]:
         limit = self.config.max_memory_slowdown
-        return any(steps.ratio(label, "fp32").against(limit) is Verdict.UNDECIDED for label in labels)
+        return _slowdown_involved(steps, labels, limit)
 
     def saved(self, time: RatioEstimate, memory_ratio: float, bytes_saved: float) -> Judgement:
         return Judgement(time.against(self.config.max_memory_slowdown), "", bytes_saved)
@@ -224,8 +225,8 @@ class BalancedPolicy(ObjectivePolicy):
         winners = [label for label in labels if score(label, "high") <= bar]
         return min(winners, key=score) if winners else None
 
-    def undecided(self, steps: StepComparison, labels: list[str]) -> bool:
-        return any(steps.ratio(label, "fp32").against(self.keep) is Verdict.UNDECIDED for label in labels)
+    def undecided(self, steps: StepComparison, labels: list[str]) -> frozenset[str]:
+        return _slowdown_involved(steps, labels, self.keep)
 
     def saved(self, time: RatioEstimate, memory_ratio: float, bytes_saved: float) -> Judgement:
         return Judgement(_balanced_verdict(time, memory_ratio, self.keep), "",
@@ -244,6 +245,18 @@ _POLICIES: dict[Objective, type[ObjectivePolicy]] = {
 def policy_for(config: SearchConfig) -> ObjectivePolicy:
     """The policy of ``config.objective``."""
     return _POLICIES[config.objective](config)
+
+
+def _involved(steps: StepComparison, pairs: list[tuple[str, str, float]]) -> frozenset[str]:
+    """The plans of the pairs ``(a, b, margin)`` where ``a`` cannot be told faster or not than ``b`` by ``margin``."""
+    return frozenset(label for a, b, margin in pairs if steps.faster(a, b, margin) is Verdict.UNDECIDED
+                     for label in (a, b))
+
+
+def _slowdown_involved(steps: StepComparison, labels: list[str], limit: float) -> frozenset[str]:
+    """The plans whose step time against FP32's cannot be told below or above ``limit`` (and FP32 with them)."""
+    return frozenset(label for plan in labels if steps.ratio(plan, "fp32").against(limit) is Verdict.UNDECIDED
+                     for label in (plan, "fp32"))
 
 
 def _shown(time: RatioEstimate, t32: float, tlow: float) -> str:

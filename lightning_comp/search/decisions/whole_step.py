@@ -20,8 +20,13 @@ class StepComparison:
     ms: dict[str, list[float]]
 
     def ratio(self, a: str, b: str) -> RatioEstimate:
-        """``a``'s step time relative to ``b``'s."""
-        return paired_ratio(self.ms[b], self.ms[a])
+        """``a``'s step time relative to ``b``'s, over the rounds both were measured in.
+
+        Extra rounds time only the plans of the comparisons still undecided, and that set only shrinks, so the first
+        ``min(len)`` rounds of any two plans are the rounds both took part in.
+        """
+        n = min(len(self.ms[a]), len(self.ms[b]))
+        return paired_ratio(self.ms[b][:n], self.ms[a][:n])
 
     def faster(self, a: str, b: str, margin: float) -> Verdict:
         """``BELOW`` when ``a`` is faster than ``b`` by ``margin`` beyond doubt, ``ABOVE`` when it is not."""

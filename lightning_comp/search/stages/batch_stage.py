@@ -225,9 +225,12 @@ class BatchStage:
         an operator next to one ``plan`` keeps in FP32 pays the casts it would pay in training; averaged over
         ranks."""
         config, plugin = self.config, self.plugin
-        profiler = OperatorProfiler(pl_module, clock, config.profile_steps, max(config.profile_warmup, 1))
+        # half the first profile's rounds: it only drops candidates that clearly stop paying (the whole step decides
+        # the rest), and the calibrating round it needs is a warm-up one
+        rounds, warmup = max(2, (config.profile_steps + 1) // 2), max(config.profile_warmup, 1)
+        profiler = OperatorProfiler(pl_module, clock, rounds, warmup)
         if self.progress is not None:
-            self.progress.extend_stage(max(config.profile_warmup, 1) + config.profile_steps)
+            self.progress.extend_stage(rounds + warmup)
             profiler.on_round = functools.partial(self.progress.round_done, "per operator, at the plan's casts")
         results = profiler.profile({
             "fp32": functools.partial(plugin.measured_step, PrecisionPlan(), calibrated=False),
@@ -248,9 +251,16 @@ class BatchStage:
             timer.on_round = functools.partial(self.progress.round_done, f"whole steps, {len(configs)} plans")
         started = time.perf_counter()
         times = timer.time(configs, step)
+        contenders = set(configs)  # extra rounds time only the plans of undecided comparisons; the set only shrinks
+
+        def undecided() -> bool:  # (every rank times rank 0's contenders: each timing is a collective)
+            involved = agree(trainer, sorted(self.policy.undecided(StepComparison(times.ms), list(plans))))
+            contenders.intersection_update(involved)
+            return bool(contenders)
+
         self._extend_while(trainer, ExtraRounds(config, time.perf_counter() - started, self._first_rounds),
-                           lambda: self.policy.undecided(StepComparison(times.ms), list(plans)),
-                           lambda more: timer.time(configs, step, into=times, rounds=more, warmup=0))
+                           undecided, lambda more: timer.time({k: v for k, v in configs.items() if k in contenders},
+                                                              step, into=times, rounds=more, warmup=0))
         saved: dict[str, float] = {}
         if self.policy.weighs_memory:
             saved = {k: reduce_mean(trainer, float(v)) for k, v in timer.saved_bytes(pl_module, configs, step).items()}
