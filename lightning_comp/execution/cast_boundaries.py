@@ -37,6 +37,14 @@ _METADATA_GETTERS = frozenset({"shape", "dtype", "device", "requires_grad", "is_
 # Calls that only convert (the hooks' own input and weight casts among them): a low dtype out of them is no work.
 _CONVERSIONS = frozenset({"to", "type", "bfloat16", "half", "float", "double", "_to_copy", "clone", "detach",
                           "contiguous", "copy_", "__get__"})
+# Calls that only re-view their input (what a container does between a projection and attention: split heads,
+# permute, unbind): their outputs carry the producers of their input on instead of consuming it, so a lowered
+# output stays low through them into a consumer of its precision (and is cast where such a view is consumed
+# elsewhere, by the producer, as before).
+_VIEWS = frozenset({"view", "view_as", "reshape", "reshape_as", "permute", "transpose", "t", "unbind", "split",
+                    "split_with_sizes", "chunk", "tensor_split", "squeeze", "unsqueeze", "flatten", "unflatten",
+                    "expand", "expand_as", "narrow", "select", "__getitem__", "contiguous", "movedim", "moveaxis",
+                    "swapaxes", "swapdims"})
 _METADATA_METHODS = frozenset({"size", "dim", "numel", "stride", "is_contiguous", "is_floating_point",
                                "element_size", "__len__", "data_ptr", "get_device", "__repr__", "__format__",
                                "storage_offset", "nelement", "ndimension", "is_complex",
@@ -87,6 +95,10 @@ class ConsumerTracer(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        if self.producers and getattr(func, "__name__", "") in _VIEWS:
+            known = [t for t in tensors((args, kwargs)) if self._known(t)]
+            if known:
+                return self._view(func(*args, **kwargs), known)
         if self.producers and not _is_metadata(func):
             consumer = self._consumer()
             if consumer is None or not consumer.transparent:
@@ -105,6 +117,16 @@ class ConsumerTracer(TorchFunctionMode):
             if op.low and op.name not in self.low_work and getattr(func, "__name__", "") not in _CONVERSIONS \
                     and any(t.dtype == op.precision.dtype for t in tensors(result)):
                 self.low_work.add(op.name)
+        return result
+
+    def _view(self, result: Any, inputs: list[torch.Tensor]) -> Any:
+        """Attribute the outputs of a view of ``inputs`` to their producers (and their call: using the view uses it)."""
+        sources = frozenset().union(*(self.producers[id(t)] for t in inputs))
+        call = self.call_of[id(inputs[0])]
+        for tensor in tensors(result):
+            self.producers[id(tensor)] = sources
+            self.call_of[id(tensor)] = call
+            self.refs[id(tensor)] = weakref.ref(tensor)
         return result
 
     def _consumer(self) -> TracedOperator | None:

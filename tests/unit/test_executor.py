@@ -79,8 +79,21 @@ class _Residual(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.a(x)
         h = self.b(h) + h  # residual add: a functional op outside any operator
-        h = self.c(h).view(-1, 16)  # .view on c's output
-        return self.d(h)
+        h = self.c(h).view(-1, 16)  # .view on c's output: only re-views it for d
+        return self.d(h) + h.sum()  # ... and a functional op outside any operator reads the view
+
+
+class _Heads(nn.Module):
+    """A projection whose output is split into heads and permuted before an operator of its precision consumes it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 8)
+        self.mix = nn.Linear(2, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        heads = self.proj(x).view(-1, 4, 2).permute(1, 0, 2).unbind(0)
+        return self.mix(heads[0]).transpose(0, 1)
 
 
 def test_escapes_through_functional_ops_return_to_fp32(dtype_recorder: Any) -> None:
@@ -96,8 +109,23 @@ def test_escapes_through_functional_ops_return_to_fp32(dtype_recorder: Any) -> N
     adds = [r for r in dtype_recorder.ops if r.op == "add" and r.module is None]
     views = [r for r in dtype_recorder.ops if r.op == "view" and r.module is None]
     assert adds and adds[0].inputs == [FP32, FP32]
-    assert views and views[0].inputs == [FP32]
+    assert views and views[0].inputs == [FP32]  # the view is read outside: c's output returned to fp32 before it
     assert out.dtype == FP32
+
+
+def test_views_between_two_operators_of_one_precision_keep_the_output_low(dtype_recorder: Any) -> None:
+    model = _Heads()
+    executor = _apply(model, default="bf16")
+    x = torch.randn(3, 4)
+    _train_step(executor, model, x)
+    # view, permute, unbind and indexing only re-view proj's output: it stays bf16 into mix
+    assert executor.chained_operators(StepKind.TRAIN) == frozenset({"proj"})
+    dtype_recorder.attach(model)
+    with executor.step(StepKind.TRAIN), dtype_recorder:
+        out = model(x)
+    assert dtype_recorder.ops_of("mix", "mm", "addmm")[0].inputs[:2] == [BF16, BF16]
+    assert not [r for r in dtype_recorder.ops if r.op == "_to_copy" and r.module is None]  # no cast between them
+    assert out.dtype == FP32  # mix's output is read outside (transpose, then returned): fp32
 
 
 def test_fp32_operator_computes_in_fp32_when_its_input_arrives_low(dtype_recorder: Any) -> None:
