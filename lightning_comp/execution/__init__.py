@@ -10,6 +10,8 @@ module                 what it holds
 ``cast_boundaries``    where a low operator's output may stay low, found by tracing one step
 ``hooks``              the pre- and post-hook of one operator (the hot path), and the note they add to an
                        exception its forward raises
+``planned_operators``  each operator with its planned precisions and lowering; a tracing step's provisional ones
+``hook_registry``      the hooks of each operator, and which operators need hooks at all
 ``executor``           :class:`PlanExecutor`: puts a plan into effect on a model; :class:`StepKind`
 ``emulation``          a plan on a device where its 16-bit precision is emulated: warn, or decline FP16
 ``loss_scaling``       the FP16 loss scaler's life cycle, a scaled optimizer step

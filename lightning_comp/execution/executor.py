@@ -33,18 +33,16 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
-from lightning_comp.devices.device_classes import device_class, model_device
-from lightning_comp.devices.lowering import Lowering, autocast_available, lowering_for, why_not_lowerable
-from lightning_comp.errors import PlanError
+from lightning_comp.devices.device_classes import model_device
 from lightning_comp.execution.cast_boundaries import ConsumerTracer
 from lightning_comp.execution.compiled_regions import eager
 from lightning_comp.execution.hook_registry import HookRegistry, always_hooked
 from lightning_comp.execution.hooks import HookedOperator, PostHook, PreHook, StepState, make_hooks
+from lightning_comp.execution.planned_operators import hooked_operators, provisional_operators
 from lightning_comp.execution.saved_tensors import DEFAULT_MIN_SAVED_BYTES, SavedTensorCompressor
 from lightning_comp.execution.weight_casts import WeightCastRecorder
 from lightning_comp.numerics.precision import Precision
 from lightning_comp.operators.discovery import iter_operators, iter_untraced_containers
-from lightning_comp.operators.kinds import OperatorKind, classify
 from lightning_comp.operators.owned_work import StepWork, WorkRecorder
 from lightning_comp.plan.plan import PrecisionPlan
 
@@ -195,7 +193,7 @@ class PlanExecutor:
         compiled = (self._compiled if model is self._model else False) if compiled is None else bool(compiled)
         bound = plan if plan.fingerprint is not None else plan.bind(model, target)
         bound.validate(model)
-        operators = _hooked_operators(model, bound, target, compiled)
+        operators = hooked_operators(model, bound, target, compiled)
         self.remove()
         owner = _OWNERS.get(model)
         if owner is not None and owner is not self:
@@ -354,7 +352,7 @@ class PlanExecutor:
         untraced = next(iter_untraced_containers(model), None) is not None
         provisional: dict[str, HookedOperator] = {}
         if plan is not None and device is not None and self._in_force:
-            provisional = _provisional_operators(model, plan, device, self._operators)
+            provisional = provisional_operators(model, plan, device, self._operators)
         planned = bool(self._hooks)  # the plan's own hooks (whose order among other hooks stays as it is)
         hooked = planned or any(op.low for op in provisional.values())
         # every operator hooked: FP32 ones shield themselves from the provisional regions, and the step may calibrate
@@ -434,55 +432,3 @@ class PlanExecutor:
                 " floating-point work). Assign them 'fp32' to silence this warning.",
                 stacklevel=2,
             )
-
-
-def _hooked_operators(model: nn.Module, plan: PrecisionPlan, device: torch.device,
-                      compiled: bool) -> dict[str, HookedOperator]:
-    """Each operator of ``model`` with its planned precisions and the way they are put into effect on ``device``.
-
-    Raises:
-        PlanError: naming every operator with no kernel for its planned precision there (and what each way of
-            lowering it raised), or, for a compiled model, every operator that saves in a lower precision.
-    """
-    operators: dict[str, HookedOperator] = {}
-    unsupported = []
-    for name, module in iter_operators(model):
-        precision = plan.precision_of(name, type(module))
-        lowering = lowering_for(module, precision, device)
-        if lowering is None:
-            why = why_not_lowerable(module, precision, device)
-            unsupported.append(f"{name or '<root>'} ({type(module).__name__}, {precision.value}: {why})")
-            continue
-        operators[name] = HookedOperator(name, module, classify(module), precision, lowering,
-                                         saved=plan.saved_of(name, type(module)))
-    if unsupported:
-        raise PlanError(
-            f"{len(unsupported)} operator(s) have no kernel for their planned precision on {device}"
-            f" [{device_class(device).describe()}]: {'; '.join(unsupported)}. Assign them 'fp32' in the plan"
-            " (e.g. {'<name>': 'fp32'}), or let CoMPSearch choose on this device."
-        )
-    compressing = sorted(name or "<root>" for name, op in operators.items() if op.saved.compresses)
-    if compiled and compressing:
-        raise PlanError(
-            f"The plan saves tensors for backward in a lower precision ({', '.join(compressing)}), which"
-            " torch.compile cannot trace: AOTAutograd decides what a compiled graph saves. Drop the plan's"
-            " 'saved' entries for a compiled model (CoMPSearch(saved_precision='off')), or train it uncompiled."
-        )
-    return operators
-
-
-def _provisional_operators(model: nn.Module, plan: PrecisionPlan, device: torch.device,
-                           operators: dict[str, HookedOperator]) -> dict[str, HookedOperator]:
-    """The containers of ``model`` not traced yet, hooked for one step as ``FUNCTIONAL`` operators in their planned
-    precision (an autocast region; FP32 where the device has none); none if no container is planned low."""
-    containers = [(n, m) for n, m in iter_untraced_containers(model) if n not in operators]
-    precisions = {n: plan.precision_of(n, type(m)) for n, m in containers}
-    if not any(p.is_low for p in precisions.values()):
-        return {}
-    autocast = autocast_available(device.type)
-    out = {}
-    for name, module in containers:
-        precision = precisions[name]
-        lowering = Lowering.AUTOCAST if precision.is_low and autocast else Lowering.NONE
-        out[name] = HookedOperator(name, module, OperatorKind.FUNCTIONAL, precision, lowering, provisional=True)
-    return out

@@ -1,0 +1,74 @@
+"""Each operator of a model as a plan hooks it: its planned precisions and the way they are put into effect.
+
+:func:`hooked_operators` makes the :class:`~lightning_comp.execution.hooks.HookedOperator` of every operator a plan
+applies to (and refuses, before any step runs, operators with no kernel for their planned precision on the device);
+:func:`provisional_operators` makes those of the containers a tracing step hooks for one step, until the trace says
+whether they compute anything themselves.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lightning_comp.devices.device_classes import device_class
+from lightning_comp.devices.lowering import Lowering, autocast_available, lowering_for, why_not_lowerable
+from lightning_comp.errors import PlanError
+from lightning_comp.execution.hooks import HookedOperator
+from lightning_comp.operators.discovery import iter_operators, iter_untraced_containers
+from lightning_comp.operators.kinds import OperatorKind, classify
+from lightning_comp.plan.plan import PrecisionPlan
+
+__all__ = ["hooked_operators", "provisional_operators"]
+
+
+def hooked_operators(model: nn.Module, plan: PrecisionPlan, device: torch.device,
+                      compiled: bool) -> dict[str, HookedOperator]:
+    """Each operator of ``model`` with its planned precisions and the way they are put into effect on ``device``.
+
+    Raises:
+        PlanError: naming every operator with no kernel for its planned precision there (and what each way of
+            lowering it raised), or, for a compiled model, every operator that saves in a lower precision.
+    """
+    operators: dict[str, HookedOperator] = {}
+    unsupported = []
+    for name, module in iter_operators(model):
+        precision = plan.precision_of(name, type(module))
+        lowering = lowering_for(module, precision, device)
+        if lowering is None:
+            why = why_not_lowerable(module, precision, device)
+            unsupported.append(f"{name or '<root>'} ({type(module).__name__}, {precision.value}: {why})")
+            continue
+        operators[name] = HookedOperator(name, module, classify(module), precision, lowering,
+                                         saved=plan.saved_of(name, type(module)))
+    if unsupported:
+        raise PlanError(
+            f"{len(unsupported)} operator(s) have no kernel for their planned precision on {device}"
+            f" [{device_class(device).describe()}]: {'; '.join(unsupported)}. Assign them 'fp32' in the plan"
+            " (e.g. {'<name>': 'fp32'}), or let CoMPSearch choose on this device."
+        )
+    compressing = sorted(name or "<root>" for name, op in operators.items() if op.saved.compresses)
+    if compiled and compressing:
+        raise PlanError(
+            f"The plan saves tensors for backward in a lower precision ({', '.join(compressing)}), which"
+            " torch.compile cannot trace: AOTAutograd decides what a compiled graph saves. Drop the plan's"
+            " 'saved' entries for a compiled model (CoMPSearch(saved_precision='off')), or train it uncompiled."
+        )
+    return operators
+
+
+def provisional_operators(model: nn.Module, plan: PrecisionPlan, device: torch.device,
+                           operators: dict[str, HookedOperator]) -> dict[str, HookedOperator]:
+    """The containers of ``model`` not traced yet, hooked for one step as ``FUNCTIONAL`` operators in their planned
+    precision (an autocast region; FP32 where the device has none); none if no container is planned low."""
+    containers = [(n, m) for n, m in iter_untraced_containers(model) if n not in operators]
+    precisions = {n: plan.precision_of(n, type(m)) for n, m in containers}
+    if not any(p.is_low for p in precisions.values()):
+        return {}
+    autocast = autocast_available(device.type)
+    out = {}
+    for name, module in containers:
+        precision = precisions[name]
+        lowering = Lowering.AUTOCAST if precision.is_low and autocast else Lowering.NONE
+        out[name] = HookedOperator(name, module, OperatorKind.FUNCTIONAL, precision, lowering, provisional=True)
+    return out
