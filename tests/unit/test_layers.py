@@ -71,6 +71,6 @@ def test_a_cycle_inside_a_package_and_a_sideways_import_are_caught(copy_of_the_p
 
 def test_the_graph_resolves_names_to_the_modules_that_define_them() -> None:
     graph = import_graph(REPO)
-    assert "lightning_comp.devices.lowering" in graph["lightning_comp.execution.executor"]
+    assert "lightning_comp.devices.lowering" in graph["lightning_comp.execution.planned_operators"]
     assert "lightning_comp.plugins.comp" in graph["lightning_comp.search.stages.batch_stage"]
     assert not any(t.startswith("lightning_comp.search") for t in graph["lightning_comp.plugins.comp"])
