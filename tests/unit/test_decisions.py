@@ -22,6 +22,7 @@ from lightning_comp.search.decisions.operators import (
     Choice,
     OperatorDecision,
     OperatorVerdict,
+    fills,
     judge_operator,
     recheck_at_plan_boundaries,
 )
@@ -108,6 +109,20 @@ def test_only_the_objectives_that_weigh_memory_choose_saved_precisions() -> None
         throughput.saved(_estimate(1.0), 0.5, 100.0)
     assert [policy_for(SearchConfig(objective=o)).objective for o in ("memory", "balanced")] == [
         Objective.MEMORY, Objective.BALANCED]
+
+
+def test_a_cheap_operator_is_a_fill_only_if_not_slower_even_at_the_slow_end_of_its_rounds() -> None:
+    config = SearchConfig()  # 5 % margin, 0.005 ms smallest gain
+    fp32 = [0.17, 0.18, 0.17, 0.19, 0.17, 0.18]
+    # a LayerNorm 1.3x slower in bf16 whose fastest round happens to meet the fastest fp32 round: not a fill
+    norm = [0.175, 0.23, 0.24, 0.22, 0.23, 0.235]
+    assert not fills(config, _measured(min(fp32)), _measured(min(norm)), paired_ratio(fp32, norm))
+    gelu = [v * 0.8 for v in fp32]
+    assert fills(config, _measured(min(fp32)), _measured(min(gelu)), paired_ratio(fp32, gelu))
+    tiny = [0.0005] * 6  # Dropout(p=0): 8x "slower" by 3.5 us, below the smallest gain
+    assert fills(config, _measured(0.0005), _measured(0.004), paired_ratio(tiny, [0.004] * 6))
+    # one round: the minima decide
+    assert fills(config, _measured(1.0), _measured(1.04), paired_ratio([1.0], [1.04]))
 
 
 def _profile(ms_per_round: dict[str, list[float]]) -> ProfileResult:

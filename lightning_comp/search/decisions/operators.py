@@ -8,6 +8,7 @@ low across the run (:mod:`lightning_comp.search.decisions.trial_plans`).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -22,8 +23,8 @@ from lightning_comp.search.decisions.saved import SavedDecision
 from lightning_comp.search.measurement.estimates import RatioEstimate, Verdict, paired_ratio
 from lightning_comp.search.measurement.profiling import OperatorMeasurement, ProfileResult
 
-__all__ = ["HEAVY_KINDS", "Choice", "OperatorDecision", "OperatorVerdict", "decide_operators", "judge_operator",
-           "recheck_at_plan_boundaries"]
+__all__ = ["HEAVY_KINDS", "Choice", "OperatorDecision", "OperatorVerdict", "decide_operators", "fills",
+           "judge_operator", "recheck_at_plan_boundaries"]
 
 HEAVY_KINDS = (OperatorKind.COMPUTE, OperatorKind.EMBEDDING, OperatorKind.OTHER)
 
@@ -180,6 +181,17 @@ def judge_operator(policy: ObjectivePolicy, fp32: OperatorMeasurement, low: Oper
                            benefit=judged.benefit)
 
 
+def fills(config: SearchConfig, fp32: OperatorMeasurement, low: OperatorMeasurement, compute: RatioEstimate) -> bool:
+    """Whether a cheap operator may be lowered between two lowered ones: its own computation (casts left out) is not
+    slower in low precision by more than the margin, or than ``min_gain_ms``, even at the slow end of the interval of
+    its per-round ratios (from a single round: the ratio of the minima). Judged at the slow end so that an operator
+    near the margin (a LayerNorm at 1.3x whose fastest rounds happen to meet) is not filled in one run and left out
+    in the next."""
+    if compute.rounds < 2 or not math.isfinite(compute.high):
+        return low.compute_ms <= fp32.compute_ms * (1 + config.speed_margin) + config.min_gain_ms
+    return compute.high <= 1 + config.speed_margin or (compute.high - 1) * fp32.compute_ms <= config.min_gain_ms
+
+
 def decide_operators(config: SearchConfig, policy: ObjectivePolicy, low: Precision, modules: dict[str, nn.Module],
                      lowerable: list[str], results: dict[str, ProfileResult]) -> dict[str, OperatorDecision]:
     """Each operator's decision from the per-operator profile (``results["fp32"]`` and ``results["low"]``).
@@ -217,7 +229,7 @@ def decide_operators(config: SearchConfig, policy: ObjectivePolicy, low: Precisi
         elif kind in HEAVY_KINDS:
             judge_operator(policy, a, b, decision.time).apply_to(decision)
             decision.own_decision = decision.decision  # from its own measurement, before whole-step checks
-        elif b.compute_ms <= a.compute_ms * (1 + config.speed_margin) + config.min_gain_ms:
+        elif fills(config, a, b, paired_ratio(fp32.series(name, "compute_ms"), lowered.series(name, "compute_ms"))):
             decision.decision, decision.reason = Choice.FILL, "lowered only between lowered operators"
         else:
             decision.reason = f"slower in {low} ({b.compute_ms:.4f} vs {a.compute_ms:.4f} ms)"
