@@ -134,9 +134,10 @@ class SearchConfig:
             FP32 without a search where no 16-bit precision is native, e.g. AVX2-only CPUs), ``"bf16"`` or ``"fp16"``.
             Decided from the device the model trains on, once Lightning has placed it, and kept by a resumed search.
         objective: ``"throughput"``, ``"memory"`` (saved-for-backward bytes) or ``"balanced"``. Per operator first;
-            then the candidate plan is compared as a whole step with the all-low and the compute-only plans: by time
-            (``"throughput"``), by bytes saved for backward within ``max_memory_slowdown`` of FP32 (``"memory"``), or
-            by the geometric mean of both ratios to FP32 (``"balanced"``). ``"memory"`` and ``"balanced"`` also
+            then the candidate plan is compared as a whole step with AMP's plan, the all-low and the compute-only
+            plans: by time (``"throughput"``), by bytes saved for backward within ``max_memory_slowdown`` of FP32
+            (``"memory"``), or by the geometric mean of both ratios to FP32 (``"balanced"``). ``"memory"`` and
+            ``"balanced"`` also
             choose, per operator, the precision its tensors saved for backward are stored in (``saved_precision``),
             and trial those choices like compute precision.
         speed_margin: fraction by which lowering must beat FP32 before it is preferred (noise guard).

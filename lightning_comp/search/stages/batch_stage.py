@@ -2,12 +2,16 @@
 
 At the first batch of the search, the training step is run repeatedly on that batch, in FP32 and with every
 operator lowered, to measure each operator's forward and backward time and the bytes it saves for backward
-(:mod:`lightning_comp.search.measurement`). Each operator's decision follows from its measurements
-(:mod:`lightning_comp.search.decisions.operators`): operators whose low-precision cost (casts included) does not beat
-FP32 by the margin stay FP32 and are never trialled, cheap operators between two lowered operators are lowered with
-them. The candidate plan is then timed as a whole step beside the all-low and the compute-only plans, and the
-objective's policy (:mod:`lightning_comp.search.decisions.objectives`) decides which of them the epoch stage trials;
-if nothing beats FP32, the search ends. With the memory and balanced objectives, the saved stage
+(:mod:`lightning_comp.search.measurement`). The lowered steps run at the cast boundaries training with that plan has
+(a lowered output stays low into a lowered consumer), so no operator is charged a cast training would not pay; where
+the candidate plan keeps a neighbour in FP32, its candidates are measured again at that plan's own boundaries. Each
+operator's decision follows from its measurements (:mod:`lightning_comp.search.decisions.operators`): operators whose
+low-precision cost does not beat FP32 by the margin stay FP32 and are never trialled, cheap operators between two
+lowered operators are lowered with them. The candidate plan is then timed as a whole step beside the fixed policies
+(FP32, and AMP's plan: what one global autocast region lowers in this step) and the all-low and compute-only plans,
+and the objective's policy (:mod:`lightning_comp.search.decisions.objectives`) decides which of them the epoch stage
+trials, keeping the candidates unless an alternative wins by ``switch_margin``; if nothing beats FP32, the search
+ends. With the memory and balanced objectives, the saved stage
 (:mod:`lightning_comp.search.stages.saved_stage`) adds the saved-precision candidates.
 """
 
