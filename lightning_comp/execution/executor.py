@@ -96,6 +96,7 @@ class PlanExecutor:
         self._fed_low: dict[StepKind, frozenset[str]] = {}
         self._fed_low_calibrations: dict[tuple[Any, ...], dict[StepKind, frozenset[str]]] = {}
         self._always_hooked: frozenset[str] = frozenset()
+        self._compresses = False  # an operator of the plan saves in a lower precision
         self._said_nothing_lowered: set[tuple[Any, ...]] = set()  # plans warned about lowering nothing
         self._traced_kinds: set[StepKind] = set()  # kinds of step the model's work was traced in
         self._traced_model: weakref.ref[nn.Module] | None = None
@@ -226,6 +227,7 @@ class PlanExecutor:
         operator's, then, for the kinds of step calibrated already, only those that change something."""
         self._in_force = True
         self._always_hooked = always_hooked(self._operators)
+        self._compresses = any(op.saved.compresses for op in self._operators.values())
         if not self._always_hooked:
             return
         self._hooks.hook(self._operators.values(), compiled=self._compiled)
@@ -306,7 +308,8 @@ class PlanExecutor:
             yield
             return
         assert self._model is not None
-        self._saved.watch(self._model)  # parameters may have been replaced since the last step
+        if self._compresses:  # parameters may have been replaced since the last step (walking them costs)
+            self._saved.watch(self._model)
         recording = self._weight_casts.recording() if self._recasting else nullcontext()
         state = self._state
         if kind in self._chained:

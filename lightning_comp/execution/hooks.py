@@ -154,10 +154,12 @@ def _pre_hook(op: HookedOperator, state: StepState, casts: WeightCastRecorder, c
         result = None
         if shields and state.regions:  # one entry per call while a region is open (None: autocast is off anyway)
             op.shields.append(_Shield(device_type) if torch.is_autocast_enabled(device_type) else None)
+        copies: dict[str, torch.Tensor] = {}
         if lowering is Lowering.AUTOCAST:
             contexts.append(torch.autocast(device_type, dtype=dtype, cache_enabled=False))
             if recast_own and casts.active:  # autocast finds the weights already low and leaves them be
-                contexts.append(reparametrized(module, low_copies(module, recurse=False)))
+                copies = low_copies(module, recurse=False)
+                contexts.append(reparametrized(module, copies))
         elif lowering is Lowering.INPUT or lowering is Lowering.PARAMS:
             args, kwargs = cast_floating(args, dtype), cast_floating(kwargs, dtype)
             copies = low_copies(module, recurse=True) if lowering is Lowering.PARAMS else {}
@@ -167,6 +169,10 @@ def _pre_hook(op: HookedOperator, state: StepState, casts: WeightCastRecorder, c
         elif lowering is Lowering.NONE and (has_dtype(args, LOW_DTYPES) or (kwargs and has_dtype(kwargs, LOW_DTYPES))):
             # (args and kwargs walked apart: each is a flat structure the walker takes on its fast path)
             result = cast_floating(args, torch.float32, LOW_DTYPES), cast_floating(kwargs, torch.float32, LOW_DTYPES)
+        if copies:  # its weight copies are saved as recipes (outside the compressor: it hands them on)
+            saving = casts.saving()
+            if saving is not None:
+                contexts.append(saving)
         if saved.compresses:
             hooks = compressor.context(saved)
             if hooks is not None:

@@ -113,7 +113,8 @@ class SavedTensorCompressor:
         """The hooks of an operator that saves at ``saved``, to enter for its forward (``None``: nothing to do)."""
         if not saved.compresses or not hooks_installable():
             return None
-        return torch.autograd.graph.saved_tensors_hooks(self._pack_hook(saved, OuterHooks()), _unpack)
+        return _EnteredHooks(lambda: torch.autograd.graph.saved_tensors_hooks(self._pack_hook(saved, OuterHooks()),
+                                                                              _unpack))
 
     def keeps(self, tensor: torch.Tensor, saved: SavedPrecision) -> bool:
         """Whether ``tensor`` is saved as it is (a parameter or a form of one, too small, or no smaller)."""
@@ -155,3 +156,20 @@ def _unpack(saved: Any) -> torch.Tensor:
     if isinstance(saved, _Stored):
         return decompress(CompressedTensor(take_back(saved.data), saved.dtype, saved.inverse_scale))
     return take_back(saved)
+
+
+class _EnteredHooks:
+    """Saved-tensor hooks made when entered, so that they hand on to the hooks in force there (an operator's weight
+    recipes, entered just before them), not to those in force when the pre-hook listed its contexts."""
+
+    def __init__(self, make: Callable[[], AbstractContextManager[Any]]) -> None:
+        self._make = make
+        self._entered: list[AbstractContextManager[Any]] = []
+
+    def __enter__(self) -> None:
+        hooks = self._make()
+        hooks.__enter__()
+        self._entered.append(hooks)
+
+    def __exit__(self, *exc: Any) -> None:
+        self._entered.pop().__exit__(*exc)

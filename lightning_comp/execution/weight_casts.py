@@ -6,13 +6,17 @@ top of the FP32 master, its gradient and the optimizer state. :class:`WeightCast
 remembers which parameter each came from, and, through :func:`torch.autograd.graph.saved_tensors_hooks`, saves a
 recipe instead of the copy; backward casts the master again. That trades one extra cast per weight and step for
 the copies' memory, and is bit-exact (the master has not changed between forward and backward).
+
+The saved-tensor hooks are in force only inside the forward of an operator that makes such copies
+(:meth:`WeightCastRecorder.saving`, entered by its pre-hook): every other tensor a step saves (FP32 operators', the
+loss's, the model's own functional code) goes to autograd without a Python call.
 """
 
 from __future__ import annotations
 
 import weakref
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -75,28 +79,34 @@ class WeightCastRecorder:
 
     @contextmanager
     def recording(self) -> Iterator[None]:
-        """Install the saved-tensor hooks for one step (a no-op where autograd records nothing).
-
-        Saved-tensor hooks already in force around the step (``torch.autograd.graph.save_on_cpu``, a memory probe)
-        keep receiving every other saved tensor: only the innermost pair of hooks is called, so this pair hands on
-        to them.
-        """
+        """Record the copies :meth:`cast` makes during one step (a no-op where autograd records nothing), so that
+        the operators making them save recipes (:meth:`saving`)."""
         if not hooks_installable():
             yield
             return
+        self._active = True
+        try:
+            yield
+        finally:
+            self._active = False
+            self._copies.clear()
+
+    def saving(self) -> AbstractContextManager[Any] | None:
+        """The saved-tensor hooks one operator's forward runs in while a step records (``None`` otherwise): its
+        weight copies are saved as recipes.
+
+        Saved-tensor hooks already in force around it (``torch.autograd.graph.save_on_cpu``, a memory probe) keep
+        receiving every other saved tensor: only the innermost pair of hooks is called, so this pair hands on to them.
+        """
+        if not self._active:
+            return None
         outer = OuterHooks()
 
         def pack(tensor: torch.Tensor) -> Any:
             recipe = self._recipe(tensor)
             return outer.hand_on(tensor) if recipe is None else recipe
 
-        self._active = True
-        try:
-            with torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
-                yield
-        finally:
-            self._active = False
-            self._copies.clear()
+        return torch.autograd.graph.saved_tensors_hooks(pack, _unpack)
 
     def made(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` is (a view of) a weight copy made by :meth:`cast` in the current step."""
