@@ -2,7 +2,9 @@
 
 The executor registers one pre-hook and one post-hook per operator (:mod:`lightning_comp.execution.hooks`), which put
 each operator's precision into effect the way that suits it (:class:`~lightning_comp.devices.lowering.Lowering`).
-Master weights are never modified: they stay FP32 and receive FP32 gradients through the differentiable casts.
+Once a step of a kind has calibrated, the FP32 operators whose hooks changed nothing in it are unhooked
+(:mod:`lightning_comp.execution.hook_registry`). Master weights are never modified: they stay FP32 and receive FP32
+gradients through the differentiable casts.
 
 It is the one owner of what a plan's execution depends on: the model, the plan in force (bound to the model), the
 device the hooks were built for, and whether the model runs compiled. A model carries one executor's plan at a time.

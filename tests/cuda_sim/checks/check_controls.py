@@ -15,8 +15,8 @@ from torch import nn
 
 from lightning_comp.devices import lowering as lowering_module
 from lightning_comp.devices.lowering import Lowering
-from lightning_comp.execution import executor as executor_module
 from lightning_comp.execution import hooks as hooks_module
+from lightning_comp.execution import planned_operators
 from lightning_comp.numerics.precision import Precision
 from tests.cuda_sim.cases import CASES
 from tests.cuda_sim.harness import check_run, run_steps
@@ -35,7 +35,7 @@ def test_a_cpu_lowering_forced_onto_cuda_is_caught(gpu: SimulatedGpu, monkeypatc
             return Lowering.INPUT  # what a CPU gets: its kernels take a 16-bit input with fp32 weights
         return original(module, precision, device)
 
-    monkeypatch.setattr(executor_module, "lowering_for", cpu_rules)
+    monkeypatch.setattr(planned_operators, "lowering_for", cpu_rules)  # where the executor decides lowerings
     run_steps(gpu, LAYER_NORM, {"*": "fp32"}, steps=1)  # the control itself runs where nothing is lowered
     with pytest.raises(CudaRuleViolation, match=r"share a dtype.*native_layer_norm\(input=bfloat16, weight=float32"):
         run_steps(gpu, LAYER_NORM, {"*": "bf16"})
