@@ -13,7 +13,7 @@ with::
     python benchmarks/compare.py --smoke           # tiny models, a few steps (integration/test_benchmark_smoke.py)
     python benchmarks/compare.py --compile         # every mode with torch.compile'd forward (Inductor): FP32, AMP
                                                    # and CoMP, graph breaks counted (results/compile/)
-    python benchmarks/compare.py --reanalyse benchmarks/results/compare_raw.json   # re-render without measuring
+    python benchmarks/compare.py --reanalyse benchmarks/results/compare_raw.json.gz   # re-render without measuring
 
 How each number is measured: ``compare_run.py``. The other pieces: ``compare_suite.py`` (models, modes, paths),
 ``compare_workers.py`` (the worker processes and their coordinator), ``compare_probes.py`` (what a worker measures),
@@ -66,7 +66,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                                    " --smoke)")
     parser.add_argument("--no-plots", action="store_true")
     parser.add_argument("--reanalyse", default=None, metavar="RAW_JSON",
-                        help="rebuild the outputs from a compare_raw.json instead of measuring")
+                        help="rebuild the outputs from a compare_raw.json.gz instead of measuring")
     parser.add_argument("--no-profile", action="store_true", help="skip the torch.profiler step per mode")
     parser.add_argument("--wait-quiet", type=float, default=0.0,
                         help="wait up to this many minutes for the 1-minute load average to fall below --quiet-load")

@@ -4,11 +4,12 @@ Throughput = batch size / median batch time of a round (round 0, the warm-up, an
 = median over rounds (spread: min-max); ratios between modes are medians of per-round ratios. ``ratios`` holds the
 throughput-searched CoMP mode's ratios to every other mode; ``ratios_by_mode`` every CoMP mode's ratios to AMP
 (``bf16-mixed``) and whether it converges like FP32 (the memory axis). ``reanalyse`` rebuilds a whole report from a
-``compare_raw.json`` without measuring again (older files, without the memory-axis modes, included).
+``compare_raw.json.gz`` without measuring again (older files, without the memory-axis modes, included).
 """
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 import statistics
@@ -310,8 +311,10 @@ def analyse_raw(spec: ModelSpec, raw: dict[str, Any], tolerance: float, toleranc
 
 
 def reanalyse(path: Path) -> dict[str, Any]:
-    """Rebuild the report from a ``compare_raw.json`` (after a change to the analysis, without re-measuring)."""
-    report = json.loads(path.read_text())
+    """Rebuild the report from a ``compare_raw.json.gz`` (or an older plain ``compare_raw.json``), after a change to
+    the analysis, without re-measuring."""
+    data = path.read_bytes()
+    report = json.loads(gzip.decompress(data) if path.suffix == ".gz" else data)
     report["models"] = {}
     for key, raw in report["raw"].items():
         spec = ModelSpec(**report["specs"][key])

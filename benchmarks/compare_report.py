@@ -296,7 +296,8 @@ def csv_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def write_outputs(report: dict[str, Any], out_dir: Path, img_dir: Path, prefix: str, plots: bool) -> list[Path]:
-    """Write ``<prefix>_raw.json``, ``<prefix>.json`` (without the raw record), ``.csv``, ``.md`` and the plots.
+    """Write ``<prefix>_raw.json.gz`` (every batch time: over a MiB as plain JSON), ``<prefix>.json`` (without the raw
+    record), ``.csv``, ``.md`` and the plots.
 
     Args:
         report: The report.
@@ -309,12 +310,13 @@ def write_outputs(report: dict[str, Any], out_dir: Path, img_dir: Path, prefix: 
         The paths written.
     """
     import csv
+    import gzip
 
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []
     json_path = out_dir / f"{prefix}.json"
-    raw_path = out_dir / f"{prefix}_raw.json"
-    raw_path.write_text(json.dumps(report, default=_json_default) + "\n")
+    raw_path = out_dir / f"{prefix}_raw.json.gz"
+    raw_path.write_bytes(gzip.compress((json.dumps(report, default=_json_default) + "\n").encode(), mtime=0))
     json_path.write_text(json.dumps({k: v for k, v in report.items() if k != "raw"}, indent=1,
                                     default=_json_default) + "\n")
     paths.append(raw_path)

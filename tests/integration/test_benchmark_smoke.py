@@ -10,6 +10,7 @@ test's.
 from __future__ import annotations
 
 import csv
+import gzip
 import json
 import math
 import subprocess
@@ -99,7 +100,7 @@ def test_compare_smoke(tmp_path: Path) -> None:
     for key in MODELS:
         for label, objective in AXIS_MODES.values():
             assert f"| {key} | {label} | {objective} |" in searches, (key, label)
-    raw = json.loads((out / "compare_raw.json").read_text())
+    raw = json.loads(gzip.decompress((out / "compare_raw.json.gz").read_bytes()))
     assert set(raw["raw"]) == set(MODELS)
     for name in ("compare_throughput.png", "compare_memory.png", "compare_val_curves.png"):
         assert (out / name).stat().st_size > 0, name
@@ -117,7 +118,7 @@ def test_compare_smoke_compiled(tmp_path: Path) -> None:
     assert proc.returncode == 0, f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
     report = json.loads((out / "compare.json").read_text())
     assert report["compile"] is True and report["modes"] == ["fp32", "bf16-mixed", "comp"]
-    raw = json.loads((out / "compare_raw.json").read_text())["raw"]["mlp"]
+    raw = json.loads(gzip.decompress((out / "compare_raw.json.gz").read_bytes()))["raw"]["mlp"]
     for mode in ("fp32", "bf16-mixed", "comp"):
         stats = raw["runs"][mode]["dynamo"]
         assert stats["unique_graphs"] >= 1, mode  # the forward was compiled
