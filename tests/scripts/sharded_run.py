@@ -259,3 +259,9 @@ def main() -> None:
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     main()
+    # Every result is on disk and the process group is destroyed. Leave without the interpreter's shutdown: in about
+    # one CPU FSDP1 run of 20, a worker thread torch leaves joinable aborts it there ("terminate called without an
+    # active exception", exit -6) after a correct run.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
