@@ -43,7 +43,7 @@ from lightning_comp.errors import (
     UsageError,
 )
 from lightning_comp.execution import PlanExecutor, StepKind
-from lightning_comp.numerics import Precision, SavedPrecision, parse_precision
+from lightning_comp.numerics import MasterPrecision, Precision, SavedPrecision, StatePrecision, parse_precision
 from lightning_comp.operators import OperatorInfo, OperatorKind, discover_operators, register_atomic
 from lightning_comp.plan import OperatorFingerprint, PrecisionPlan, Selectors
 from lightning_comp.plugins import CoMPFabricPrecision, CoMPFSDPPrecision, CoMPPrecision
@@ -64,6 +64,7 @@ __all__ = [
     "GradCommDtype",
     "HalfPrecisionDDPStrategy",
     "Lowering",
+    "MasterPrecision",
     "MissingExtraError",
     "Objective",
     "OperatorFingerprint",
@@ -81,6 +82,7 @@ __all__ = [
     "SearchState",
     "Selectors",
     "SnapshotMismatchError",
+    "StatePrecision",
     "StepKind",
     "TrainingSnapshot",
     "TrialRecord",

@@ -22,7 +22,8 @@ PLUGIN_STATE_VERSION = 1
 CHECKPOINT_KEY = "lightning_comp"
 #: Where checkpoints written before :data:`CHECKPOINT_KEY` hold it (Lightning's key: the class name).
 LEGACY_CHECKPOINT_KEYS = ("CoMPPrecision",)
-_KEYS = frozenset({"version", "plan", "scaler", "skipped_steps", "optimizer_steps"})
+_KEYS = frozenset({"version", "plan", "scaler", "skipped_steps", "optimizer_steps", "rounding"})
+_OPTIONAL = frozenset({"rounding"})  # absent from states written before master-weight precision
 
 
 @dataclass(frozen=True)
@@ -34,17 +35,19 @@ class PluginState:
         scaler: the FP16 loss scaler's ``state_dict()``, or ``None`` without one.
         skipped_steps: optimizer steps the scaler skipped so far.
         optimizer_steps: optimizer steps taken so far.
+        rounding: the stochastic-rounding generators' states of BF16 master weights (device -> state), if any.
     """
 
     plan: dict[str, Any]
     scaler: dict[str, Any] | None = None
     skipped_steps: int = 0
     optimizer_steps: int = 0
+    rounding: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The checkpoint form (with its version)."""
         return {"version": PLUGIN_STATE_VERSION, "plan": self.plan, "scaler": self.scaler,
-                "skipped_steps": self.skipped_steps, "optimizer_steps": self.optimizer_steps}
+                "skipped_steps": self.skipped_steps, "optimizer_steps": self.optimizer_steps, "rounding": self.rounding}
 
     @classmethod
     def from_dict(cls, data: object) -> PluginState:
@@ -59,7 +62,7 @@ class PluginState:
         if version != PLUGIN_STATE_VERSION:
             raise PlanError(f"Cannot load a CoMPPrecision state of version {version!r}: this version reads"
                             f" {PLUGIN_STATE_VERSION}. Load it with the lightning-comp that wrote it.")
-        unknown, missing = sorted(set(data) - _KEYS), sorted(_KEYS - set(data))
+        unknown, missing = sorted(set(data) - _KEYS), sorted(_KEYS - _OPTIONAL - set(data))
         if unknown:
             raise PlanError(f"Unknown keys {unknown} in a CoMPPrecision state: it was written by another version of"
                             " lightning-comp.")
@@ -70,4 +73,5 @@ class PluginState:
             raise PlanError(f"Malformed CoMPPrecision state: its plan {data['plan']!r} is not a mapping.")
         scaler = data["scaler"]
         return cls(plan=dict(data["plan"]), scaler=None if scaler is None else dict(scaler),
-                   skipped_steps=int(data["skipped_steps"]), optimizer_steps=int(data["optimizer_steps"]))
+                   skipped_steps=int(data["skipped_steps"]), optimizer_steps=int(data["optimizer_steps"]),
+                   rounding=None if data.get("rounding") is None else dict(data["rounding"]))

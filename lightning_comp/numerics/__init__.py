@@ -4,12 +4,24 @@
 module              what it holds
 ==================  ====================================================================================
 ``precision``       :class:`Precision` (what an operator computes in), :class:`SavedPrecision` (what it
-                    stores for backward in)
+                    stores for backward in, or ``recompute``), :class:`StatePrecision` (its parameters'
+                    optimizer state), :class:`MasterPrecision` (its parameters themselves)
 ``codecs``          compress and decompress a saved tensor at a :class:`SavedPrecision` (bf16, fp8 with a
                     power-of-two scale)
+``block_quant``     8-bit block-quantised optimizer moments in plain tensors (torchao's format)
+``stochastic_       FP32 -> BF16 stochastic rounding with a generator of its own (BF16 master weights)
+rounding``
 ==================  ====================================================================================
 """
 
-from lightning_comp.numerics.precision import Precision, SavedPrecision, parse_precision, parse_saved_precision
+from lightning_comp.numerics.precision import (
+    MasterPrecision,
+    Precision,
+    SavedPrecision,
+    StatePrecision,
+    parse_precision,
+    parse_saved_precision,
+)
 
-__all__ = ["Precision", "SavedPrecision", "parse_precision", "parse_saved_precision"]
+__all__ = ["MasterPrecision", "Precision", "SavedPrecision", "StatePrecision", "parse_precision",
+           "parse_saved_precision"]

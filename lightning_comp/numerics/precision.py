@@ -1,6 +1,9 @@
-"""The precisions a plan assigns: the one an operator computes in, and the one it stores its saved tensors in.
+"""The precisions a plan assigns to each operator: the one it computes in, the one it stores its saved tensors in
+(or whether it recomputes them), and, for the parameters it owns, the precision of their optimizer state and of
+their master copy.
 
-The two dimensions are independent: an FP32 LayerNorm may save BF16, a BF16 matmul may save FP8.
+The dimensions are independent: an FP32 LayerNorm may save BF16, a BF16 matmul may save FP8 and keep its AdamW
+moments in 8 bits.
 """
 
 from __future__ import annotations
@@ -12,7 +15,8 @@ import torch
 from lightning_comp.common.spelled_enum import SpelledEnum
 from lightning_comp.errors import CoMPError, PlanError
 
-__all__ = ["Precision", "SavedPrecision", "parse_precision", "parse_saved_precision"]
+__all__ = ["MasterPrecision", "Precision", "SavedPrecision", "StatePrecision", "parse_precision",
+           "parse_saved_precision"]
 
 
 class Precision(SpelledEnum):
@@ -52,20 +56,33 @@ class SavedPrecision(SpelledEnum):
     FP32 = "fp32"  # as computed (a BF16 operator's saved tensors stay BF16)
     BF16 = "bf16"
     FP8 = "fp8"  # float8_e4m3fn with a per-tensor FP32 scale
+    RECOMPUTE = "recompute"  # its output is not stored where it is saved: backward recomputes it from its input
 
     @property
     def compresses(self) -> bool:
-        """Whether tensors saved at this precision are converted (everything but ``fp32``)."""
+        """Whether tensors saved at this precision are converted (``bf16`` and ``fp8``)."""
+        return self in (SavedPrecision.BF16, SavedPrecision.FP8)
+
+    @property
+    def recomputes(self) -> bool:
+        """Whether the operator's output is recomputed in backward instead of stored where it is saved."""
+        return self is SavedPrecision.RECOMPUTE
+
+    @property
+    def changes(self) -> bool:
+        """Whether this differs from saving as computed (a compression or a recomputation)."""
         return self is not SavedPrecision.FP32
 
     @property
     def bytes_per_element(self) -> int:
-        """Bytes one element takes when saved at this precision (``fp32``: that of float32)."""
-        return {SavedPrecision.FP32: 4, SavedPrecision.BF16: 2, SavedPrecision.FP8: 1}[self]
+        """Bytes one element takes when saved at this precision (``fp32``: that of float32; ``recompute``: 0)."""
+        sizes = {SavedPrecision.FP32: 4, SavedPrecision.BF16: 2, SavedPrecision.FP8: 1, SavedPrecision.RECOMPUTE: 0}
+        return sizes[self]
 
     @classmethod
     def aliases(cls) -> Mapping[str, str]:
-        return {"float32": "fp32", "as_computed": "fp32", "bfloat16": "bf16", "fp8_e4m3": "fp8", "e4m3": "fp8"}
+        return {"float32": "fp32", "as_computed": "fp32", "bfloat16": "bf16", "fp8_e4m3": "fp8", "e4m3": "fp8",
+                "recomputed": "recompute", "checkpoint": "recompute"}
 
     @classmethod
     def noun(cls) -> str:
@@ -77,7 +94,70 @@ class SavedPrecision(SpelledEnum):
 
     @classmethod
     def choices(cls) -> str:
-        return "'fp32' (as computed), 'bf16' and 'fp8' (float8 e4m3 with a per-tensor scale)"
+        return ("'fp32' (as computed), 'bf16', 'fp8' (float8 e4m3 with a per-tensor scale) and 'recompute' (not"
+                " stored: recomputed in backward from the operator's input)")
+
+
+class StatePrecision(SpelledEnum):
+    """How the optimizer state (Adam/AdamW's two moments) of an operator's parameters is stored."""
+
+    FP32 = "fp32"  # the optimizer's own state, untouched
+    BF16 = "bf16"  # both moments in bfloat16 (4 bytes per parameter)
+    INT8 = "8bit"  # block-wise dynamic-tree quantisation, 256 elements per block (about 2 bytes per parameter)
+
+    @property
+    def managed(self) -> bool:
+        """Whether the package steps these parameters itself (anything but ``fp32``)."""
+        return self is not StatePrecision.FP32
+
+    @classmethod
+    def aliases(cls) -> Mapping[str, str]:
+        return {"float32": "fp32", "bfloat16": "bf16", "int8": "8bit", "8-bit": "8bit", "8": "8bit"}
+
+    @classmethod
+    def noun(cls) -> str:
+        return "optimizer-state precision"
+
+    @classmethod
+    def error_type(cls) -> type[CoMPError]:
+        return PlanError
+
+    @classmethod
+    def choices(cls) -> str:
+        return "'fp32' (the optimizer's own), 'bf16' and '8bit' (block-quantised moments)"
+
+
+class MasterPrecision(SpelledEnum):
+    """The precision an operator's parameters are held in between steps (their master copy)."""
+
+    FP32 = "fp32"
+    BF16 = "bf16"  # no FP32 copy: the optimizer step rounds each update stochastically into the bfloat16 weight
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype the parameters are held in."""
+        return torch.float32 if self is MasterPrecision.FP32 else torch.bfloat16
+
+    @property
+    def managed(self) -> bool:
+        """Whether the package steps these parameters itself (anything but ``fp32``)."""
+        return self is not MasterPrecision.FP32
+
+    @classmethod
+    def aliases(cls) -> Mapping[str, str]:
+        return {"float32": "fp32", "bfloat16": "bf16"}
+
+    @classmethod
+    def noun(cls) -> str:
+        return "master-weight precision"
+
+    @classmethod
+    def error_type(cls) -> type[CoMPError]:
+        return PlanError
+
+    @classmethod
+    def choices(cls) -> str:
+        return "'fp32' and 'bf16' (stochastically rounded updates, no FP32 copy)"
 
 
 def parse_precision(value: object) -> Precision:

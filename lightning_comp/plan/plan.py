@@ -28,10 +28,17 @@ from lightning_comp.common.plain import plain
 from lightning_comp.common.tables import format_table
 from lightning_comp.devices.device_classes import DeviceClass, device_class, model_device
 from lightning_comp.errors import PlanError, PlanFileError, PlanMismatchError
-from lightning_comp.numerics.precision import Precision, SavedPrecision, parse_precision, parse_saved_precision
+from lightning_comp.numerics.precision import (
+    MasterPrecision,
+    Precision,
+    SavedPrecision,
+    StatePrecision,
+    parse_precision,
+    parse_saved_precision,
+)
 from lightning_comp.operators.discovery import iter_operators
 from lightning_comp.operators.kinds import OperatorKind, classify
-from lightning_comp.plan.entries import as_mapping, parse_entries, parse_saved, split_entries
+from lightning_comp.plan.entries import as_mapping, parse_entries, parse_master, parse_saved, parse_state, split_entries
 from lightning_comp.plan.fingerprint import OperatorFingerprint
 from lightning_comp.plan.selectors import Selectors
 from lightning_comp.plan.serialised import (
@@ -50,10 +57,13 @@ __all__ = ["PlanLike", "PrecisionPlan", "plan_from_any"]
 class PrecisionPlan:
     """An immutable assignment of precisions to each operator of a model.
 
-    Two independent dimensions: the precision an operator computes in (``fp32``/``bf16``/``fp16``), and the
-    precision in which the tensors it saves for backward are stored (``fp32`` as computed, ``bf16``, ``fp8``; see
-    :class:`~lightning_comp.numerics.precision.SavedPrecision`). Build one with :meth:`from_dict`, :meth:`for_model`
-    or :meth:`load`; never mutate it (use :meth:`with_entries` and :meth:`with_saved`).
+    Four independent dimensions per operator: the precision it computes in (``fp32``/``bf16``/``fp16``); the
+    precision in which the tensors it saves for backward are stored (``fp32`` as computed, ``bf16``, ``fp8``, or
+    ``recompute``: not stored, recomputed in backward; see :class:`~lightning_comp.numerics.precision.SavedPrecision`);
+    and, for the parameters it owns (:func:`~lightning_comp.execution.parameter_groups.parameter_owners`), the
+    precision of their optimizer state (``fp32``/``bf16``/``8bit``) and of their master copy (``fp32``/``bf16``).
+    Build one with :meth:`from_dict`, :meth:`for_model` or :meth:`load`; never mutate it (use :meth:`with_entries`,
+    :meth:`with_saved`, :meth:`with_state` and :meth:`with_master`).
 
     Attributes:
         entries: ``(selector, precision)`` pairs of the compute dimension, sorted by selector.
@@ -66,6 +76,10 @@ class PrecisionPlan:
             16-bit precisions are native there), if bound to a model.
         saved: ``(selector, saved precision)`` pairs of the saved-for-backward dimension, sorted by selector.
         saved_default: saved precision of every operator that no ``saved`` entry matches.
+        state: ``(selector, optimizer-state precision)`` pairs, sorted by selector.
+        state_default: optimizer-state precision of the parameters of every operator no ``state`` entry matches.
+        master: ``(selector, master-weight precision)`` pairs, sorted by selector.
+        master_default: master-weight precision of the parameters of every operator no ``master`` entry matches.
     """
 
     entries: tuple[tuple[str, Precision], ...] = ()
@@ -77,10 +91,16 @@ class PrecisionPlan:
     device: DeviceClass | None = field(default=None, compare=False, hash=False)
     saved: tuple[tuple[str, SavedPrecision], ...] = ()
     saved_default: SavedPrecision = SavedPrecision.FP32
+    state: tuple[tuple[str, StatePrecision], ...] = ()
+    state_default: StatePrecision = StatePrecision.FP32
+    master: tuple[tuple[str, MasterPrecision], ...] = ()
+    master_default: MasterPrecision = MasterPrecision.FP32
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "entries", parse_entries(as_mapping(self.entries)))
         object.__setattr__(self, "saved", parse_saved(as_mapping(self.saved)))
+        object.__setattr__(self, "state", parse_state(as_mapping(self.state)))
+        object.__setattr__(self, "master", parse_master(as_mapping(self.master)))
         try:
             object.__setattr__(self, "default", parse_precision(self.default))
         except PlanError as err:
@@ -89,6 +109,11 @@ class PrecisionPlan:
             object.__setattr__(self, "saved_default", parse_saved_precision(self.saved_default))
         except PlanError as err:
             raise PlanError(f"Plan saved_default: {err}") from None
+        for name, parse in (("state_default", StatePrecision.parse), ("master_default", MasterPrecision.parse)):
+            try:
+                object.__setattr__(self, name, parse(getattr(self, name)))
+            except PlanError as err:
+                raise PlanError(f"Plan {name}: {err}") from None
         object.__setattr__(self, "provenance", MappingProxyType(dict(self.provenance)))
         for name in ("torch_version", "device_type"):  # plain str: checkpoints must load with weights_only=True
             value = getattr(self, name)
@@ -97,22 +122,29 @@ class PrecisionPlan:
     def __reduce__(self) -> tuple[Any, ...]:
         # The read-only provenance view cannot be pickled or deep-copied (ddp_spawn pickles the plugin): rebuild.
         return (type(self), (self.entries, self.default, self.fingerprint, self.torch_version, self.device_type,
-                             dict(self.provenance), self.device, self.saved, self.saved_default))
+                             dict(self.provenance), self.device, self.saved, self.saved_default, self.state,
+                             self.state_default, self.master, self.master_default))
 
     # ----------------------------------------------------------------------------------------------- construction
     @classmethod
     def from_dict(cls, mapping: Mapping[str, Any], default: object = "fp32", *,
-                  saved: Mapping[str, Any] | None = None, saved_default: object = "fp32") -> PrecisionPlan:
+                  saved: Mapping[str, Any] | None = None, saved_default: object = "fp32",
+                  state: Mapping[str, Any] | None = None, state_default: object = "fp32",
+                  master: Mapping[str, Any] | None = None, master_default: object = "fp32") -> PrecisionPlan:
         """Build a plan from ``{selector: precision}``, or from the dictionary :meth:`to_dict` wrote.
 
-        An entry's value is a compute precision (``"bf16"``), or a mapping that sets both dimensions
-        (``{"compute": "bf16", "saved": "fp8"}``) or one of them (``{"saved": "bf16"}``).
+        An entry's value is a compute precision (``"bf16"``), or a mapping that sets any of the dimensions
+        (``{"compute": "bf16", "saved": "fp8", "state": "8bit", "master": "bf16"}``, or ``{"saved": "recompute"}``).
 
         Args:
             mapping: selector -> precision (see the module docstring for selectors), or a serialised plan.
             default: compute precision of operators no entry matches (ignored for a serialised plan).
             saved: selector -> saved precision, added to the saved entries of ``mapping``.
             saved_default: saved precision of operators no saved entry matches (ignored for a serialised plan).
+            state: selector -> optimizer-state precision, added to the state entries of ``mapping``.
+            state_default: optimizer-state precision of operators no state entry matches.
+            master: selector -> master-weight precision, added to the master entries of ``mapping``.
+            master_default: master-weight precision of operators no master entry matches.
 
         Raises:
             PlanError: on an unknown precision, a malformed selector or a malformed serialised plan.
@@ -125,11 +157,14 @@ class PrecisionPlan:
             default_precision = parse_precision(default)
         except PlanError as err:
             raise PlanError(f"Plan default: {err}") from None
-        compute, saved_entries = split_entries(mapping)
-        if saved is not None:
-            saved_entries.update(as_mapping(saved))
-        return cls(entries=parse_entries(compute), default=default_precision, saved=parse_saved(saved_entries),
-                   saved_default=saved_default)  # type: ignore[arg-type]  # parsed in __post_init__
+        split = split_entries(mapping)
+        for dimension, extra in (("saved", saved), ("state", state), ("master", master)):
+            if extra is not None:
+                split[dimension].update(as_mapping(extra))
+        return cls(entries=parse_entries(split["compute"]), default=default_precision,  # defaults parsed in post-init
+                   saved=parse_saved(split["saved"]), saved_default=saved_default,  # type: ignore[arg-type]
+                   state=parse_state(split["state"]), state_default=state_default,  # type: ignore[arg-type]
+                   master=parse_master(split["master"]), master_default=master_default)  # type: ignore[arg-type]
 
     @classmethod
     def for_model(
@@ -185,6 +220,22 @@ class PrecisionPlan:
         return replace(self, saved=tuple(merged.items()), provenance=dict(self.provenance),
                        saved_default=self.saved_default if default is None else default)  # type: ignore[arg-type]
 
+    def with_state(self, updates: Mapping[str, Any], default: object | None = None) -> PrecisionPlan:
+        """A copy with ``updates`` (selector -> optimizer-state precision) added to the state entries, and
+        ``default`` as the state default if given."""
+        merged = dict(self.state)
+        merged.update(parse_state(updates))
+        return replace(self, state=tuple(merged.items()), provenance=dict(self.provenance),
+                       state_default=self.state_default if default is None else default)  # type: ignore[arg-type]
+
+    def with_master(self, updates: Mapping[str, Any], default: object | None = None) -> PrecisionPlan:
+        """A copy with ``updates`` (selector -> master-weight precision) added to the master entries, and
+        ``default`` as the master default if given."""
+        merged = dict(self.master)
+        merged.update(parse_master(updates))
+        return replace(self, master=tuple(merged.items()), provenance=dict(self.provenance),
+                       master_default=self.master_default if default is None else default)  # type: ignore[arg-type]
+
     def with_provenance(self, **notes: Any) -> PrecisionPlan:
         """A copy with ``notes`` added to :attr:`provenance`."""
         return replace(self, provenance={**self.provenance, **notes})
@@ -200,6 +251,22 @@ class PrecisionPlan:
         """Whether any operator saves its tensors for backward in a lower precision than computed."""
         return self.saved_default.compresses or any(p.compresses for _, p in self.saved)
 
+    @property
+    def changes_saved(self) -> bool:
+        """Whether any operator saves for backward other than as computed (compressed, or recomputed)."""
+        return self.saved_default.changes or any(p.changes for _, p in self.saved)
+
+    @property
+    def recomputes(self) -> bool:
+        """Whether any operator's output is recomputed in backward instead of stored."""
+        return self.saved_default.recomputes or any(p.recomputes for _, p in self.saved)
+
+    @property
+    def manages_parameters(self) -> bool:
+        """Whether any operator's parameters keep their optimizer state or master copy other than in FP32."""
+        return (self.state_default.managed or self.master_default.managed
+                or any(p.managed for _, p in self.state) or any(p.managed for _, p in self.master))
+
     def uses(self, precision: object) -> bool:
         """Whether ``precision`` appears in the plan (as an entry or the default)."""
         wanted = parse_precision(precision)
@@ -214,6 +281,26 @@ class PrecisionPlan:
         """The precision in which the operator called ``name`` stores what it saves for backward."""
         selector = self.saved_selectors.match(name, module_type)
         return self.saved_default if selector is None else dict(self.saved)[selector]
+
+    def state_of(self, name: str, module_type: type | None = None) -> StatePrecision:
+        """The optimizer-state precision of the parameters the operator called ``name`` owns."""
+        selector = self.state_selectors.match(name, module_type)
+        return self.state_default if selector is None else dict(self.state)[selector]
+
+    def master_of(self, name: str, module_type: type | None = None) -> MasterPrecision:
+        """The master-weight precision of the parameters the operator called ``name`` owns."""
+        selector = self.master_selectors.match(name, module_type)
+        return self.master_default if selector is None else dict(self.master)[selector]
+
+    @functools.cached_property
+    def state_selectors(self) -> Selectors:
+        """The selectors of the plan's optimizer-state entries."""
+        return Selectors(tuple(selector for selector, _ in self.state))
+
+    @functools.cached_property
+    def master_selectors(self) -> Selectors:
+        """The selectors of the plan's master-weight entries."""
+        return Selectors(tuple(selector for selector, _ in self.master))
 
     @functools.cached_property
     def selectors(self) -> Selectors:
@@ -235,9 +322,13 @@ class PrecisionPlan:
 
     def explain_saved(self, model: nn.Module) -> dict[str, str]:
         """For every operator, the saved entry that decided its saved precision (``"<default>"`` if none)."""
+        return self._explain(model, self.saved_selectors)
+
+    @staticmethod
+    def _explain(model: nn.Module, selectors: Selectors) -> dict[str, str]:
         out = {}
         for name, module in iter_operators(model):
-            selector = self.saved_selectors.match(name, type(module))
+            selector = selectors.match(name, type(module))
             out[name] = "<default>" if selector is None else selector
         return out
 
@@ -251,7 +342,8 @@ class PrecisionPlan:
 
     def unmatched_entries(self, model: nn.Module) -> list[str]:
         """Selectors of this plan (of either dimension) that match no operator of ``model``."""
-        return sorted(set(self.selectors.unmatched(model)) | set(self.saved_selectors.unmatched(model)))
+        return sorted(set(self.selectors.unmatched(model)) | set(self.saved_selectors.unmatched(model))
+                      | set(self.state_selectors.unmatched(model)) | set(self.master_selectors.unmatched(model)))
 
     def validate(self, model: nn.Module) -> None:
         """Check the plan fits ``model``.
@@ -270,6 +362,8 @@ class PrecisionPlan:
                 )
         self.selectors.validate(model)
         self.saved_selectors.validate(model, what="saved plan entr")
+        self.state_selectors.validate(model, what="optimizer-state plan entr")
+        self.master_selectors.validate(model, what="master-weight plan entr")
 
     def low_operators(self, model: nn.Module) -> list[str]:
         """Names of the operators of ``model`` this plan runs in a 16-bit precision (shape-only ones excluded)."""
@@ -290,6 +384,10 @@ class PrecisionPlan:
             "entries": {selector: precision.value for selector, precision in self.entries},
             "saved_default": self.saved_default.value,
             "saved": {selector: saved.value for selector, saved in self.saved},
+            "state_default": self.state_default.value,
+            "state": {selector: state.value for selector, state in self.state},
+            "master_default": self.master_default.value,
+            "master": {selector: master.value for selector, master in self.master},
             "fingerprint": fingerprint_document(self.fingerprint),
             "torch_version": self.torch_version,
             "device_type": self.device_type,
@@ -319,43 +417,58 @@ class PrecisionPlan:
             raise PlanFileError(f"Plan file {str(path)!r}: {err}") from None
 
     # ------------------------------------------------------------------------------------------------- display
+    def _shown_dimensions(self) -> list[tuple[str, tuple[tuple[str, Any], ...], Any, Any]]:
+        """The dimensions beside compute the plan sets anything in: ``(column, entries, default, of-function)``."""
+        shown: list[tuple[str, tuple[tuple[str, Any], ...], Any, Any]] = []
+        if self.changes_saved:
+            shown.append(("saved", self.saved, self.saved_default, self.saved_of))
+        if self.state_default.managed or any(p.managed for _, p in self.state):
+            shown.append(("state", self.state, self.state_default, self.state_of))
+        if self.master_default.managed or any(p.managed for _, p in self.master):
+            shown.append(("master", self.master, self.master_default, self.master_of))
+        return shown
+
     def summary(self, model: nn.Module | None = None) -> str:
         """A readable table of the plan; with ``model``, one row per operator: its compute precision, the precision of
-        what it saves for backward (when the plan sets any), and the selectors that decided them."""
-        saved = self.compresses_saved
+        what it saves for backward, of its parameters' optimizer state and master copy (each when the plan sets any),
+        and the selectors that decided its compute precision."""
+        shown = self._shown_dimensions()
+        columns = tuple(column for column, *_ in shown)
         if model is None:
-            compute, stored = dict(self.entries), dict(self.saved)
+            compute = dict(self.entries)
+            others = [dict(entries) for _, entries, _, _ in shown]
+            selectors = sorted(set(compute).union(*others))
             rows: list[tuple[str, ...]] = [
-                (s, compute[s].value if s in compute else "-", *((stored[s].value if s in stored else "-",)
-                                                                  if saved else ()))
-                for s in sorted(set(compute) | set(stored))]
-            rows.append(("<default>", self.default.value, *((self.saved_default.value,) if saved else ())))
-            return format_table(("selector", "precision", *(("saved",) if saved else ())), rows)
-        explain = self.explain(model)
-        explain_saved = self.explain_saved(model) if saved else {}
+                (s, compute[s].value if s in compute else "-", *(o[s].value if s in o else "-" for o in others))
+                for s in selectors]
+            rows.append(("<default>", self.default.value, *(default.value for _, _, default, _ in shown)))
+            return format_table(("selector", "precision", *columns), rows)
+        explains = [self.explain(model)] + [self._explain(model, selectors) for selectors in (
+            {"saved": self.saved_selectors, "state": self.state_selectors, "master": self.master_selectors}[column]
+            for column in columns)]
         rows = []
         for name, module in iter_operators(model):
             params = sum(p.numel() for p in module.parameters())
-            row = [name or "<root>", type(module).__name__, f"{params:,}", self.precision_of(name, type(module)).value]
-            if saved:
-                row.append(self.saved_of(name, type(module)).value)
-            row.append(explain[name] if not saved or explain_saved[name] == explain[name]
-                       else f"{explain[name]} / {explain_saved[name]}")
-            rows.append(tuple(row))
-        header = ("operator", "type", "params", "precision", *(("saved",) if saved else ()), "decided by")
+            kind = type(module)
+            deciders = list(dict.fromkeys(explain[name] for explain in explains))  # distinct, in column order
+            rows.append((name or "<root>", kind.__name__, f"{params:,}", self.precision_of(name, kind).value,
+                         *(of(name, kind).value for _, _, _, of in shown), " / ".join(deciders)))
+        header = ("operator", "type", "params", "precision", *columns, "decided by")
         tail = f"{sum(1 for r in rows if r[3] != 'fp32')} of {len(rows)} operators in 16-bit precision"
-        if saved:
-            tail += f", {sum(1 for r in rows if r[4] != 'fp32')} save for backward in bf16/fp8"
+        words = {"saved": "save for backward in bf16/fp8 or recompute", "state": "keep optimizer state in bf16/8bit",
+                 "master": "keep bf16 master weights"}
+        for offset, column in enumerate(columns):
+            tail += f", {sum(1 for r in rows if r[4 + offset] != 'fp32')} {words[column]}"
         return format_table(header, rows) + "\n" + tail
 
     def __repr__(self) -> str:
         entries = ", ".join(f"{s!r}: {p.value!r}" for s, p in self.entries)
-        saved = ""
-        if self.compresses_saved:
-            saved = ", saved={" + ", ".join(f"{s!r}: {p.value!r}" for s, p in self.saved) + "}"
-            saved += f", saved_default={self.saved_default.value!r}"
+        others = ""
+        for column, pairs, default, _ in self._shown_dimensions():
+            others += f", {column}={{" + ", ".join(f"{s!r}: {p.value!r}" for s, p in pairs) + "}"
+            others += f", {column}_default={default.value!r}"
         bound = f", fingerprint={self.fingerprint.digest}" if self.fingerprint else ""
-        return f"PrecisionPlan({{{entries}}}, default={self.default.value!r}{saved}{bound})"
+        return f"PrecisionPlan({{{entries}}}, default={self.default.value!r}{others}{bound})"
 
 
 PlanLike = PrecisionPlan | Mapping[str, Any] | str | os.PathLike[str] | None

@@ -1,9 +1,11 @@
 """Plans as JSON documents: the one serialised form, and reading and writing plan files.
 
 A document holds every field of a plan (``format``, ``version``, ``default``, ``entries``, ``saved_default``,
-``saved``, ``fingerprint``, ``torch_version``, ``device_type``, ``device``, ``provenance``), in plain JSON types, so
-that a checkpoint holding one loads with ``torch.load(weights_only=True)`` and plan files diff well. There is one
-format version; a document of another version is refused, naming both.
+``saved``, ``state_default``, ``state``, ``master_default``, ``master``, ``fingerprint``, ``torch_version``,
+``device_type``, ``device``, ``provenance``), in plain JSON types, so that a checkpoint holding one loads with
+``torch.load(weights_only=True)`` and plan files diff well. There is one format version; a document of another
+version is refused, naming both. Documents written before the ``state`` and ``master`` dimensions existed read as
+FP32 in both.
 """
 
 from __future__ import annotations
@@ -24,8 +26,9 @@ __all__ = ["PLAN_FORMAT", "PLAN_VERSION", "document_fields", "fingerprint_docume
 
 PLAN_FORMAT = "lightning-comp/plan"
 PLAN_VERSION = 1
-_KEYS = frozenset({"format", "version", "default", "entries", "saved_default", "saved", "fingerprint",
-                   "torch_version", "device_type", "device", "provenance"})
+_KEYS = frozenset({"format", "version", "default", "entries", "saved_default", "saved", "state_default", "state",
+                   "master_default", "master", "fingerprint", "torch_version", "device_type", "device", "provenance"})
+_DIMENSION_KEYS = ("saved", "state", "master")  # selector mappings beside "entries" (absent from older documents)
 
 
 def is_document(data: Mapping[str, Any]) -> bool:
@@ -61,14 +64,17 @@ def document_fields(data: Mapping[str, Any]) -> dict[str, Any]:
     entries = data.get("entries") or {}
     if not isinstance(entries, Mapping):
         raise PlanError(f"Plan entries must be a mapping of selector -> precision, got {entries!r}.")
-    saved = data.get("saved") or {}
-    if not isinstance(saved, Mapping):
-        raise PlanError(f"Plan 'saved' entries must be a mapping of selector -> saved precision, got {saved!r}.")
+    dimensions: dict[str, Any] = {}
+    for key in _DIMENSION_KEYS:
+        mapping = data.get(key) or {}
+        if not isinstance(mapping, Mapping):
+            raise PlanError(f"Plan {key!r} entries must be a mapping of selector -> precision, got {mapping!r}.")
+        dimensions[key] = tuple(mapping.items())
+        dimensions[f"{key}_default"] = data.get(f"{key}_default", "fp32")
     return {
         "entries": tuple(entries.items()),
         "default": data.get("default", "fp32"),
-        "saved": tuple(saved.items()),
-        "saved_default": data.get("saved_default", "fp32"),
+        **dimensions,
         "fingerprint": _read_fingerprint(data.get("fingerprint")),
         "torch_version": data.get("torch_version"),
         "device_type": data.get("device_type"),

@@ -22,6 +22,7 @@ from lightning_comp.execution.compiled_regions import guarding_hooks, is_compile
 from lightning_comp.execution.emulation import check_plan_device, decline_slow_fp16
 from lightning_comp.execution.executor import PlanExecutor, StepKind
 from lightning_comp.execution.loss_scaling import ScalerSlot, SkippedSteps, scaled_optimizer_step
+from lightning_comp.execution.optimizer_states import OptimizerStates
 from lightning_comp.execution.plugin_state import CHECKPOINT_KEY, LEGACY_CHECKPOINT_KEYS, PluginState
 from lightning_comp.execution.saved_tensors import DEFAULT_MIN_SAVED_BYTES
 from lightning_comp.execution.unplanned_work import UnplannedWorkWarnings
@@ -38,7 +39,9 @@ class CoMPPrecision(Precision):
     unset. The plan is put into effect with forward hooks once the Trainer has placed the model on its device, so
     the model's code is unchanged. Everything device-dependent (autocast device, each operator's lowering, the loss
     scaler's device) follows the device the model computes on, and is rebuilt if the model moves. Parameters,
-    gradients and optimizer state stay FP32. A plan that uses FP16 anywhere turns on dynamic loss scaling
+    gradients and optimizer state stay FP32 unless the plan's ``state``/``master`` entries say otherwise (8-bit or
+    BF16 Adam moments, BF16 master weights; :mod:`lightning_comp.execution.optimizer_states`). A plan that uses FP16
+    anywhere turns on dynamic loss scaling
     (``torch.amp.GradScaler``); BF16-only plans need none. A plan whose 16-bit precision is emulated on this device
     (BF16 on an AVX2-only CPU) still trains, with a warning naming the operators.
 
@@ -91,6 +94,7 @@ class CoMPPrecision(Precision):
         self._hook_guards = ExitStack()  # while a compiled model trains: Dynamo guards on hooks
         self._skipped = SkippedSteps()
         self._unplanned = UnplannedWorkWarnings()
+        self._optimizer_states = OptimizerStates()
         self.optimizer_steps = 0
 
     def _new_scaler(self, device_type: str) -> torch.amp.GradScaler:
@@ -203,6 +207,7 @@ class CoMPPrecision(Precision):
         device = model_device(model)
         target = device_class(device)
         plan = self._executor.apply(model, decline_slow_fp16(self._requested, target, self.allow_slow_fp16), device)
+        self._optimizer_states.assign(model, plan)
         self._scaler.sync(plan.uses(Dtype.FP16), device.type)
         if not self._trial:
             accepted = frozenset({Dtype.FP16}) if self.allow_slow_fp16 else frozenset()
@@ -252,6 +257,8 @@ class CoMPPrecision(Precision):
             )
         if self._executor.model is not None:
             self._apply()  # Lightning has placed the model by now: hook it for its device
+        for optimizer in optimizers or ():
+            self._optimizer_states.watch(optimizer)  # before Lightning restores a checkpoint's optimizer states
         return super().connect(model, optimizers, lr_schedulers)
 
     @contextmanager
@@ -304,6 +311,12 @@ class CoMPPrecision(Precision):
         self, optimizer: Optimizable, model: pl.LightningModule, closure: Callable[[], Any], **kwargs: Any
     ) -> Any:
         self.optimizer_steps += 1
+        states = self._optimizer_states
+        if self.scaler is None and isinstance(optimizer, Optimizer) and states.steps(optimizer):
+            states.watch(optimizer)
+            result = self._wrap_closure(model, optimizer, closure)  # forward, backward, clipping: as the base does
+            states.step(optimizer, lambda: optimizer.step(**kwargs))
+            return result
         if self.scaler is None:
             return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
         output, skipped = scaled_optimizer_step(self.scaler, optimizer, model, closure, self._after_closure, **kwargs)
@@ -329,7 +342,8 @@ class CoMPPrecision(Precision):
     def state_dict(self) -> dict[str, Any]:
         """The plan (plain Python types, loadable with ``weights_only=True``), scaler state and step counters."""
         return PluginState(plan=self.plan.to_dict(), scaler=None if self.scaler is None else self.scaler.state_dict(),
-                           skipped_steps=self.skipped_steps, optimizer_steps=self.optimizer_steps).to_dict()
+                           skipped_steps=self.skipped_steps, optimizer_steps=self.optimizer_steps,
+                           rounding=self._optimizer_states.rounding_state() or None).to_dict()
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -353,6 +367,7 @@ class CoMPPrecision(Precision):
         self._scaler.load(state.scaler, self.plan.uses(Dtype.FP16), self._executor.model is not None)
         self._skipped = SkippedSteps(state.skipped_steps)
         self.optimizer_steps = state.optimizer_steps
+        self._optimizer_states.load_rounding_state(state.rounding)
 
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -396,13 +411,17 @@ class CoMPPrecision(Precision):
 
 def _same_assignment(a: PrecisionPlan, b: PrecisionPlan) -> bool:
     """Whether two plans assign the same precisions (whatever their fingerprints, devices and provenance)."""
-    return (a.entries, a.default, a.saved, a.saved_default) == (b.entries, b.default, b.saved, b.saved_default)
+    def assignment(plan: PrecisionPlan) -> tuple[Any, ...]:
+        return (plan.entries, plan.default, plan.saved, plan.saved_default, plan.state, plan.state_default,
+                plan.master, plan.master_default)
+
+    return assignment(a) == assignment(b)
 
 
 def _assignment(plan: PrecisionPlan) -> str:
     """The plan's entries for a message, e.g. ``{'head': 'bf16', '<default>': 'fp32'}``."""
     entries = {selector: precision.value for selector, precision in plan.entries}
     entries["<default>"] = plan.default.value
-    if plan.compresses_saved:
-        entries.update({f"saved {selector}": saved.value for selector, saved in plan.saved})
+    for dimension in ("saved", "state", "master"):
+        entries.update({f"{dimension} {selector}": value.value for selector, value in getattr(plan, dimension)})
     return repr(entries)

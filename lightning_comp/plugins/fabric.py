@@ -24,6 +24,7 @@ from lightning_comp.execution.compiled_regions import is_compiled
 from lightning_comp.execution.emulation import check_plan_device, decline_slow_fp16
 from lightning_comp.execution.executor import PlanExecutor, StepKind
 from lightning_comp.execution.loss_scaling import ScalerSlot, SkippedSteps
+from lightning_comp.execution.optimizer_states import OptimizerStates
 from lightning_comp.execution.plugin_state import PluginState
 from lightning_comp.execution.saved_tensors import DEFAULT_MIN_SAVED_BYTES
 from lightning_comp.execution.unplanned_work import UnplannedWorkWarnings
@@ -75,6 +76,7 @@ class CoMPFabricPrecision(Precision):
                                       min_saved_bytes=min_saved_bytes)
         self._skipped = SkippedSteps()
         self._unplanned = UnplannedWorkWarnings()
+        self._optimizer_states = OptimizerStates()
         self.optimizer_steps = 0
 
     # -------------------------------------------------------------------------------------------- the plan
@@ -123,6 +125,7 @@ class CoMPFabricPrecision(Precision):
         device = model_device(model)
         target = device_class(device)
         plan = self._executor.apply(model, decline_slow_fp16(self._requested, target, self.allow_slow_fp16), device)
+        self._optimizer_states.assign(model, plan)
         self._scaler.sync(plan.uses(Dtype.FP16), device.type)
         check_plan_device(plan, model, target, stacklevel=4,
                           accepted=frozenset({Dtype.FP16}) if self.allow_slow_fp16 else frozenset())
@@ -183,6 +186,10 @@ class CoMPFabricPrecision(Precision):
         """
         self.optimizer_steps += 1
         scaler = self.scaler
+        states = self._optimizer_states
+        if scaler is None and isinstance(optimizer, Optimizer) and states.steps(optimizer):
+            states.watch(optimizer)
+            return states.step(optimizer, lambda: optimizer.step(**kwargs))
         if scaler is None:
             return optimizer.step(**kwargs)
         if isinstance(optimizer, LBFGS):
@@ -208,7 +215,8 @@ class CoMPFabricPrecision(Precision):
         """The plan (plain Python types), the scaler's state and the step counters, as ``CoMPPrecision`` keeps them
         (a Trainer checkpoint's ``CoMPPrecision`` state loads here, and back)."""
         return PluginState(plan=self.plan.to_dict(), scaler=None if self.scaler is None else self.scaler.state_dict(),
-                           skipped_steps=self.skipped_steps, optimizer_steps=self.optimizer_steps).to_dict()
+                           skipped_steps=self.skipped_steps, optimizer_steps=self.optimizer_steps,
+                           rounding=self._optimizer_states.rounding_state() or None).to_dict()
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -229,6 +237,7 @@ class CoMPFabricPrecision(Precision):
         self._scaler.load(state.scaler, self.plan.uses(Dtype.FP16), self._executor.device is not None)
         self._skipped = SkippedSteps(state.skipped_steps)
         self.optimizer_steps = state.optimizer_steps
+        self._optimizer_states.load_rounding_state(state.rounding)
 
     @override
     def teardown(self) -> None:

@@ -1,0 +1,398 @@
+"""Optimizer-state and master-weight precisions: the parameters a plan names are stepped here, in their own formats.
+
+A plan's ``state`` and ``master`` entries (:class:`~lightning_comp.PrecisionPlan`) apply to the parameters each
+operator owns (:mod:`lightning_comp.execution.parameter_groups`):
+
+- ``state="bf16"`` keeps Adam's two moments in bfloat16 (4 bytes per parameter instead of 8); ``state="8bit"``
+  keeps them as block-quantised codes (:mod:`lightning_comp.numerics.block_quant`, about 2 bytes per parameter;
+  tensors under 4096 elements stay FP32, as in torchao).
+- ``master="bf16"`` holds the parameter itself in bfloat16 (2 bytes instead of 4, and its gradient too) with no FP32
+  copy anywhere; each update is rounded stochastically into it
+  (:mod:`lightning_comp.numerics.stochastic_rounding`), so updates below half a BF16 step still count in expectation.
+
+The state stays where it always was: in the user's own ``torch.optim.Adam``/``AdamW``, under the keys that optimizer
+uses (``step``, ``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``; 8-bit moments add ``<key>_scale``), in plain
+tensors. Checkpoints, the search's snapshots and rewinds therefore hold it as they hold any optimizer state, and it
+loads with ``torch.load(weights_only=True)``. Two rules make that exact:
+
+- **Loading keeps the saved dtypes.** ``Optimizer.load_state_dict`` casts every floating state tensor to its
+  parameter's dtype; a load hook puts back the tensors whose dtype that cast changed (FP32 moments of a BF16 master,
+  the FP32 block scales of 8-bit moments), so a resume is bit-exact.
+- **A format follows the plan lazily.** When the plan changes, each parameter's state is converted to its new format
+  at its next step (an FP32 moment quantised, an 8-bit one decoded for the optimizer's own step), and master weights
+  change dtype when the plan is applied (FP32 <-> BF16; a parameter returns to the dtype it had).
+
+At a step (:meth:`OptimizerStates.step`), the managed parameters are updated here with Adam(W)'s arithmetic in FP32
+(decoupled or L2 weight decay, AMSGrad, ``maximize``), each from its group's current hyper-parameters (so LR
+schedulers work as they do), and their gradients are hidden from the optimizer's own ``step``, which updates the rest.
+Optimizers other than ``torch.optim.Adam`` and ``AdamW`` are refused with an error naming them.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+
+from lightning_comp.errors import PlanError, UnsupportedSetupError
+from lightning_comp.execution.parameter_groups import parameter_owners
+from lightning_comp.numerics import block_quant
+from lightning_comp.numerics.precision import MasterPrecision, StatePrecision
+from lightning_comp.numerics.stochastic_rounding import round_to_bf16
+from lightning_comp.plan.plan import PrecisionPlan
+
+__all__ = ["OptimizerStates", "ParameterTreatment", "adam_step", "state_bytes", "state_nbytes"]
+
+_MOMENTS = (("exp_avg", True), ("exp_avg_sq", False), ("max_exp_avg_sq", False))  # key, signed
+_SCALE = "_scale"
+_ROUNDING_SEED = 0x5EED
+
+
+@dataclass(frozen=True)
+class ParameterTreatment:
+    """How one parameter is held and stepped.
+
+    Attributes:
+        state: the precision of its optimizer state.
+        master: the precision of the parameter itself.
+    """
+
+    state: StatePrecision = StatePrecision.FP32
+    master: MasterPrecision = MasterPrecision.FP32
+
+    @property
+    def managed(self) -> bool:
+        """Whether this package steps the parameter (anything but FP32 state and FP32 master)."""
+        return self.state.managed or self.master.managed
+
+
+def state_bytes(optimizer: Optimizer) -> int:
+    """Bytes of every tensor in ``optimizer``'s state (moments, codes, scales and step counters)."""
+    total = 0
+    for state in optimizer.state.values():
+        total += sum(v.nbytes for v in state.values() if isinstance(v, torch.Tensor))
+    return total
+
+
+class OptimizerStates:
+    """Puts a plan's ``state`` and ``master`` entries into effect and steps the parameters they name (see the module
+    docstring)."""
+
+    def __init__(self) -> None:
+        self._treatments: dict[int, ParameterTreatment] = {}
+        self._names: dict[int, str] = {}
+        self._original: dict[int, torch.dtype] = {}  # parameters whose dtype the master entry changed: their own
+        self._generators: dict[str, torch.Generator] = {}
+        self._pending_rounding: dict[str, torch.Tensor] = {}
+        self._watched: weakref.WeakSet[Optimizer] = weakref.WeakSet()
+        self._converted: weakref.WeakSet[Optimizer] = weakref.WeakSet()  # whose states follow the assignment
+
+    def __getstate__(self) -> dict[str, Any]:
+        # ddp_spawn pickles the plugin: parameter ids and hooked optimizers belong to this process
+        return {**self.__dict__, "_treatments": {}, "_names": {}, "_original": {}, "_watched": None,
+                "_converted": None, "_generators": {}, "_pending_rounding": self.rounding_state()}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._watched, self._converted = weakref.WeakSet(), weakref.WeakSet()
+
+    @property
+    def managing(self) -> bool:
+        """Whether any parameter is stepped here."""
+        return bool(self._treatments)
+
+    def steps(self, optimizer: Optimizer) -> bool:
+        """Whether ``optimizer``'s step must go through :meth:`step` (it has managed parameters, or states that may
+        be in a format its own step cannot read)."""
+        return bool(self._treatments) or optimizer not in self._converted
+
+    # ------------------------------------------------------------------------------------------------- the plan
+    def assign(self, model: nn.Module, plan: PrecisionPlan) -> dict[str, ParameterTreatment]:
+        """Put ``plan``'s optimizer-state and master-weight precisions in force for ``model``'s parameters.
+
+        Master weights change dtype now (a BF16 master for ``master="bf16"``; back to the dtype it had otherwise);
+        optimizer states change format at their next step.
+
+        Returns:
+            parameter name -> treatment, for the managed parameters.
+
+        Raises:
+            PlanError: if a parameter to hold in BF16 is neither FP32 nor BF16, or its operator does not compute in
+                BF16.
+            UnsupportedSetupError: if master weights would change dtype under a sharded or multi-process run, or the
+                plan also computes in fp16 (loss-scaled steps are not combined with these yet).
+        """
+        if plan.manages_parameters and plan.uses("fp16"):
+            raise UnsupportedSetupError(
+                "This plan computes in fp16 (with loss scaling) and sets optimizer-state or master-weight precisions;"
+                " the two do not combine yet. Use bf16 compute, or keep state='fp32' and master='fp32'.")
+        treatments: dict[int, ParameterTreatment] = {}
+        names: dict[int, str] = {}
+        for owned in parameter_owners(model):
+            p = owned.parameter
+            if owned.owner is None:
+                treatment = ParameterTreatment(plan.state_default, plan.master_default)
+            else:
+                treatment = ParameterTreatment(plan.state_of(owned.owner, owned.owner_type),
+                                               plan.master_of(owned.owner, owned.owner_type))
+                compute = plan.precision_of(owned.owner, owned.owner_type)
+                if treatment.master.managed and compute.dtype != treatment.master.dtype:
+                    raise PlanError(
+                        f"Plan entry for {owned.owner!r}: master='bf16' holds its parameters in bfloat16, so it must"
+                        f" compute in bf16, not {compute.value} (an fp32 operator would need the FP32 copy a bf16"
+                        " master removes). Set its compute to 'bf16', or its master to 'fp32'.")
+            self._hold(owned.name, p, treatment.master)
+            if treatment.managed and p.requires_grad:
+                treatments[id(p)] = treatment
+                names[id(p)] = owned.name
+        self._treatments, self._names = treatments, names
+        self._converted = weakref.WeakSet()
+        return {names[key]: treatment for key, treatment in treatments.items()}
+
+    def _hold(self, name: str, p: nn.Parameter, master: MasterPrecision) -> None:
+        """Give ``p`` the dtype ``master`` asks for (or back the one it had)."""
+        key = id(p)
+        if master.managed:
+            if p.dtype == master.dtype:
+                return
+            if p.dtype != torch.float32:
+                raise PlanError(f"Parameter {name!r} is {p.dtype}: master='bf16' holds FP32 parameters in bfloat16;"
+                                " keep master='fp32' for it.")
+            target = master.dtype
+            self._original[key] = p.dtype
+        elif key in self._original:
+            target = self._original.pop(key)
+        else:
+            return
+        if isinstance(p.data, torch.Tensor) and type(p.data) is not torch.Tensor:
+            raise UnsupportedSetupError(f"Parameter {name!r} is a {type(p.data).__name__} (a sharded parameter):"
+                                        " master='bf16' is not supported with sharded training; keep master='fp32'.")
+        if torch.distributed.is_available() and torch.distributed.is_initialized() \
+                and torch.distributed.get_world_size() > 1:
+            raise UnsupportedSetupError(
+                f"master='bf16' for {name!r} would change a parameter's dtype in a multi-process run, whose gradient"
+                " buckets are built for the dtypes they were made with; keep master='fp32' there (state='bf16'/'8bit'"
+                " work under DDP).")
+        p.grad = None
+        p.data = p.data.to(target)
+
+    # ----------------------------------------------------------------------------------------- checkpoint hooks
+    def watch(self, optimizer: Optimizer) -> None:
+        """Register the load hooks that keep saved state dtypes on ``optimizer`` (once)."""
+        if optimizer in self._watched:
+            return
+        self._watched.add(optimizer)
+        stash: dict[str, Any] = {}
+
+        def before(opt: Optimizer, state_dict: dict[str, Any]) -> None:
+            stash["state"] = {k: dict(v) for k, v in state_dict.get("state", {}).items()}
+            stash["ids"] = [i for group in state_dict.get("param_groups", []) for i in group["params"]]
+
+        def after(opt: Optimizer) -> None:
+            params = [p for group in opt.param_groups for p in group["params"]]
+            for index, p in zip(stash.pop("ids", []), params):
+                saved = stash["state"].get(index)
+                if not saved or p not in opt.state:
+                    continue
+                state = opt.state[p]
+                for key, value in saved.items():
+                    if isinstance(value, torch.Tensor) and key != "step" and key in state \
+                            and state[key].dtype != value.dtype:
+                        state[key] = value.to(device=p.device)
+            stash.clear()
+            self._converted.discard(opt)
+
+        optimizer.register_load_state_dict_pre_hook(before)
+        optimizer.register_load_state_dict_post_hook(after)
+
+    def rounding_state(self) -> dict[str, torch.Tensor]:
+        """The stochastic-rounding generators' states (device -> state), for the plugin's checkpoint."""
+        states = dict(self._pending_rounding)
+        states.update({device: generator.get_state() for device, generator in self._generators.items()})
+        return states
+
+    def load_rounding_state(self, states: dict[str, torch.Tensor] | None) -> None:
+        """Restore :meth:`rounding_state` (generators of devices not seen yet are restored when first used)."""
+        self._pending_rounding = dict(states or {})
+        for device in list(self._generators):
+            if device in self._pending_rounding:
+                self._generators[device].set_state(self._pending_rounding.pop(device))
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        key = str(device)
+        generator = self._generators.get(key)
+        if generator is None:
+            generator = torch.Generator(device=device)
+            generator.manual_seed(_ROUNDING_SEED)
+            if key in self._pending_rounding:
+                generator.set_state(self._pending_rounding.pop(key))
+            self._generators[key] = generator
+        return generator
+
+    # ------------------------------------------------------------------------------------------------ the step
+    def step(self, optimizer: Optimizer, own_step: Any) -> Any:
+        """Update ``optimizer``'s managed parameters here, then run ``own_step()`` (the optimizer's own step) with
+        their gradients hidden, and return what it returns.
+
+        Raises:
+            UnsupportedSetupError: if a managed parameter belongs to an optimizer other than Adam/AdamW, or to one
+                set up in a way this step does not reproduce (``capturable``, ``differentiable``, sparse gradients).
+        """
+        hidden: list[tuple[nn.Parameter, torch.Tensor]] = []
+        convert = optimizer not in self._converted
+        self._converted.add(optimizer)
+        try:
+            with torch.no_grad():
+                for group in optimizer.param_groups:
+                    for p in group["params"]:
+                        treatment = self._treatments.get(id(p))
+                        if treatment is None:
+                            if convert and p in optimizer.state:
+                                _to_own_format(optimizer.state[p], p)
+                            continue
+                        if p.grad is None:
+                            continue
+                        _check_optimizer(optimizer, group, self._names[id(p)])
+                        self._update(p, optimizer.state[p], group, treatment)
+                        hidden.append((p, p.grad))
+                        p.grad = None
+            return own_step()
+        finally:
+            for p, grad in hidden:
+                p.grad = grad
+
+    def _update(self, p: nn.Parameter, state: dict[str, Any], group: dict[str, Any],
+                treatment: ParameterTreatment) -> None:
+        grad = p.grad
+        assert grad is not None
+        if grad.is_sparse:
+            raise UnsupportedSetupError(f"Parameter {self._names[id(p)]!r} has a sparse gradient: state/master"
+                                        " precisions need dense gradients; keep them fp32 for it.")
+        rounding = self._generator(p.device) if p.dtype == torch.bfloat16 and treatment.master.managed else None
+        adam_step(p, grad, state, group, treatment.state, rounding)
+
+
+def adam_step(p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], group: dict[str, Any],
+              precision: StatePrecision, rounding: torch.Generator | None) -> None:
+    """One Adam(W) step of ``p`` in FP32 with ``group``'s hyper-parameters, its moments read and written in
+    ``precision``'s format; with ``rounding``, the new BF16 value of ``p`` is rounded stochastically from it."""
+    amsgrad = bool(group.get("amsgrad", False))
+    if not state:
+        state["step"] = torch.tensor(0.0, dtype=torch.float32)
+    moments = [(k, signed) for k, signed in _MOMENTS if k != "max_exp_avg_sq" or amsgrad]
+    fmt = _format(precision, p)
+    values = {k: _read(state, k, signed, p) for k, signed in moments}
+    state["step"] += 1
+    step = float(state["step"])
+    lr = float(group["lr"])
+    beta1, beta2 = (float(b) for b in group["betas"])
+    eps, decay = float(group["eps"]), float(group["weight_decay"])
+    g = grad.float()
+    if group.get("maximize", False):
+        g = -g
+    in_place = p.dtype == torch.float32
+    weights = p.detach() if in_place else p.detach().float()
+    if decay != 0:
+        if _decoupled(group):
+            weights.mul_(1 - lr * decay)
+        else:
+            g = g.add(weights, alpha=decay)
+    m, v = values["exp_avg"], values["exp_avg_sq"]
+    m.lerp_(g, 1 - beta1)
+    v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+    bias1, bias2_sqrt = 1 - beta1 ** step, math.sqrt(1 - beta2 ** step)
+    if amsgrad:
+        top = values["max_exp_avg_sq"]
+        torch.maximum(top, v, out=top)
+        denom = (top.sqrt() / bias2_sqrt).add_(eps)
+    else:
+        denom = (v.sqrt() / bias2_sqrt).add_(eps)
+    weights.addcdiv_(m, denom, value=-lr / bias1)
+    for key, signed in moments:
+        _write(state, key, values[key], fmt, signed)
+    if rounding is not None:
+        p.detach().copy_(round_to_bf16(weights, rounding))
+    elif not in_place:
+        p.detach().copy_(weights)  # a parameter that was BF16 of its own: rounded to nearest, as its optimizer would
+
+
+def state_nbytes(p: torch.Tensor, precision: StatePrecision, amsgrad: bool = False) -> int:
+    """Bytes Adam's state of ``p`` takes at ``precision`` (moments, 8-bit block scales and the step counter)."""
+    moments = 3 if amsgrad else 2
+    fmt = _format(precision, p)
+    if fmt == torch.uint8:
+        per_moment = p.numel() + 4 * (p.numel() // block_quant.BLOCK_SIZE)
+    else:
+        per_moment = p.numel() * (2 if fmt == torch.bfloat16 else 4)
+    return moments * per_moment + 4
+
+
+# ------------------------------------------------------------------------------------------------ state formats
+def _format(state: StatePrecision, p: torch.Tensor) -> torch.dtype:
+    """The dtype a moment of ``p`` is stored in under ``state`` (uint8: 8-bit codes)."""
+    if state is StatePrecision.INT8 and block_quant.quantisable(p):
+        return torch.uint8
+    return torch.bfloat16 if state is StatePrecision.BF16 else torch.float32
+
+
+def _read(state: dict[str, Any], key: str, signed: bool, p: torch.Tensor) -> torch.Tensor:
+    """The moment ``key`` in FP32 (the stored tensor itself when it is FP32: updated in place; zeros if absent)."""
+    stored = state.get(key)
+    if stored is None:
+        return torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
+    if stored.dtype == torch.uint8:
+        return block_quant.dequantise(stored, state[key + _SCALE], signed)
+    return stored if stored.dtype == torch.float32 else stored.float()
+
+
+def _write(state: dict[str, Any], key: str, values: torch.Tensor, fmt: torch.dtype, signed: bool) -> None:
+    """Store FP32 ``values`` as the moment ``key`` in ``fmt``."""
+    stored = state.get(key)
+    if fmt == torch.uint8:
+        if stored is None or stored.dtype != torch.uint8:
+            quantised = block_quant.QuantisedMoment.quantise(values, signed)
+            state[key], state[key + _SCALE] = quantised.codes, quantised.scale
+        else:
+            block_quant.into(values, stored, state[key + _SCALE], signed)
+        return
+    state.pop(key + _SCALE, None)
+    if stored is not None and stored.dtype == fmt and stored.shape == values.shape:
+        if stored is not values:
+            stored.copy_(values)
+    else:
+        state[key] = values if fmt == torch.float32 else values.to(fmt)
+
+
+def _to_own_format(state: dict[str, Any], p: torch.Tensor) -> None:
+    """Return an unmanaged parameter's state to the optimizer's own format (moments in ``p``'s dtype, no scales)."""
+    for key, signed in _MOMENTS:
+        stored = state.get(key)
+        if stored is None or stored.dtype == p.dtype:
+            continue
+        if stored.dtype == torch.uint8:
+            state[key] = block_quant.dequantise(stored, state.pop(key + _SCALE), signed).to(p.dtype)
+        elif stored.is_floating_point():
+            state[key] = stored.to(p.dtype)
+
+
+def _decoupled(group: dict[str, Any]) -> bool:
+    return bool(group.get("decoupled_weight_decay", False))
+
+
+def _check_optimizer(optimizer: Optimizer, group: dict[str, Any], name: str) -> None:
+    if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+        raise UnsupportedSetupError(
+            f"{type(optimizer).__qualname__} steps parameter {name!r}, whose plan entry sets state/master precision:"
+            " those apply to torch.optim.Adam and torch.optim.AdamW only. Use one of them, or keep state='fp32' and"
+            " master='fp32' for it.")
+    for flag in ("capturable", "differentiable", "fused"):
+        if group.get(flag):
+            raise UnsupportedSetupError(
+                f"{type(optimizer).__qualname__}({flag}=True) steps parameter {name!r}, whose plan entry sets"
+                " state/master precision: that step is not reproduced here. Drop the flag, or keep state='fp32' and"
+                " master='fp32' for it.")

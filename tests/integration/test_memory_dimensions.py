@@ -1,0 +1,112 @@
+"""Optimizer-state, master-weight and recompute dimensions through the real Lightning Trainer: training, the plan in
+the checkpoint, and a bit-exact resume with every dimension in use."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch import nn
+
+from lightning_comp import CoMPPrecision
+from lightning_comp.errors import PlanError, UnsupportedSetupError
+from tests.helpers.models import WEIGHTS_ONLY
+from tests.helpers.search_models import Classifier
+from tests.scripts.fault_run import fixed_loaders
+
+
+class Block(Classifier):
+    """``l1`` (Linear 64->256) -> ``act`` (GELU) -> ``l2`` (Linear 256->256) -> ``norm`` -> ``head``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1 = nn.Linear(64, 256)
+        self.act = nn.GELU()
+        self.l2 = nn.Linear(256, 256)
+        self.norm = nn.LayerNorm(256)
+        self.head = nn.Linear(256, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(self.l2(self.act(self.l1(x)))))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=3e-3, weight_decay=0.01)
+
+
+EVERY_DIMENSION = {
+    "l1": {"compute": "bf16", "state": "8bit", "master": "bf16"},
+    "act": {"compute": "bf16", "saved": "recompute"},
+    "l2": {"compute": "bf16", "state": "bf16", "master": "bf16", "saved": "fp8"},
+    "head": {"state": "8bit"},
+}
+
+
+def _trainer(root: Path, plugin: CoMPPrecision, **kwargs: Any) -> pl.Trainer:
+    kwargs.setdefault("max_epochs", 1)
+    return pl.Trainer(accelerator="cpu", devices=1, plugins=[plugin], logger=False, enable_progress_bar=False,
+                      enable_model_summary=False, default_root_dir=str(root), num_sanity_val_steps=0,
+                      limit_val_batches=2, **kwargs)
+
+
+def _fit(root: Path, plan: Any, ckpt_path: Path | None = None, **kwargs: Any) -> tuple[pl.Trainer, Block]:
+    pl.seed_everything(0)
+    model = Block()
+    trainer = _trainer(root, CoMPPrecision(plan), **kwargs)
+    train, val = fixed_loaders(n_train=512, n_val=128, batch_size=64)  # the same batches after a resume
+    trainer.fit(model, train, val, ckpt_path=ckpt_path, **WEIGHTS_ONLY)
+    return trainer, model
+
+
+def test_every_dimension_trains_through_the_trainer(tmp_path: Path) -> None:
+    trainer, model = _fit(tmp_path / "comp", EVERY_DIMENSION, max_epochs=2)
+    assert model.l1.weight.dtype == torch.bfloat16 and model.l2.weight.dtype == torch.bfloat16
+    assert model.head.weight.dtype == torch.float32 and model.norm.weight.dtype == torch.float32
+    state = trainer.optimizers[0].state
+    assert state[model.l1.weight]["exp_avg"].dtype == torch.uint8
+    assert state[model.l2.weight]["exp_avg"].dtype == torch.bfloat16
+    assert state[model.head.weight]["exp_avg"].dtype == torch.float32  # 2560 elements: too small to quantise
+    assert state[model.norm.weight]["exp_avg"].dtype == torch.float32  # not named
+    reference, _ = _fit(tmp_path / "fp32", None, max_epochs=2)
+    ours, fp32 = float(trainer.callback_metrics["val_loss"]), float(reference.callback_metrics["val_loss"])
+    assert ours < 0.9 * 2.3026  # it learned (chance is ln 10)
+    assert ours == pytest.approx(fp32, rel=0.05)
+
+
+def test_resume_with_every_dimension_is_bit_exact(tmp_path: Path) -> None:
+    """Four epochs straight, against two epochs, a checkpoint, and two more in a fresh Trainer and model: the same
+    weights (bf16 masters included), optimizer states (8-bit codes and scales) and stochastic-rounding stream."""
+    straight_trainer, straight = _fit(tmp_path / "straight", EVERY_DIMENSION, max_epochs=4)
+    first, _ = _fit(tmp_path / "first", EVERY_DIMENSION, max_epochs=2)
+    ckpt = tmp_path / "first.ckpt"
+    first.save_checkpoint(ckpt)
+    stored = torch.load(ckpt, weights_only=True)
+    assert stored["lightning_comp"]["plan"]["master"] == {"l1": "bf16", "l2": "bf16"}
+    assert stored["lightning_comp"]["rounding"]  # the generator that rounds bf16 masters
+    resumed_trainer, resumed = _fit(tmp_path / "resumed", None, ckpt_path=ckpt, max_epochs=4)
+    assert resumed_trainer.precision_plugin.plan.state == straight_trainer.precision_plugin.plan.state
+    for (name, a), b in zip(straight.named_parameters(), resumed.parameters()):
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+    ours, theirs = resumed_trainer.optimizers[0].state, straight_trainer.optimizers[0].state
+    for a, b in zip(straight.parameters(), resumed.parameters()):
+        for key, value in theirs[a].items():
+            assert torch.equal(value, ours[b][key]), key
+
+
+def test_a_bf16_master_needs_its_operator_in_bf16(tmp_path: Path) -> None:
+    with pytest.raises(PlanError, match="'head'.*compute"):
+        _fit(tmp_path, {"head": {"master": "bf16"}}, max_steps=1)
+
+
+def test_other_optimizers_are_refused_by_name(tmp_path: Path) -> None:
+    class WithSGD(Block):
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    pl.seed_everything(0)
+    trainer = _trainer(tmp_path, CoMPPrecision({"l1": {"state": "8bit"}}), max_steps=1)
+    train, val = fixed_loaders(n_train=128, n_val=64, batch_size=64)
+    with pytest.raises(UnsupportedSetupError, match="SGD steps parameter 'l1.weight'"):
+        trainer.fit(WithSGD(), train, val)
