@@ -1,4 +1,5 @@
-"""What the epoch stage trials: an operator's compute precision, or the precision of what it saves for backward."""
+"""What the epoch stage trials: an operator's compute precision, the precision of what it saves for backward (or its
+recomputation), or the precision of its parameters' optimizer state or master copy."""
 
 from __future__ import annotations
 
@@ -16,7 +17,9 @@ class Dimension(str, Enum):
     """Which of an operator's precisions a candidate lowers."""
 
     COMPUTE = "compute"  # the precision it computes in
-    SAVED = "saved"  # the precision it stores its saved tensors in
+    SAVED = "saved"  # the precision it stores its saved tensors in (or recomputes them)
+    STATE = "state"  # the precision of its parameters' optimizer state
+    MASTER = "master"  # the precision its parameters are held in
 
 
 @dataclass(frozen=True)
@@ -35,6 +38,16 @@ class Candidate:
     def saved(cls, operator: str) -> Candidate:
         """The candidate that lowers what ``operator`` saves for backward."""
         return cls(operator, Dimension.SAVED)
+
+    @classmethod
+    def state(cls, operator: str) -> Candidate:
+        """The candidate that lowers the optimizer state of ``operator``'s parameters."""
+        return cls(operator, Dimension.STATE)
+
+    @classmethod
+    def master(cls, operator: str) -> Candidate:
+        """The candidate that holds ``operator``'s parameters in bf16 (it lowers the operator's compute with it)."""
+        return cls(operator, Dimension.MASTER)
 
     @property
     def is_saved(self) -> bool:
@@ -57,10 +70,11 @@ class Candidate:
                 return cls(data[0], Dimension(data[1]))
             except ValueError:
                 pass
-        raise SearchConfigError(f"Malformed CoMPSearch candidate {data!r}: expected [operator, 'compute'|'saved'].")
+        raise SearchConfigError(f"Malformed CoMPSearch candidate {data!r}: expected [operator, dimension] with a"
+                                f" dimension of {[d.value for d in Dimension]}.")
 
     def __str__(self) -> str:
-        return self.operator if self.dimension is Dimension.COMPUTE else f"{self.operator} (saved)"
+        return self.operator if self.dimension is Dimension.COMPUTE else f"{self.operator} ({self.dimension.value})"
 
 
 def candidates_to_plain(candidates: Iterable[Candidate]) -> list[list[str]]:

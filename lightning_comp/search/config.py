@@ -17,10 +17,11 @@ import torch
 from lightning_comp.common.spelled_enum import SpelledEnum
 from lightning_comp.devices.device_classes import DeviceClass
 from lightning_comp.errors import CoMPError, PlanError, SearchConfigError
-from lightning_comp.numerics.precision import Precision, SavedPrecision
+from lightning_comp.numerics.precision import MasterPrecision, Precision, SavedPrecision, StatePrecision
 from lightning_comp.plan.selectors import Selectors
 
-__all__ = ["LowPrecision", "Mode", "Objective", "SavedPrecisions", "SearchConfig", "Timing", "ToleranceMode"]
+__all__ = ["LowPrecision", "MasterPrecisions", "Mode", "Objective", "SavedPrecisions", "SearchConfig",
+           "StatePrecisions", "Timing", "ToleranceMode"]
 
 
 class _Setting(SpelledEnum):
@@ -85,6 +86,34 @@ class SavedPrecisions(_Setting):
                 (SavedPrecision.BF16,), SavedPrecisions.FP8: (SavedPrecision.FP8,), SavedPrecisions.OFF: ()}[self]
 
 
+class StatePrecisions(_Setting):
+    """The precisions the memory and balanced objectives may keep a parameter group's optimizer state in."""
+
+    AUTO = "auto"  # 8bit or bf16, the smaller that pays per operator
+    INT8 = "8bit"
+    BF16 = "bf16"
+    OFF = "off"  # the optimizer's own fp32 state
+
+    @property
+    def options(self) -> tuple[StatePrecision, ...]:
+        """The optimizer-state precisions tried, smallest first."""
+        return {StatePrecisions.AUTO: (StatePrecision.INT8, StatePrecision.BF16),
+                StatePrecisions.INT8: (StatePrecision.INT8,), StatePrecisions.BF16: (StatePrecision.BF16,),
+                StatePrecisions.OFF: ()}[self]
+
+
+class MasterPrecisions(_Setting):
+    """Whether the memory and balanced objectives may hold a parameter group's master weights in bf16."""
+
+    AUTO = "auto"  # bf16 where the operator computes in bf16 and it pays
+    OFF = "off"  # fp32 master weights
+
+    @property
+    def options(self) -> tuple[MasterPrecision, ...]:
+        """The master-weight precisions tried."""
+        return (MasterPrecision.BF16,) if self is MasterPrecisions.AUTO else ()
+
+
 # setting -> its enum, and what the message of a bad value says
 _CHOICES: dict[str, tuple[type[_Setting], str]] = {
     "mode": (Mode, "use 'min' (lower is better, e.g. a loss) or 'max' (e.g. accuracy)"),
@@ -94,6 +123,10 @@ _CHOICES: dict[str, tuple[type[_Setting], str]] = {
     "low_precision": (LowPrecision, "use 'auto' (what pays on the device), 'bf16' or 'fp16'"),
     "saved_precision": (SavedPrecisions, "use 'auto' (bf16 or fp8, whichever pays per operator), 'bf16', 'fp8' or"
                         " 'off' (the memory and balanced objectives then leave saved tensors as computed)"),
+    "state_precision": (StatePrecisions, "use 'auto' (8bit or bf16 Adam moments, whichever pays per operator),"
+                        " '8bit', 'bf16' or 'off' (the optimizer's own fp32 state)"),
+    "master_precision": (MasterPrecisions, "use 'auto' (bf16 master weights where an operator computes in bf16 and"
+                         " it pays) or 'off'"),
 }
 
 
@@ -162,6 +195,16 @@ class SearchConfig:
             ``"fp8"``, or ``"off"`` (saved as computed). Ignored with ``objective="throughput"``.
         include_saved: plan selectors of operators whose saved lowering is trialled whatever the batch stage
             measures (at ``fp8`` with ``"auto"``); convergence still decides.
+        state_precision: with ``objective="memory"``/``"balanced"`` and an ``Adam``/``AdamW`` optimizer, the
+            precisions the optimizer state of each operator's parameters may be kept in: ``"auto"`` (``8bit`` or
+            ``bf16``, the smaller that pays per operator), ``"8bit"``, ``"bf16"``, or ``"off"`` (the optimizer's own
+            FP32 state). Ignored with ``objective="throughput"``.
+        master_precision: with ``objective="memory"``/``"balanced"``, ``"auto"`` lets the search hold the parameters
+            of operators it lowers to bf16 in bf16, with no FP32 copy (stochastically rounded updates), where that
+            pays; ``"off"`` keeps FP32 master weights. Ignored with ``objective="throughput"``.
+        include_state: plan selectors of operators whose parameters' optimizer state is trialled at the smallest
+            ``state_precision`` (``8bit`` with ``"auto"``) whatever the batch stage measures; convergence still
+            decides.
 
     Raises:
         SearchConfigError: on an invalid setting, naming it and the valid values.
@@ -193,6 +236,9 @@ class SearchConfig:
     snapshot_device: str | None = None
     saved_precision: SavedPrecisions = SavedPrecisions.AUTO
     include_saved: tuple[str, ...] = ()
+    state_precision: StatePrecisions = StatePrecisions.AUTO
+    master_precision: MasterPrecisions = MasterPrecisions.AUTO
+    include_state: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.record_dir is not None:
@@ -212,7 +258,9 @@ class SearchConfig:
                            " 'cpu'")
         if self.include_saved and self.saved_precision is SavedPrecisions.OFF:
             self._fail("include_saved", "it needs saved_precision other than 'off'")
-        for name in ("include", "exclude", "include_saved"):
+        if self.include_state and self.state_precision is StatePrecisions.OFF:
+            self._fail("include_state", "it needs state_precision other than 'off'")
+        for name in ("include", "exclude", "include_saved", "include_state"):
             value = getattr(self, name)
             if isinstance(value, str) or not all(isinstance(v, str) for v in value):
                 self._fail(name, "it must be a list of plan selectors (operator names, globs or 'type:ClassName')")
@@ -291,6 +339,11 @@ class SearchConfig:
     def included_saved(self) -> Selectors:
         """Operators whose saved-precision lowering is trialled whatever the batch stage measures."""
         return Selectors.of(self.include_saved)
+
+    @functools.cached_property
+    def included_state(self) -> Selectors:
+        """Operators whose optimizer-state lowering is trialled whatever the batch stage measures."""
+        return Selectors.of(self.include_state)
 
     @functools.cached_property
     def excluded(self) -> Selectors:

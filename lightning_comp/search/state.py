@@ -14,7 +14,7 @@ from enum import Enum
 from typing import Any
 
 from lightning_comp.errors import SearchConfigError
-from lightning_comp.numerics.precision import Precision, SavedPrecision
+from lightning_comp.numerics.precision import MasterPrecision, Precision, SavedPrecision, StatePrecision
 from lightning_comp.search.candidates import Candidate, candidates_from_plain, candidates_to_plain
 from lightning_comp.search.decisions.group_search import GroupSearch
 from lightning_comp.search.decisions.trial_plans import CheapRun
@@ -23,6 +23,7 @@ from lightning_comp.search.decisions.trials import TrialVerdict
 __all__ = ["STATE_VERSION", "Phase", "Restore", "SearchState", "TrialRecord"]
 
 STATE_VERSION = 1
+_ADDED_LATER = ("state_choices", "master_choices")  # keys a version-1 state may lack (read as empty)
 
 
 class Phase(str, Enum):
@@ -129,6 +130,8 @@ class SearchState:
         profile: the batch stage's measurements and decisions, in the decision record's form.
         runs: runs of cheap operators lowered between two lowered ones.
         saved_choices: operator -> the saved precision of its saved candidate.
+        state_choices: operator -> the optimizer-state precision of its state candidate.
+        master_choices: operator -> the master-weight precision of its master candidate.
         group_search: the adaptive group testing over the candidates.
         trials: the trials so far, in order.
         extension_epochs: epochs added to ``max_epochs`` (rejected trials).
@@ -151,6 +154,8 @@ class SearchState:
     profile: dict[str, Any] | None = None
     runs: list[CheapRun] = field(default_factory=list)
     saved_choices: dict[str, SavedPrecision] = field(default_factory=dict)
+    state_choices: dict[str, StatePrecision] = field(default_factory=dict)
+    master_choices: dict[str, MasterPrecision] = field(default_factory=dict)
     group_search: GroupSearch | None = None
     trials: list[TrialRecord] = field(default_factory=list)
     extension_epochs: int = 0
@@ -184,6 +189,8 @@ class SearchState:
         out["pending_restore"] = None if self.pending_restore is None else self.pending_restore.value
         out["runs"] = [run.to_dict() for run in self.runs]
         out["saved_choices"] = {name: saved.value for name, saved in self.saved_choices.items()}
+        out["state_choices"] = {name: state.value for name, state in self.state_choices.items()}
+        out["master_choices"] = {name: master.value for name, master in self.master_choices.items()}
         out["group_search"] = None if self.group_search is None else self.group_search.state_dict()
         out["trials"] = [t.to_dict() for t in self.trials]
         return out
@@ -201,12 +208,16 @@ class SearchState:
                 f" {STATE_VERSION}."
             )
         values = {k: v for k, v in data.items() if k != "version"}
+        for key in _ADDED_LATER:  # states written before the parameter dimensions existed
+            values.setdefault(key, {})
         _check_keys(values, cls, "checkpoint state")
         values["phase"] = Phase(values["phase"])
         values["low_precision"] = None if values["low_precision"] is None else Precision.parse(values["low_precision"])
         values["pending_restore"] = None if values["pending_restore"] is None else Restore(values["pending_restore"])
         values["runs"] = [CheapRun.from_dict(run) for run in values["runs"]]
         values["saved_choices"] = {str(k): SavedPrecision.parse(v) for k, v in values["saved_choices"].items()}
+        values["state_choices"] = {str(k): StatePrecision.parse(v) for k, v in values["state_choices"].items()}
+        values["master_choices"] = {str(k): MasterPrecision.parse(v) for k, v in values["master_choices"].items()}
         values["group_search"] = None if values["group_search"] is None else GroupSearch.from_state(
             values["group_search"])
         values["trials"] = [TrialRecord.from_dict(t) for t in values["trials"]]

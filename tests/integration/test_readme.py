@@ -35,7 +35,7 @@ class _Model(pl.LightningModule):
         self.log("val_loss", nn.functional.cross_entropy(self(x), y))
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=0.1)
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)  # README's optimizer-state snippet needs Adam(W)
 
 
 def _snippets() -> list[str]:

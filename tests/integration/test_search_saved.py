@@ -38,6 +38,8 @@ def _one_thread() -> Iterator[None]:
 def pinned_saved_search(**kwargs: Any) -> CoMPSearch:
     """Saved lowering of l2, l3, l4 at fp8, trialled whatever is measured; no compute lowering can pay."""
     kwargs.setdefault("include_saved", ["l2", "l3", "l4"])
+    kwargs.setdefault("state_precision", "off")  # only the saved dimension: tests/integration/test_search_parameters
+    kwargs.setdefault("master_precision", "off")
     return CoMPSearch(objective="memory", low_precision="bf16", speed_margin=0.9, saved_precision="fp8",
                       tolerance=0.01, verbose=False, profile_steps=3, **kwargs)
 

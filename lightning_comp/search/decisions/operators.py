@@ -19,6 +19,7 @@ from lightning_comp.numerics.precision import Precision
 from lightning_comp.operators.kinds import OperatorKind, classify
 from lightning_comp.search.config import SearchConfig
 from lightning_comp.search.decisions.objectives import ObjectivePolicy
+from lightning_comp.search.decisions.parameters import ParameterDecision
 from lightning_comp.search.decisions.saved import SavedDecision
 from lightning_comp.search.measurement.estimates import RatioEstimate, Verdict, paired_ratio
 from lightning_comp.search.measurement.profiling import OperatorMeasurement, ProfileResult
@@ -63,6 +64,8 @@ class OperatorDecision:
         excluded: ``CoMPSearch(exclude=...)`` named it.
         forced: ``CoMPSearch(include=...)`` named it.
         saved: the decision on the precision of what it saves for backward (memory and balanced objectives).
+        parameters: the decision on its parameters' optimizer state and master precision (memory and balanced
+            objectives, operators owning parameters).
     """
 
     type: str
@@ -84,6 +87,7 @@ class OperatorDecision:
     excluded: bool = False
     forced: bool = False
     saved: SavedDecision | None = None
+    parameters: ParameterDecision | None = None
 
     @property
     def is_candidate(self) -> bool:
@@ -124,6 +128,8 @@ class OperatorDecision:
             out["forced"] = True
         if self.saved is not None:
             out["saved"] = self.saved.to_dict()
+        if self.parameters is not None:
+            out["parameters"] = self.parameters.to_dict()
         return out
 
 

@@ -48,7 +48,7 @@ class SavedDecision:
     @property
     def lowers(self) -> bool:
         """Whether it stores its saved tensors lower than computed."""
-        return self.decision.compresses
+        return self.decision.changes
 
     def keep_as_computed(self, reason: str) -> None:
         """Save as computed after all (a whole-step check or a neighbour found against it)."""

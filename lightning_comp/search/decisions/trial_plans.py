@@ -14,10 +14,10 @@ from typing import Any
 from torch import nn
 
 from lightning_comp.errors import SearchConfigError
-from lightning_comp.numerics.precision import Precision, SavedPrecision
+from lightning_comp.numerics.precision import MasterPrecision, Precision, SavedPrecision, StatePrecision
 from lightning_comp.operators.kinds import OperatorKind, classify
 from lightning_comp.plan.plan import PrecisionPlan
-from lightning_comp.search.candidates import Candidate
+from lightning_comp.search.candidates import Candidate, Dimension
 from lightning_comp.search.decisions.operators import Choice, OperatorDecision
 
 __all__ = ["CheapRun", "cheap_runs", "plan_for"]
@@ -70,23 +70,35 @@ def cheap_runs(order: Sequence[str], decisions: Mapping[str, OperatorDecision],
 
 
 def plan_for(low: Precision, runs: Iterable[CheapRun], group: Sequence[Candidate] | None,
-             saved: Mapping[str, SavedPrecision] | None = None) -> PrecisionPlan:
+             saved: Mapping[str, SavedPrecision] | None = None, state: Mapping[str, StatePrecision] | None = None,
+             master: Mapping[str, MasterPrecision] | None = None) -> PrecisionPlan:
     """The plan that lowers ``group``: its compute candidates to ``low`` with the fills of ``runs`` between two of
-    them, and the operators of its saved candidates saving at ``saved[operator]``.
+    them; the operators of its saved candidates saving at ``saved[operator]``; those of its state candidates keeping
+    their parameters' optimizer state at ``state[operator]``; and those of its master candidates holding their
+    parameters at ``master[operator]``, computing in ``low`` with them (a bf16 master needs a bf16 operator).
 
     Raises:
-        SearchConfigError: if a saved candidate has no saved precision in ``saved`` (an inconsistent checkpoint).
+        SearchConfigError: if a candidate has no precision of its dimension in the mappings (an inconsistent
+            checkpoint).
     """
     if not group:
         return PrecisionPlan()
-    compute = {c.operator for c in group if not c.is_saved}
-    stored = [c.operator for c in group if c.is_saved]
+    by_dimension: dict[Dimension, list[str]] = {dimension: [] for dimension in Dimension}
+    for candidate in group:
+        by_dimension[candidate.dimension].append(candidate.operator)
+    compute = set(by_dimension[Dimension.COMPUTE]) | set(by_dimension[Dimension.MASTER])
     entries = {name: low.value for name in compute}
     for run in runs:
         if run.before in compute and run.after in compute:
             entries.update({name: low.value for name in run.operators})
-    missing = [name for name in stored if not saved or name not in saved]
-    if missing:
-        raise SearchConfigError(f"Saved-precision candidates {missing} have no saved precision in the search state"
-                                f" ({dict(saved or {})!r}); the checkpoint is inconsistent.")
-    return PrecisionPlan.from_dict(entries, saved={name: saved[name].value for name in stored} if saved else None)
+    chosen: dict[str, dict[str, str]] = {}
+    for dimension, mapping, word in ((Dimension.SAVED, saved, "saved"), (Dimension.STATE, state, "optimizer-state"),
+                                     (Dimension.MASTER, master, "master-weight")):
+        names = by_dimension[dimension]
+        missing = [name for name in names if not mapping or name not in mapping]
+        if missing:
+            raise SearchConfigError(f"{word.capitalize()}-precision candidates {missing} have no {word} precision in"
+                                    f" the search state ({dict(mapping or {})!r}); the checkpoint is inconsistent.")
+        chosen[dimension.value] = {name: mapping[name].value for name in names} if mapping else {}
+    return PrecisionPlan.from_dict(entries, saved=chosen["saved"] or None, state=chosen["state"] or None,
+                                   master=chosen["master"] or None)

@@ -60,8 +60,9 @@ def build_record(state: SearchState, config: SearchConfig) -> dict[str, Any]:
         "chosen_trial": state.chosen_label,
         "finish_reason": state.finish_reason,
         "lowered_operators": [] if chosen is None else [s for s, p in chosen["entries"].items() if p != "fp32"],
-        "saved_lowered": {} if chosen is None else {s: p for s, p in (chosen.get("saved") or {}).items()
-                                                    if p != "fp32"},
+        "saved_lowered": _lowered(chosen, "saved"),
+        "state_lowered": _lowered(chosen, "state"),
+        "master_lowered": _lowered(chosen, "master"),
         "num_operators": profile.get("num_operators", len(profile.get("operators", {}))),
         "operators": profile.get("operators", {}),
         "timing": profile.get("timing"),
@@ -70,6 +71,7 @@ def build_record(state: SearchState, config: SearchConfig) -> dict[str, Any]:
         "step_ratios": profile.get("step_ratios", {}),
         "step_saved_bytes": profile.get("step_saved_bytes", {}),
         "saved_step": profile.get("saved_step") or {},
+        "parameter_step": profile.get("parameter_step") or {},
         "memory": profile.get("memory", {}),
         "trials": trials,
         "extension_epochs": state.extension_epochs,
@@ -87,6 +89,13 @@ def build_record(state: SearchState, config: SearchConfig) -> dict[str, Any]:
             if fit_seconds else None,
         },
     }
+
+
+def _lowered(chosen: dict[str, Any] | None, dimension: str) -> dict[str, str]:
+    """The chosen plan's entries of ``dimension`` (``saved``, ``state``, ``master``) that are not fp32."""
+    if chosen is None:
+        return {}
+    return {selector: value for selector, value in (chosen.get(dimension) or {}).items() if value != "fp32"}
 
 
 def warmup_overhead_seconds(state: SearchState) -> float | None:

@@ -1,7 +1,8 @@
 """The decision record in every attached Lightning logger, in the form that logger shows best.
 
 - Any logger: the chosen plan as flat hyperparameters (``comp/plan/<selector>: precision``, ``comp/saved/<selector>:
-  saved precision`` where the plan stores saved tensors lower, plus the searched
+  saved precision``, ``comp/state/<selector>`` and ``comp/master/<selector>`` where the plan sets them, plus the
+  searched
   precision, objective and counts) and the search's summary scalars (operators lowered, trials, search seconds).
 - TensorBoard: the plan and the per-operator decisions as Markdown tables (TEXT tab), and each trial's metric and
   median step time as scalars over the trial number (SCALARS tab, ``comp/trials/...``).
@@ -21,7 +22,8 @@ from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger
 __all__ = ["OPERATOR_COLUMNS", "TRIAL_COLUMNS", "log_record", "operator_rows", "plan_hyperparameters", "trial_rows"]
 
 OPERATOR_COLUMNS = ("operator", "type", "kind", "decision", "fp32_ms", "low_ms", "ratio", "ratio_low", "ratio_high",
-                    "rounds", "fp32_saved_bytes", "low_saved_bytes", "reason", "saved", "saved_reason")
+                    "rounds", "fp32_saved_bytes", "low_saved_bytes", "reason", "saved", "saved_reason", "state",
+                    "master", "parameters_reason")
 TRIAL_COLUMNS = ("trial", "label", "low_operators", "metric", "reference", "verdict", "reason", "median_step_ms",
                  "seconds", "skipped_steps", "kept")
 
@@ -31,7 +33,9 @@ def plan_hyperparameters(record: dict[str, Any]) -> dict[str, Any]:
     chosen = record.get("chosen_plan") or {}
     params: dict[str, Any] = {f"comp/plan/{selector}": precision
                               for selector, precision in (chosen.get("entries") or {}).items()}
-    params.update({f"comp/saved/{selector}": saved for selector, saved in (chosen.get("saved") or {}).items()})
+    for dimension in ("saved", "state", "master"):
+        params.update({f"comp/{dimension}/{selector}": value
+                       for selector, value in (chosen.get(dimension) or {}).items()})
     params.update({
         "comp/plan/<default>": chosen.get("default", "fp32"),
         "comp/low_precision": record.get("low_precision") or "none",
@@ -56,6 +60,9 @@ def operator_rows(record: dict[str, Any]) -> list[dict[str, Any]]:
             "low_saved_bytes": (op.get("low") or {}).get("saved_bytes"), "reason": op.get("reason"),
             # the saved-for-backward dimension (objective memory/balanced; empty otherwise)
             "saved": (op.get("saved") or {}).get("decision"), "saved_reason": (op.get("saved") or {}).get("reason"),
+            # the optimizer-state and master-weight dimensions (operators owning parameters, memory/balanced)
+            "state": (op.get("parameters") or {}).get("state"), "master": (op.get("parameters") or {}).get("master"),
+            "parameters_reason": (op.get("parameters") or {}).get("reason"),
         })
     return rows
 
@@ -83,11 +90,13 @@ def _markdown(columns: tuple[str, ...], rows: list[dict[str, Any]]) -> str:
 def _tensorboard(logger: TensorBoardLogger, record: dict[str, Any], step: int) -> None:
     writer = logger.experiment
     chosen = record.get("chosen_plan") or {}
-    entries, saved = chosen.get("entries") or {}, chosen.get("saved") or {}
-    plan_rows = [{"selector": s, "precision": entries.get(s, ""), "saved": saved.get(s, "")}
-                 for s in sorted(set(entries) | set(saved))]
+    dimensions = {d: chosen.get(d) or {} for d in ("entries", "saved", "state", "master")}
+    selectors = sorted(set().union(*dimensions.values()))
+    plan_rows = [{"selector": s, "precision": dimensions["entries"].get(s, ""), "saved": dimensions["saved"].get(s, ""),
+                  "state": dimensions["state"].get(s, ""), "master": dimensions["master"].get(s, "")}
+                 for s in selectors]
     writer.add_text("comp/plan", f"chosen: **{record.get('chosen_trial')}** ({record.get('finish_reason')})\n\n"
-                    + _markdown(("selector", "precision", "saved"), plan_rows), step)
+                    + _markdown(("selector", "precision", "saved", "state", "master"), plan_rows), step)
     ops = operator_rows(record)
     if ops:
         writer.add_text("comp/operators", _markdown(("operator", "type", "decision", "ratio", "ratio_low",

@@ -20,7 +20,10 @@ def format_record(record: dict[str, Any]) -> str:
         f"CoMPSearch: chose '{record.get('chosen_trial')}' ({record.get('finish_reason')}):"
         f" {len(record.get('lowered_operators', []))} of {record.get('num_operators', 0)} operators in {low}"
         + (f", {len(record['saved_lowered'])} save for backward in "
-           f"{'/'.join(sorted(set(record['saved_lowered'].values())))}" if record.get("saved_lowered") else ""),
+           f"{'/'.join(sorted(set(record['saved_lowered'].values())))}" if record.get("saved_lowered") else "")
+        + (f", {len(record['state_lowered'])} keep optimizer state in "
+           f"{'/'.join(sorted(set(record['state_lowered'].values())))}" if record.get("state_lowered") else "")
+        + (f", {len(record['master_lowered'])} hold bf16 master weights" if record.get("master_lowered") else ""),
     ]
     if record.get("trials"):
         out += [
@@ -55,6 +58,7 @@ def format_record(record: dict[str, Any]) -> str:
                 format_table(("operator", "type", "fp32 ms", f"{low} ms", "ratio", "fp32 B", f"{low} B", "decision",
                               "why"), rows)]
     out += _saved_section(operators, record.get("saved_step") or {})
+    out += _parameter_section(operators, record.get("parameter_step") or {})
     step_ms = record.get("step_ms") or {}
     if step_ms:
         ratios = record.get("step_ratios") or {}
@@ -116,6 +120,34 @@ def _saved_section(operators: dict[str, Any], check: dict[str, Any]) -> list[str
                            "why"), rows)]
     if check:
         lines.append(f"Saved lowerings as a whole step: {check['verdict']} ({check.get('description', '')})")
+    return lines
+
+
+def _parameter_section(operators: dict[str, Any], step: dict[str, Any]) -> list[str]:
+    """The optimizer-state and master-weight decisions (memory and balanced objectives), if the search made any."""
+    rows = []
+    for name, op in operators.items():
+        parameters = op.get("parameters")
+        if not parameters:
+            continue
+        nbytes, times = parameters.get("bytes", {}), parameters.get("time_ratio", {})
+        rows.append((name or "<root>", op["type"], f"{parameters.get('params', 0):,}",
+                     *(nbytes.get(k, "") for k in ("fp32", "8bit", "bf16")),
+                     *(f"x{times[k][0]:.2f}" if k in times else "" for k in ("8bit", "bf16", "master")),
+                     parameters["state"], parameters["master"], parameters["reason"]))
+    if not rows and not step.get("skipped"):
+        return []
+    lines = [""]
+    if step.get("skipped"):
+        lines.append(f"Optimizer state and master weights: not searched ({step['skipped']}).")
+    if rows:
+        lines += ["Optimizer state and master weights (bytes of each operator's Adam state as today / 8bit / bf16;"
+                  " its update time relative to the optimizer's own):",
+                  format_table(("operator", "type", "params", "state B", "8bit B", "bf16 B", "8bit time", "bf16 time",
+                                "master time", "state", "master", "why"), rows)]
+    check = step.get("check")
+    if check:
+        lines.append(f"Parameter lowerings as a whole step: {check['verdict']} ({check.get('description', '')})")
     return lines
 
 

@@ -5,13 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from lightning_comp.numerics.precision import SavedPrecision
+from lightning_comp.numerics.precision import MasterPrecision, SavedPrecision, StatePrecision
 from lightning_comp.search.candidates import Candidate
 from lightning_comp.search.decisions.operators import OperatorDecision
+from lightning_comp.search.decisions.parameters import ParameterStepCheck
 from lightning_comp.search.decisions.saved import SavedStepCheck
 from lightning_comp.search.decisions.trial_plans import CheapRun
 
-__all__ = ["BatchStageResult", "SavedStageResult"]
+__all__ = ["BatchStageResult", "ParameterStageResult", "SavedStageResult"]
 
 
 @dataclass
@@ -35,6 +36,45 @@ class SavedStageResult:
 
 
 @dataclass
+class ParameterStageResult:
+    """The optimizer-state and master-weight candidates the parameter stage found.
+
+    Attributes:
+        state_choices: operator -> the optimizer-state precision of its state candidate.
+        master_choices: operator -> the master-weight precision of its master candidate.
+        benefits: per candidate, what it gains in the objective's unit.
+        gains: operator -> the bytes its choices save.
+        check: the whole-step check of the plan with and without them (``None``: not made).
+        skipped: why the stage did not run (``None``: it ran).
+    """
+
+    state_choices: dict[str, StatePrecision] = field(default_factory=dict)
+    master_choices: dict[str, MasterPrecision] = field(default_factory=dict)
+    benefits: dict[Candidate, float] = field(default_factory=dict)
+    gains: dict[str, int] = field(default_factory=dict)
+    check: ParameterStepCheck | None = None
+    skipped: str | None = None
+
+    def drop(self, operator: str) -> None:
+        """Take ``operator``'s state and master candidates out (the whole step found against them)."""
+        self.state_choices.pop(operator, None)
+        self.master_choices.pop(operator, None)
+        self.benefits.pop(Candidate.state(operator), None)
+        self.benefits.pop(Candidate.master(operator), None)
+        self.gains.pop(operator, None)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The record's form."""
+        out: dict[str, Any] = {"state": {n: s.value for n, s in self.state_choices.items()},
+                               "master": {n: m.value for n, m in self.master_choices.items()}}
+        if self.check is not None:
+            out["check"] = self.check.to_dict()
+        if self.skipped is not None:
+            out["skipped"] = self.skipped
+        return out
+
+
+@dataclass
 class BatchStageResult:
     """The batch stage's measurements and decisions (rank 0's, on every rank).
 
@@ -44,6 +84,7 @@ class BatchStageResult:
         benefits: per candidate, what it gains in the objective's unit (ranks the fallback groups).
         runs: the runs of cheap operators lowered between two lowered candidates.
         saved: the saved-precision candidates (memory and balanced objectives).
+        parameters: the optimizer-state and master-weight candidates (memory and balanced objectives).
         order: the operators in the order they first ran.
         step_ms: whole-step time per plan timed (fastest round, the clock's milliseconds).
         step_wall_ms: the same steps' real time.
@@ -65,6 +106,7 @@ class BatchStageResult:
     step_saved_bytes: dict[str, float]
     memory: dict[str, dict[str, int | None]]
     timing: dict[str, Any] | None = None
+    parameters: ParameterStageResult = field(default_factory=ParameterStageResult)
 
     def profile(self) -> dict[str, Any]:
         """The decision record's form of the measurements (``operators``, ``step_ms``, ... ``saved_step``)."""
@@ -78,4 +120,5 @@ class BatchStageResult:
             "memory": dict(self.memory),
             "timing": self.timing,
             "saved_step": {} if self.saved.check is None else self.saved.check.to_dict(),
+            "parameter_step": self.parameters.to_dict(),
         }

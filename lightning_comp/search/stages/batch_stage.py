@@ -12,7 +12,8 @@ lowered operators are lowered with them. The candidate plan is then timed as a w
 and the objective's policy (:mod:`lightning_comp.search.decisions.objectives`) decides which of them the epoch stage
 trials, keeping the candidates unless an alternative wins by ``switch_margin``; if nothing beats FP32, the search
 ends. With the memory and balanced objectives, the saved stage
-(:mod:`lightning_comp.search.stages.saved_stage`) adds the saved-precision candidates.
+(:mod:`lightning_comp.search.stages.saved_stage`) adds the saved-precision candidates, and the parameter stage
+(:mod:`lightning_comp.search.stages.parameter_stage`) the optimizer-state and master-weight ones.
 """
 
 from __future__ import annotations
@@ -56,7 +57,8 @@ from lightning_comp.search.measurement.step_timing import StepTimer, StepTimes
 from lightning_comp.search.ranks import agree, reduce_mean, reduce_profile
 from lightning_comp.search.record.progress import SearchProgress
 from lightning_comp.search.rewind.snapshot import capture_rng, restore_rng
-from lightning_comp.search.stages.batch_result import BatchStageResult, SavedStageResult
+from lightning_comp.search.stages.batch_result import BatchStageResult, ParameterStageResult, SavedStageResult
+from lightning_comp.search.stages.parameter_stage import ParameterStage
 from lightning_comp.search.stages.saved_stage import SavedStage
 
 __all__ = ["ALTERNATIVES", "BatchStage"]
@@ -115,9 +117,11 @@ class BatchStage:
         finally:
             if self.progress is not None:
                 self.progress.close_stage()
+            # fp32 first: a measured plan may hold bf16 masters, which must be fp32 again before the snapshot's
+            # values are copied into them
+            plugin.try_plan(PrecisionPlan().with_provenance(role="trial", trial="fp32 reference"))
             restore()
             restore_rng(rng)
-            plugin.try_plan(PrecisionPlan().with_provenance(role="trial", trial="fp32 reference"))
         result.timing = timing.to_dict()
         return agree(trainer, result)
 
@@ -163,23 +167,40 @@ class BatchStage:
         elif names:
             names = self._check_candidates(trainer, steps, names, decisions)
         saved = SavedStageResult()
+        parameters = ParameterStageResult()
+        base = plan_for(self.low, runs, [Candidate(n) for n in names])
         if self.policy.saved_options and not self.plugin.compiled:  # compiled: AOTAutograd decides what is saved
-            base = plan_for(self.low, runs, [Candidate(n) for n in names])
             with single_intra_op_thread(timing.single_thread):
                 saved = SavedStage(self.config, self.plugin, self.progress).measure(
                     trainer, pl_module, step, clock, base, modules, order, decisions)
+        if self.policy.weighs_memory:
+            with_saved = base.with_saved({n: s.value for n, s in saved.choices.items()})
+            chosen = winner or ("candidates" if names else "fp32")  # the plan the candidates now are
+            saved_bytes = step_saved.get(chosen, step_saved.get("fp32", 0.0))
+            chosen_ms = {"fp32": step_ms["fp32"], "candidates": step_ms.get(chosen, step_ms["fp32"])}
+            if saved.check is not None and saved.check.pays:
+                saved_bytes = saved.check.saved_bytes.get("saved", saved_bytes)
+            with single_intra_op_thread(timing.single_thread):
+                parameters = ParameterStage(self.config, self.low, self.plugin, self.progress).measure(
+                    trainer, pl_module, step, clock, with_saved, decisions, chosen_ms, saved_bytes)
         compute = set(names)
         candidates: list[Candidate] = []
-        for name in order:  # execution order, each saved candidate after its operator's compute candidate
+        for name in order:  # execution order, each operator's candidates together (compute, saved, state, master)
             if name in compute:
                 candidates.append(Candidate(name))
             if name in saved.choices:
                 candidates.append(Candidate.saved(name))
+            if name in parameters.state_choices:
+                candidates.append(Candidate.state(name))
+            if name in parameters.master_choices:
+                candidates.append(Candidate.master(name))
         candidates += [Candidate(n) for n in names if Candidate(n) not in candidates]  # forced ones that did not run
         benefits = {Candidate(n): decisions[n].benefit for n in names}
         benefits.update(saved.benefits)
+        benefits.update(parameters.benefits)
         return BatchStageResult(
             decisions=decisions, candidates=tuple(candidates), benefits=benefits, runs=runs, saved=saved,
+            parameters=parameters,
             order=order, step_ms=step_ms,
             step_wall_ms={k: reduce_mean(trainer, min(v)) for k, v in times.wall_ms.items()},
             step_ratios=steps.ratios(), step_saved_bytes=step_saved,

@@ -88,7 +88,8 @@ class TrialDriver:
             return PrecisionPlan()
         low = self.state.low_precision
         assert low is not None
-        return plan_for(low, self.state.runs, group, self.state.saved_choices)
+        return plan_for(low, self.state.runs, group, self.state.saved_choices, self.state.state_choices,
+                        self.state.master_choices)
 
     def due(self, trial: TrialRecord, epochs_finished: int) -> bool:
         """Whether ``trial`` has trained its epochs and been validated at the end of its last one."""
@@ -150,6 +151,8 @@ class TrialDriver:
         state = self.state
         state.runs = result.runs
         state.saved_choices = dict(result.saved.choices)
+        state.state_choices = dict(result.parameters.state_choices)
+        state.master_choices = dict(result.parameters.master_choices)
         state.profile = result.profile()
         state.group_search = GroupSearch(result.candidates, result.benefits, self.config.max_trials)
         state.profiling_seconds = seconds

@@ -1,0 +1,154 @@
+"""Each operator's optimizer-state and master-weight precision (memory and balanced objectives).
+
+What an operator's parameters hold between steps is judged against the whole step, since it is part of the step's
+peak whatever the step does: the weights, their gradients and the optimizer state, plus what the step saves for
+backward (:class:`StepBudget`). Bytes follow from the formats (exact); time is the measured update of that operator's
+parameters in each format against the optimizer's own (:mod:`lightning_comp.search.measurement.optimizer_timing`),
+taken at the slow end of its interval.
+
+=============  ==========================================================================================
+objective      an optimizer-state or master-weight lowering of one operator pays when
+=============  ==========================================================================================
+memory         it saves the margin's share of its own bytes, and the step, slowed by it, stays within
+               ``max_memory_slowdown`` of FP32's
+balanced       it improves the step's time x memory: ``(1 + extra time / step time) x (1 - bytes saved / step
+               bytes) < 1``
+=============  ==========================================================================================
+
+Of the state formats that pay, the smallest wins. A bf16 master is offered only where the operator computes in bf16
+in the candidate plan (it holds no FP32 copy for an FP32 operator to read). The plan with every lowering is then
+checked as a whole step (:class:`ParameterStepCheck`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from lightning_comp.numerics.precision import MasterPrecision, StatePrecision
+from lightning_comp.search.config import Objective, SearchConfig
+from lightning_comp.search.measurement.estimates import RatioEstimate
+
+__all__ = ["ParameterDecision", "ParameterStepCheck", "StepBudget", "judge_lowering"]
+
+
+@dataclass(frozen=True)
+class StepBudget:
+    """The step a parameter lowering is judged against.
+
+    Attributes:
+        step_ms: the candidate plan's step (forward, backward and the optimizer's own update).
+        fp32_step_ms: the FP32 plan's step, the same way.
+        step_bytes: the candidate plan's weights, gradients, optimizer state and bytes saved for backward.
+    """
+
+    step_ms: float
+    fp32_step_ms: float
+    step_bytes: float
+
+
+@dataclass
+class ParameterDecision:
+    """One operator's decision on what its parameters hold (the record holds :meth:`to_dict`).
+
+    Attributes:
+        state: the optimizer-state precision chosen.
+        master: the master-weight precision chosen.
+        reason: why, in words.
+        params: parameter elements of the operator.
+        bytes: bytes per configuration (``"fp32"``: state and master as today; ``"8bit"``/``"bf16"``: the state at
+            that format; ``"master"``: the weights and gradients with a bf16 master).
+        update_ms: the median update time per configuration (``"fp32"``: the optimizer's own).
+        time_ratios: per configuration, its update time relative to the optimizer's own: ``[ratio, low, high]``.
+        gain_bytes: the bytes the choices save.
+        state_benefit: what the state choice gains in the objective's unit.
+        master_benefit: what the master choice gains.
+        forced: ``CoMPSearch(include_state=...)`` named it.
+    """
+
+    state: StatePrecision = StatePrecision.FP32
+    master: MasterPrecision = MasterPrecision.FP32
+    reason: str = ""
+    params: int = 0
+    bytes: dict[str, int] = field(default_factory=dict)
+    update_ms: dict[str, float] = field(default_factory=dict)
+    time_ratios: dict[str, list[float]] = field(default_factory=dict)
+    gain_bytes: int = 0
+    state_benefit: float = 0.0
+    master_benefit: float = 0.0
+    forced: bool = False
+
+    @property
+    def lowers(self) -> bool:
+        """Whether it lowers either dimension."""
+        return self.state.managed or self.master.managed
+
+    def keep_fp32(self, reason: str) -> None:
+        """Keep the optimizer's own state and FP32 masters after all (a whole-step check found against them),
+        unless forced."""
+        if self.forced:
+            return
+        self.state, self.master, self.reason = StatePrecision.FP32, MasterPrecision.FP32, reason
+        self.gain_bytes, self.state_benefit, self.master_benefit = 0, 0.0, 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        """The record's form (plain JSON types)."""
+        return {"state": self.state.value, "master": self.master.value, "reason": self.reason, "params": self.params,
+                "bytes": dict(self.bytes), "update_ms": dict(self.update_ms), "time_ratio": dict(self.time_ratios),
+                "gain_bytes": int(self.gain_bytes), "state_benefit": float(self.state_benefit),
+                "master_benefit": float(self.master_benefit), **({"forced": True} if self.forced else {})}
+
+
+@dataclass(frozen=True)
+class ParameterStepCheck:
+    """The whole-step check of the parameter lowerings: the candidate plan with and without them.
+
+    Attributes:
+        pays: whether the plan with them is better as a whole, by the objective.
+        verdict: ``"pays"``, or why not.
+        description: the bytes and times that decided, in words.
+        step_bytes: weights + gradients + optimizer state + saved for backward, without and with them.
+        step_ms: the step (forward, backward, update), without and with them.
+    """
+
+    pays: bool
+    verdict: str
+    description: str
+    step_bytes: dict[str, float]
+    step_ms: dict[str, float]
+
+    def to_dict(self) -> dict[str, Any]:
+        """The record's form."""
+        return {"verdict": self.verdict, "description": self.description, "step_bytes": dict(self.step_bytes),
+                "step_ms": dict(self.step_ms)}
+
+
+def judge_lowering(config: SearchConfig, budget: StepBudget, own_bytes: int, lowered_bytes: int,
+                   fp32_ms: float, time: RatioEstimate) -> tuple[bool, str, float]:
+    """Whether one operator's state or master lowering pays, why, and its benefit in the objective's unit.
+
+    Args:
+        config: the search's settings (objective, margin, slowdown accepted).
+        budget: the step it is judged against.
+        own_bytes: the bytes of that dimension as today (FP32 state, or FP32 weights and gradients).
+        lowered_bytes: the bytes lowered.
+        fp32_ms: the optimizer's own update of the operator's parameters (median ms).
+        time: the lowered update's time relative to that.
+    """
+    saved = own_bytes - lowered_bytes
+    extra_ms = max(fp32_ms * (time.high - 1.0), 0.0)  # the slow end of the interval
+    shown = (f"{own_bytes / 2**20:.2f} -> {lowered_bytes / 2**20:.2f} MiB, update x{time.ratio:.2f}"
+             f" [{time.low:.2f}, {time.high:.2f}] of {fp32_ms:.3f} ms")
+    if own_bytes <= 0 or lowered_bytes > own_bytes * (1 - config.speed_margin):
+        return False, f"{shown}: saves too little", 0.0
+    if config.objective is Objective.MEMORY:
+        slowdown = (budget.step_ms + extra_ms) / max(budget.fp32_step_ms, 1e-9)
+        ok = slowdown <= config.max_memory_slowdown
+        why = f"{shown}; the step at x{slowdown:.2f} of fp32's"
+        if not ok:
+            why += f", past max_memory_slowdown {config.max_memory_slowdown:g}"
+        return ok, why, float(saved) if ok else 0.0
+    product = (1 + extra_ms / max(budget.step_ms, 1e-9)) * (1 - saved / max(budget.step_bytes, 1.0))
+    ok = product < 1.0
+    why = f"{shown}; step time x memory x{product:.4f}" + ("" if ok else ": no better")
+    return ok, why, 1.0 - product if ok else 0.0

@@ -1,0 +1,107 @@
+"""How long the optimizer step of one operator's parameters takes in each optimizer-state and master format.
+
+The batch stage profiles forward and backward only; the optimizer step is timed here, on copies, so the run's
+parameters and state are never touched. Per parameter group (an operator's parameters) and per configuration, one
+update of those parameters is timed in interleaved rounds, like every other comparison of the search:
+
+- ``"fp32"``: the user's own optimizer algorithm (a throwaway optimizer of its class, with the hyper-parameters of
+  the group the parameters belong to, ``foreach`` included), on FP32 copies;
+- ``"<state>"`` (``"8bit"``, ``"bf16"``): :func:`~lightning_comp.execution.optimizer_states.adam_step` with the
+  moments in that format;
+- ``"master"``: the same with BF16 parameter copies and stochastic rounding (and the moments of ``master_state``).
+
+Moments start from the run's own state where it has one (after the warm-up, it does), so 8-bit codes see real
+magnitudes; gradients are the parameters' own from the profiled step when present, else small random ones.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+
+from lightning_comp.execution.optimizer_states import adam_step
+from lightning_comp.numerics.precision import StatePrecision
+from lightning_comp.search.measurement.clocks import Clock
+
+__all__ = ["UpdateConfig", "time_updates"]
+
+
+@dataclass(frozen=True)
+class UpdateConfig:
+    """One configuration of a group's update.
+
+    Attributes:
+        state: the moments' format (``None``: the user's own optimizer).
+        master: whether the parameters are held in BF16 (stochastically rounded updates).
+    """
+
+    state: StatePrecision | None
+    master: bool = False
+
+
+def time_updates(optimizer: Optimizer, groups: Mapping[str, Sequence[nn.Parameter]],
+                 configs: Mapping[str, UpdateConfig], clock: Clock, rounds: int,
+                 warmup: int) -> dict[str, dict[str, list[float]]]:
+    """Per group and configuration label, the milliseconds of one update of the group's parameters per round.
+
+    Args:
+        optimizer: the run's optimizer (Adam or AdamW): its class, hyper-parameters and current state are read.
+        groups: group name -> its parameters (each in ``optimizer``).
+        configs: label -> configuration (``UpdateConfig(None)`` is the optimizer's own update).
+        clock: the batch stage's clock.
+        rounds: measured rounds.
+        warmup: unmeasured rounds first.
+    """
+    hyper = {id(p): {k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups
+             for p in group["params"]}
+    out: dict[str, dict[str, list[float]]] = {}
+    for name, params in groups.items():
+        runs = {label: _update(optimizer, params, hyper, config) for label, config in configs.items()}
+        series: dict[str, list[float]] = {label: [] for label in runs}
+        for index in range(warmup + rounds):
+            for label, run in runs.items():
+                start = clock.now()
+                run()
+                end = clock.now()
+                clock.finish()
+                if index >= warmup:
+                    series[label].append(clock.elapsed_ms(start, end))
+        out[name] = series
+    return out
+
+
+def _update(optimizer: Optimizer, params: Sequence[nn.Parameter], hyper: dict[int, dict[str, Any]],
+            config: UpdateConfig) -> Callable[[], None]:
+    """A function running one update of copies of ``params`` in ``config``."""
+    dtype = torch.bfloat16 if config.master else torch.float32
+    copies = [nn.Parameter(p.detach().to(dtype, copy=True)) for p in params]
+    for source, target in zip(params, copies):
+        grad = source.grad if source.grad is not None else torch.randn_like(source, dtype=torch.float32) * 1e-3
+        target.grad = grad.detach().to(dtype, copy=True)
+    if config.state is None:
+        group = dict(hyper[id(params[0])])
+        scratch = type(optimizer)(copies, **group)
+        for source, target in zip(params, copies):
+            if source in optimizer.state:
+                scratch.state[target] = copy.deepcopy(optimizer.state[source])
+        return lambda: scratch.step()
+    states: list[dict[str, Any]] = []
+    for source in params:
+        own = optimizer.state.get(source)
+        states.append(copy.deepcopy(dict(own)) if own else {})
+    generator = torch.Generator(device=copies[0].device).manual_seed(0) if config.master else None
+    precision = config.state
+
+    def run() -> None:
+        with torch.no_grad():
+            for source, target, state in zip(params, copies, states):
+                assert target.grad is not None
+                adam_step(target, target.grad, state, hyper[id(source)], precision, generator)
+
+    return run

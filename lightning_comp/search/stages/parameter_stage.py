@@ -1,0 +1,270 @@
+"""The batch stage's parameter dimensions: the precision of each operator's optimizer state and master weights.
+
+Runs for ``objective="memory"`` and ``"balanced"`` after the compute and saved candidates are known, when the run
+trains with one ``torch.optim.Adam``/``AdamW`` (other optimizers are left as they are, with the reason in the record).
+Per operator that owns trainable parameters, the update of its parameters is timed in every format the settings
+allow (:mod:`lightning_comp.search.measurement.optimizer_timing`) and judged against the whole step
+(:mod:`lightning_comp.search.decisions.parameters`). The plan with every lowering that pays is then timed as whole
+steps beside the plan without them (forward and backward measured, the updates added), and kept only if the
+objective finds it better as a whole.
+
+The lowerings join the epoch stage's group testing as candidates of the ``state`` and ``master`` dimensions, beside
+their operator's other candidates, so an operator whose 8-bit state hurts convergence is isolated and keeps the
+optimizer's own state.
+"""
+
+from __future__ import annotations
+
+import functools
+import statistics
+from collections.abc import Callable
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch import nn
+
+from lightning_comp.execution.optimizer_states import state_nbytes
+from lightning_comp.execution.parameter_groups import parameter_owners
+from lightning_comp.numerics.precision import MasterPrecision, Precision, StatePrecision
+from lightning_comp.plan.plan import PrecisionPlan
+from lightning_comp.plugins.comp import CoMPPrecision
+from lightning_comp.search.candidates import Candidate
+from lightning_comp.search.config import Objective, SearchConfig
+from lightning_comp.search.decisions.operators import OperatorDecision
+from lightning_comp.search.decisions.parameters import (
+    ParameterDecision,
+    ParameterStepCheck,
+    StepBudget,
+    judge_lowering,
+)
+from lightning_comp.search.measurement.clocks import Clock
+from lightning_comp.search.measurement.estimates import paired_ratio
+from lightning_comp.search.measurement.optimizer_timing import UpdateConfig, time_updates
+from lightning_comp.search.measurement.step_timing import StepTimer
+from lightning_comp.search.ranks import agree, reduce_mean
+from lightning_comp.search.record.progress import SearchProgress
+from lightning_comp.search.stages.batch_result import ParameterStageResult
+
+__all__ = ["ParameterStage"]
+
+MIN_GROUP_PARAMS = 4096  # smaller groups hold too few bytes to be worth a candidate (and are not quantised)
+
+
+class ParameterStage:
+    """Measures and decides the optimizer-state and master-weight precision of each operator (module docstring).
+
+    Args:
+        config: the search's settings.
+        low: the 16-bit precision searched.
+        plugin: the plugin that puts each measured plan into effect.
+        progress: where measured rounds are shown.
+    """
+
+    def __init__(self, config: SearchConfig, low: Precision, plugin: CoMPPrecision,
+                 progress: SearchProgress | None = None) -> None:
+        self.config = config
+        self.low = low
+        self.plugin = plugin
+        self.progress = progress
+
+    def skip_reason(self, trainer: pl.Trainer, base: PrecisionPlan) -> str | None:
+        """Why the stage does not run here (``None``: it runs)."""
+        config = self.config
+        if not config.state_precision.options and not config.master_precision.options:
+            return "state_precision='off' and master_precision='off'"
+        optimizers = trainer.optimizers
+        if len(optimizers) != 1 or not isinstance(optimizers[0], (torch.optim.Adam, torch.optim.AdamW)):
+            kinds = ", ".join(type(o).__qualname__ for o in optimizers) or "none"
+            return (f"the run's optimizers ({kinds}) are not a single torch.optim.Adam/AdamW, whose state and master"
+                    " precisions the plugin can step")
+        if base.uses(Precision.FP16) or self.low is Precision.FP16:
+            return "fp16 plans are loss-scaled, which state and master precisions do not combine with yet"
+        if self.plugin.compiled:
+            return "the model is compiled"
+        if "FSDP" in type(trainer.strategy).__name__ or "ModelParallel" in type(trainer.strategy).__name__:
+            return f"{type(trainer.strategy).__name__} shards the parameters and their optimizer state"
+        return None
+
+    @staticmethod
+    def _masters_allowed(trainer: pl.Trainer) -> bool:
+        """bf16 masters change parameter dtypes, which DDP's gradient buckets (built once) do not follow."""
+        return trainer.world_size == 1
+
+    def measure(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: Callable[[], None], clock: Clock,
+                base: PrecisionPlan, decisions: dict[str, OperatorDecision], step_ms: dict[str, float],
+                saved_bytes: float) -> ParameterStageResult:
+        """Measure, decide per operator (into each ``decisions[name].parameters``), and check the plan as a whole.
+
+        Args:
+            trainer: the Trainer.
+            pl_module: the model.
+            step: one forward and backward.
+            clock: the stage's clock.
+            base: the candidate plan, with its saved lowerings.
+            decisions: the operators' decisions so far.
+            step_ms: whole-step times of ``"fp32"`` and, if any, ``"candidates"`` (forward and backward).
+            saved_bytes: bytes the candidate plan saves for backward.
+        """
+        why = agree(trainer, self.skip_reason(trainer, base))
+        if why is not None:
+            return ParameterStageResult(skipped=why)
+        optimizer = trainer.optimizers[0]
+        groups = self._groups(pl_module, decisions)
+        if not groups:
+            return ParameterStageResult(skipped=f"no operator owns {MIN_GROUP_PARAMS} trainable parameters or more")
+        configs: dict[str, UpdateConfig] = {"fp32": UpdateConfig(None)}
+        configs.update({s.value: UpdateConfig(s) for s in self.config.state_precision.options})
+        if self.config.master_precision.options and self._masters_allowed(trainer):
+            configs["master"] = UpdateConfig(self.config.state_precision.options[-1] if
+                                             self.config.state_precision.options else StatePrecision.FP32, master=True)
+        rounds, warmup = self.config.profile_steps, self.config.profile_warmup
+        times = time_updates(optimizer, groups, configs, clock, rounds, warmup)
+        times = agree(trainer, {g: {k: [reduce_mean(trainer, v) for v in vs] for k, vs in s.items()}
+                                for g, s in times.items()})
+        fp32_update = sum(statistics.median(s["fp32"]) for s in times.values())
+        candidates_ms = step_ms.get("candidates", step_ms["fp32"]) + fp32_update
+        budget = StepBudget(step_ms=candidates_ms, fp32_step_ms=step_ms["fp32"] + fp32_update,
+                            step_bytes=_persistent_bytes(pl_module, optimizer) + saved_bytes)
+        result = ParameterStageResult()
+        types = {o.owner: o.owner_type for o in parameter_owners(pl_module)}
+        for name, params in groups.items():
+            decision = self._decide(name, types.get(name), params, optimizer, base, times[name], budget)
+            decisions[name].parameters = decision
+            if decision.lowers:
+                result.gains[name] = decision.gain_bytes
+            if decision.state.managed:
+                result.state_choices[name] = decision.state
+                result.benefits[Candidate.state(name)] = decision.state_benefit
+            if decision.master.managed:
+                result.master_choices[name] = decision.master
+                result.benefits[Candidate.master(name)] = decision.master_benefit
+        if result.state_choices or result.master_choices:
+            result.check = self._whole_step(trainer, pl_module, step, clock, base, result, times, budget)
+            if not result.check.pays:
+                for name in set(result.state_choices) | set(result.master_choices):
+                    parameters = decisions[name].parameters
+                    assert parameters is not None
+                    parameters.keep_fp32(f"optimizer's own state, fp32 master: {result.check.verdict}")
+                    if not parameters.forced:
+                        result.drop(name)
+        return result
+
+    def _groups(self, pl_module: nn.Module, decisions: dict[str, OperatorDecision]) -> dict[str, list[nn.Parameter]]:
+        """Operator -> its trainable parameters, for operators with at least :data:`MIN_GROUP_PARAMS` of them that the
+        search may change (not excluded)."""
+        groups: dict[str, list[nn.Parameter]] = {}
+        for owned in parameter_owners(pl_module):
+            if owned.owner is None or owned.owner not in decisions or not owned.parameter.requires_grad:
+                continue
+            if decisions[owned.owner].excluded or owned.parameter.dtype != torch.float32:
+                continue
+            groups.setdefault(owned.owner, []).append(owned.parameter)
+        return {name: params for name, params in groups.items() if sum(p.numel() for p in params) >= MIN_GROUP_PARAMS}
+
+    def _decide(self, name: str, module_type: type | None, params: list[nn.Parameter],
+                optimizer: torch.optim.Optimizer, base: PrecisionPlan, times: dict[str, list[float]],
+                budget: StepBudget) -> ParameterDecision:
+        """One operator's state and master precision from its measurements."""
+        amsgrad = any(group.get("amsgrad", False) for group in optimizer.param_groups)
+        numel = sum(p.numel() for p in params)
+        fp32_ms = statistics.median(times["fp32"])
+        decision = ParameterDecision(params=numel, update_ms={k: statistics.median(v) for k, v in times.items()})
+        own_state = sum(state_nbytes(p, StatePrecision.FP32, amsgrad) for p in params)
+        decision.bytes["fp32"] = own_state
+        reasons = []
+        for option in self.config.state_precision.options:  # smallest first
+            lowered = sum(state_nbytes(p, option, amsgrad) for p in params)
+            time = paired_ratio(times["fp32"], times[option.value])
+            decision.bytes[option.value] = lowered
+            decision.time_ratios[option.value] = [time.ratio, time.low, time.high]
+            if decision.state.managed:
+                continue
+            ok, why, benefit = judge_lowering(self.config, budget, own_state, lowered, fp32_ms, time)
+            if ok:
+                decision.state, decision.state_benefit, decision.gain_bytes = option, benefit, own_state - lowered
+                reasons.append(f"state {option.value} pays: {why}")
+            else:
+                reasons.append(f"state {option.value}: {why}")
+        if "master" in times:
+            weights = 2 * sum(p.numel() * p.element_size() for p in params)  # the parameters and their gradients
+            lowered = weights // 2
+            decision.bytes["master"] = lowered
+            time = paired_ratio(times["fp32"], times["master"])
+            decision.time_ratios["master"] = [time.ratio, time.low, time.high]
+            compute = base.precision_of(name, module_type)
+            if compute is not Precision.BF16:
+                reasons.append(f"master bf16: the operator computes in {compute.value} in the candidate plan")
+            else:
+                ok, why, benefit = judge_lowering(self.config, budget, weights, lowered, fp32_ms, time)
+                if ok:
+                    decision.master, decision.master_benefit = MasterPrecision.BF16, benefit
+                    decision.gain_bytes += weights - lowered
+                    reasons.append(f"master bf16 pays: {why}")
+                else:
+                    reasons.append(f"master bf16: {why}")
+        if self.config.included_state.matches(name, module_type) and self.config.state_precision.options:
+            decision.forced = True
+            if not decision.state.managed:
+                smallest = self.config.state_precision.options[0]
+                decision.state = smallest
+                decision.gain_bytes += own_state - decision.bytes[smallest.value]
+                reasons.append(f"state {smallest.value}: included by CoMPSearch(include_state=...)")
+        decision.reason = "; ".join(reasons)
+        return decision
+
+    def _whole_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: Callable[[], None],
+                    clock: Clock, base: PrecisionPlan, result: ParameterStageResult,
+                    times: dict[str, dict[str, list[float]]], budget: StepBudget) -> ParameterStepCheck:
+        """The candidate plan with and without the lowerings as whole steps: forward and backward timed, updates
+        added; judged by the objective."""
+        config, plugin = self.config, self.plugin
+        lowered = base.with_state({n: s.value for n, s in result.state_choices.items()}).with_master(
+            {n: m.value for n, m in result.master_choices.items()})
+        configs: dict[str, Callable[[], Any]] = {
+            "candidates": functools.partial(plugin.measured_step, base),
+            "parameters": functools.partial(plugin.measured_step, lowered)}
+        timer = StepTimer(clock, config.profile_steps, config.profile_warmup)
+        if self.progress is not None:
+            self.progress.extend_stage(config.profile_warmup + config.profile_steps)
+            timer.on_round = functools.partial(self.progress.round_done, "optimizer state and masters, whole steps")
+        measured = timer.time(configs, step)
+        plugin.try_plan(base)  # the masters back in fp32 before anything else runs
+        forward = paired_ratio(measured.ms["candidates"], measured.ms["parameters"])
+        forward = agree(trainer, forward)
+        base_forward = reduce_mean(trainer, statistics.median(measured.ms["candidates"]))
+
+        def update(name: str) -> float:
+            chosen = "master" if name in result.master_choices else (
+                result.state_choices[name].value if name in result.state_choices else "fp32")
+            return statistics.median(times[name][chosen])
+
+        old_updates = sum(statistics.median(s["fp32"]) for s in times.values())
+        new_updates = sum(update(name) for name in times)
+        old_ms = base_forward + old_updates
+        new_ms = base_forward * forward.high + new_updates  # the slow end of the forward/backward interval
+        old_bytes, new_bytes = budget.step_bytes, budget.step_bytes - float(sum(result.gains.values()))
+        time_ratio, memory_ratio = new_ms / old_ms, new_bytes / max(old_bytes, 1.0)
+        shown = (f"step bytes x{memory_ratio:.2f} ({new_bytes / 2**20:.1f} vs {old_bytes / 2**20:.1f} MiB: weights,"
+                 f" gradients, optimizer state, saved for backward), step time x{time_ratio:.2f} of the candidates'"
+                 f" (forward and backward x{forward.ratio:.2f} [{forward.low:.2f}, {forward.high:.2f}], updates"
+                 f" {old_updates:.2f} -> {new_updates:.2f} ms)")
+        keep = 1 - config.speed_margin
+        if config.objective is Objective.MEMORY:
+            slowdown = new_ms / max(budget.fp32_step_ms, 1e-9)
+            ok = memory_ratio <= keep and slowdown <= config.max_memory_slowdown
+            bound = f"leaner within x{config.max_memory_slowdown:g} of fp32's time (x{slowdown:.2f})"
+        else:
+            ok = (time_ratio * memory_ratio) ** 0.5 <= keep
+            bound = "better in time x memory than the candidates"
+        verdict = agree(trainer, "pays" if ok else f"as a whole step not {bound}: {shown}")
+        return ParameterStepCheck(pays=verdict == "pays", verdict=verdict, description=shown,
+                                  step_bytes={"candidates": old_bytes, "parameters": new_bytes},
+                                  step_ms={"candidates": old_ms, "parameters": new_ms})
+
+
+def _persistent_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> float:
+    """Bytes of the trainable parameters, their gradients (one per parameter) and the optimizer's state."""
+    weights = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    state = sum(v.nbytes for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor))
+    return float(2 * weights + state)
