@@ -21,6 +21,10 @@ plan is applied again with it. So that this first step already computes such wor
 container not traced yet is hooked for it as a *provisional* operator (an autocast region in its planned precision,
 which changes nothing in a container that does no such work); its cast boundaries are then conservative, and the
 step calibrates them only if no new operator was found (else the next step of that kind does).
+
+**Recomputation** (:mod:`lightning_comp.execution.recompute`). When an operator of the plan saves ``recompute``,
+the forward of every training step runs inside the recomputer's saved-tensor hooks, which store recipes instead of
+that operator's outputs wherever they are saved; other kinds of step, and plans without such an entry, run without.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from lightning_comp.execution.compiled_regions import eager
 from lightning_comp.execution.hook_registry import HookRegistry, always_hooked
 from lightning_comp.execution.hooks import HookedOperator, PostHook, PreHook, StepState, make_hooks
 from lightning_comp.execution.planned_operators import hooked_operators, provisional_operators
+from lightning_comp.execution.recompute import Recomputer
 from lightning_comp.execution.saved_tensors import DEFAULT_MIN_SAVED_BYTES, SavedTensorCompressor
 from lightning_comp.execution.weight_casts import WeightCastRecorder
 from lightning_comp.numerics.precision import Precision
@@ -83,13 +88,14 @@ class PlanExecutor:
         self.recast_weights_in_backward = bool(recast_weights_in_backward)
         self._weight_casts = WeightCastRecorder()
         self._saved = SavedTensorCompressor(min_saved_bytes, is_weight_copy=self._weight_casts.made)
+        self._state = StepState()
+        self._recomputer = Recomputer(self._state)
         self._hooks = HookRegistry(self._make_hooks)  # (a bound method: the plugin pickles for ddp_spawn)
         self._operators: dict[str, HookedOperator] = {}
         self._plan: PrecisionPlan | None = None
         self._model: nn.Module | None = None
         self._compiled = False
         self._in_force = False  # the plan's hooks are on the model (an all-FP32 plan needs none)
-        self._state = StepState()
         self._chained: dict[StepKind, frozenset[str]] = {}
         self._last_step_chained: frozenset[str] = frozenset()  # what the latest step's forward chained
         self._warned_ineffective: set[str] = set()
@@ -99,6 +105,7 @@ class PlanExecutor:
         self._fed_low_calibrations: dict[tuple[Any, ...], dict[StepKind, frozenset[str]]] = {}
         self._always_hooked: frozenset[str] = frozenset()
         self._compresses = False  # an operator of the plan saves in a lower precision
+        self._recomputes = False  # an operator of the plan saves 'recompute'
         self._said_nothing_lowered: set[tuple[Any, ...]] = set()  # plans warned about lowering nothing
         self._traced_kinds: set[StepKind] = set()  # kinds of step the model's work was traced in
         self._traced_model: weakref.ref[nn.Module] | None = None
@@ -138,6 +145,11 @@ class PlanExecutor:
     def saved_tensors(self) -> SavedTensorCompressor:
         """The engine that stores operators' saved tensors at their planned saved precision."""
         return self._saved
+
+    @property
+    def recomputer(self) -> Recomputer:
+        """The engine that stores recipes instead of the outputs of operators saving ``recompute``."""
+        return self._recomputer
 
     def precisions(self) -> dict[str, Precision]:
         """The effective precision of each hooked operator (FP32 where a low precision cannot apply)."""
@@ -230,13 +242,16 @@ class PlanExecutor:
         self._in_force = True
         self._always_hooked = always_hooked(self._operators)
         self._compresses = any(op.saved.compresses for op in self._operators.values())
+        self._recomputes = any(op.saved.recomputes for op in self._operators.values())
+        # compressing operators leave recompute operators' outputs to the recipes (no check without any)
+        self._saved.defer_to(self._recomputer.claims if self._recomputes else None)
         if not self._always_hooked:
             return
         self._hooks.hook(self._operators.values(), compiled=self._compiled)
         self._prune()
 
     def _make_hooks(self, op: HookedOperator) -> tuple[PreHook, PostHook]:
-        return make_hooks(op, self._state, self._weight_casts, self._saved)
+        return make_hooks(op, self._state, self._weight_casts, self._saved, self._recomputer)
 
     def _prune(self) -> None:
         """Take the hooks off the FP32 operators that change nothing in any kind of step calibrated so far (see
@@ -313,11 +328,12 @@ class PlanExecutor:
         if self._compresses:  # parameters may have been replaced since the last step (walking them costs)
             self._saved.watch(self._model)
         recording = self._weight_casts.recording() if self._recasting else nullcontext()
+        recipes = self._recipes(kind)
         state = self._state
         if kind in self._chained:
             state.chained = self._last_step_chained = self._chained[kind]
             try:
-                with recording:
+                with recording, recipes:
                     yield
             finally:
                 state.chained = frozenset()
@@ -327,13 +343,17 @@ class PlanExecutor:
         self._hook_all()  # it finds the call pattern with every operator hooked
         tracer = state.tracer = ConsumerTracer(self._operators)
         try:
-            with eager() if self._compiled else nullcontext(), tracer, recording:
+            with eager() if self._compiled else nullcontext(), tracer, recording, recipes:
                 yield
         finally:
             state.tracer = None
             self._saved.clear()
         self._calibrated(kind, tracer)
         self._warn_ineffective(tracer.ineffective)
+
+    def _recipes(self, kind: StepKind) -> AbstractContextManager[Any]:
+        """Where recompute operators store recipes: the forward of a training step, when the plan has any."""
+        return self._recomputer.recording() if self._recomputes and kind is StepKind.TRAIN else nullcontext()
 
     def _calibrated(self, kind: StepKind, tracer: ConsumerTracer) -> None:
         """Keep what a calibrating step of ``kind`` found, and take off the hooks that change nothing."""
@@ -374,7 +394,7 @@ class PlanExecutor:
         recorder = WorkRecorder(model)
         try:
             with eager() if self._compiled else nullcontext(), recorder, \
-                    tracer if tracer is not None else nullcontext(), recording:
+                    tracer if tracer is not None else nullcontext(), recording, self._recipes(kind):
                 yield
         except BaseException:
             self._drop_provisional(provisional)
@@ -413,14 +433,20 @@ class PlanExecutor:
             return
         self._state.chained = self._last_step_chained
         try:
-            with self.weight_cast_recording():
+            with self._weight_casts.recording() if self._recasting else nullcontext():
                 yield
         finally:
             self._state.chained = frozenset()
 
-    def weight_cast_recording(self) -> AbstractContextManager[Any]:
-        """Save lowered weights for backward as recipes, as training steps do (for a step run outside Lightning's)."""
-        return self._weight_casts.recording() if self._recasting and self._hooks else nullcontext()
+    @contextmanager
+    def weight_cast_recording(self) -> Iterator[None]:
+        """Save lowered weights for backward as recipes, and recompute operators' outputs as theirs, as training
+        steps do (for a training step run outside Lightning's, uncalibrated)."""
+        if not self._hooks:
+            yield
+            return
+        with self._weight_casts.recording() if self._recasting else nullcontext(), self._recipes(StepKind.TRAIN):
+            yield
 
     @property
     def _recasting(self) -> bool:

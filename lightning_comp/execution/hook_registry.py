@@ -5,7 +5,8 @@ hook), about 10 us per call on a CPU: on a model of a hundred small operators, h
 step. So an operator carries hooks only where they change something (:func:`always_hooked`, plus what a calibrating
 step finds):
 
-- an operator that computes or saves in a lower precision (its region, casts, saved-tensor hooks);
+- an operator that computes in a lower precision, or saves other than as computed (its region, casts, saved-tensor
+  hooks; an operator saving ``recompute`` records its recipes in its hooks);
 - a shape-only operator (a lowered producer's output stays low through it);
 - any operator inside a lowered ``FUNCTIONAL`` operator's region (it shields its own call from that region);
 - an FP32 operator that a calibrating step saw receive a 16-bit input (it casts it back to FP32): the user's own
@@ -38,8 +39,8 @@ class _Handle(Protocol):
 
 def always_hooked(operators: Mapping[str, HookedOperator]) -> frozenset[str]:
     """The operators whose hooks change something in every step (see the module docstring); none at all when no
-    operator computes or saves in a lower precision."""
-    if not any(op.low or op.saved.compresses for op in operators.values()):
+    operator computes in a lower precision or saves other than as computed."""
+    if not any(op.low or op.saved.changes for op in operators.values()):
         return frozenset()
     regions = [op.name for op in operators.values() if op.kind is OperatorKind.FUNCTIONAL and op.low]
 
@@ -47,7 +48,7 @@ def always_hooked(operators: Mapping[str, HookedOperator]) -> frozenset[str]:
         return any(region != name and (region == "" or name.startswith(region + ".")) for region in regions)
 
     return frozenset(name for name, op in operators.items()
-                     if op.low or op.saved.compresses or op.transparent or inside_region(name))
+                     if op.low or op.saved.changes or op.transparent or inside_region(name))
 
 
 class HookRegistry:

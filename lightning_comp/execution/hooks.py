@@ -4,9 +4,11 @@ The pre-hook puts the operator's precision into effect the way its :class:`~ligh
 says: it enters an autocast region (with the executor's own 16-bit weight copies for ``Linear``/``Conv``, so that
 backward can re-cast them), casts the floating inputs, swaps the parameters for 16-bit copies for the call, or, for
 an FP32 operator, casts 16-bit inputs back to FP32. It also enters the operator's saved-tensor hooks when its plan
-entry saves in a lower precision. The post-hook leaves what the pre-hook entered and decides the output's dtype: it
-stays low only where the step's cast boundaries (:mod:`lightning_comp.execution.cast_boundaries`) say every
-consumer computes in the same precision; anywhere else it returns to FP32.
+entry saves in a lower precision. An operator whose plan entry saves ``recompute`` has both hooks wrapped by the
+recomputer (:mod:`lightning_comp.execution.recompute`), which records each training-step call as a recipe; no other
+operator's hooks do anything more for it. The post-hook leaves what the pre-hook entered and decides the output's
+dtype: it stays low only where the step's cast boundaries (:mod:`lightning_comp.execution.cast_boundaries`) say
+every consumer computes in the same precision; anywhere else it returns to FP32.
 
 A ``FUNCTIONAL`` operator (a container computing between its children) is lowered by an autocast region around its
 whole forward. Its children keep their own plan entries inside it: an autocast-lowered child enters a region of its
@@ -43,6 +45,7 @@ from lightning_comp.devices.device_classes import device_class
 from lightning_comp.devices.lowering import Lowering
 from lightning_comp.execution.cast_boundaries import LOW_DTYPES, ConsumerTracer
 from lightning_comp.execution.compiled_regions import compiling, enter_autocast, exit_autocast, only_inlined
+from lightning_comp.execution.recompute import Recomputer
 from lightning_comp.execution.saved_tensors import SavedTensorCompressor
 from lightning_comp.execution.weight_casts import WeightCastRecorder
 from lightning_comp.numerics.precision import Precision, SavedPrecision
@@ -60,7 +63,8 @@ class HookedOperator:
         kind: what it does.
         precision: the precision the plan assigns it.
         lowering: how that precision is put into effect on the device (``NONE``: it computes in FP32).
-        saved: the precision it stores its saved tensors in.
+        saved: the precision it stores its saved tensors in, or ``recompute``: its outputs are recomputed in backward
+            wherever they are saved.
         contexts: the contexts its pre-hook entered, left by its post-hook (a stack: a module may call itself).
         shields: the autocast-off regions its pre-hook entered inside an enclosing ``FUNCTIONAL`` region.
         provisional: a container hooked for a tracing step only (it may turn out to compute nothing itself).
@@ -110,7 +114,7 @@ class StepState:
 
 
 def make_hooks(op: HookedOperator, state: StepState, casts: WeightCastRecorder,
-               compressor: SavedTensorCompressor) -> tuple[PreHook, PostHook]:
+               compressor: SavedTensorCompressor, recomputer: Recomputer | None = None) -> tuple[PreHook, PostHook]:
     """The pre-hook (with kwargs) and the post-hook (``always_call``) that run ``op`` in its planned precision.
 
     Args:
@@ -118,9 +122,14 @@ def make_hooks(op: HookedOperator, state: StepState, casts: WeightCastRecorder,
         state: the step's state, read at every call.
         casts: makes the 16-bit weight copies (and, while a step records, saves them as recipes).
         compressor: makes the saved-tensor hooks of a lower saved precision.
+        recomputer: wraps the hooks of an operator that saves ``recompute`` (required for one).
     """
     assert state.device is not None
-    return _pre_hook(op, state, casts, compressor, state.device.type), _post_hook(op, state)
+    pre_hook, post_hook = _pre_hook(op, state, casts, compressor, state.device.type), _post_hook(op, state)
+    if op.saved.recomputes:
+        assert recomputer is not None, "an operator saving 'recompute' needs the executor's recomputer"
+        return recomputer.wrap(op, pre_hook, post_hook)
+    return pre_hook, post_hook
 
 
 def _pre_hook(op: HookedOperator, state: StepState, casts: WeightCastRecorder, compressor: SavedTensorCompressor,
@@ -227,7 +236,7 @@ def _post_hook(op: HookedOperator, state: StepState) -> PostHook:
             shield = op.shields.pop()
             if shield is not None:
                 shield.exit()
-        if output is None and (op.low or op.saved.compresses):  # always_call: forward raised, name the operator
+        if output is None and (op.low or op.saved.changes):  # always_call: forward raised, name the operator
             note_failing_operator(op, sys.exc_info()[1], state.device)
         tracer = state.tracer
         if op.low and not op.transparent and output is not None:
@@ -265,7 +274,8 @@ def note_failing_operator(op: HookedOperator, error: BaseException | None, devic
         return
     error._comp_operator = op.name  # type: ignore[attr-defined]
     where = "unknown device" if device is None else f"{device} [{device_class(device).describe()}]"
-    saving = f", saving for backward in {op.saved.value}" if op.saved.compresses else ""
+    saving = (", recomputing its output in backward" if op.saved.recomputes
+              else f", saving for backward in {op.saved.value}" if op.saved.compresses else "")
     if precision_may_cause(error):
         advice = (" Assign it 'fp32' in the plan, or exclude it from the search with CoMPSearch(exclude=[...]).")
     else:

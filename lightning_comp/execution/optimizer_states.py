@@ -86,7 +86,8 @@ class OptimizerStates:
     def __init__(self) -> None:
         self._treatments: dict[int, ParameterTreatment] = {}
         self._names: dict[int, str] = {}
-        self._original: dict[int, torch.dtype] = {}  # parameters whose dtype the master entry changed: their own
+        # parameters whose dtype a master entry changed, with the dtype they had
+        self._original: dict[int, tuple[nn.Parameter, torch.dtype]] = {}
         self._generators: dict[str, torch.Generator] = {}
         self._pending_rounding: dict[str, torch.Tensor] = {}
         self._watched: weakref.WeakSet[Optimizer] = weakref.WeakSet()
@@ -164,9 +165,9 @@ class OptimizerStates:
                 raise PlanError(f"Parameter {name!r} is {p.dtype}: master='bf16' holds FP32 parameters in bfloat16;"
                                 " keep master='fp32' for it.")
             target = master.dtype
-            self._original[key] = p.dtype
+            self._original[key] = (p, p.dtype)
         elif key in self._original:
-            target = self._original.pop(key)
+            target = self._original.pop(key)[1]
         else:
             return
         if isinstance(p.data, torch.Tensor) and type(p.data) is not torch.Tensor:
@@ -180,6 +181,17 @@ class OptimizerStates:
                 " work under DDP).")
         p.grad = None
         p.data = p.data.to(target)
+
+    def release(self) -> None:
+        """Give every parameter a master entry made BF16 its own dtype back (exactly: BF16 values are FP32 values),
+        so the model handed back after a fit computes as it did before it; the next :meth:`assign` holds them in
+        BF16 again."""
+        for p, dtype in self._original.values():
+            p.grad = None
+            p.data = p.data.to(dtype)
+        self._original.clear()
+        self._treatments, self._names = {}, {}
+        self._converted = weakref.WeakSet()
 
     # ----------------------------------------------------------------------------------------- checkpoint hooks
     def watch(self, optimizer: Optimizer) -> None:

@@ -28,7 +28,8 @@ def hooked_operators(model: nn.Module, plan: PrecisionPlan, device: torch.device
 
     Raises:
         PlanError: naming every operator with no kernel for its planned precision there (and what each way of
-            lowering it raised), or, for a compiled model, every operator that saves in a lower precision.
+            lowering it raised), or, for a compiled model, every operator that saves in a lower precision or
+            recomputes.
     """
     operators: dict[str, HookedOperator] = {}
     unsupported = []
@@ -47,12 +48,13 @@ def hooked_operators(model: nn.Module, plan: PrecisionPlan, device: torch.device
             f" [{device_class(device).describe()}]: {'; '.join(unsupported)}. Assign them 'fp32' in the plan"
             " (e.g. {'<name>': 'fp32'}), or let CoMPSearch choose on this device."
         )
-    compressing = sorted(name or "<root>" for name, op in operators.items() if op.saved.compresses)
-    if compiled and compressing:
+    changing = sorted(name or "<root>" for name, op in operators.items() if op.saved.changes)
+    if compiled and changing:
         raise PlanError(
-            f"The plan saves tensors for backward in a lower precision ({', '.join(compressing)}), which"
-            " torch.compile cannot trace: AOTAutograd decides what a compiled graph saves. Drop the plan's"
-            " 'saved' entries for a compiled model (CoMPSearch(saved_precision='off')), or train it uncompiled."
+            f"The plan saves tensors for backward other than as computed ({', '.join(changing)}: in a lower"
+            " precision, or recomputed), which torch.compile cannot trace: AOTAutograd decides what a compiled graph"
+            " saves. Drop the plan's 'saved' entries for a compiled model (CoMPSearch(saved_precision='off')), or"
+            " train it uncompiled."
         )
     return operators
 

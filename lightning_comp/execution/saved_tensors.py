@@ -7,7 +7,9 @@ operator saves (:mod:`lightning_comp.numerics.saved_precision`), except:
 - parameters, views of parameters and casts of them (a lowered layer's 16-bit weight copy): those keep their own
   recipes (:mod:`lightning_comp.execution.weight_casts`), and a weight is never stored lossy;
 - tensors smaller than the size threshold (their pack/unpack costs more than their bytes are worth);
-- tensors no smaller at the saved precision (a BF16 activation saved ``bf16``), integer and bool tensors.
+- tensors no smaller at the saved precision (a BF16 activation saved ``bf16``), integer and bool tensors;
+- outputs of operators that save ``recompute`` (:mod:`lightning_comp.execution.recompute`): the recompute hooks,
+  outside these, store a recipe instead, so the recipe wins over compression.
 
 The hooks chain to the hooks that were in force around the operator (``torch.autograd.graph.save_on_cpu``, the
 weight re-cast recipes, a memory probe, a user's own): a compressed tensor is handed on to them, so it is, e.g.,
@@ -34,7 +36,7 @@ from lightning_comp.execution.saved_hooks import OuterHooks, hooks_installable, 
 from lightning_comp.numerics.codecs import CompressedTensor, compress, decompress, shrinks
 from lightning_comp.numerics.precision import SavedPrecision
 
-__all__ = ["DEFAULT_MIN_SAVED_BYTES", "SavedTensorCompressor"]
+__all__ = ["DEFAULT_MIN_SAVED_BYTES", "SavedTensorCompressor", "is_compressor_pack"]
 
 DEFAULT_MIN_SAVED_BYTES = 16 * 1024
 # Autograd nodes that only view or cast their input: a saved tensor reached from a parameter through these is a form
@@ -45,6 +47,12 @@ _VIEW_OR_CAST = frozenset({
     "SelectBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0", "AsStridedBackward0",
 })
 _ACCUMULATE = "torch::autograd::AccumulateGrad"
+_MARK = "_lightning_comp_compressor"  # set on the pack hooks this module makes
+
+
+def is_compressor_pack(pack: object) -> bool:
+    """Whether ``pack`` is the pack hook of an operator's compression (which hands what it keeps on outward)."""
+    return getattr(pack, _MARK, False) is True
 
 
 def _from_parameter(tensor: torch.Tensor, depth: int = 4) -> bool:
@@ -87,6 +95,7 @@ class SavedTensorCompressor:
             raise ConfigError(f"min_saved_bytes={min_bytes!r} is invalid: it must be an integer >= 0 (bytes).")
         self.min_bytes = min_bytes
         self._is_weight_copy = is_weight_copy
+        self._defers: Callable[[torch.Tensor], bool] | None = None
         self._parameters: set[int] = set()
         self._shared: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
         self.compressed_bytes = 0  # bytes of the tensors compressed so far (for inspection and tests)
@@ -104,6 +113,11 @@ class SavedTensorCompressor:
         """Remember ``model``'s parameter storages (frozen ones too): they are never compressed. Called at every step,
         since parameters may be replaced between steps (``load_state_dict(assign=True)``)."""
         self._parameters = {storage_key(p) for p in model.parameters()}
+
+    def defer_to(self, claims: Callable[[torch.Tensor], bool] | None) -> None:
+        """Save as they are the tensors ``claims`` says another pair of hooks outside stores otherwise (the
+        recompute hooks' recipes); ``None``: nothing is deferred (a plan without ``recompute`` entries)."""
+        self._defers = claims
 
     def clear(self) -> None:
         """Forget shared compressed tensors (at the end of a step: the graph holds what it needs)."""
@@ -126,7 +140,9 @@ class SavedTensorCompressor:
             return True
         if self._is_weight_copy is not None and self._is_weight_copy(tensor):
             return True
-        return _from_parameter(tensor)
+        if _from_parameter(tensor):
+            return True
+        return self._defers is not None and self._defers(tensor)
 
     def _pack_hook(self, saved: SavedPrecision, outer: OuterHooks) -> Callable[[torch.Tensor], Any]:
         def pack(tensor: torch.Tensor) -> Any:
@@ -135,6 +151,7 @@ class SavedTensorCompressor:
             compressed = self._shared_copy(tensor, saved)
             return _Stored(outer.hand_on(compressed.data), compressed.dtype, compressed.inverse_scale)
 
+        setattr(pack, _MARK, True)
         return pack
 
     def _shared_copy(self, tensor: torch.Tensor, saved: SavedPrecision) -> CompressedTensor:
