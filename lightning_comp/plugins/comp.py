@@ -397,16 +397,19 @@ class CoMPPrecision(Precision):
     def teardown(self) -> None:
         """Take the hooks off the model at the end of every fit/validate/test/predict.
 
-        The model the user gets back computes in FP32 and is safe to deep-copy (EMA, teacher models); the plan stays
+        The model the user gets back computes in FP32 and is safe to deep-copy (EMA, teacher models): parameters the
+        plan held in bf16 (``master="bf16"``) are FP32 again, exactly (their values are bf16 values). The plan stays
         inspectable (:attr:`plan`, ``executor.precisions()``) and the next stage, or :meth:`set_plan`, hooks it again.
         """
         self._executor.detach()
+        self._optimizer_states.release()  # bf16 masters back to the dtypes the model came with
         self._hook_guards.close()
         super().teardown()
 
     def remove_hooks(self) -> None:
         """Take the plan off the model (it then computes in FP32 everywhere); :meth:`set_plan` puts one back."""
         self._executor.remove()
+        self._optimizer_states.release()
 
 
 def _same_assignment(a: PrecisionPlan, b: PrecisionPlan) -> bool:

@@ -243,3 +243,4 @@ class CoMPFabricPrecision(Precision):
     def teardown(self) -> None:
         """Take the hooks off the model: it computes in FP32 afterwards (the plan stays inspectable)."""
         self._executor.detach()
+        self._optimizer_states.release()  # bf16 masters back to the dtypes the model came with

@@ -74,16 +74,23 @@ class LowPrecision(_Setting):
 class SavedPrecisions(_Setting):
     """The precisions the memory and balanced objectives may store an operator's saved tensors in."""
 
-    AUTO = "auto"  # fp8 or bf16, the smaller that pays per operator
+    AUTO = "auto"  # recompute for cheap operators, fp8 or bf16 (the smaller that pays) for the others
     BF16 = "bf16"
     FP8 = "fp8"
+    RECOMPUTE = "recompute"  # recompute cheap operators, store the others as computed
     OFF = "off"  # saved as computed
 
     @property
     def options(self) -> tuple[SavedPrecision, ...]:
-        """The saved precisions tried, smallest first."""
+        """The stored saved precisions tried, smallest first (recomputation aside: :attr:`recomputes`)."""
         return {SavedPrecisions.AUTO: (SavedPrecision.FP8, SavedPrecision.BF16), SavedPrecisions.BF16:
-                (SavedPrecision.BF16,), SavedPrecisions.FP8: (SavedPrecision.FP8,), SavedPrecisions.OFF: ()}[self]
+                (SavedPrecision.BF16,), SavedPrecisions.FP8: (SavedPrecision.FP8,), SavedPrecisions.RECOMPUTE: (),
+                SavedPrecisions.OFF: ()}[self]
+
+    @property
+    def recomputes(self) -> bool:
+        """Whether cheap operators are offered ``recompute``."""
+        return self in (SavedPrecisions.AUTO, SavedPrecisions.RECOMPUTE)
 
 
 class StatePrecisions(_Setting):
@@ -121,8 +128,9 @@ _CHOICES: dict[str, tuple[type[_Setting], str]] = {
     "objective": (Objective, "use 'throughput', 'memory' or 'balanced'"),
     "timing": (Timing, "use 'auto' (wall time on a quiet machine, CPU time on a busy one), 'wall' or 'cpu'"),
     "low_precision": (LowPrecision, "use 'auto' (what pays on the device), 'bf16' or 'fp16'"),
-    "saved_precision": (SavedPrecisions, "use 'auto' (bf16 or fp8, whichever pays per operator), 'bf16', 'fp8' or"
-                        " 'off' (the memory and balanced objectives then leave saved tensors as computed)"),
+    "saved_precision": (SavedPrecisions, "use 'auto' (recompute for cheap operators, bf16 or fp8 for the others,"
+                        " whichever pays), 'bf16', 'fp8', 'recompute' or 'off' (the memory and balanced objectives then"
+                        " leave saved tensors as computed)"),
     "state_precision": (StatePrecisions, "use 'auto' (8bit or bf16 Adam moments, whichever pays per operator),"
                         " '8bit', 'bf16' or 'off' (the optimizer's own fp32 state)"),
     "master_precision": (MasterPrecisions, "use 'auto' (bf16 master weights where an operator computes in bf16 and"
@@ -190,9 +198,10 @@ class SearchConfig:
         verbose: print the decision table on rank 0.
         snapshot_device: where the search keeps its snapshots of the run (model, optimizer state, buffers):
             ``None`` keeps them where the tensors are, ``"cpu"`` spares accelerator memory (slower rewinds).
-        saved_precision: with ``objective="memory"``/``"balanced"``, the precisions an operator's saved tensors
-            may be stored in: ``"auto"`` (``fp8`` or ``bf16``, the smaller that pays per operator), ``"bf16"``,
-            ``"fp8"``, or ``"off"`` (saved as computed). Ignored with ``objective="throughput"``.
+        saved_precision: with ``objective="memory"``/``"balanced"``, how an operator's saved tensors may be kept:
+            ``"auto"`` (cheap operators, as a group, recompute their outputs in backward where that pays; the others
+            store ``fp8`` or ``bf16``, the smaller that pays per operator), ``"bf16"``, ``"fp8"``, ``"recompute"``
+            (recomputation only), or ``"off"`` (saved as computed). Ignored with ``objective="throughput"``.
         include_saved: plan selectors of operators whose saved lowering is trialled whatever the batch stage
             measures (at ``fp8`` with ``"auto"``); convergence still decides.
         state_precision: with ``objective="memory"``/``"balanced"`` and an ``Adam``/``AdamW`` optimizer, the
@@ -256,8 +265,9 @@ class SearchConfig:
             except (RuntimeError, TypeError):
                 self._fail("snapshot_device", "use None (keep snapshots where the tensors are) or a device such as"
                            " 'cpu'")
-        if self.include_saved and self.saved_precision is SavedPrecisions.OFF:
-            self._fail("include_saved", "it needs saved_precision other than 'off'")
+        if self.include_saved and not self.saved_precision.options:
+            self._fail("include_saved", "it needs saved_precision 'auto', 'bf16' or 'fp8' (it forces a stored"
+                       " lowering)")
         if self.include_state and self.state_precision is StatePrecisions.OFF:
             self._fail("include_state", "it needs state_precision other than 'off'")
         for name in ("include", "exclude", "include_saved", "include_state"):

@@ -60,10 +60,21 @@ def _fit(root: Path, plan: Any, ckpt_path: Path | None = None, **kwargs: Any) ->
     return trainer, model
 
 
+class Dtypes(pl.Callback):
+    """The parameters' dtypes while training."""
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        self.seen = {name: p.dtype for name, p in pl_module.named_parameters()}
+
+
 def test_every_dimension_trains_through_the_trainer(tmp_path: Path) -> None:
-    trainer, model = _fit(tmp_path / "comp", EVERY_DIMENSION, max_epochs=2)
-    assert model.l1.weight.dtype == torch.bfloat16 and model.l2.weight.dtype == torch.bfloat16
-    assert model.head.weight.dtype == torch.float32 and model.norm.weight.dtype == torch.float32
+    dtypes = Dtypes()
+    trainer, model = _fit(tmp_path / "comp", EVERY_DIMENSION, max_epochs=2, callbacks=[dtypes])
+    assert dtypes.seen["l1.weight"] == torch.bfloat16 and dtypes.seen["l2.bias"] == torch.bfloat16
+    assert dtypes.seen["head.weight"] == torch.float32 and dtypes.seen["norm.weight"] == torch.float32
+    # the model handed back computes in fp32 again, with the bf16 values it trained to
+    assert model.l1.weight.dtype == torch.float32
+    assert torch.equal(model.l1.weight, model.l1.weight.bfloat16().float())
     state = trainer.optimizers[0].state
     assert state[model.l1.weight]["exp_avg"].dtype == torch.uint8
     assert state[model.l2.weight]["exp_avg"].dtype == torch.bfloat16

@@ -48,6 +48,17 @@ class StateSensitiveMLP(WideMLP):
         self.log("val_loss", loss)
 
 
+class ScheduledAdamW(WideMLP):
+    """WideMLP trained by AdamW under a StepLR schedule (the schedule adds ``initial_lr`` to each group)."""
+
+    def __init__(self) -> None:
+        super().__init__(offset=False)
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.AdamW(self.parameters(), lr=1e-3, weight_decay=0.01)
+        return {"optimizer": optimizer, "lr_scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.9)}
+
+
 def pinned_state_search(**kwargs: Any) -> CoMPSearch:
     """8-bit state of l2, l3, l4 trialled whatever is measured; no compute or saved lowering."""
     kwargs.setdefault("include_state", ["l2", "l3", "l4"])
@@ -103,7 +114,7 @@ def test_the_batch_stage_judges_state_and_master_from_measurements(tmp_path: Pat
     search = CoMPSearch(objective="memory", low_precision="bf16", saved_precision="off", max_memory_slowdown=1e6,
                         verbose=False, profile_steps=3, max_trials=2)
     trainer = search_trainer(tmp_path, [search], max_epochs=3, plugin=CoMPPrecision())
-    trainer.fit(WideMLP(offset=False), *loaders())
+    trainer.fit(ScheduledAdamW(), *loaders())
     record = search.record
     assert record is not None
     decided = {n: op["parameters"] for n, op in record["operators"].items() if "parameters" in op}

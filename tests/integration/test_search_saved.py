@@ -68,10 +68,12 @@ def test_saved_search_options_are_validated_and_only_memory_and_balanced_use_the
     assert options(objective="memory") == (SavedPrecision.FP8, SavedPrecision.BF16)
     assert options(objective="balanced", saved_precision="bf16") == (SavedPrecision.BF16,)
     assert options(objective="memory", saved_precision="off") == ()
-    with pytest.raises(SearchConfigError, match=r"saved_precision='fp4'.*'auto'.*'bf16', 'fp8' or 'off'"):
+    with pytest.raises(SearchConfigError, match=r"saved_precision='fp4'.*'auto'.*'bf16', 'fp8', 'recompute' or 'off'"):
         CoMPSearch(saved_precision="fp4")
-    with pytest.raises(SearchConfigError, match="include_saved.*needs saved_precision other than 'off'"):
+    with pytest.raises(SearchConfigError, match="include_saved.*needs saved_precision 'auto', 'bf16' or 'fp8'"):
         CoMPSearch(saved_precision="off", include_saved=["l2"])
+    with pytest.raises(SearchConfigError, match="include_saved.*needs saved_precision 'auto', 'bf16' or 'fp8'"):
+        CoMPSearch(saved_precision="recompute", include_saved=["l2"])
 
 
 # ------------------------------------------------------------------------------------------------ Trainer runs
@@ -137,12 +139,12 @@ def test_a_nan_from_compression_is_caught_by_the_trials_nan_rejection(tmp_path: 
 def test_batch_stage_decides_saved_precision_from_measured_bytes(tmp_path: Path) -> None:
     pl.seed_everything(0)
     search = CoMPSearch(objective="memory", low_precision="bf16", max_memory_slowdown=100.0, verbose=False,
-                        profile_steps=3, tolerance=0.05)
+                        profile_steps=3, tolerance=0.05, state_precision="off", master_precision="off")
     trainer = search_trainer(tmp_path, [search], max_epochs=3, plugin=CoMPPrecision())
     trainer.fit(WideMLP(offset=False), *loaders())
     record = search.record
     assert record is not None
-    for name in ("a1", "l2", "a2", "l3", "a3", "l4", "a4", "head"):
+    for name in ("l2", "l3", "l4", "head"):
         entry = record["operators"][name]["saved"]
         computed = record["operators"][name].get("decision")
         # an operator lowered to bf16 already saves bf16: fp8 halves it, bf16 saves nothing
@@ -150,5 +152,30 @@ def test_batch_stage_decides_saved_precision_from_measured_bytes(tmp_path: Path)
         assert full > 0 and entry["bytes"]["fp8"] <= full // 2 + 64, (name, computed, entry)
         # with a 100x slowdown accepted, time never stops it: what saves bytes is lowered to fp8
         assert entry["decision"] == "fp8", (name, entry)
+    for name in ("a1", "a2", "a3", "a4"):  # the cheap ones recompute (saved_precision="auto"), judged together
+        entry = record["operators"][name]["saved"]
+        assert entry["decision"] == "recompute" and entry["bytes"]["recompute"] < entry["bytes"]["fp32"], entry
     assert record["saved_step"]["verdict"] == "pays", record["saved_step"]
     assert set(record["saved_lowered"]) <= {n for n in record["operators"]}
+
+
+def test_cheap_operators_recompute_as_a_group_when_the_step_pays(tmp_path: Path) -> None:
+    """``saved_precision="recompute"``: the ReLUs' outputs (each the next Linear's saved input) are recomputed in
+    backward instead of stored; judged together against the whole step's saved bytes and time, trialled, kept."""
+    pl.seed_everything(0)
+    search = CoMPSearch(objective="memory", low_precision="bf16", speed_margin=0.9, saved_precision="recompute",
+                        state_precision="off", master_precision="off", max_memory_slowdown=1e6, verbose=False,
+                        profile_steps=3)
+    plugin = CoMPPrecision()
+    trainer = search_trainer(tmp_path, [search], max_epochs=3, plugin=plugin)
+    trainer.fit(WideMLP(offset=False), *loaders())
+    record = search.record
+    assert record is not None
+    relus = ("a1", "a2", "a3", "a4")
+    for name in relus:
+        entry = record["operators"][name]["saved"]
+        assert entry["decision"] == "recompute", entry["reason"]
+        assert tuple(entry["group"]) == relus and "recompute together" in entry["reason"]
+        assert entry["bytes"]["recompute"] < entry["bytes"]["fp32"]
+    assert {n: plugin.plan.saved_of(n).value for n in relus} == dict.fromkeys(relus, "recompute")
+    assert record["saved_lowered"] == dict.fromkeys(relus, "recompute")

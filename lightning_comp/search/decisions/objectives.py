@@ -79,6 +79,11 @@ class ObjectivePolicy(ABC):
         """The saved precisions this objective tries for what operators save, smallest first (empty: none)."""
         return self.config.saved_precision.options if self.weighs_memory else ()
 
+    @property
+    def recomputes(self) -> bool:
+        """Whether this objective offers cheap operators recomputation instead of storage."""
+        return self.weighs_memory and self.config.saved_precision.recomputes
+
     # ------------------------------------------------------------------------------------------------ per operator
     @abstractmethod
     def operator(self, time: RatioEstimate, t32: float, tlow: float, memory_ratio: float,

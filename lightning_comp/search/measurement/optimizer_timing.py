@@ -17,6 +17,7 @@ magnitudes; gradients are the parameters' own from the profiled step when presen
 from __future__ import annotations
 
 import copy
+import inspect
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -85,8 +86,8 @@ def _update(optimizer: Optimizer, params: Sequence[nn.Parameter], hyper: dict[in
         grad = source.grad if source.grad is not None else torch.randn_like(source, dtype=torch.float32) * 1e-3
         target.grad = grad.detach().to(dtype, copy=True)
     if config.state is None:
-        group = dict(hyper[id(params[0])])
-        scratch = type(optimizer)(copies, **group)
+        accepted = inspect.signature(type(optimizer).__init__).parameters  # not "initial_lr" an LR scheduler adds
+        scratch = type(optimizer)(copies, **{k: v for k, v in hyper[id(params[0])].items() if k in accepted})
         for source, target in zip(params, copies):
             if source in optimizer.state:
                 scratch.state[target] = copy.deepcopy(optimizer.state[source])

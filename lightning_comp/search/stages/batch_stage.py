@@ -169,7 +169,8 @@ class BatchStage:
         saved = SavedStageResult()
         parameters = ParameterStageResult()
         base = plan_for(self.low, runs, [Candidate(n) for n in names])
-        if self.policy.saved_options and not self.plugin.compiled:  # compiled: AOTAutograd decides what is saved
+        if (self.policy.saved_options or self.policy.recomputes) and not self.plugin.compiled:  # compiled: AOTAutograd
+            # decides what is saved
             with single_intra_op_thread(timing.single_thread):
                 saved = SavedStage(self.config, self.plugin, self.progress).measure(
                     trainer, pl_module, step, clock, base, modules, order, decisions)

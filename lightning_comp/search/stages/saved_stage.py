@@ -22,6 +22,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
+from lightning_comp.execution.recompute import recompute_unsuitable
 from lightning_comp.numerics.precision import SavedPrecision
 from lightning_comp.operators.kinds import OperatorKind, classify
 from lightning_comp.plan.plan import PrecisionPlan
@@ -47,6 +48,8 @@ from lightning_comp.search.record.progress import SearchProgress
 from lightning_comp.search.stages.batch_result import SavedStageResult
 
 __all__ = ["SavedStage"]
+
+_RECOMPUTE = SavedPrecision.RECOMPUTE.value  # the profiled configuration in which the cheap operators recompute
 
 
 class SavedStage:
@@ -78,10 +81,15 @@ class SavedStage:
         # bf16 shrinks only what an operator computing in fp32 saves: not worth profiling when every one is lowered
         options = tuple(s for s in self.policy.saved_options if s is not SavedPrecision.BF16
                         or any(not base.precision_of(n, type(modules[n])).is_low for n in eligible))
-        if not options:  # saved_precision="bf16" with every operator already computing in 16 bits
+        recomputable = [n for n in eligible if self.policy.recomputes and recompute_unsuitable(modules[n]) is None]
+        if not options and not recomputable:  # e.g. saved_precision="bf16" with every operator computing in 16 bits
             return SavedStageResult()
-        results = self._profile(trainer, pl_module, step, clock, base, eligible, options)
-        result = self._decide(results, eligible, options, modules, decisions)
+        results = self._profile(trainer, pl_module, step, clock, base, eligible, options, recomputable)
+        result = SavedStageResult()
+        if recomputable:
+            self._decide_recompute(results, recomputable, modules, decisions, result)
+        codec = [n for n in eligible if n not in result.choices]
+        self._decide(results, codec, options, modules, decisions, result)
         result.choices, result.benefits = agree(trainer, (result.choices, result.benefits))
         if result.choices:
             result.check = self._whole_step(trainer, pl_module, step, clock, base, result.choices)
@@ -94,11 +102,14 @@ class SavedStage:
         return result
 
     def _profile(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: Callable[[], None], clock: Clock,
-                 base: PrecisionPlan, eligible: list[str],
-                 options: tuple[SavedPrecision, ...]) -> dict[str, ProfileResult]:
-        """The candidate plan profiled with every eligible operator saving as computed and at each option."""
+                 base: PrecisionPlan, eligible: list[str], options: tuple[SavedPrecision, ...],
+                 recomputable: list[str]) -> dict[str, ProfileResult]:
+        """The candidate plan profiled with every eligible operator saving as computed and at each option, and with
+        every recomputable one recomputing."""
         config, plugin = self.config, self.plugin
         plans = {"fp32": base, **{s.value: base.with_saved({n: s.value for n in eligible}) for s in options}}
+        if recomputable:
+            plans[_RECOMPUTE] = base.with_saved({n: SavedPrecision.RECOMPUTE.value for n in recomputable})
         # Profiled as training steps run (calibrated cast boundaries, so a lowered operator's output stays low where
         # training keeps it low, and the tensors operators share are the ones training shares). A saved precision
         # does not move a cast boundary: one calibrating step of the base plan serves every configuration.
@@ -114,14 +125,38 @@ class SavedStage:
         reduce_profile(trainer, results)
         return results
 
+    def _decide_recompute(self, results: dict[str, ProfileResult], recomputable: list[str],
+                          modules: dict[str, torch.nn.Module], decisions: dict[str, OperatorDecision],
+                          result: SavedStageResult) -> None:
+        """The cheap operators' recomputation, judged as one group against the whole step: what recomputing an
+        operator frees shows in its consumers' saved bytes (the next Linear no longer holds the GELU's output),
+        and what it costs in the backward of every operator that unpacks it."""
+        base, recomputed = results["fp32"], results[_RECOMPUTE]
+        ran = [n for n in base.order if n in base.operators and n in recomputed.operators]
+        if not ran:
+            return
+        before, after = base.saved_bytes, recomputed.saved_bytes
+        time = paired_ratio(_summed(base, ran), _summed(recomputed, ran))
+        group = tuple(n for n in recomputable if n in base.operators)
+        shared = judge_saved(self.policy, before, {SavedPrecision.RECOMPUTE: (after, time)})
+        shared.reason = (f"{shared.reason} (the {len(group)} cheap operators recompute together: the step's saved"
+                         f" bytes {before / 2**20:.2f} -> {after / 2**20:.2f} MiB, the step x{time.ratio:.2f})")
+        for name in group:
+            decision = _share_of(shared, group)
+            decision.reason = shared.reason
+            decisions[name].saved = decision
+            if decision.lowers:
+                result.choices[name] = decision.decision
+                result.benefits[Candidate.saved(name)] = decision.benefit
+
     def _decide(self, results: dict[str, ProfileResult], eligible: list[str], options: tuple[SavedPrecision, ...],
-                modules: dict[str, torch.nn.Module], decisions: dict[str, OperatorDecision]) -> SavedStageResult:
+                modules: dict[str, torch.nn.Module], decisions: dict[str, OperatorDecision],
+                result: SavedStageResult) -> SavedStageResult:
         """Each group of operators that save the same tensors judged together; forced and unshared ones settled."""
         included = self.config.included_saved
-        result = SavedStageResult()
         base = results["fp32"]
         ran = [n for n in eligible if n in base.operators]
-        for group in sharing_groups(ran, base.sharing):
+        for group in sharing_groups(ran, base.sharing) if options else []:
             measured: dict[SavedPrecision, tuple[int, RatioEstimate]] = {
                 s: (sum(results[s.value].operators[n].own_saved_bytes for n in group),
                     paired_ratio(_summed(base, group), _summed(results[s.value], group)))
@@ -140,6 +175,8 @@ class SavedStage:
                     result.choices[name] = decision.decision
                     result.benefits[Candidate.saved(name)] = decision.benefit
         forced = {n for n, d in decisions.items() if d.saved is not None and d.saved.forced}
+        # a recomputed output is a recipe wherever it is saved, by whoever: sharing it never doubles it
+        forced |= {n for n, saved in result.choices.items() if saved.recomputes}
         for name, why in unshared_choices(result.choices, base.sharing, forced).items():
             saved = decisions[name].saved
             assert saved is not None
