@@ -117,9 +117,12 @@ def test_bf16_master_with_stochastic_rounding_keeps_small_updates() -> None:
 
 def test_bf16_master_trains_and_halves_weight_and_gradient_bytes() -> None:
     reference, _, ref_losses = _train(None)
-    model, opt, losses = _train(PrecisionPlan.from_dict({"big": {"compute": "bf16", "master": "bf16", "state": "8bit"}}))
+    plan = PrecisionPlan.from_dict({"big": {"compute": "bf16", "master": "bf16", "state": "8bit"}})
+    model, opt, losses = _train(plan)
     assert model.big.weight.dtype == torch.bfloat16 and model.head.weight.dtype == torch.float32
     assert abs(losses[-1] - ref_losses[-1]) < 0.15 * ref_losses[-1]
+    model(torch.randn(2, 128)).sum().backward()
+    assert model.big.weight.grad is not None and model.big.weight.grad.nbytes == reference.big.weight.nbytes // 2
     assert "exp_avg_scale" in opt.state[model.big.weight]
 
 
@@ -151,7 +154,8 @@ def test_changing_the_plan_converts_states_and_returns_master_dtypes() -> None:
 
 
 def test_loading_keeps_the_saved_state_dtypes_bit_exactly() -> None:
-    plan = PrecisionPlan.from_dict({"big": {"state": "8bit", "compute": "bf16", "master": "bf16"}, "head": {"compute": "bf16", "master": "bf16"}})
+    plan = PrecisionPlan.from_dict({"big": {"state": "8bit", "compute": "bf16", "master": "bf16"},
+                                    "head": {"compute": "bf16", "master": "bf16"}})
     model, opt, _ = _train(plan, steps=4)
     buffer = io.BytesIO()
     torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buffer)
