@@ -11,8 +11,8 @@ operator owns (:mod:`lightning_comp.execution.parameter_groups`):
   (:mod:`lightning_comp.numerics.stochastic_rounding`), so updates below half a BF16 step still count in expectation.
 
 The state stays where it always was: in the user's own ``torch.optim.Adam``/``AdamW``, under the keys that optimizer
-uses (``step``, ``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``; 8-bit moments add ``<key>_scale``), in plain
-tensors. Checkpoints, the search's snapshots and rewinds therefore hold it as they hold any optimizer state, and it
+uses (``step``, ``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``; an 8-bit moment is one flat ``uint8`` tensor of
+codes and block scales), in plain tensors. Checkpoints, the search's snapshots and rewinds therefore hold it as they hold any optimizer state, and it
 loads with ``torch.load(weights_only=True)``. Two rules make that exact:
 
 - **Loading keeps the saved dtypes.** ``Optimizer.load_state_dict`` casts every floating state tensor to its
@@ -49,7 +49,6 @@ from lightning_comp.plan.plan import PrecisionPlan
 __all__ = ["OptimizerStates", "ParameterTreatment", "adam_step", "state_bytes", "state_nbytes"]
 
 _MOMENTS = (("exp_avg", True), ("exp_avg_sq", False), ("max_exp_avg_sq", False))  # key, signed
-_SCALE = "_scale"
 _ROUNDING_SEED = 0x5EED
 
 
@@ -338,7 +337,7 @@ def state_nbytes(p: torch.Tensor, precision: StatePrecision, amsgrad: bool = Fal
     moments = 3 if amsgrad else 2
     fmt = _format(precision, p)
     if fmt == torch.uint8:
-        per_moment = p.numel() + 4 * (p.numel() // block_quant.BLOCK_SIZE)
+        per_moment = block_quant.packed_size(p.numel())
     else:
         per_moment = p.numel() * (2 if fmt == torch.bfloat16 else 4)
     return moments * per_moment + 4
@@ -357,22 +356,27 @@ def _read(state: dict[str, Any], key: str, signed: bool, p: torch.Tensor) -> tor
     stored = state.get(key)
     if stored is None:
         return torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
-    if stored.dtype == torch.uint8:
-        return block_quant.dequantise(stored, state[key + _SCALE], signed)
+    if _packed(stored, p):
+        return block_quant.unpack(stored, p.shape, signed).dequantise()
     return stored if stored.dtype == torch.float32 else stored.float()
+
+
+def _packed(stored: torch.Tensor, p: torch.Tensor) -> bool:
+    """Whether ``stored`` is a packed 8-bit moment of ``p`` (bytes, or bytes a load cast to ``p``'s dtype)."""
+    return stored.dtype == torch.uint8 or (stored.dim() == 1 and stored.shape != p.shape
+                                           and stored.numel() == block_quant.packed_size(p.numel()))
 
 
 def _write(state: dict[str, Any], key: str, values: torch.Tensor, fmt: torch.dtype, signed: bool) -> None:
     """Store FP32 ``values`` as the moment ``key`` in ``fmt``."""
     stored = state.get(key)
     if fmt == torch.uint8:
-        if stored is None or stored.dtype != torch.uint8:
-            quantised = block_quant.QuantisedMoment.quantise(values, signed)
-            state[key], state[key + _SCALE] = quantised.codes, quantised.scale
+        if stored is not None and stored.dtype == torch.uint8:
+            moment = block_quant.unpack(stored, values.shape, signed)  # views of ``stored``: quantised in place
+            block_quant.into(values, moment.codes, moment.scale, signed)
         else:
-            block_quant.into(values, stored, state[key + _SCALE], signed)
+            state[key] = block_quant.pack(block_quant.QuantisedMoment.quantise(values, signed))
         return
-    state.pop(key + _SCALE, None)
     if stored is not None and stored.dtype == fmt and stored.shape == values.shape:
         if stored is not values:
             stored.copy_(values)
@@ -381,14 +385,14 @@ def _write(state: dict[str, Any], key: str, values: torch.Tensor, fmt: torch.dty
 
 
 def _to_own_format(state: dict[str, Any], p: torch.Tensor) -> None:
-    """Return an unmanaged parameter's state to the optimizer's own format (moments in ``p``'s dtype, no scales)."""
+    """Return an unmanaged parameter's state to the optimizer's own format (moments in ``p``'s dtype and shape)."""
     for key, signed in _MOMENTS:
         stored = state.get(key)
-        if stored is None or stored.dtype == p.dtype:
+        if stored is None:
             continue
-        if stored.dtype == torch.uint8:
-            state[key] = block_quant.dequantise(stored, state.pop(key + _SCALE), signed).to(p.dtype)
-        elif stored.is_floating_point():
+        if _packed(stored, p):
+            state[key] = block_quant.unpack(stored, p.shape, signed).dequantise().to(p.dtype)
+        elif stored.dtype != p.dtype and stored.is_floating_point():
             state[key] = stored.to(p.dtype)
 
 

@@ -3,8 +3,10 @@
 The format is torchao's (:mod:`lightning_comp.adapters.torchao_quant`): blocks of 256 elements, each scaled by its
 largest magnitude and stored as the index (uint8) of the nearest value of the dynamic tree map. Tensors with fewer
 than 4096 elements or a size that is not a multiple of the block stay FP32, as in torchao, since their codes would
-save little. The codes live in ordinary ``uint8`` tensors with an FP32 scale per block, so an optimizer holding them
-pickles, deep-copies and loads with ``torch.load(weights_only=True)`` without torchao's tensor subclasses.
+save little. A moment is stored as *one* flat ``uint8`` tensor: its codes, then the bytes of its FP32 block scales
+(:func:`pack`). An optimizer holding it pickles, deep-copies and loads with ``torch.load(weights_only=True)`` without
+torchao's tensor subclasses, and it survives the dtype cast ``Optimizer.load_state_dict`` applies to every state
+tensor: bytes cast to FP32 or BF16 and back are the same integers 0..255 (:func:`unpack` takes either).
 
 Quantising reads the code from a table indexed by the top 20 bits of each scaled FP32 value (sign, exponent and 11
 mantissa bits; 1 MiB of uint8), built once per map by torchao's own quantiser. Eagerly on a CPU this is about 10x
@@ -22,7 +24,8 @@ import torch
 
 from lightning_comp.adapters.torchao_quant import block_scale, dynamic_map, reference_quantise
 
-__all__ = ["BLOCK_SIZE", "MIN_QUANTISED", "QuantisedMoment", "dequantise", "into", "quantisable"]
+__all__ = ["BLOCK_SIZE", "MIN_QUANTISED", "QuantisedMoment", "dequantise", "into", "pack", "packed_size", "quantisable",
+           "unpack"]
 
 BLOCK_SIZE = 256
 MIN_QUANTISED = 4096
@@ -90,3 +93,27 @@ def into(values: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, signed
         prefix = (scaled.contiguous().view(torch.int32) >> _DROPPED_BITS).long() & ((1 << (32 - _DROPPED_BITS)) - 1)
         flat_codes[start:end] = torch.take(table, prefix)
         scales[start // BLOCK_SIZE:end // BLOCK_SIZE] = scale
+
+
+def packed_size(numel: int) -> int:
+    """Bytes of the packed form of a moment of ``numel`` elements: a code each and four per block scale."""
+    return numel + 4 * (numel // BLOCK_SIZE)
+
+
+def pack(moment: QuantisedMoment) -> torch.Tensor:
+    """``moment`` as one flat ``uint8`` tensor: its codes, then its scales' bytes."""
+    return torch.cat([moment.codes.reshape(-1), moment.scale.view(torch.uint8)])
+
+
+def unpack(packed: torch.Tensor, shape: torch.Size, signed: bool) -> QuantisedMoment:
+    """The moment of ``shape`` that :func:`pack` stored (``packed`` may have been cast to a float dtype by a load).
+
+    Raises:
+        ValueError: if ``packed`` has not the size of a packed moment of ``shape``.
+    """
+    numel = shape.numel()
+    if packed.numel() != packed_size(numel):
+        raise ValueError(f"A packed 8-bit moment of shape {tuple(shape)} has {packed_size(numel)} bytes, not"
+                         f" {packed.numel()}.")
+    data = packed if packed.dtype == torch.uint8 else packed.to(torch.uint8)
+    return QuantisedMoment(data[:numel].view(shape), data[numel:].view(torch.float32), signed)

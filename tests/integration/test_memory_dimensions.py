@@ -121,3 +121,43 @@ def test_other_optimizers_are_refused_by_name(tmp_path: Path) -> None:
     train, val = fixed_loaders(n_train=128, n_val=64, batch_size=64)
     with pytest.raises(UnsupportedSetupError, match="SGD steps parameter 'l1.weight'"):
         trainer.fit(WithSGD(), train, val)
+
+
+def test_a_fabric_loop_trains_and_resumes_bit_exactly_with_state_and_master_precisions(tmp_path: Path) -> None:
+    from lightning.fabric import Fabric
+
+    from lightning_comp import CoMPFabricPrecision
+
+    plan = {"0": {"compute": "bf16", "state": "8bit", "master": "bf16"}, "2": {"state": "bf16"}}
+    data = torch.Generator().manual_seed(3)
+    batches = [(torch.randn(32, 64, generator=data), torch.randint(0, 10, (32,), generator=data)) for _ in range(6)]
+
+    def setup(plugin: CoMPFabricPrecision) -> tuple[Fabric, Any, Any]:
+        torch.manual_seed(0)
+        fabric = Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+        net = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 10))
+        model = fabric.setup_module(net)
+        return fabric, model, fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-3))
+
+    def train(fabric: Fabric, model: Any, optimizer: Any, steps: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        for x, y in steps:
+            fabric.backward(nn.functional.cross_entropy(model(x).float(), y))
+            optimizer.step()
+            optimizer.zero_grad()
+
+    plugin = CoMPFabricPrecision(plan)
+    fabric, model, optimizer = setup(plugin)
+    train(fabric, model, optimizer, batches)
+    assert optimizer.state[model.module[0].weight]["exp_avg"].dtype == torch.uint8
+    assert model.module[0].weight.dtype == torch.bfloat16
+
+    first_plugin = CoMPFabricPrecision(plan)
+    first, first_model, first_optimizer = setup(first_plugin)
+    train(first, first_model, first_optimizer, batches[:3])
+    first.save(tmp_path / "fabric.ckpt", {"model": first_model, "optimizer": first_optimizer, "comp": first_plugin})
+    restored = CoMPFabricPrecision()  # the checkpoint's plan comes back
+    second, second_model, second_optimizer = setup(restored)
+    second.load(tmp_path / "fabric.ckpt", {"model": second_model, "optimizer": second_optimizer, "comp": restored})
+    train(second, second_model, second_optimizer, batches[3:])
+    for a, b in zip(model.parameters(), second_model.parameters()):
+        assert a.dtype == b.dtype and torch.equal(a, b)
