@@ -11,13 +11,15 @@ operator owns (:mod:`lightning_comp.execution.parameter_groups`):
   (:mod:`lightning_comp.numerics.stochastic_rounding`), so updates below half a BF16 step still count in expectation.
 
 The state stays where it always was: in the user's own ``torch.optim.Adam``/``AdamW``, under the keys that optimizer
-uses (``step``, ``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``; an 8-bit moment is one flat ``uint8`` tensor of
-codes and block scales), in plain tensors. Checkpoints, the search's snapshots and rewinds therefore hold it as they hold any optimizer state, and it
-loads with ``torch.load(weights_only=True)``. Two rules make that exact:
+uses (``step``, ``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``), in plain tensors; an 8-bit moment is one flat
+``uint8`` tensor of codes and block scales. Checkpoints, the search's snapshots and rewinds therefore hold it as they
+hold any optimizer state, and it loads with ``torch.load(weights_only=True)``. Two rules make that exact:
 
-- **Loading keeps the saved dtypes.** ``Optimizer.load_state_dict`` casts every floating state tensor to its
-  parameter's dtype; a load hook puts back the tensors whose dtype that cast changed (FP32 moments of a BF16 master,
-  the FP32 block scales of 8-bit moments), so a resume is bit-exact.
+- **Loading keeps the saved dtypes.** ``Optimizer.load_state_dict`` casts every state tensor to its parameter's
+  dtype. Packed 8-bit moments survive that (bytes cast to a float dtype and back are the same integers); for the
+  rest, a load hook the plugins register on the run's optimizers puts back the tensors whose dtype the cast changed
+  (FP32 moments of a BF16 master), so a resume is bit-exact. (Under Fabric, where the plugin meets the optimizer
+  only at its first step, load a checkpoint before the first forward, while the parameters are still FP32.)
 - **A format follows the plan lazily.** When the plan changes, each parameter's state is converted to its new format
   at its next step (an FP32 moment quantised, an 8-bit one decoded for the optimizer's own step), and master weights
   change dtype when the plan is applied (FP32 <-> BF16; a parameter returns to the dtype it had).

@@ -1,10 +1,10 @@
 """Recomputation instead of storage: operators whose plan entry saves ``"recompute"``.
 
 An operator X saving ``recompute`` keeps none of its outputs for backward. Wherever autograd saves one of them (or a
-view of one) in a training step, in any operator, in the model's own functional code, or in X itself (ReLU, Sigmoid,
-Tanh and Softmax save their result), a *recipe* is stored instead: X, the inputs its forward received (after the
-pre-hook's casts, held by reference: X itself typically saves them too, so they share its storage), and what
-reproduces the forward: the RNG state (CPU, and that of every accelerator an input lives on, as
+view of one, or a cast of one: see below) in a training step, in any operator, in the model's own functional code,
+or in X itself (ReLU, Sigmoid, Tanh and Softmax save their result), a *recipe* is stored instead: X, the inputs its
+forward received (after the pre-hook's casts, held by reference: X itself typically saves them too, so they share its
+storage), and what reproduces the forward: the RNG state (CPU, and that of every accelerator an input lives on, as
 ``torch.utils.checkpoint`` preserves it), the autocast state and functional-region depth around X, the step's cast
 boundaries, and a copy of X's buffers as the forward found them. Backward unpacks the recipe by calling X again under
 ``torch.no_grad()``, through its hooks, so X computes in the precision it did in the step.
@@ -15,14 +15,28 @@ How the pieces fit:
   training step's forward (inside whatever the user or a profiler has in force: what it does not handle it hands on
   to those hooks, as :mod:`lightning_comp.execution.saved_tensors` does). Its pack hook recognises the outputs of the
   recompute operators called so far (by identity, or as a view of one) and stores a reference to their recipe.
+- It recognises *casts* of them too: a new tensor a consumer made of X's output with ``.to(dtype)``, an autocast
+  region or its pre-hook's input cast (autograd node ``ToCopyBackward0`` whose single input is the node of one of X's
+  recorded outputs, or of a reshape of one, ``ViewBackward0`` from ``Flatten``/``view``/``reshape``), of the same
+  shape (element count through reshapes) and device, neither it nor the output modified in place since, and views
+  of such a cast. What is stored is "recompute X's output, then cast it into a tensor of the cast's dtype and
+  layout": the same conversion kernel on the same values, so bit-identical to the cast made in forward. This is what
+  consumers save in the first (calibrating) step of a plan, where every lowered operator's output is handed on in
+  FP32 and the next 16-bit operator casts it down again, and in any step where an FP32 recompute operator feeds a
+  16-bit consumer; so a compressing consumer never stores a recompute output lossy in one step and recomputes it
+  exactly in another (a resumed run's calibrating step is bit-identical to the uninterrupted run's calibrated one).
+  The output is found from the cast's node through a weak reference: a cast saved after the output itself died
+  (``act(h).to(torch.bfloat16)`` kept in a variable and saved later) is stored as it is, and so is a cast of any other
+  view of it (a transpose, a slice) and a cast of an output that needs no gradient (it has no autograd node).
 - :meth:`Recomputer.wrap` wraps X's pre- and post-hook. While X's forward runs its output does not exist yet, so a
   non-leaf tensor saved inside it (other than X's inputs) is packed as a *placeholder* holding the tensor; X's
   post-hook turns each placeholder whose tensor is (a view of) one of X's outputs into a reference to X's recipe,
   dropping the tensor, and hands every other one on to the outer hooks (or to an enclosing recompute operator's
-  post-hook). A compressing operator (``bf16``/``fp8``) hands what the recompute hooks claim on uncompressed: the
-  recipe wins.
-- An input of X that is itself the output of another recompute operator is held as that operator's recipe: in a
-  chain such as BatchNorm -> ReLU -> Conv with both recomputed, only BatchNorm's input stays stored.
+  post-hook). A compressing operator (``bf16``/``fp8``) hands what the recompute hooks claim (casts included) on
+  uncompressed: the recipe wins.
+- An input of X that is itself the output of another recompute operator (or a cast of one: a bf16 ReLU's input cast
+  from an FP32 BatchNorm's output) is held as that operator's recipe: in a chain such as BatchNorm -> ReLU -> Conv
+  with both recomputed, only BatchNorm's input stays stored.
 - A recomputed output is cached for as long as a reference saved for it is alive (autograd drops each reference once
   its node ran), so a LayerNorm output read by three projections is computed once per backward and freed after the
   last of them; a recipe needed only as another recipe's input is computed and dropped.
@@ -50,6 +64,7 @@ usual. :func:`recompute_unsuitable` tells the search which operators not to offe
 from __future__ import annotations
 
 import sys
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
@@ -80,6 +95,11 @@ __all__ = ["MAX_BUFFER_BYTES", "Recomputer", "recompute_unsuitable"]
 
 _RAW, _FINAL = 0, 1  # an output as the forward returned it / as the post-hook handed it on (cast back to FP32)
 _View = tuple[torch.Size, tuple[int, ...], int]  # a view of an output: size, stride, storage offset
+_CAST = "ToCopyBackward0"  # the autograd node of a cast (``.to(dtype)``, autocast's and the hooks' input casts)
+# Nodes of views that only reshape (row-major order kept): a cast of such a view of an output is the cast of the
+# output reshaped, whatever the view chain's intermediate shapes were (Flatten between a norm and a projection).
+_RESHAPES = frozenset({"ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0"})
+_MAX_RESHAPES = 4  # reshape nodes followed from a cast towards an output
 _KEEP_AS_COMPUTED = "Keep its saved precision as computed ('fp32') in the plan"
 _keep_as_computed = _KEEP_AS_COMPUTED[0].lower() + _KEEP_AS_COMPUTED[1:]
 #: Operators with more bytes of buffers than this are not offered ``recompute`` (each recorded call copies them).
@@ -217,10 +237,35 @@ class _Derived:
     stage: int
     index: int
     view: _View | None
+    cast: _Cast | None = None
 
     def value(self) -> torch.Tensor:
-        out = self.recipe.value(self.stage, self.index)
-        return out if self.view is None else out.as_strided(*self.view)
+        return _form(self.recipe.value(self.stage, self.index), self.cast, self.view)
+
+
+@dataclass(frozen=True)
+class _Cast:
+    """A cast of an output (or of a reshape of it) made outside its operator: by a consumer's autocast region or
+    input cast, or by ``.to(dtype)`` in the model's code. Its recomputation casts the recomputed output the same way
+    (the same conversion kernel, so bit-identical), into a tensor of the cast's layout."""
+
+    dtype: torch.dtype
+    device: torch.device
+    size: torch.Size
+    stride: tuple[int, ...]
+    reshaped: bool  # the cast is of a reshape of the output (to ``size``)
+
+    def apply(self, out: torch.Tensor) -> torch.Tensor:
+        source = out.reshape(self.size) if self.reshaped else out
+        with torch.no_grad():
+            return torch.empty_strided(self.size, self.stride, dtype=self.dtype, device=self.device).copy_(source)
+
+
+def _form(out: torch.Tensor, cast: _Cast | None, view: _View | None) -> torch.Tensor:
+    """What was saved of (recomputed) output ``out``: it, its cast, or a view of either."""
+    if cast is not None:
+        out = cast.apply(out)
+    return out if view is None else out.as_strided(*view)
 
 
 @dataclass(frozen=True)
@@ -362,18 +407,17 @@ class _Recipe:
 class _Saved:
     """What autograd keeps for a saved tensor that is (a view of) a recipe's output."""
 
-    __slots__ = ("recipe", "stage", "index", "view")
+    __slots__ = ("recipe", "stage", "index", "view", "cast")
 
-    def __init__(self, recipe: _Recipe, stage: int, index: int, view: _View | None) -> None:
-        self.recipe, self.stage, self.index, self.view = recipe, stage, index, view
+    def __init__(self, recipe: _Recipe, stage: int, index: int, view: _View | None, cast: _Cast | None = None) -> None:
+        self.recipe, self.stage, self.index, self.view, self.cast = recipe, stage, index, view, cast
         recipe.users += 1
 
     def __del__(self) -> None:
         self.recipe.release()
 
     def unpack(self) -> torch.Tensor:
-        out = self.recipe.value(self.stage, self.index)
-        return out if self.view is None else out.as_strided(*self.view)
+        return _form(self.recipe.value(self.stage, self.index), self.cast, self.view)
 
 
 class _Pending:
@@ -438,6 +482,7 @@ class Recomputer:
         self._outer: OuterHooks | None = None  # the hooks in force around the step being recorded
         self._outputs: WeakTensorKeyDictionary = WeakTensorKeyDictionary()  # output -> (recipe, index)
         self._view_bases: WeakTensorKeyDictionary = WeakTensorKeyDictionary()  # base of a view output -> [...]
+        self._nodes: dict[int, list[_Node]] = {}  # an output's autograd node's sequence number -> [...]
         self._frames: list[_Frame | None] = []  # one per hooked call in flight (None: not recorded)
         self._open: list[_Frame] = []  # the recorded ones
         self._target: _Recipe | None = None  # the recipe being recomputed now
@@ -447,7 +492,8 @@ class Recomputer:
 
     def __getstate__(self) -> dict[str, Any]:
         # ddp_spawn pickles the plugin: recipes and weak tables belong to this process
-        return {**self.__dict__, "_outputs": None, "_view_bases": None, "_frames": [], "_open": [], "_unseen": None,
+        return {**self.__dict__, "_outputs": None, "_view_bases": None, "_nodes": {}, "_frames": [], "_open": [],
+                "_unseen": None,
                 "_target": None, "_pack_hook": None, "_recording": False, "_outer": None}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -474,6 +520,7 @@ class Recomputer:
             self._pack_hook = self._outer = None
             self._outputs = WeakTensorKeyDictionary()
             self._view_bases = WeakTensorKeyDictionary()
+            self._nodes = {}
             self._frames.clear()
             self._open.clear()
 
@@ -503,23 +550,53 @@ class Recomputer:
                 return pending
         return outer.hand_on(tensor)
 
-    def _lookup(self, tensor: torch.Tensor) -> tuple[_Recipe, int, int, _View | None] | None:
-        """The recipe output ``tensor`` is (or is a view of), unchanged since; ``None`` if none."""
+    def _lookup(self, tensor: torch.Tensor) -> tuple[_Recipe, int, int, _View | None, _Cast | None] | None:
+        """The recipe output ``tensor`` is (or is a view of, or a cast of, or a view of a cast of), unchanged
+        since; ``None`` if none."""
         entry = self._outputs.get(tensor)
         if entry is not None:
             recipe, index = entry
             if tensor_version(tensor) == recipe.version(_FINAL, index):
-                return recipe, _FINAL, index, None
+                return recipe, _FINAL, index, None, None
             return None
         base = tensor_base(tensor)
-        if base is tensor:
+        if base is not tensor:
+            entry = self._outputs.get(base)
+            candidates = [entry] if entry is not None else self._view_bases.get(base, [])
+            version = tensor_version(tensor)
+            for recipe, index in candidates:
+                if recipe.dtype(_FINAL, index) == tensor.dtype and recipe.version(_FINAL, index) == version:
+                    return recipe, _FINAL, index, _view_of(tensor), None
+            if candidates:
+                return None
+        return self._cast_lookup(tensor, base) if self._nodes else None
+
+    def _cast_lookup(self, tensor: torch.Tensor, cast: torch.Tensor,
+                     ) -> tuple[_Recipe, int, int, _View | None, _Cast] | None:
+        """The recipe output ``cast`` (``tensor``'s base) is a cast of, possibly through reshapes, made while both
+        were unchanged (neither modified in place since); ``None`` if none."""
+        fn = cast.grad_fn
+        if fn is None or fn.name() != _CAST or tensor_version(cast) != 0 or cast.layout is not torch.strided \
+                or int(cast.storage_offset()) != 0:
             return None
-        entry = self._outputs.get(base)
-        candidates = [entry] if entry is not None else self._view_bases.get(base, [])
-        version = tensor_version(tensor)
-        for recipe, index in candidates:
-            if recipe.dtype(_FINAL, index) == tensor.dtype and recipe.version(_FINAL, index) == version:
-                return recipe, _FINAL, index, (tensor.size(), tuple(tensor.stride()), int(tensor.storage_offset()))
+        edges = fn.next_functions
+        reshaped = False
+        for _ in range(_MAX_RESHAPES + 1):
+            node, output_nr = edges[0] if len(edges) == 1 else (None, 0)
+            if node is None:
+                return None
+            for entry in self._nodes.get(node._sequence_nr(), ()):
+                out = entry.output()
+                if out is None or entry.output_nr != output_nr or out.grad_fn is not node \
+                        or tensor_version(out) != entry.recipe.version(_FINAL, entry.index) \
+                        or out.device != cast.device \
+                        or (out.numel() != cast.numel() if reshaped else out.size() != cast.size()):
+                    continue
+                made = _Cast(cast.dtype, cast.device, cast.size(), tuple(cast.stride()), reshaped)
+                return entry.recipe, _FINAL, entry.index, None if tensor is cast else _view_of(tensor), made
+            if node.name() not in _RESHAPES:
+                return None
+            edges, reshaped = node.next_functions, True
         return None
 
     def _derived(self, tensor: torch.Tensor) -> _Held | _Derived:
@@ -626,6 +703,10 @@ class Recomputer:
             if out is None or meta is None:
                 continue
             self._outputs[out] = (recipe, index)
+            fn = out.grad_fn
+            if fn is not None:  # (casts of it are found from their autograd node)
+                self._nodes.setdefault(fn._sequence_nr(), []).append(
+                    _Node(out.output_nr, weakref.ref(out), recipe, index))
             base = tensor_base(out)
             if base is not out:
                 entries = self._view_bases.get(base)
@@ -646,6 +727,21 @@ class Recomputer:
             finally:
                 self._target, state.chained, state.regions = saved
                 state.tracer = tracer
+
+
+def _view_of(tensor: torch.Tensor) -> _View:
+    return tensor.size(), tuple(tensor.stride()), int(tensor.storage_offset())
+
+
+@dataclass(frozen=True)
+class _Node:
+    """An output of a recipe, as found from the autograd node of a cast of it (the output is weakly held: it may
+    die before a cast of it is saved, and is then no longer recognised)."""
+
+    output_nr: int
+    output: weakref.ref[torch.Tensor]
+    recipe: _Recipe
+    index: int
 
 
 def _match(pending: _Pending, stages: tuple[tuple[int, list[torch.Tensor | None]], ...],

@@ -8,8 +8,9 @@ operator saves (:mod:`lightning_comp.numerics.saved_precision`), except:
   recipes (:mod:`lightning_comp.execution.weight_casts`), and a weight is never stored lossy;
 - tensors smaller than the size threshold (their pack/unpack costs more than their bytes are worth);
 - tensors no smaller at the saved precision (a BF16 activation saved ``bf16``), integer and bool tensors;
-- outputs of operators that save ``recompute`` (:mod:`lightning_comp.execution.recompute`): the recompute hooks,
-  outside these, store a recipe instead, so the recipe wins over compression.
+- outputs of operators that save ``recompute`` (:mod:`lightning_comp.execution.recompute`), views of them and casts
+  a consumer made of them: the recompute hooks, outside these, store a recipe instead, so the recipe wins over
+  compression.
 
 The hooks chain to the hooks that were in force around the operator (``torch.autograd.graph.save_on_cpu``, the
 weight re-cast recipes, a memory probe, a user's own): a compressed tensor is handed on to them, so it is, e.g.,

@@ -302,6 +302,117 @@ def test_a_compressing_consumer_leaves_a_recomputed_output_to_its_recipe() -> No
     assert not any(dtype == torch.float8_e4m3fn for probe in mixed.probes for dtype, _ in probe.dtypes)
 
 
+# --------------------------------------------------------------------------------- casts made by consumers
+class CastSquare(nn.Module):
+    """A consumer casting its input itself: ``mul`` saves the cast (twice: as both operands)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.to(torch.bfloat16)
+        return (h * h).float()
+
+
+def _square_mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(16, 64), nn.GELU(), CastSquare(), nn.Linear(64, 4))
+
+
+def _flatten_mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(16, 16), nn.GELU(), nn.Flatten(), nn.Linear(4 * 16, 4))
+
+
+def _grouped_batch(g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(32, 4, 16, generator=g), torch.randint(0, 4, (32,), generator=g)
+
+
+def _sequence_batch(g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(4, 8, 16, generator=g), torch.randint(0, 4, (4, 8), generator=g)
+
+
+@pytest.mark.parametrize(("make", "plan", "batch", "cast_bytes"), [
+    # a bf16 Linear's autocast region casts the fp32 GELU output down, and addmm saves the cast
+    (mlp(), {"2": "bf16"}, flat_batch(), 32 * 64 * 2),
+    # ... of a 3-D output: the matmul saves a 2-D view of the cast
+    (mlp(), {"2": "bf16"}, _sequence_batch, 4 * 8 * 64 * 2),
+    # ... through Flatten: the cast is of a reshape of the output
+    (_flatten_mlp, {"3": "bf16"}, _grouped_batch, 32 * 4 * 16 * 2),
+    # an explicit .to(torch.bfloat16) in the model's own code, saved twice by mul
+    (_square_mlp, {}, flat_batch(), 2 * 32 * 64 * 2),
+], ids=["autocast", "view-of-cast", "cast-of-reshape", "explicit-cast"])
+def test_a_consumers_cast_of_a_recomputed_output_is_recomputed_and_cast_again(
+        make: Callable[[], nn.Module], plan: dict[str, Any], batch: Callable[[torch.Generator], tuple[Any, Any]],
+        cast_bytes: int) -> None:
+    plain = train(make, plan, batch)
+    recomputed = train(make, {**plan, "1": {"saved": "recompute"}}, batch)
+    assert_same(plain, recomputed)
+    for p, r in zip(plain.probes, recomputed.probes):  # the first, calibrating, step too
+        assert p.nbytes - r.nbytes == cast_bytes
+        assert (torch.bfloat16, (32, 64)) not in r.dtypes and (torch.bfloat16, (4, 8, 64)) not in r.dtypes
+
+
+def test_a_recompute_operators_input_cast_from_another_ones_output_is_recomputed_from_it() -> None:
+    def make() -> nn.Module:  # the bf16 GELU casts the fp32 LayerNorm's output down as its input
+        return nn.Sequential(nn.Linear(16, 64), nn.LayerNorm(64), nn.GELU(), nn.Linear(64, 4))
+
+    plan: dict[str, Any] = {"2": "bf16"}
+    plain = train(make, plan, flat_batch())
+    recomputed = train(make, {**plan, "1": {"saved": "recompute"}, "2": {"compute": "bf16", "saved": "recompute"}},
+                       flat_batch())
+    assert_same(plain, recomputed)
+    # gone: GELU's bf16 input (the cast, saved by GELU) and its fp32 output (saved by fc2)
+    for p, r in zip(plain.probes, recomputed.probes):
+        assert p.nbytes - r.nbytes == 32 * 64 * 2 + 32 * 64 * 4
+
+
+def test_the_calibrating_step_recomputes_what_a_compressing_consumer_saves_as_calibrated_steps_do() -> None:
+    """The first step of a plan hands every lowered output on in fp32 (its cast boundaries are being traced) and the
+    next bf16 operator casts it down again; a resumed run takes such a step where the uninterrupted one took a
+    calibrated step, so the two must give the same gradients: the fp8 consumer compresses the cast in neither."""
+    plan = {"0": "bf16", "1": {"compute": "bf16", "saved": "recompute"}, "2": {"compute": "bf16", "saved": "fp8"}}
+    torch.manual_seed(0)
+    model = mlp()()
+    ex = PlanExecutor(min_saved_bytes=0)
+    ex.apply(model, PrecisionPlan.from_dict(plan))
+    x, y = flat_batch()(torch.Generator().manual_seed(1))
+
+    def step() -> tuple[dict[str, torch.Tensor], Probe]:
+        model.zero_grad(set_to_none=True)
+        probe = Probe()
+        with probe.hooks():
+            with ex.step(StepKind.TRAIN):
+                loss = F.cross_entropy(model(x), y)
+            with ex.recomputing():
+                loss.backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}, probe
+
+    calibrating, probe_calibrating = step()
+    assert {"0", "1"} <= ex.chained_operators(StepKind.TRAIN)  # later steps hand bf16 on from l1 to GELU to l2
+    calibrated, probe_calibrated = step()
+    assert calibrating.keys() == calibrated.keys()
+    assert all(torch.equal(calibrating[k], calibrated[k]) for k in calibrating), "gradients differ"
+    assert ex.saved_tensors.compressed_bytes == 0
+    for probe in (probe_calibrating, probe_calibrated):
+        assert not any(dtype == torch.float8_e4m3fn for dtype, _ in probe.dtypes)
+        # GELU's input (l1's output) is stored; l2's input (GELU's output, or its cast) is a recipe in both steps
+        assert probe.dtypes.count((torch.bfloat16, (32, 64))) == 1
+
+
+def test_a_cast_of_an_output_modified_in_place_is_stored_as_it_is() -> None:
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc1, self.act, self.fc2 = nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.act(self.fc1(x))
+            with torch.no_grad():
+                h.mul_(1.0)  # (same values, but the output is no longer as recorded)
+            return self.fc2(h.to(torch.bfloat16).float())
+
+    plain = train(Scaled, {}, flat_batch())
+    recomputed = train(Scaled, {"act": {"saved": "recompute"}}, flat_batch())
+    assert_same(plain, recomputed)
+    assert all(p.nbytes == r.nbytes for p, r in zip(plain.probes, recomputed.probes))
+
+
 def test_everything_else_is_handed_on_to_the_hooks_in_force_such_as_save_on_cpu() -> None:
     on_cpu = torch.autograd.graph.save_on_cpu()
     handed: list[tuple[int, ...]] = []
