@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from lightning_comp.adapters.torchao_quant import block_scale, dynamic_map, reference_quantise
+from lightning_comp.errors import UsageError
 
 __all__ = ["BLOCK_SIZE", "MIN_QUANTISED", "QuantisedMoment", "dequantise", "into", "pack", "packed_size", "quantisable",
            "unpack"]
@@ -109,11 +110,11 @@ def unpack(packed: torch.Tensor, shape: torch.Size, signed: bool) -> QuantisedMo
     """The moment of ``shape`` that :func:`pack` stored (``packed`` may have been cast to a float dtype by a load).
 
     Raises:
-        ValueError: if ``packed`` has not the size of a packed moment of ``shape``.
+        UsageError: if ``packed`` has not the size of a packed moment of ``shape`` (an inconsistent state).
     """
     numel = shape.numel()
     if packed.numel() != packed_size(numel):
-        raise ValueError(f"A packed 8-bit moment of shape {tuple(shape)} has {packed_size(numel)} bytes, not"
+        raise UsageError(f"A packed 8-bit moment of shape {tuple(shape)} has {packed_size(numel)} bytes, not"
                          f" {packed.numel()}.")
     data = packed if packed.dtype == torch.uint8 else packed.to(torch.uint8)
     return QuantisedMoment(data[:numel].view(shape), data[numel:].view(torch.float32), signed)
