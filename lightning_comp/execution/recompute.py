@@ -90,6 +90,7 @@ from lightning_comp.execution.saved_hooks import OuterHooks, hooks_installable, 
 from lightning_comp.execution.saved_tensors import is_compressor_pack
 from lightning_comp.numerics.precision import Precision
 from lightning_comp.operators.kinds import OperatorKind, classify, is_recurrent
+from lightning_comp.operators.owned_work import runs_planned_work
 
 __all__ = ["MAX_BUFFER_BYTES", "Recomputer", "recompute_unsuitable"]
 
@@ -126,7 +127,7 @@ def recompute_unsuitable(module: nn.Module) -> str | None:
         return "it computes in place: it overwrites the input its output would be recomputed from"
     if is_recurrent(module):
         return "a recurrent layer costs as much to recompute as its forward, and returns nested tuples"
-    if kind in (OperatorKind.COMPUTE, OperatorKind.FUNCTIONAL):
+    if kind in (OperatorKind.COMPUTE, OperatorKind.FUNCTIONAL) or runs_planned_work(module):
         return ("it does matmul/convolution/attention work: recomputing it costs as much as its forward (checkpoint a"
                 " region around it instead)")
     if kind is OperatorKind.OTHER:

@@ -35,8 +35,8 @@ from torch.nn.modules.module import register_module_forward_hook, register_modul
 
 from lightning_comp.adapters.torch_internals import TORCH_DISPATCH_MODE, WRAPPER_ATTRIBUTES, in_backward
 
-__all__ = ["OUTSIDE", "OwnedWork", "StepWork", "WorkFamily", "WorkRecorder", "owns_planned_work", "was_traced",
-           "work_family"]
+__all__ = ["OUTSIDE", "OwnedWork", "StepWork", "WorkFamily", "WorkRecorder", "owns_planned_work", "runs_planned_work",
+           "was_traced", "work_family"]
 
 #: The owner of work done outside every module's forward (``training_step``'s own code, the loss).
 OUTSIDE = "<outside every module>"
@@ -161,6 +161,13 @@ class StepWork:
 # traced and owns nothing is known not to be an operator of its own (weakly: the model's lifetime decides).
 _OWNERS: weakref.WeakKeyDictionary[nn.Module, OwnedWork] = weakref.WeakKeyDictionary()
 _TRACED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+_RUNS_PLANNED: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # every module, leaves too, a trace saw run such work
+
+
+def runs_planned_work(module: nn.Module) -> bool:
+    """Whether a trace found ``module`` (a leaf or a container) running matmul, convolution, attention or recurrent
+    work in its own forward, e.g. a parameter-free leaf wrapping ``scaled_dot_product_attention``."""
+    return module in _RUNS_PLANNED
 
 
 def owns_planned_work(module: nn.Module) -> bool:
@@ -237,6 +244,8 @@ class WorkRecorder:
                 continue
             name, module = self._names[owner]
             by_module[name] = work
+            if work.planned:
+                _RUNS_PLANNED.add(module)
             if work.planned and next(module.children(), None) is not None:
                 _OWNERS[module] = work
         for _, module in self._names.values():

@@ -580,3 +580,31 @@ def test_the_executor_pickles_with_its_recomputer() -> None:
     clone.apply(model, PrecisionPlan.from_dict({"1": {"saved": "recompute"}}))
     with clone.step(StepKind.TRAIN):
         model(torch.randn(2, 16)).sum().backward()
+
+
+def test_a_leaf_a_trace_found_running_attention_is_not_offered_recompute() -> None:
+    """A parameter-free leaf wrapping scaled_dot_product_attention classifies as elementwise; the first step's trace
+    finds it running attention work, and recomputing that costs a whole attention forward."""
+    from lightning_comp import CoMPPrecision
+    from lightning_comp.execution.recompute import recompute_unsuitable
+    from lightning_comp.zoo.layers import ScaledDotProductAttention
+
+    attention = ScaledDotProductAttention()
+    assert recompute_unsuitable(attention) is None  # untraced: it looks like a cheap elementwise leaf
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attn = attention
+
+        def forward(self, q: torch.Tensor) -> torch.Tensor:
+            return self.attn(q, q, q)
+
+    plugin = CoMPPrecision()
+    net = Net()
+    plugin.convert_module(net)
+    plugin.connect(net, [], [])
+    with plugin.train_step_context():
+        net(torch.randn(2, 2, 8, 4, requires_grad=True)).sum().backward()
+    why = recompute_unsuitable(attention)
+    assert why is not None and "matmul/convolution/attention" in why
