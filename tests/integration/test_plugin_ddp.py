@@ -39,6 +39,8 @@ _SCRIPT = textwrap.dedent(
             return nn.functional.mse_loss(self.net(batch[0]), batch[1])
 
         def configure_optimizers(self):
+            if VARIANT == "state":  # optimizer-state precisions apply to Adam/AdamW
+                return torch.optim.AdamW(self.parameters(), lr=1e-3)
             return torch.optim.SGD(self.parameters(), lr=0.05)
 
 
@@ -59,6 +61,8 @@ _SCRIPT = textwrap.dedent(
                 self.info["grad_dtypes"].add(str(p.grad.dtype))
 
         def on_train_end(self, trainer, pl_module):
+            state = trainer.optimizers[0].state.get(pl_module.net[2].weight, {})
+            self.info["state_dtype"] = str(state["exp_avg"].dtype) if "exp_avg" in state else None
             plugin = trainer.precision_plugin
             self.info["chained"] = sorted(plugin.executor.chained_operators(StepKind.TRAIN))
             self.info["plan"] = plugin.plan.to_dict()
@@ -79,6 +83,8 @@ _SCRIPT = textwrap.dedent(
                 torch.distributed.destroy_process_group()
 
 
+    VARIANT = sys.argv[3] if len(sys.argv) > 3 else "plain"
+
     if __name__ == "__main__":
         strategy, out = sys.argv[1], sys.argv[2]
         torch.manual_seed(0)
@@ -87,7 +93,10 @@ _SCRIPT = textwrap.dedent(
         g = torch.Generator().manual_seed(1)
         x = torch.randn(64, 8, generator=g)
         loader = DataLoader(TensorDataset(x, x.sum(1, keepdim=True).sin()), batch_size=8)
-        plugin = CoMPPrecision({"type:Linear": "bf16", "type:ReLU": "bf16"})
+        plan = {"type:Linear": "bf16", "type:ReLU": "bf16"}
+        if VARIANT == "state":  # net.2 (32x32 = 1024 weights) in bf16 moments, the others the optimizer's own
+            plan = {**plan, "net.2": {"compute": "bf16", "state": "bf16"}}
+        plugin = CoMPPrecision(plan)
         trainer = pl.Trainer(
             accelerator="cpu", devices=2, strategy=strategy, max_epochs=1, plugins=[plugin],
             callbacks=[Probe(out), ReleaseProcessGroup()], logger=False, enable_progress_bar=False,
@@ -127,3 +136,26 @@ def test_two_process_ddp_bf16_plan(tmp_path: Path, strategy: str) -> None:
     for name, tensor in states[0].items():
         assert torch.equal(tensor, states[1][name]), f"{name} differs across ranks"
     assert any(not torch.equal(init[n], states[0][n]) for n in init)  # training did move the weights
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_two_process_ddp_with_a_low_precision_optimizer_state(tmp_path: Path) -> None:
+    """bf16 Adam moments for one layer under DDP: the plugin steps that layer itself from the all-reduced gradients,
+    the optimizer the rest, and both ranks end identical."""
+    script = tmp_path / "ddp_script.py"
+    script.write_text(_SCRIPT)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run(
+        [sys.executable, str(script), "ddp", str(tmp_path), "state"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    infos = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    states = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1)]
+    init = torch.load(tmp_path / "init.pt", weights_only=True)
+    for info in infos:
+        assert info["state_dtype"] == "torch.bfloat16" and info["plan"]["state"] == {"net.2": "bf16"}
+    for name, tensor in states[0].items():
+        assert torch.equal(tensor, states[1][name]), f"{name} differs across ranks"
+    assert not torch.equal(init["net.2.weight"], states[0]["net.2.weight"])
