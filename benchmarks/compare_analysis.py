@@ -29,10 +29,11 @@ TARGET_MEMORY_VS_AMP = 0.8
 MEMORY_TARGET_MODELS = ("cnn", "gpt")
 TARGET_SEARCH_SHARE = 0.10
 # The memory axis (MEMORY_TARGET_MODELS): per CoMP mode, the largest step peak tensor memory and the smallest
-# throughput relative to AMP, and whether its final val_loss must stay within the search's tolerance of FP32.
+# throughput relative to AMP, and whether its final val_loss must stay within the search's tolerance of FP32
+# (issue 26's targets, with optimizer state, master weights and recomputation as plan dimensions).
 AXIS_TARGETS: dict[str, dict[str, Any]] = {
-    "comp-memory": {"memory_vs_amp": 0.70, "throughput_vs_amp": 0.90, "val_within_tolerance": True},
-    "comp-balanced": {"memory_vs_amp": 0.85, "throughput_vs_amp": 1.0, "val_within_tolerance": False},
+    "comp-memory": {"memory_vs_amp": 0.60, "throughput_vs_amp": 0.85, "val_within_tolerance": True},
+    "comp-balanced": {"memory_vs_amp": 0.75, "throughput_vs_amp": 0.95, "val_within_tolerance": False},
 }
 
 
