@@ -109,9 +109,22 @@ class OptimizerStates:
         return bool(self._treatments)
 
     def steps(self, optimizer: Optimizer) -> bool:
-        """Whether ``optimizer``'s step must go through :meth:`step` (it has managed parameters, or states that may
-        be in a format its own step cannot read)."""
-        return bool(self._treatments) or optimizer not in self._converted
+        """Whether ``optimizer``'s step must go through :meth:`step`: it has parameters the plan manages."""
+        if not self._treatments:
+            return False
+        return any(id(p) in self._treatments for group in optimizer.param_groups for p in group["params"])
+
+    def convert(self, optimizer: Optimizer) -> None:
+        """Return the state of ``optimizer``'s unmanaged parameters to its own format, once per assignment or load
+        (a plan that managed them before, or a checkpoint that did, may have left 8-bit or bf16 moments)."""
+        if optimizer in self._converted:
+            return
+        self._converted.add(optimizer)
+        with torch.no_grad():
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    if id(p) not in self._treatments and p in optimizer.state:
+                        _to_own_format(optimizer.state[p], p)
 
     # ------------------------------------------------------------------------------------------------- the plan
     def assign(self, model: nn.Module, plan: PrecisionPlan) -> dict[str, ParameterTreatment]:
@@ -257,16 +270,13 @@ class OptimizerStates:
                 set up in a way this step does not reproduce (``capturable``, ``differentiable``, sparse gradients).
         """
         hidden: list[tuple[nn.Parameter, torch.Tensor]] = []
-        convert = optimizer not in self._converted
-        self._converted.add(optimizer)
+        self.convert(optimizer)
         try:
             with torch.no_grad():
                 for group in optimizer.param_groups:
                     for p in group["params"]:
                         treatment = self._treatments.get(id(p))
                         if treatment is None:
-                            if convert and p in optimizer.state:
-                                _to_own_format(optimizer.state[p], p)
                             continue
                         if p.grad is None:
                             continue

@@ -312,11 +312,13 @@ class CoMPPrecision(Precision):
     ) -> Any:
         self.optimizer_steps += 1
         states = self._optimizer_states
-        if self.scaler is None and isinstance(optimizer, Optimizer) and states.steps(optimizer):
-            states.watch(optimizer)
-            result = self._wrap_closure(model, optimizer, closure)  # forward, backward, clipping: as the base does
-            states.step(optimizer, lambda: optimizer.step(**kwargs))
-            return result
+        if isinstance(optimizer, Optimizer):
+            if self.scaler is None and states.steps(optimizer):  # the plan manages some of its parameters
+                states.watch(optimizer)
+                result = self._wrap_closure(model, optimizer, closure)  # forward, backward, clipping: as the base
+                states.step(optimizer, lambda: optimizer.step(**kwargs))
+                return result
+            states.convert(optimizer)  # moments a former plan kept in 8 bits or bf16: back to the optimizer's own
         if self.scaler is None:
             return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
         output, skipped = scaled_optimizer_step(self.scaler, optimizer, model, closure, self._after_closure, **kwargs)

@@ -187,9 +187,11 @@ class CoMPFabricPrecision(Precision):
         self.optimizer_steps += 1
         scaler = self.scaler
         states = self._optimizer_states
-        if scaler is None and isinstance(optimizer, Optimizer) and states.steps(optimizer):
-            states.watch(optimizer)
-            return states.step(optimizer, lambda: optimizer.step(**kwargs))
+        if isinstance(optimizer, Optimizer):
+            if scaler is None and states.steps(optimizer):  # the plan manages some of its parameters
+                states.watch(optimizer)
+                return states.step(optimizer, lambda: optimizer.step(**kwargs))
+            states.convert(optimizer)  # moments a former plan kept in 8 bits or bf16: back to the optimizer's own
         if scaler is None:
             return optimizer.step(**kwargs)
         if isinstance(optimizer, LBFGS):

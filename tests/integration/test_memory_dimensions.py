@@ -161,3 +161,16 @@ def test_a_fabric_loop_trains_and_resumes_bit_exactly_with_state_and_master_prec
     train(second, second_model, second_optimizer, batches[3:])
     for a, b in zip(model.parameters(), second_model.parameters()):
         assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+def test_an_optimizer_that_needs_its_closure_keeps_it_when_no_parameter_is_managed(tmp_path: Path) -> None:
+    """LBFGS evaluates the closure inside ``step``: a plan without state/master entries goes Lightning's own way."""
+    class WithLBFGS(Block):
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.LBFGS(self.parameters(), lr=0.1, max_iter=2)
+
+    pl.seed_everything(0)
+    trainer = _trainer(tmp_path, CoMPPrecision({"l1": "bf16"}), max_steps=2)
+    train, val = fixed_loaders(n_train=128, n_val=64, batch_size=64)
+    trainer.fit(WithLBFGS(), train, val)
+    assert trainer.global_step == 2
