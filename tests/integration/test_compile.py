@@ -253,9 +253,12 @@ def test_operator_names_leave_out_the_compile_wrapper() -> None:
 
 
 def test_saved_precision_is_refused_on_a_compiled_model(tmp_path: Path) -> None:
-    with pytest.raises(PlanError, match=r"saves tensors for backward in a lower precision \(fc\).*torch.compile"):
-        PlanExecutor().apply(Net(), PrecisionPlan.from_dict({"fc": {"compute": "bf16", "saved": "fp8"}}), "cpu",
-                             compiled=True)
+    refused = (r"saves tensors for backward other than as computed \(fc: in a lower precision, or recomputed\)"
+               r".*torch.compile")
+    for saved in ("fp8", "recompute"):
+        with pytest.raises(PlanError, match=refused):
+            PlanExecutor().apply(Net(), PrecisionPlan.from_dict({"fc": {"compute": "bf16", "saved": saved}}), "cpu",
+                                 compiled=True)
     model = WideMLP()
     model.forward = torch.compile(model.forward, backend="eager")
     search = fixed_search(objective="memory", saved_precision="fp8")
