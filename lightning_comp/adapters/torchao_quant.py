@@ -3,14 +3,16 @@
 torchao's 8-bit optimizers store each Adam moment as block-wise scaled codes of the *dynamic tree* map of Dettmers
 et al. (8-bit Optimizers via Block-wise Quantization, 2022). This package takes the map and the block scaling from
 torchao, so the format is the library's; it stores the codes in plain tensors of the user's own optimizer (see
-:mod:`lightning_comp.numerics.block_quant`). torchao is imported on first use: it costs about 1.5 s and prints
-harmless lines about CUDA extensions on a CPU-only torch.
+:mod:`lightning_comp.numerics.block_quant`). Only torchao's ``optim/quant_utils.py`` is loaded, on first use, by
+file: it imports only torch, while importing the ``torchao`` package costs about 2.5 s and prints lines about CUDA
+extensions on a CPU-only torch.
 """
 
 from __future__ import annotations
 
 import functools
-import logging
+import importlib.util
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -22,19 +24,20 @@ __all__ = ["block_scale", "dynamic_map", "reference_quantise"]
 
 @functools.cache
 def _quant_utils() -> Any:
-    pytree = logging.getLogger("torch.utils._pytree")  # torchao registers an enum torch now handles: it logs so
-    level = pytree.level
-    try:
-        pytree.setLevel(logging.ERROR)
-        from torchao.optim import quant_utils
-    except ImportError as err:  # pragma: no cover - torchao is a dependency of the package
+    """torchao's ``optim/quant_utils.py``, loaded on its own: it imports only torch, and the ``torchao`` package's
+    own import (about 2.5 s, CUDA-extension warnings on a CPU build) is not needed for it."""
+    spec = importlib.util.find_spec("torchao")  # locates the package without importing it
+    if spec is None or not spec.submodule_search_locations:
         raise MissingExtraError(
             "8-bit optimizer state needs torchao (pip install 'torchao>=0.18' together with your torch pin, e.g."
-            f" pip install torch=={torch.__version__.split('+')[0]} torchao): {err}"
-        ) from None
-    finally:
-        pytree.setLevel(level)
-    return quant_utils
+            f" pip install torch=={torch.__version__.split('+')[0]} torchao).")
+    path = Path(next(iter(spec.submodule_search_locations))) / "optim" / "quant_utils.py"
+    module_spec = importlib.util.spec_from_file_location("lightning_comp._torchao_quant_utils", path)
+    if module_spec is None or module_spec.loader is None or not path.is_file():
+        raise MissingExtraError(f"torchao at {path.parent.parent} has no optim/quant_utils.py: install torchao>=0.18.")
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module
 
 
 @functools.cache
