@@ -24,7 +24,7 @@ import lightning.pytorch as pl
 import torch
 from torch import nn
 
-from lightning_comp.execution.optimizer_states import state_nbytes
+from lightning_comp.execution.optimizer_states import state_bytes, state_nbytes
 from lightning_comp.execution.parameter_groups import parameter_owners
 from lightning_comp.numerics.precision import MasterPrecision, Precision, StatePrecision
 from lightning_comp.plan.plan import PrecisionPlan
@@ -266,5 +266,4 @@ class ParameterStage:
 def _persistent_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> float:
     """Bytes of the trainable parameters, their gradients (one per parameter) and the optimizer's state."""
     weights = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-    state = sum(v.nbytes for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor))
-    return float(2 * weights + state)
+    return float(2 * weights + state_bytes(optimizer))
