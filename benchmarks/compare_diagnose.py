@@ -37,7 +37,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from compare_suite import RESULTS_DIR, SUITE  # noqa: E402
 
-from lightning_comp import PlanExecutor, Precision, PrecisionPlan, StepKind, zoo  # noqa: E402
+from lightning_comp import ComputePrecision, PlanExecutor, PrecisionPlan, StepKind, zoo  # noqa: E402
 from lightning_comp.devices.lowering import Lowering, lowering_for  # noqa: E402
 from lightning_comp.operators import classify, iter_operators  # noqa: E402
 
@@ -56,7 +56,8 @@ def _batch(model_key: str, seed: int) -> tuple[Any, Any, Any]:
 
 def _plans(model: torch.nn.Module, searched: dict[str, Any] | None) -> dict[str, PrecisionPlan]:
     ops = dict(iter_operators(model))
-    lowerable = [n for n, m in ops.items() if lowering_for(m, Precision.BF16, "cpu") not in (None, Lowering.NONE)]
+    lowerable = [n for n, m in ops.items()
+                 if lowering_for(m, ComputePrecision.BF16, "cpu") not in (None, Lowering.NONE)]
     compute = [n for n in lowerable if classify(ops[n]).value == "compute"]
     plans = {"comp_all_low": PrecisionPlan.from_dict({n: "bf16" for n in lowerable}),
              "comp_compute_only": PrecisionPlan.from_dict({n: "bf16" for n in compute})}
@@ -190,7 +191,8 @@ def attribution(model: torch.nn.Module, x: Any, y: Any, rounds: int) -> dict[str
     from lightning_comp.search.measurement import profiling
 
     ops = dict(iter_operators(model))
-    lowerable = [n for n, m in ops.items() if lowering_for(m, Precision.BF16, "cpu") not in (None, Lowering.NONE)]
+    lowerable = [n for n, m in ops.items()
+                 if lowering_for(m, ComputePrecision.BF16, "cpu") not in (None, Lowering.NONE)]
     all_low = PrecisionPlan.from_dict({n: "bf16" for n in lowerable})
     executor = PlanExecutor()
 

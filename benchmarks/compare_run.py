@@ -62,12 +62,12 @@ def modes_that_cannot_run(spec: ModelSpec, modes: list[str], device_type: str) -
     from lightning_comp import zoo
     from lightning_comp.devices.device_classes import device_class
     from lightning_comp.devices.lowering import Lowering, lowering_for
-    from lightning_comp.numerics.precision import Precision
+    from lightning_comp.numerics.precision import ComputePrecision
 
     with torch.device("meta"):
         model = getattr(zoo, spec.model)(**spec.model_kwargs)
     lstms = [m for m in model.modules() if isinstance(m, torch.nn.LSTM)]
-    if lstms and lowering_for(lstms[0], Precision.BF16, "cpu") is not Lowering.AUTOCAST:
+    if lstms and lowering_for(lstms[0], ComputePrecision.BF16, "cpu") is not Lowering.AUTOCAST:
         return {"bf16-mixed": f"skipped: CPU autocast has no BF16 nn.LSTM kernel on this CPU"
                               f" ({device_class('cpu').describe()}); Lightning's bf16-mixed would fail inside oneDNN"}
     return {}
@@ -121,12 +121,12 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     from lightning_comp.devices.device_classes import device_class
-    from lightning_comp.numerics.precision import Precision
+    from lightning_comp.numerics.precision import ComputePrecision
 
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     modes = ["fp32", "bf16-mixed", "bf16-true"]
     skipped: dict[str, str] = {}
-    if device_class(device_type).is_native(Precision.FP16):
+    if device_class(device_type).is_native(ComputePrecision.FP16):
         modes.append("16-mixed")
     else:
         skipped["16-mixed"] = (

@@ -48,7 +48,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_comp import CoMPPrecision, Precision, PrecisionPlan, device_class
+from lightning_comp import CoMPPrecision, ComputePrecision, PrecisionPlan, device_class
 from lightning_comp.devices.cpu_features import cpu_features, cpu_name
 
 RESULTS = Path(__file__).resolve().parent / "results" / "overhead.json"
@@ -251,7 +251,7 @@ def amp_plan(model: pl.LightningModule, batch: Any) -> PrecisionPlan:
 
     model.log = lambda *a, **k: None  # type: ignore[method-assign]
     try:
-        lowered = lowered_under_autocast(dict(iter_operators(model)), step, "cpu", Precision.BF16)
+        lowered = lowered_under_autocast(dict(iter_operators(model)), step, "cpu", ComputePrecision.BF16)
     finally:
         del model.log
     return PrecisionPlan.from_dict({name: "bf16" for name in sorted(lowered)})

@@ -43,7 +43,7 @@ from lightning_comp.errors import (
     UsageError,
 )
 from lightning_comp.execution import PlanExecutor, StepKind
-from lightning_comp.numerics import MasterPrecision, Precision, SavedPrecision, StatePrecision, parse_precision
+from lightning_comp.numerics import ComputePrecision, MasterPrecision, SavedPrecision, StatePrecision, parse_precision
 from lightning_comp.operators import OperatorInfo, OperatorKind, discover_operators, register_atomic
 from lightning_comp.plan import OperatorFingerprint, PrecisionPlan, Selectors
 from lightning_comp.plugins import CoMPFabricPrecision, CoMPFSDPPrecision, CoMPPrecision
@@ -74,7 +74,7 @@ __all__ = [
     "PlanExecutor",
     "PlanFileError",
     "PlanMismatchError",
-    "Precision",
+    "ComputePrecision",
     "PrecisionPlan",
     "SavedPrecision",
     "SearchConfig",

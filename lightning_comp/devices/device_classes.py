@@ -28,11 +28,11 @@ from torch import nn
 
 from lightning_comp.devices.cpu_features import cpu_capability, cpu_features, cpu_name
 from lightning_comp.errors import PlanError
-from lightning_comp.numerics.precision import Precision, parse_precision
+from lightning_comp.numerics.precision import ComputePrecision, parse_precision
 
 __all__ = ["DeviceClass", "device_class", "model_device"]
 
-_LOW = (Precision.BF16, Precision.FP16)
+_LOW = (ComputePrecision.BF16, ComputePrecision.FP16)
 
 
 @dataclass(frozen=True)
@@ -51,8 +51,8 @@ class DeviceClass:
     type: str
     name: str = ""
     capability: str = ""
-    native: frozenset[Precision] = field(default_factory=frozenset)
-    emulated: frozenset[Precision] = field(default_factory=frozenset)
+    native: frozenset[ComputePrecision] = field(default_factory=frozenset)
+    emulated: frozenset[ComputePrecision] = field(default_factory=frozenset)
     features: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
@@ -63,12 +63,12 @@ class DeviceClass:
     def is_native(self, precision: object) -> bool:
         """Whether ``precision`` is expected to be faster than FP32 here (FP32 always is 'native')."""
         wanted = parse_precision(precision)
-        return wanted is Precision.FP32 or wanted in self.native
+        return wanted is ComputePrecision.FP32 or wanted in self.native
 
     def runs(self, precision: object) -> bool:
         """Whether ``precision`` computes here at all, natively or emulated."""
         wanted = parse_precision(precision)
-        return wanted is Precision.FP32 or wanted in self.native or wanted in self.emulated
+        return wanted is ComputePrecision.FP32 or wanted in self.native or wanted in self.emulated
 
     def describe(self) -> str:
         """One line for messages, e.g. ``"cpu AVX2 (AMD EPYC; no native 16-bit)"``."""
@@ -129,9 +129,9 @@ def _cpu_class() -> DeviceClass:
     wide = capability.upper().startswith("AVX512")
     native = set()
     if wide and ({"avx512_bf16", "amx_tile"} & features):
-        native.add(Precision.BF16)
+        native.add(ComputePrecision.BF16)
     if wide and "amx_fp16" in features:
-        native.add(Precision.FP16)
+        native.add(ComputePrecision.FP16)
     used = tuple(f for f in ("avx512_bf16", "amx_tile", "amx_fp16") if f in features)
     return DeviceClass("cpu", name=cpu_name(), capability=capability, native=frozenset(native),
                        emulated=frozenset(_LOW) - native, features=used)
@@ -142,12 +142,12 @@ def _cuda_class(device: torch.device) -> DeviceClass:
     major, minor = torch.cuda.get_device_capability(index)
     native = set()
     if major >= 7:
-        native.add(Precision.FP16)
+        native.add(ComputePrecision.FP16)
     if major >= 8:
-        native.add(Precision.BF16)
-    emulated = set() if major >= 7 else {Precision.FP16}
-    if Precision.BF16 not in native and torch.cuda.is_bf16_supported(including_emulation=True):
-        emulated.add(Precision.BF16)
+        native.add(ComputePrecision.BF16)
+    emulated = set() if major >= 7 else {ComputePrecision.FP16}
+    if ComputePrecision.BF16 not in native and torch.cuda.is_bf16_supported(including_emulation=True):
+        emulated.add(ComputePrecision.BF16)
     return DeviceClass("cuda", name=torch.cuda.get_device_name(index), capability=f"sm{major}{minor}",
                        native=frozenset(native), emulated=frozenset(emulated))
 

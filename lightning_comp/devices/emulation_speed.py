@@ -14,7 +14,7 @@ import time
 import torch
 
 from lightning_comp.devices.device_classes import DeviceClass
-from lightning_comp.numerics.precision import Precision
+from lightning_comp.numerics.precision import ComputePrecision
 
 __all__ = ["matmul_slowdown", "why_nothing_pays"]
 
@@ -22,7 +22,7 @@ _SIZE = 256
 
 
 @functools.cache
-def matmul_slowdown(device: str, precision: Precision) -> float:
+def matmul_slowdown(device: str, precision: ComputePrecision) -> float:
     """Time of a 256x256 matrix product in ``precision`` over FP32's on ``device`` (e.g. ``52.0``: 52x slower)."""
     generator = torch.Generator(device="cpu").manual_seed(0)  # the global RNG is left alone
     a32 = torch.randn(_SIZE, _SIZE, generator=generator).to(device)

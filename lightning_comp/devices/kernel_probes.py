@@ -21,7 +21,7 @@ from torch import nn
 from torch.func import functional_call
 
 from lightning_comp.errors import UnsupportedSetupError
-from lightning_comp.numerics.precision import Precision
+from lightning_comp.numerics.precision import ComputePrecision
 
 __all__ = ["RecurrentConfig", "RecurrentProbe", "probe_recurrent"]
 
@@ -94,7 +94,7 @@ _ROUTES = ("autocast", "params")  # autocast first: it is the lowering AMP users
 
 
 @functools.cache
-def _probe(config: RecurrentConfig, precision: Precision, device: torch.device) -> RecurrentProbe:
+def _probe(config: RecurrentConfig, precision: ComputePrecision, device: torch.device) -> RecurrentProbe:
     dtype = precision.dtype
     failures = []
     with warnings.catch_warnings(), torch.enable_grad():
@@ -117,7 +117,7 @@ def _first_line(err: BaseException) -> str:
     return f"{type(err).__name__}: {lines[0]}" if lines else type(err).__name__
 
 
-def probe_recurrent(module: nn.RNNBase, precision: Precision, device: torch.device | str) -> RecurrentProbe:
+def probe_recurrent(module: nn.RNNBase, precision: ComputePrecision, device: torch.device | str) -> RecurrentProbe:
     """Which way of lowering ``module`` runs on ``device`` in ``precision`` (tried once per configuration, device
     and precision in a process; ``probe_recurrent.cache_clear()`` forgets the answers)."""
     target = torch.device(device)

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from lightning_comp.devices.kernel_probes import probe_recurrent
-from lightning_comp.numerics.precision import Precision
+from lightning_comp.numerics.precision import ComputePrecision
 from lightning_comp.operators.kinds import OperatorKind, autocast_like, classify, is_recurrent, normalises_input_only
 
 __all__ = ["Lowering", "autocast_available", "lowering_for", "why_not_lowerable"]
@@ -41,7 +41,7 @@ class Lowering(str, Enum):
     NONE = "none"  # nothing to lower: precision passes through
 
 
-def lowering_for(module: nn.Module, precision: Precision, device: torch.device | str) -> Lowering | None:
+def lowering_for(module: nn.Module, precision: ComputePrecision, device: torch.device | str) -> Lowering | None:
     """How ``precision`` is put into effect for ``module`` on ``device`` (a device, or a device type string).
 
     Returns ``Lowering.NONE`` for FP32 and for shape-only operators, and ``None`` when no way of lowering the operator
@@ -50,7 +50,7 @@ def lowering_for(module: nn.Module, precision: Precision, device: torch.device |
     can.
     """
     kind = classify(module)
-    if precision is Precision.FP32 or kind is OperatorKind.SHAPE:
+    if precision is ComputePrecision.FP32 or kind is OperatorKind.SHAPE:
         return Lowering.NONE
     target = torch.device(device)
     if is_recurrent(module):
@@ -70,7 +70,7 @@ def lowering_for(module: nn.Module, precision: Precision, device: torch.device |
     return Lowering.PARAMS
 
 
-def why_not_lowerable(module: nn.Module, precision: Precision, device: torch.device | str) -> str:
+def why_not_lowerable(module: nn.Module, precision: ComputePrecision, device: torch.device | str) -> str:
     """Why :func:`lowering_for` found no way of lowering ``module`` (what each way tried raised), for messages."""
     if is_recurrent(module):
         failures = probe_recurrent(module, precision, torch.device(device)).describe_failures()

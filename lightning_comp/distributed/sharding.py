@@ -22,7 +22,7 @@ from torch import nn
 from lightning_comp.adapters.lightning_internals import setup_fsdp_activation_checkpointing
 from lightning_comp.adapters.torch_internals import FSDP2_MODULE
 from lightning_comp.errors import UnsupportedSetupError
-from lightning_comp.numerics.precision import Precision
+from lightning_comp.numerics.precision import ComputePrecision
 from lightning_comp.operators.discovery import iter_operators, operator_name, operator_type
 from lightning_comp.plan.plan import PlanLike, plan_from_any
 
@@ -57,7 +57,7 @@ def fsdp2_policy(plan: PlanLike, module: nn.Module, name: str = "") -> Any:
                 or not any(True for _ in op.parameters(recurse=False)):
             continue
         precisions.add(resolved.precision_of(prefix + op_name if op_name else name, operator_type(op)))
-    low = next(iter(precisions)) if len(precisions) == 1 else Precision.FP32
+    low = next(iter(precisions)) if len(precisions) == 1 else ComputePrecision.FP32
     return MixedPrecisionPolicy(param_dtype=low.dtype if low.is_low else None, reduce_dtype=torch.float32,
                                 cast_forward_inputs=False)
 

@@ -26,7 +26,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from lightning_comp.common.nested import tensors
-from lightning_comp.numerics.precision import Precision
+from lightning_comp.numerics.precision import ComputePrecision
 
 __all__ = ["LOW_DTYPES", "ConsumerTracer", "TracedOperator"]
 
@@ -59,7 +59,7 @@ class TracedOperator(Protocol):
     def name(self) -> str: ...
 
     @property
-    def precision(self) -> Precision: ...
+    def precision(self) -> ComputePrecision: ...
 
     @property
     def low(self) -> bool: ...

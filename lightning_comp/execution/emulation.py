@@ -16,7 +16,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
 from lightning_comp.devices.device_classes import DeviceClass
-from lightning_comp.numerics.precision import Precision
+from lightning_comp.numerics.precision import ComputePrecision
 from lightning_comp.operators.discovery import iter_operators
 from lightning_comp.plan.plan import PrecisionPlan
 
@@ -25,7 +25,7 @@ __all__ = ["check_plan_device", "decline_slow_fp16", "emulated_operators"]
 _WARNED: set[tuple[str, str, str]] = set()
 
 
-def emulated_operators(plan: PrecisionPlan, model: nn.Module, device: DeviceClass) -> dict[str, Precision]:
+def emulated_operators(plan: PrecisionPlan, model: nn.Module, device: DeviceClass) -> dict[str, ComputePrecision]:
     """``{operator: precision}`` for the operators ``plan`` lowers to a precision ``device`` does not run natively."""
     out = {}
     modules = dict(iter_operators(model))
@@ -38,7 +38,7 @@ def emulated_operators(plan: PrecisionPlan, model: nn.Module, device: DeviceClas
 
 
 def check_plan_device(plan: PrecisionPlan, model: nn.Module, device: DeviceClass, stacklevel: int = 2,
-                      accepted: frozenset[Precision] = frozenset()) -> str | None:
+                      accepted: frozenset[ComputePrecision] = frozenset()) -> str | None:
     """Warn (once per plan and device class in this process) if ``plan`` lowers operators to a 16-bit precision that
     ``device`` emulates; return the warning's text, or ``None`` when every lowered operator runs natively.
 
@@ -70,7 +70,7 @@ def check_plan_device(plan: PrecisionPlan, model: nn.Module, device: DeviceClass
 def decline_slow_fp16(plan: PrecisionPlan, device: DeviceClass, allow: bool) -> PrecisionPlan:
     """``plan`` with its FP16 entries (and default) turned FP32 where ``device`` has no fast FP16, with a warning,
     unless ``allow``. Everything else of the plan (saved precisions, fingerprint, provenance) is kept."""
-    if allow or not plan.uses(Precision.FP16) or device.is_native(Precision.FP16):
+    if allow or not plan.uses(ComputePrecision.FP16) or device.is_native(ComputePrecision.FP16):
         return plan
     rank_zero_warn(
         f"The plan assigns fp16 but this device, {device.describe()}, has no fast fp16 (on CPUs without"
@@ -78,6 +78,6 @@ def decline_slow_fp16(plan: PrecisionPlan, device: DeviceClass, allow: bool) -> 
         " in fp32. Use 'bf16', or pass CoMPPrecision(allow_slow_fp16=True) to insist.",
         stacklevel=4,
     )
-    entries = tuple((s, Precision.FP32 if p is Precision.FP16 else p) for s, p in plan.entries)
-    default = Precision.FP32 if plan.default is Precision.FP16 else plan.default
+    entries = tuple((s, ComputePrecision.FP32 if p is ComputePrecision.FP16 else p) for s, p in plan.entries)
+    default = ComputePrecision.FP32 if plan.default is ComputePrecision.FP16 else plan.default
     return replace(plan, entries=entries, default=default, provenance={**plan.provenance, "declined_fp16": True})

@@ -48,7 +48,7 @@ from lightning_comp.execution.planned_operators import hooked_operators, provisi
 from lightning_comp.execution.recompute import Recomputer
 from lightning_comp.execution.saved_tensors import DEFAULT_MIN_SAVED_BYTES, SavedTensorCompressor
 from lightning_comp.execution.weight_casts import WeightCastRecorder
-from lightning_comp.numerics.precision import Precision
+from lightning_comp.numerics.precision import ComputePrecision
 from lightning_comp.operators.discovery import iter_operators, iter_untraced_containers
 from lightning_comp.operators.owned_work import StepWork, WorkRecorder
 from lightning_comp.plan.plan import PrecisionPlan
@@ -151,9 +151,9 @@ class PlanExecutor:
         """The engine that stores recipes instead of the outputs of operators saving ``recompute``."""
         return self._recomputer
 
-    def precisions(self) -> dict[str, Precision]:
+    def precisions(self) -> dict[str, ComputePrecision]:
         """The effective precision of each hooked operator (FP32 where a low precision cannot apply)."""
-        return {name: (op.precision if op.low else Precision.FP32) for name, op in self._operators.items()}
+        return {name: (op.precision if op.low else ComputePrecision.FP32) for name, op in self._operators.items()}
 
     def chained_operators(self, kind: StepKind) -> frozenset[str]:
         """Low-precision operators whose output stays low in steps of ``kind`` (empty until calibrated)."""
@@ -226,7 +226,8 @@ class PlanExecutor:
         if not bound.is_all_fp32 and not any(op.low and not op.transparent for op in operators.values()) \
                 and said not in self._said_nothing_lowered:
             self._said_nothing_lowered.add(said)
-            low = sorted({p.value for p in (bound.default, *(p for _, p in bound.entries)) if p is not Precision.FP32})
+            low = sorted({p.value for p in (bound.default, *(p for _, p in bound.entries))
+                          if p is not ComputePrecision.FP32})
             rank_zero_warn(
                 f"The plan assigns {'/'.join(low)} but no operator of {type(model).__name__} computes in it on"
                 f" {target}: its 16-bit entries match only shape-only operators, or operators with no"

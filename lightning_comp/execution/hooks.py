@@ -48,7 +48,7 @@ from lightning_comp.execution.compiled_regions import compiling, enter_autocast,
 from lightning_comp.execution.recompute import Recomputer
 from lightning_comp.execution.saved_tensors import SavedTensorCompressor
 from lightning_comp.execution.weight_casts import WeightCastRecorder
-from lightning_comp.numerics.precision import Precision, SavedPrecision
+from lightning_comp.numerics.precision import ComputePrecision, SavedPrecision
 from lightning_comp.operators.kinds import OperatorKind, is_recurrent, weight_reading
 
 __all__ = ["HookedOperator", "StepState", "make_hooks", "note_failing_operator", "precision_may_cause"]
@@ -73,7 +73,7 @@ class HookedOperator:
     name: str
     module: nn.Module
     kind: OperatorKind
-    precision: Precision
+    precision: ComputePrecision
     lowering: Lowering
     saved: SavedPrecision = SavedPrecision.FP32
     contexts: list[AbstractContextManager[Any]] = field(default_factory=list)

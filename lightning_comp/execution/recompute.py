@@ -88,7 +88,7 @@ from lightning_comp.common.nested import map_tensors, tensors
 from lightning_comp.errors import PlanError, UsageError
 from lightning_comp.execution.saved_hooks import OuterHooks, hooks_installable, take_back
 from lightning_comp.execution.saved_tensors import is_compressor_pack
-from lightning_comp.numerics.precision import Precision
+from lightning_comp.numerics.precision import ComputePrecision
 from lightning_comp.operators.kinds import OperatorKind, classify, is_recurrent
 from lightning_comp.operators.owned_work import runs_planned_work
 
@@ -167,7 +167,7 @@ class _Silent:
     inside a transparent operator consume nothing, so the recomputation leaves the cast boundaries as they are."""
 
     name: str = "<recompute>"
-    precision: Precision = Precision.FP32
+    precision: ComputePrecision = ComputePrecision.FP32
     low: bool = False
     transparent: bool = True
 

@@ -24,7 +24,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
 from lightning_comp.execution.executor import PlanExecutor
-from lightning_comp.numerics.precision import Precision
+from lightning_comp.numerics.precision import ComputePrecision
 from lightning_comp.operators.discovery import iter_operators
 from lightning_comp.operators.kinds import OperatorKind, classify
 from lightning_comp.operators.owned_work import OUTSIDE, StepWork
@@ -85,7 +85,7 @@ class UnplannedWork:
                 f" step's forward) stays in fp32 although the plan lowers other operators: {'; '.join(parts)}.")
 
 
-def unplanned_work(work: StepWork, plan: PrecisionPlan, model: nn.Module, precisions: Mapping[str, Precision], *,
+def unplanned_work(work: StepWork, plan: PrecisionPlan, model: nn.Module, precisions: Mapping[str, ComputePrecision], *,
                    by_default: bool) -> UnplannedWork:
     """What of ``work`` the plan in force leaves in FP32 unplanned.
 
@@ -108,7 +108,7 @@ def unplanned_work(work: StepWork, plan: PrecisionPlan, model: nn.Module, precis
         if operator is None:
             outside[owner] = outside.get(owner, 0) + owned.flops
             continue
-        if precisions.get(operator, Precision.FP32).is_low:
+        if precisions.get(operator, ComputePrecision.FP32).is_low:
             continue
         if by_default and explained.get(operator) == "<default>" and classify(operators[operator]) is \
                 OperatorKind.FUNCTIONAL:

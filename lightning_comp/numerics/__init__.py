@@ -3,7 +3,7 @@
 ==================  ====================================================================================
 module              what it holds
 ==================  ====================================================================================
-``precision``       :class:`Precision` (what an operator computes in), :class:`SavedPrecision` (what it
+``precision``       :class:`ComputePrecision` (what an operator computes in), :class:`SavedPrecision` (what it
                     stores for backward in, or ``recompute``), :class:`StatePrecision` (its parameters'
                     optimizer state), :class:`MasterPrecision` (its parameters themselves)
 ``codecs``          compress and decompress a saved tensor at a :class:`SavedPrecision` (bf16, fp8 with a
@@ -15,13 +15,13 @@ rounding``
 """
 
 from lightning_comp.numerics.precision import (
+    ComputePrecision,
     MasterPrecision,
-    Precision,
     SavedPrecision,
     StatePrecision,
     parse_precision,
     parse_saved_precision,
 )
 
-__all__ = ["MasterPrecision", "Precision", "SavedPrecision", "StatePrecision", "parse_precision",
+__all__ = ["MasterPrecision", "ComputePrecision", "SavedPrecision", "StatePrecision", "parse_precision",
            "parse_saved_precision"]

@@ -15,11 +15,11 @@ import torch
 from lightning_comp.common.spelled_enum import SpelledEnum
 from lightning_comp.errors import CoMPError, PlanError
 
-__all__ = ["MasterPrecision", "Precision", "SavedPrecision", "StatePrecision", "parse_precision",
+__all__ = ["MasterPrecision", "ComputePrecision", "SavedPrecision", "StatePrecision", "parse_precision",
            "parse_saved_precision"]
 
 
-class Precision(SpelledEnum):
+class ComputePrecision(SpelledEnum):
     """A compute precision for one operator. The value is the spelling in plans, configs and JSON files
     (``float32``/``32``, ``bfloat16``, ``float16``/``half``/``16`` and the torch dtypes are accepted too)."""
 
@@ -30,12 +30,13 @@ class Precision(SpelledEnum):
     @property
     def dtype(self) -> torch.dtype:
         """The torch dtype the operator computes in."""
-        return {Precision.FP32: torch.float32, Precision.BF16: torch.bfloat16, Precision.FP16: torch.float16}[self]
+        return {ComputePrecision.FP32: torch.float32, ComputePrecision.BF16: torch.bfloat16,
+                ComputePrecision.FP16: torch.float16}[self]
 
     @property
     def is_low(self) -> bool:
         """Whether this is a 16-bit precision (anything but FP32)."""
-        return self is not Precision.FP32
+        return self is not ComputePrecision.FP32
 
     @classmethod
     def aliases(cls) -> Mapping[str, str]:
@@ -160,17 +161,17 @@ class MasterPrecision(SpelledEnum):
         return "'fp32' and 'bf16' (stochastically rounded updates, no FP32 copy)"
 
 
-def parse_precision(value: object) -> Precision:
-    """Turn a user-facing value into a :class:`Precision`.
+def parse_precision(value: object) -> ComputePrecision:
+    """Turn a user-facing value into a :class:`ComputePrecision`.
 
     Args:
-        value: a :class:`Precision`, a torch dtype (float32/bfloat16/float16) or one of the strings ``"fp32"``,
+        value: a :class:`ComputePrecision`, a torch dtype (float32/bfloat16/float16) or one of the strings ``"fp32"``,
             ``"bf16"``, ``"fp16"`` (aliases ``float32``, ``bfloat16``, ``float16``, ``half`` are accepted).
 
     Raises:
         PlanError: if the value names no supported precision.
     """
-    return Precision.parse(value)
+    return ComputePrecision.parse(value)
 
 
 def parse_saved_precision(value: object) -> SavedPrecision:

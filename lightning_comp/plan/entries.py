@@ -9,8 +9,8 @@ from typing import Any
 
 from lightning_comp.errors import PlanError
 from lightning_comp.numerics.precision import (
+    ComputePrecision,
     MasterPrecision,
-    Precision,
     SavedPrecision,
     StatePrecision,
     parse_precision,
@@ -23,7 +23,7 @@ __all__ = ["DIMENSIONS", "as_mapping", "parse_entries", "parse_master", "parse_s
 DIMENSIONS = ("compute", "saved", "state", "master")  # the keys of an entry that sets several dimensions
 
 
-def parse_entries(mapping: Mapping[str, Any]) -> tuple[tuple[str, Precision], ...]:
+def parse_entries(mapping: Mapping[str, Any]) -> tuple[tuple[str, ComputePrecision], ...]:
     """``{selector: compute precision}`` as sorted, validated pairs.
 
     Raises:

@@ -29,8 +29,8 @@ from lightning_comp.common.tables import format_table
 from lightning_comp.devices.device_classes import DeviceClass, device_class, model_device
 from lightning_comp.errors import PlanError, PlanFileError, PlanMismatchError
 from lightning_comp.numerics.precision import (
+    ComputePrecision,
     MasterPrecision,
-    Precision,
     SavedPrecision,
     StatePrecision,
     parse_precision,
@@ -82,8 +82,8 @@ class PrecisionPlan:
         master_default: master-weight precision of the parameters of every operator no ``master`` entry matches.
     """
 
-    entries: tuple[tuple[str, Precision], ...] = ()
-    default: Precision = Precision.FP32
+    entries: tuple[tuple[str, ComputePrecision], ...] = ()
+    default: ComputePrecision = ComputePrecision.FP32
     fingerprint: OperatorFingerprint | None = None
     torch_version: str | None = None
     device_type: str | None = None
@@ -244,7 +244,7 @@ class PrecisionPlan:
     @property
     def is_all_fp32(self) -> bool:
         """Whether every operator computes in FP32 under this plan."""
-        return self.default is Precision.FP32 and all(p is Precision.FP32 for _, p in self.entries)
+        return self.default is ComputePrecision.FP32 and all(p is ComputePrecision.FP32 for _, p in self.entries)
 
     @property
     def compresses_saved(self) -> bool:
@@ -272,7 +272,7 @@ class PrecisionPlan:
         wanted = parse_precision(precision)
         return self.default is wanted or any(p is wanted for _, p in self.entries)
 
-    def precision_of(self, name: str, module_type: type | None = None) -> Precision:
+    def precision_of(self, name: str, module_type: type | None = None) -> ComputePrecision:
         """The precision of the operator called ``name`` (of class ``module_type``, for type selectors)."""
         match = self._match(name, module_type)
         return self.default if match is None else match[1]
@@ -312,11 +312,11 @@ class PrecisionPlan:
         """The selectors of the plan's saved entries."""
         return Selectors(tuple(selector for selector, _ in self.saved))
 
-    def _match(self, name: str, module_type: type | None) -> tuple[str, Precision] | None:
+    def _match(self, name: str, module_type: type | None) -> tuple[str, ComputePrecision] | None:
         selector = self.selectors.match(name, module_type)
         return None if selector is None else (selector, dict(self.entries)[selector])
 
-    def resolve(self, model: nn.Module) -> dict[str, Precision]:
+    def resolve(self, model: nn.Module) -> dict[str, ComputePrecision]:
         """The precision of every operator of ``model`` under this plan (shape-only operators included)."""
         return {name: self.precision_of(name, type(module)) for name, module in iter_operators(model)}
 

@@ -26,7 +26,7 @@ from lightning_comp.execution.optimizer_states import OptimizerStates
 from lightning_comp.execution.plugin_state import CHECKPOINT_KEY, LEGACY_CHECKPOINT_KEYS, PluginState
 from lightning_comp.execution.saved_tensors import DEFAULT_MIN_SAVED_BYTES
 from lightning_comp.execution.unplanned_work import UnplannedWorkWarnings
-from lightning_comp.numerics.precision import Precision as Dtype
+from lightning_comp.numerics.precision import ComputePrecision
 from lightning_comp.plan.plan import PlanLike, PrecisionPlan, plan_from_any
 
 __all__ = ["CoMPPrecision"]
@@ -208,9 +208,9 @@ class CoMPPrecision(Precision):
         target = device_class(device)
         plan = self._executor.apply(model, decline_slow_fp16(self._requested, target, self.allow_slow_fp16), device)
         self._optimizer_states.assign(model, plan)
-        self._scaler.sync(plan.uses(Dtype.FP16), device.type)
+        self._scaler.sync(plan.uses(ComputePrecision.FP16), device.type)
         if not self._trial:
-            accepted = frozenset({Dtype.FP16}) if self.allow_slow_fp16 else frozenset()
+            accepted = frozenset({ComputePrecision.FP16}) if self.allow_slow_fp16 else frozenset()
             check_plan_device(plan, model, target, stacklevel=4, accepted=accepted)
         self._report_unplanned()
 
@@ -366,7 +366,7 @@ class CoMPPrecision(Precision):
                 f" {_assignment(self.plan)}, which is kept. Pass CoMPPrecision() without a plan to resume with the"
                 " checkpoint's.",
             )
-        self._scaler.load(state.scaler, self.plan.uses(Dtype.FP16), self._executor.model is not None)
+        self._scaler.load(state.scaler, self.plan.uses(ComputePrecision.FP16), self._executor.model is not None)
         self._skipped = SkippedSteps(state.skipped_steps)
         self.optimizer_steps = state.optimizer_steps
         self._optimizer_states.load_rounding_state(state.rounding)

@@ -28,7 +28,7 @@ from lightning_comp.execution.optimizer_states import OptimizerStates
 from lightning_comp.execution.plugin_state import PluginState
 from lightning_comp.execution.saved_tensors import DEFAULT_MIN_SAVED_BYTES
 from lightning_comp.execution.unplanned_work import UnplannedWorkWarnings
-from lightning_comp.numerics.precision import Precision as Dtype
+from lightning_comp.numerics.precision import ComputePrecision
 from lightning_comp.plan.plan import PlanLike, PrecisionPlan, plan_from_any
 
 __all__ = ["CoMPFabricPrecision"]
@@ -126,9 +126,9 @@ class CoMPFabricPrecision(Precision):
         target = device_class(device)
         plan = self._executor.apply(model, decline_slow_fp16(self._requested, target, self.allow_slow_fp16), device)
         self._optimizer_states.assign(model, plan)
-        self._scaler.sync(plan.uses(Dtype.FP16), device.type)
+        self._scaler.sync(plan.uses(ComputePrecision.FP16), device.type)
         check_plan_device(plan, model, target, stacklevel=4,
-                          accepted=frozenset({Dtype.FP16}) if self.allow_slow_fp16 else frozenset())
+                          accepted=frozenset({ComputePrecision.FP16}) if self.allow_slow_fp16 else frozenset())
         self._unplanned.check(self._executor, self._users_own, type(self).__name__)
 
     # ---------------------------------------------------------------------------------------- Fabric hooks
@@ -236,7 +236,7 @@ class CoMPFabricPrecision(Precision):
                 self._requested.validate(self._executor.model)
                 if self._executor.device is not None:
                     self._apply()
-        self._scaler.load(state.scaler, self.plan.uses(Dtype.FP16), self._executor.device is not None)
+        self._scaler.load(state.scaler, self.plan.uses(ComputePrecision.FP16), self._executor.device is not None)
         self._skipped = SkippedSteps(state.skipped_steps)
         self.optimizer_steps = state.optimizer_steps
         self._optimizer_states.load_rounding_state(state.rounding)

@@ -9,7 +9,7 @@ from lightning_comp.adapters import lightning_internals as lightning
 from lightning_comp.devices.device_classes import DeviceClass, model_device
 from lightning_comp.devices.lowering import Lowering, lowering_for
 from lightning_comp.errors import PlanMismatchError, SearchConfigError, UnsupportedSetupError
-from lightning_comp.numerics.precision import Precision
+from lightning_comp.numerics.precision import ComputePrecision
 from lightning_comp.operators.discovery import iter_operators
 from lightning_comp.plugins.comp import CoMPPrecision
 from lightning_comp.search.config import SavedPrecisions, SearchConfig
@@ -84,14 +84,14 @@ def check_optimization(pl_module: pl.LightningModule) -> None:
         )
 
 
-def check_low_precision(config: SearchConfig, low: Precision | None, device: DeviceClass, plugin: CoMPPrecision,
+def check_low_precision(config: SearchConfig, low: ComputePrecision | None, device: DeviceClass, plugin: CoMPPrecision,
                         starting: bool) -> None:
     """Refuse FP16 where it is slow (unless the user insists); warn when an explicit precision is emulated.
 
     Raises:
         SearchConfigError: for ``low_precision='fp16'`` on a device without fast FP16.
     """
-    if low is Precision.FP16 and not (plugin.allow_slow_fp16 or device.is_native(Precision.FP16)):
+    if low is ComputePrecision.FP16 and not (plugin.allow_slow_fp16 or device.is_native(ComputePrecision.FP16)):
         raise SearchConfigError(
             f"CoMPSearch(low_precision='fp16') on {device.describe()}, which has no fast fp16 (a CPU's fp16"
             " convolution backward is ~100x slower than fp32). Use low_precision='auto' or 'bf16', or pass"
@@ -141,7 +141,7 @@ def check_selectors(config: SearchConfig, pl_module: pl.LightningModule) -> None
             raise SearchConfigError(f"CoMPSearch({name}={list(getattr(config, name))!r}): {err}") from None
 
 
-def nothing_to_search(config: SearchConfig, low: Precision, pl_module: pl.LightningModule) -> str | None:
+def nothing_to_search(config: SearchConfig, low: ComputePrecision, pl_module: pl.LightningModule) -> str | None:
     """Why no operator can ever be a candidate (``None`` if some can)."""
     device = model_device(pl_module)
     operators = list(iter_operators(pl_module))

@@ -17,7 +17,7 @@ import torch
 from lightning_comp.common.spelled_enum import SpelledEnum
 from lightning_comp.devices.device_classes import DeviceClass
 from lightning_comp.errors import CoMPError, PlanError, SearchConfigError
-from lightning_comp.numerics.precision import MasterPrecision, Precision, SavedPrecision, StatePrecision
+from lightning_comp.numerics.precision import ComputePrecision, MasterPrecision, SavedPrecision, StatePrecision
 from lightning_comp.plan.selectors import Selectors
 
 __all__ = ["LowPrecision", "MasterPrecisions", "Mode", "Objective", "SavedPrecisions", "SearchConfig",
@@ -360,14 +360,14 @@ class SearchConfig:
         """Operators never lowered."""
         return Selectors.of(self.exclude)
 
-    def resolve_low_precision(self, device: DeviceClass) -> Precision | None:
+    def resolve_low_precision(self, device: DeviceClass) -> ComputePrecision | None:
         """The 16-bit precision to search with on ``device`` (``None`` when none is native there).
 
         ``"auto"`` prefers BF16 (no loss scaling), then FP16; an explicit ``"bf16"``/``"fp16"`` is taken as is.
         """
         if self.low_precision is not LowPrecision.AUTO:
-            return Precision.parse(self.low_precision.value)
-        for precision in (Precision.BF16, Precision.FP16):
+            return ComputePrecision.parse(self.low_precision.value)
+        for precision in (ComputePrecision.BF16, ComputePrecision.FP16):
             if device.is_native(precision):
                 return precision
         return None

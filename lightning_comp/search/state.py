@@ -14,7 +14,7 @@ from enum import Enum
 from typing import Any
 
 from lightning_comp.errors import SearchConfigError
-from lightning_comp.numerics.precision import MasterPrecision, Precision, SavedPrecision, StatePrecision
+from lightning_comp.numerics.precision import ComputePrecision, MasterPrecision, SavedPrecision, StatePrecision
 from lightning_comp.search.candidates import Candidate, candidates_from_plain, candidates_to_plain
 from lightning_comp.search.decisions.group_search import GroupSearch
 from lightning_comp.search.decisions.trial_plans import CheapRun
@@ -146,7 +146,7 @@ class SearchState:
     """
 
     phase: Phase = Phase.PENDING
-    low_precision: Precision | None = None
+    low_precision: ComputePrecision | None = None
     search_start_epoch: int | None = None
     snapshot: dict[str, Any] | None = None
     reference_end: dict[str, Any] | None = None
@@ -212,7 +212,8 @@ class SearchState:
             values.setdefault(key, {})
         _check_keys(values, cls, "checkpoint state")
         values["phase"] = Phase(values["phase"])
-        values["low_precision"] = None if values["low_precision"] is None else Precision.parse(values["low_precision"])
+        low = values["low_precision"]
+        values["low_precision"] = None if low is None else ComputePrecision.parse(low)
         values["pending_restore"] = None if values["pending_restore"] is None else Restore(values["pending_restore"])
         values["runs"] = [CheapRun.from_dict(run) for run in values["runs"]]
         values["saved_choices"] = {str(k): SavedPrecision.parse(v) for k, v in values["saved_choices"].items()}

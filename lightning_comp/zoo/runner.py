@@ -30,7 +30,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from lightning_comp.devices import Lowering, device_class, lowering_for
 from lightning_comp.errors import ConfigError
-from lightning_comp.numerics import Precision
+from lightning_comp.numerics import ComputePrecision
 from lightning_comp.zoo.callbacks import EpochTimer
 
 __all__ = ["DATA_OPTIONS", "check_compatible", "check_lightning_precision", "run"]
@@ -178,7 +178,8 @@ def check_lightning_precision(trainer: pl.Trainer, model: pl.LightningModule) ->
     if trainer.precision not in ("bf16-mixed", "16-mixed") or device.type != "cpu":
         return
     for name, module in model.named_modules():
-        if isinstance(module, torch.nn.LSTM) and lowering_for(module, Precision.BF16, device) is not Lowering.AUTOCAST:
+        if (isinstance(module, torch.nn.LSTM)
+                and lowering_for(module, ComputePrecision.BF16, device) is not Lowering.AUTOCAST):
             raise ConfigError(
                 f"precision={trainer.precision} runs {type(model).__name__}.{name} (nn.LSTM) under CPU autocast, which"
                 f" has no BF16 LSTM kernel on this CPU ({device_class(device).describe()}): Lightning would fail"

@@ -23,7 +23,7 @@ from lightning.pytorch.callbacks import Callback
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_comp import CoMPPrecision, CoMPSearch, Precision, PrecisionPlan, device_class
+from lightning_comp import CoMPPrecision, CoMPSearch, ComputePrecision, PrecisionPlan, device_class
 from tests.helpers.paths import REPO
 from tests.helpers.recording import DtypeRecorder
 from tests.helpers.search_models import WideMLP, fixed_search, loaders
@@ -44,8 +44,8 @@ def _gpu() -> Any:
     return device_class("cuda")
 
 
-def _low() -> Precision:
-    return Precision.BF16 if _gpu().is_native(Precision.BF16) else Precision.FP16
+def _low() -> ComputePrecision:
+    return ComputePrecision.BF16 if _gpu().is_native(ComputePrecision.BF16) else ComputePrecision.FP16
 
 
 def _trainer(root: Path, plugin: CoMPPrecision, callbacks: list[Callback] | None = None, **kwargs: Any) -> pl.Trainer:
@@ -83,7 +83,7 @@ class _RecordFirstStep(Callback):
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_each_operator_computes_in_its_planned_dtype_on_cuda(tmp_path: Path, precision: str) -> None:
-    wanted = Precision(precision)
+    wanted = ComputePrecision(precision)
     if not _gpu().runs(wanted):
         pytest.skip(f"{precision} does not run on {_gpu().describe()}")
     pl.seed_everything(0)
@@ -94,7 +94,7 @@ def test_each_operator_computes_in_its_planned_dtype_on_cuda(tmp_path: Path, pre
     assert plugin.device is not None and plugin.device.type == "cuda"
     assert probe.devices == {"cuda"} and probe.grad_dtypes == {torch.float32}
     assert all(p.dtype == torch.float32 for p in model.parameters())
-    assert (plugin.scaler is not None) == (wanted is Precision.FP16)
+    assert (plugin.scaler is not None) == (wanted is ComputePrecision.FP16)
     if plugin.scaler is not None:
         assert plugin.scaler._device == "cuda"  # noqa: SLF001
     for name in LOWERED:
@@ -115,7 +115,7 @@ def test_a_search_end_to_end_on_cuda(tmp_path: Path) -> None:
     record = search.record
     assert record is not None and record["low_precision"] == _low().value
     precisions = trainer.precision_plugin.plan.resolve(trainer.lightning_module)
-    assert precisions["l3"] is Precision.FP32, record  # unsafe in 16-bit: the trial rejects it
+    assert precisions["l3"] is ComputePrecision.FP32, record  # unsafe in 16-bit: the trial rejects it
     assert precisions["l2"] is _low() and precisions["l4"] is _low(), record
     memory = record["memory"]  # CUDA peak memory per profiled configuration
     assert memory and all(isinstance(e["peak_bytes"], int) and e["peak_bytes"] > 0 for e in memory.values())
@@ -153,7 +153,7 @@ def _regression(n: int = 256) -> DataLoader:
 
 
 def test_an_fp16_plan_scales_the_loss_on_cuda_and_resumes(tmp_path: Path) -> None:
-    if not _gpu().runs(Precision.FP16):
+    if not _gpu().runs(ComputePrecision.FP16):
         pytest.skip("no fp16 on this GPU")
     pl.seed_everything(0)
     plugin = CoMPPrecision({"type:Linear": "fp16"}, allow_slow_fp16=True)  # also on a GPU without fast fp16

@@ -20,7 +20,7 @@ from torch import nn
 
 from lightning_comp import CoMPPrecision
 from lightning_comp.devices.lowering import Lowering, lowering_for
-from lightning_comp.numerics.precision import Precision
+from lightning_comp.numerics.precision import ComputePrecision
 from lightning_comp.operators.kinds import OperatorKind, classify
 from tests.cuda_sim.cases import Case, loss_of
 from tests.cuda_sim.recorder import CudaRecorder, CudaRuleViolation, OpEvent
@@ -47,7 +47,7 @@ class SimRun:
     warnings: list[str] = field(default_factory=list)
 
     @property
-    def precisions(self) -> dict[str, Precision]:
+    def precisions(self) -> dict[str, ComputePrecision]:
         return self.plugin.executor.precisions()
 
     def operators_of(self, type_name: str) -> list[str]:
@@ -104,7 +104,7 @@ def run_steps(gpu: SimulatedGpu, case: Case, plan: Any, *, steps: int = 2, min_s
     return run
 
 
-def check_run(run: SimRun, case: Case, low: Precision) -> None:
+def check_run(run: SimRun, case: Case, low: ComputePrecision) -> None:
     """Hold ``run`` to what training ``case`` under a plan that lowers its operators to ``low`` must show on CUDA.
 
     Raises:
@@ -139,7 +139,7 @@ def check_run(run: SimRun, case: Case, low: Precision) -> None:
         raise CudaRuleViolation(f"{case.name} on {run.gpu.label}, {low.value}:\n  " + "\n  ".join(problems))
 
 
-def _check_operator(run: SimRun, name: str, kind: OperatorKind, low: Precision) -> list[str]:
+def _check_operator(run: SimRun, name: str, kind: OperatorKind, low: ComputePrecision) -> list[str]:
     wanted = low.dtype
     if kind is OperatorKind.EMBEDDING:  # computed in fp32 (identical numerics), the output emitted low
         casts = [e for e in run.recorder.of(name, "forward", "_to_copy") if wanted in e.outputs]

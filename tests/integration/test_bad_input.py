@@ -26,11 +26,11 @@ from lightning_comp.errors import (
     SearchConfigError,
     UnsupportedSetupError,
 )
-from lightning_comp.numerics.precision import Precision, parse_precision
+from lightning_comp.numerics.precision import ComputePrecision, parse_precision
 from lightning_comp.search.checks import check_trainer
 from tests.helpers.search_models import Classifier, WideMLP, loaders
 
-FAST_FP16_CPU = device_class("cpu").is_native(Precision.FP16)
+FAST_FP16_CPU = device_class("cpu").is_native(ComputePrecision.FP16)
 # Every lowerable operator of WideMLP: with these excluded a search has nothing to trial and finishes at once.
 EVERYTHING = ["type:Linear", "type:ReLU"]
 
@@ -326,7 +326,7 @@ def test_deepspeed_engine_is_refused_by_the_plugin() -> None:
 def test_a_plain_lightning_precision_is_not_mistaken_for_the_plugin(tmp_path: Path) -> None:
     trainer = _trainer(tmp_path, LightningPrecision(), callbacks=[_search()])
     train, val = _small_loaders()
-    with pytest.raises(UnsupportedSetupError, match="the Trainer uses Precision"):
+    with pytest.raises(UnsupportedSetupError, match="the Trainer uses ComputePrecision"):
         trainer.fit(WideMLP(width=32), train, val)
 
 
@@ -442,8 +442,8 @@ def test_plugin_plan_on_a_model_without_floating_point_operators(tmp_path: Path)
     assert len(nothing) == 1 and len(unplanned) == 1, said
     assert "<root> (NoFloatOps, 100%)" in unplanned[0] and "'type:NoFloatOps': 'bf16'" in unplanned[0]
     assert plugin.executor.num_hooks == 0
-    assert plugin.executor.precisions() == {"": Precision.FP32, "flat": Precision.FP32}
+    assert plugin.executor.precisions() == {"": ComputePrecision.FP32, "flat": ComputePrecision.FP32}
     # a default of bf16 reaches that work: the root is a FUNCTIONAL operator, its matmul lowered
     plugin = CoMPPrecision(PrecisionPlan(default="bf16"))
     _trainer(tmp_path, plugin).fit(NoFloatOps(), train, val)
-    assert plugin.executor.precisions() == {"": Precision.BF16, "flat": Precision.FP32}
+    assert plugin.executor.precisions() == {"": ComputePrecision.BF16, "flat": ComputePrecision.FP32}

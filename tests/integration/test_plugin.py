@@ -15,9 +15,9 @@ from torch import nn
 
 from lightning_comp import (
     CoMPPrecision,
+    ComputePrecision,
     PlanError,
     PlanMismatchError,
-    Precision,
     PrecisionPlan,
     StepKind,
     UnsupportedSetupError,
@@ -367,7 +367,8 @@ def test_an_explicit_plan_wins_over_the_checkpoints_with_a_warning_naming_both(
     assert "{'type:Linear': 'bf16', '<default>': 'fp32'}" in message  # what the checkpoint held
     assert "{'net.0': 'bf16', 'net.4': 'fp32', '<default>': 'fp32'}" in message and "is kept" in message
     assert {s: p.value for s, p in plugin.plan.entries} == mine
-    assert plugin.executor.precisions()["net.4"] is Precision.FP32 and plugin.executor.precisions()["net.0"].is_low
+    precisions = plugin.executor.precisions()
+    assert precisions["net.4"] is ComputePrecision.FP32 and precisions["net.0"].is_low
     assert resumed.global_step == 8  # the rest of the checkpoint (weights, optimizer, progress) resumed
     assert torch.load(path, weights_only=True)["lightning_comp"]["plan"]["entries"] == {"type:Linear": "bf16"}
     resumed.save_checkpoint(tmp_path / "mine.ckpt")  # and from now on the user's plan is the checkpoint's
@@ -427,16 +428,16 @@ def test_failed_set_plan_keeps_the_previous_plan(make_mlp: Any, make_regression_
 def test_fp16_is_declined_on_this_cpu_without_opt_in(make_mlp: Any, make_regression_loader: Any,
                                                      fast_trainer_kwargs: dict[str, Any]) -> None:
     from lightning_comp.devices import device_class
-    from lightning_comp.numerics.precision import Precision
+    from lightning_comp.numerics.precision import ComputePrecision
 
-    if device_class("cpu").is_native(Precision.FP16):
+    if device_class("cpu").is_native(ComputePrecision.FP16):
         pytest.skip("this CPU has AMX-FP16: fp16 is not declined")
     model = make_mlp()
     plugin = CoMPPrecision({"type:Linear": "fp16", "net.1": "bf16"})
     with pytest.warns(UserWarning, match="fp16.*allow_slow_fp16=True"):
         pl.Trainer(max_steps=1, plugins=[plugin], **fast_trainer_kwargs).fit(model, make_regression_loader())
     assert not plugin.plan.uses("fp16") and plugin.plan.uses("bf16")
-    assert plugin.executor.precisions()["net.0"] is Precision.FP32
+    assert plugin.executor.precisions()["net.0"] is ComputePrecision.FP32
     assert plugin.scaler is None and plugin.state_dict()["scaler"] is None
 
 
@@ -570,11 +571,11 @@ def test_the_plan_is_filed_under_one_key_whatever_the_plugin_class(tmp_path: Pat
     assert "lightning_comp" in ckpt and "CoMPPrecision" not in ckpt
     for plugin in (MyPlugin(), CoMPFSDPPrecision()):
         plugin.on_load_checkpoint(ckpt)
-        assert plugin.plan.entries == (("type:Linear", Precision.BF16),), type(plugin).__name__
+        assert plugin.plan.entries == (("type:Linear", ComputePrecision.BF16),), type(plugin).__name__
     old = MyPlugin()
     old.on_load_checkpoint({"CoMPPrecision": ckpt["lightning_comp"]})  # written before the key existed
-    assert old.plan.entries == (("type:Linear", Precision.BF16),)
+    assert old.plan.entries == (("type:Linear", ComputePrecision.BF16),)
     resumed = MyPlugin()
     pl.Trainer(max_epochs=2, plugins=[resumed], **fast_trainer_kwargs).fit(make_mlp(), make_regression_loader(),
                                                                           ckpt_path=path)
-    assert resumed.plan.entries == (("type:Linear", Precision.BF16),)  # through Lightning's own restore
+    assert resumed.plan.entries == (("type:Linear", ComputePrecision.BF16),)  # through Lightning's own restore

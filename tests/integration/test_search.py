@@ -15,7 +15,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
-from lightning_comp import CoMPPrecision, CoMPSearch, Precision, PrecisionPlan
+from lightning_comp import CoMPPrecision, CoMPSearch, ComputePrecision, PrecisionPlan
 from lightning_comp.errors import SearchConfigError, UnsupportedSetupError
 from lightning_comp.search.candidates import Candidate
 from lightning_comp.search.record.text import format_record
@@ -187,7 +187,7 @@ def test_the_batch_stage_lowers_large_matmuls_where_bf16_is_native(tmp_path: Pat
     assert faster, {n: (operators[n]["decision"], operators[n]["reason"]) for n in ("l2", "l3", "l4")}
     assert any(operators[n]["gain_ms"] > 0 for n in faster)
     precisions = plugin.plan.resolve(trainer.lightning_module)
-    assert all(precisions[n] is Precision.BF16 for n in faster), record  # safe in bf16: the trial keeps them
+    assert all(precisions[n] is ComputePrecision.BF16 for n in faster), record  # safe in bf16: the trial keeps them
 
 
 @pytest.mark.slow
@@ -281,7 +281,7 @@ def test_the_search_state_round_trips_through_its_checkpoint_form(finished_searc
     assert again.state_dict() == saved
     assert again.chosen_plan == finished_search.chosen_plan and again.record == finished_search.record
     assert all(isinstance(c, Candidate) for t in again.state.trials[1:] for c in t.group or ())
-    assert again.state.low_precision is Precision.BF16  # the searched precision is read back, not decided again
+    assert again.state.low_precision is ComputePrecision.BF16  # the searched precision is read back, not decided again
 
 
 def _saved(state: dict[str, Any]) -> Any:

@@ -10,7 +10,7 @@ from enum import Enum
 import pytest
 import torch
 
-from lightning_comp import ConfigError, GradCommDtype, PlanError, Precision, SavedPrecision, SearchConfigError
+from lightning_comp import ComputePrecision, ConfigError, GradCommDtype, PlanError, SavedPrecision, SearchConfigError
 from lightning_comp.common.nested import cast_floating, has_dtype, map_tensors, structures_equal, tensors, to_device
 from lightning_comp.common.plain import plain
 from lightning_comp.common.tables import format_table
@@ -18,7 +18,7 @@ from lightning_comp.search import LowPrecision, Mode, Objective, SavedPrecisions
 
 
 @pytest.mark.parametrize(("enum", "spellings", "member"), [
-    (Precision, ["bf16", " BFloat16 ", torch.bfloat16, Precision.BF16], Precision.BF16),
+    (ComputePrecision, ["bf16", " BFloat16 ", torch.bfloat16, ComputePrecision.BF16], ComputePrecision.BF16),
     (SavedPrecision, ["fp8", "E4M3", "fp8_e4m3"], SavedPrecision.FP8),
     (GradCommDtype, ["fp32", "32-true", "none", torch.float32], GradCommDtype.FP32),
     (Objective, ["memory", "MEMORY", "Memory"], Objective.MEMORY),
@@ -32,7 +32,7 @@ def test_members_are_spelled_by_value_alias_name_or_dtype(enum: type, spellings:
 
 
 @pytest.mark.parametrize(("enum", "error", "message"), [
-    (Precision, PlanError, "Unknown precision 'fp4': valid precisions are 'fp32', 'bf16' and 'fp16'."),
+    (ComputePrecision, PlanError, "Unknown precision 'fp4': valid precisions are 'fp32', 'bf16' and 'fp16'."),
     (SavedPrecision, PlanError, "Unknown saved precision 'fp4': valid saved precisions are 'fp32' (as computed),"),
     (GradCommDtype, ConfigError, "Unknown gradient communication dtype 'fp4': valid gradient communication dtypes"),
     (Timing, SearchConfigError, "Unknown value 'fp4': valid values are 'auto', 'wall' and 'cpu'."),
@@ -45,7 +45,7 @@ def test_a_bad_spelling_names_the_value_and_every_valid_one(enum: type, error: t
         enum["fp4"]
     with pytest.raises(PlanError, match=r"Unsupported dtype torch.int8 for a precision: valid dtypes are"
                                          r" torch.float32, torch.bfloat16, torch.float16"):
-        Precision.parse(torch.int8)
+        ComputePrecision.parse(torch.int8)
     with pytest.raises(PlanError, match="Unknown saved precision torch.float16"):
         SavedPrecision.parse(torch.float16)  # no member names a dtype: a dtype is just an unknown value
 
@@ -93,6 +93,6 @@ def test_structures_are_equal_only_with_the_same_shape_of_containers_and_equal_l
 def test_tables_and_plain_values() -> None:
     assert format_table(("a", "bb"), [("x", None), ("long", 2)]).splitlines() == [
         "a     bb", "----  --", "x", "long  2"]
-    value = plain({1: (Precision.BF16, {"s"}), "t": torch.tensor(0.5), "o": object, "n": None})
+    value = plain({1: (ComputePrecision.BF16, {"s"}), "t": torch.tensor(0.5), "o": object, "n": None})
     assert value == {"1": ["bf16", ["s"]], "t": 0.5, "o": str(object), "n": None}
     assert json.loads(json.dumps(value)) == value

@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_comp import CoMPPrecision, DeviceClass, Precision, PrecisionPlan, SearchConfig
+from lightning_comp import CoMPPrecision, ComputePrecision, DeviceClass, PrecisionPlan, SearchConfig
 from lightning_comp.devices import cpu_features as cpu_mod
 from lightning_comp.devices import device_classes as devices
 from lightning_comp.devices.device_classes import device_class
@@ -25,7 +25,7 @@ from lightning_comp.plan import PLAN_VERSION
 from lightning_comp.plugins import comp as comp_plugin
 from tests.helpers.models import TinyMLP, regression_loader
 
-BF16, FP16, FP32 = Precision.BF16, Precision.FP16, Precision.FP32
+BF16, FP16, FP32 = ComputePrecision.BF16, ComputePrecision.FP16, ComputePrecision.FP32
 
 
 @pytest.fixture
@@ -67,13 +67,13 @@ def _fake_cuda(monkeypatch: pytest.MonkeyPatch, major: int, minor: int = 0, name
     ],
 )
 def test_cpu_classes_and_what_auto_searches_with(monkeypatch: pytest.MonkeyPatch, fresh_probe: None,
-                                                  capability: str, features: set[str], native: set[Precision],
-                                                  auto: Precision | None) -> None:
+                                                  capability: str, features: set[str], native: set[ComputePrecision],
+                                                  auto: ComputePrecision | None) -> None:
     cpu = _fake_cpu(monkeypatch, capability, features)
     assert cpu.type == "cpu" and cpu.capability == capability
     assert cpu.native == native
     assert cpu.emulated == {BF16, FP16} - native  # a CPU runs every 16-bit precision, natively or not
-    assert all(cpu.runs(p) for p in Precision)
+    assert all(cpu.runs(p) for p in ComputePrecision)
     assert SearchConfig().resolve_low_precision(cpu) is auto
     assert SearchConfig(low_precision="bf16").resolve_low_precision(cpu) is BF16  # pinned: searched anyway
 
@@ -84,8 +84,8 @@ def test_cpu_classes_and_what_auto_searches_with(monkeypatch: pytest.MonkeyPatch
      (9, {FP16, BF16}, set(), BF16)],
 )
 def test_cuda_classes_and_what_auto_searches_with(monkeypatch: pytest.MonkeyPatch, fresh_probe: None, major: int,
-                                                   native: set[Precision], emulated: set[Precision],
-                                                   auto: Precision | None) -> None:
+                                                   native: set[ComputePrecision], emulated: set[ComputePrecision],
+                                                   auto: ComputePrecision | None) -> None:
     gpu = _fake_cuda(monkeypatch, major, name="NVIDIA Fake")
     assert (gpu.type, gpu.capability, gpu.name) == ("cuda", f"sm{major}0", "NVIDIA Fake")
     assert gpu.native == native and gpu.emulated == emulated

@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_comp import PlanError, PlanExecutor, PlanMismatchError, Precision, PrecisionPlan, StepKind
+from lightning_comp import ComputePrecision, PlanError, PlanExecutor, PlanMismatchError, PrecisionPlan, StepKind
 from lightning_comp.common.nested import cast_floating
 from lightning_comp.devices.lowering import Lowering, lowering_for
 from lightning_comp.operators.kinds import register_atomic
@@ -292,7 +292,7 @@ def test_lstm_tuple_output_with_fp32_state_and_low_input(dtype_recorder: Any) ->
     assert rnn and all(d == BF16 for d in rnn[0].inputs)
     lstm_call = dtype_recorder.calls_of("lstm")[0]
     # autocast takes the fp32 state as it is; parameter copies (where CPU autocast has no bf16 LSTM) cast it too
-    state_dtype = FP32 if lowering_for(model.lstm, Precision.BF16, "cpu") is Lowering.AUTOCAST else BF16
+    state_dtype = FP32 if lowering_for(model.lstm, ComputePrecision.BF16, "cpu") is Lowering.AUTOCAST else BF16
     assert lstm_call.inputs == [BF16, state_dtype, state_dtype]
     assert lstm_call.outputs == [FP32, FP32, FP32]  # (out, (h, c)) handed on in fp32
     assert dtype_recorder.ops_of("head", "addmm")[0].inputs == [FP32, FP32, FP32]
@@ -412,7 +412,7 @@ def test_apply_is_idempotent_and_remove_restores_the_model(hook_count: Any) -> N
         bound = executor.apply(model, plan)
         assert hook_count(model) == executor.num_hooks == 6
     assert bound.fingerprint is not None and executor.plan == bound and executor.model is model
-    assert executor.precisions() == {"0": Precision.BF16, "1": Precision.FP32, "2": Precision.BF16}
+    assert executor.precisions() == {"0": ComputePrecision.BF16, "1": ComputePrecision.FP32, "2": ComputePrecision.BF16}
     executor.remove()
     assert hook_count(model) == 0 and executor.plan is None
     x = torch.randn(2, 4)

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from lightning_comp.errors import SearchConfigError, UsageError
-from lightning_comp.numerics.precision import Precision
+from lightning_comp.numerics.precision import ComputePrecision
 from lightning_comp.operators.discovery import iter_operators
 from lightning_comp.search import SearchConfig
 from lightning_comp.search.config import Timing
@@ -248,8 +248,8 @@ def test_amps_plan_is_what_one_global_autocast_region_lowers_in_the_step() -> No
     def step() -> None:
         model(idx).float().sum().backward()
 
-    lowered = lowered_under_autocast(modules, step, "cpu", Precision.BF16)
+    lowered = lowered_under_autocast(modules, step, "cpu", ComputePrecision.BF16)
     # the matmuls, and what their low outputs flow into; not the embedding, nor the norm after the fp32 residual add
     assert lowered == {"fc", "act", "norm_after_fc", "head"}
     assert not torch.is_autocast_enabled("cpu") and all(not m._forward_hooks for m in model.modules())
-    assert lowered_under_autocast(modules, step, "cpu", Precision.FP32) == frozenset()
+    assert lowered_under_autocast(modules, step, "cpu", ComputePrecision.FP32) == frozenset()

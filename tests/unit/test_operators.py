@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_comp import ConfigError, Lowering, OperatorKind, Precision, discover_operators, register_atomic
+from lightning_comp import ComputePrecision, ConfigError, Lowering, OperatorKind, discover_operators, register_atomic
 from lightning_comp.devices.lowering import lowering_for
 from lightning_comp.operators import kinds as ops_mod
 from lightning_comp.operators.discovery import iter_operators
@@ -114,7 +114,7 @@ def test_classify(module: nn.Module, kind: OperatorKind) -> None:
     assert classify(module) is kind
 
 
-BF16, FP16, FP32 = Precision.BF16, Precision.FP16, Precision.FP32
+BF16, FP16, FP32 = ComputePrecision.BF16, ComputePrecision.FP16, ComputePrecision.FP32
 
 
 @pytest.mark.parametrize(
@@ -134,14 +134,14 @@ BF16, FP16, FP32 = Precision.BF16, Precision.FP16, Precision.FP32
         (_Scale(), BF16, "cpu", Lowering.PARAMS),
     ],
 )
-def test_lowering_for(module: nn.Module, precision: Precision, device: str, expected: Lowering | None) -> None:
+def test_lowering_for(module: nn.Module, precision: ComputePrecision, device: str, expected: Lowering | None) -> None:
     assert lowering_for(module, precision, device) is expected
 
 
 @pytest.mark.parametrize("module_type", [nn.LSTM, nn.GRU, nn.RNN])
 @pytest.mark.parametrize("precision", [BF16, FP16])
 def test_recurrent_operators_lower_the_way_that_runs_on_this_device(module_type: type[nn.RNNBase],
-                                                                    precision: Precision) -> None:
+                                                                    precision: ComputePrecision) -> None:
     """Recurrent lowering is probed, not assumed: whichever way is chosen runs here and computes in the dtype."""
     module = module_type(4, 4, batch_first=True)
     lowering = lowering_for(module, precision, "cpu")

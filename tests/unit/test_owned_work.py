@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_comp import OperatorKind, PlanMismatchError, Precision, PrecisionPlan, discover_operators
+from lightning_comp import ComputePrecision, OperatorKind, PlanMismatchError, PrecisionPlan, discover_operators
 from lightning_comp.execution.executor import PlanExecutor, StepKind
 from lightning_comp.execution.unplanned_work import unplanned_work
 from lightning_comp.operators.owned_work import OUTSIDE, WorkRecorder
@@ -107,7 +107,7 @@ def test_all_bf16_lowers_the_containers_own_work_from_the_first_step(dtype_recor
         _step(executor, model, x, dtype_recorder)
         heavy = [r for r in dtype_recorder.ops if r.op in ("addmm", "mm", "bmm") or r.op.startswith("_scaled_dot")]
         assert heavy and all(set(r.inputs[:3]) == {BF16} for r in heavy), [(r.module, r.op, r.inputs) for r in heavy]
-    assert executor.precisions()["attn"] is Precision.BF16  # the container's own work, an operator of the plan
+    assert executor.precisions()["attn"] is ComputePrecision.BF16  # the container's own work, an operator of the plan
     assert "attn.qkv" in executor.chained_operators(StepKind.TRAIN)  # consumed by the bf16 attention's own work
 
 

@@ -10,11 +10,11 @@ import torch
 from torch import nn
 
 from lightning_comp import (
+    ComputePrecision,
     OperatorFingerprint,
     PlanError,
     PlanFileError,
     PlanMismatchError,
-    Precision,
     PrecisionPlan,
     parse_precision,
 )
@@ -48,19 +48,19 @@ def _model() -> nn.Module:
 @pytest.mark.parametrize(
     ("value", "expected"),
     [
-        ("fp32", Precision.FP32),
-        ("float32", Precision.FP32),
-        ("32", Precision.FP32),
-        (" BF16 ", Precision.BF16),
-        ("bfloat16", Precision.BF16),
-        ("half", Precision.FP16),
-        ("16", Precision.FP16),
-        (torch.float16, Precision.FP16),
-        (torch.bfloat16, Precision.BF16),
-        (Precision.FP32, Precision.FP32),
+        ("fp32", ComputePrecision.FP32),
+        ("float32", ComputePrecision.FP32),
+        ("32", ComputePrecision.FP32),
+        (" BF16 ", ComputePrecision.BF16),
+        ("bfloat16", ComputePrecision.BF16),
+        ("half", ComputePrecision.FP16),
+        ("16", ComputePrecision.FP16),
+        (torch.float16, ComputePrecision.FP16),
+        (torch.bfloat16, ComputePrecision.BF16),
+        (ComputePrecision.FP32, ComputePrecision.FP32),
     ],
 )
-def test_parse_precision_aliases(value: object, expected: Precision) -> None:
+def test_parse_precision_aliases(value: object, expected: ComputePrecision) -> None:
     assert parse_precision(value) is expected
 
 
@@ -79,10 +79,10 @@ def test_unsupported_dtype_names_valid_dtypes() -> None:
 
 
 def test_precision_properties() -> None:
-    assert Precision.BF16.dtype is torch.bfloat16 and Precision.FP16.dtype is torch.float16
-    assert Precision.FP32.dtype is torch.float32
-    assert Precision.BF16.is_low and not Precision.FP32.is_low
-    assert str(Precision.FP16) == "fp16"
+    assert ComputePrecision.BF16.dtype is torch.bfloat16 and ComputePrecision.FP16.dtype is torch.float16
+    assert ComputePrecision.FP32.dtype is torch.float32
+    assert ComputePrecision.BF16.is_low and not ComputePrecision.FP32.is_low
+    assert str(ComputePrecision.FP16) == "fp16"
 
 
 def test_plan_entry_error_names_selector_and_value() -> None:
@@ -117,11 +117,11 @@ def test_exact_beats_glob_beats_type_beats_default() -> None:
         default="fp32",
     )
     resolved = plan.resolve(model)
-    assert resolved["encoder.0.linear1"] is Precision.FP32  # exact
-    assert resolved["encoder.0.linear2"] is Precision.FP16  # glob over type
-    assert resolved["encoder.1.linear1"] is Precision.FP16
-    assert resolved["head"] is Precision.BF16  # type (through the MRO: _MyLinear -> Linear)
-    assert resolved["encoder.0.norm"] is Precision.FP32  # default
+    assert resolved["encoder.0.linear1"] is ComputePrecision.FP32  # exact
+    assert resolved["encoder.0.linear2"] is ComputePrecision.FP16  # glob over type
+    assert resolved["encoder.1.linear1"] is ComputePrecision.FP16
+    assert resolved["head"] is ComputePrecision.BF16  # type (through the MRO: _MyLinear -> Linear)
+    assert resolved["encoder.0.norm"] is ComputePrecision.FP32  # default
     explain = plan.explain(model)
     assert explain["encoder.0.linear1"] == "encoder.0.linear1"
     assert explain["encoder.1.linear2"] == "encoder.*.linear?"
@@ -131,25 +131,25 @@ def test_exact_beats_glob_beats_type_beats_default() -> None:
 
 def test_longest_glob_wins() -> None:
     plan = PrecisionPlan.from_dict({"encoder.*": "bf16", "encoder.1.*": "fp16", "*": "fp32"})
-    assert plan.precision_of("encoder.1.norm") is Precision.FP16
-    assert plan.precision_of("encoder.0.norm") is Precision.BF16
-    assert plan.precision_of("head") is Precision.FP32
+    assert plan.precision_of("encoder.1.norm") is ComputePrecision.FP16
+    assert plan.precision_of("encoder.0.norm") is ComputePrecision.BF16
+    assert plan.precision_of("head") is ComputePrecision.FP32
 
 
 def test_nearest_class_in_mro_wins() -> None:
     plan = PrecisionPlan.from_dict({"type:Linear": "fp16", "type:_MyLinear": "bf16", "type:Module": "fp32"})
-    assert plan.precision_of("head", _MyLinear) is Precision.BF16
-    assert plan.precision_of("x", nn.Linear) is Precision.FP16
-    assert plan.precision_of("x", nn.ReLU) is Precision.FP32
+    assert plan.precision_of("head", _MyLinear) is ComputePrecision.BF16
+    assert plan.precision_of("x", nn.Linear) is ComputePrecision.FP16
+    assert plan.precision_of("x", nn.ReLU) is ComputePrecision.FP32
     plan2 = PrecisionPlan.from_dict({"type:_ConvNd": "bf16"}, default="fp16")
-    assert plan2.precision_of("c", nn.Conv2d) is Precision.BF16  # private base classes can be named
-    assert plan2.precision_of("c") is Precision.FP16  # type selectors need the class
+    assert plan2.precision_of("c", nn.Conv2d) is ComputePrecision.BF16  # private base classes can be named
+    assert plan2.precision_of("c") is ComputePrecision.FP16  # type selectors need the class
 
 
 def test_queries() -> None:
     assert PrecisionPlan().is_all_fp32
     plan = PrecisionPlan.from_dict({"type:Linear": "bf16"})
-    assert not plan.is_all_fp32 and plan.uses("bf16") and plan.uses(Precision.FP32) and not plan.uses("fp16")
+    assert not plan.is_all_fp32 and plan.uses("bf16") and plan.uses(ComputePrecision.FP32) and not plan.uses("fp16")
     assert PrecisionPlan.from_dict({}, default="fp16").uses(torch.float16)
     assert plan.low_operators(_model()) == [
         "encoder.0.linear1", "encoder.0.linear2", "encoder.1.linear1", "encoder.1.linear2", "head",
@@ -161,14 +161,14 @@ def test_queries() -> None:
 def test_with_entries_and_provenance_do_not_mutate() -> None:
     plan = PrecisionPlan.from_dict({"a": "bf16"})
     plan2 = plan.with_entries({"a": "fp16", "b": "bf16"})
-    assert dict(plan.entries) == {"a": Precision.BF16}
-    assert dict(plan2.entries) == {"a": Precision.FP16, "b": Precision.BF16}
+    assert dict(plan.entries) == {"a": ComputePrecision.BF16}
+    assert dict(plan2.entries) == {"a": ComputePrecision.FP16, "b": ComputePrecision.BF16}
     noted = plan.with_provenance(source="test", epochs=2)
     assert noted == plan and noted.provenance == {"source": "test", "epochs": 2} and plan.provenance == {}
     with pytest.raises(TypeError):
         noted.provenance["x"] = 1  # type: ignore[index]
     with pytest.raises(AttributeError):
-        plan.default = Precision.BF16  # type: ignore[misc]
+        plan.default = ComputePrecision.BF16  # type: ignore[misc]
 
 
 # ------------------------------------------------------------------------------------------------ validation
@@ -370,7 +370,7 @@ def test_plan_from_any() -> None:
     assert plan_from_any(None) == PrecisionPlan()
     plan = PrecisionPlan.from_dict({"a": "bf16"})
     assert plan_from_any(plan) is plan
-    assert plan_from_any({"a": Precision.BF16}) == plan
+    assert plan_from_any({"a": ComputePrecision.BF16}) == plan
     with pytest.raises(PlanError, match="Cannot make a plan from int"):
         plan_from_any(3)  # type: ignore[arg-type]
 

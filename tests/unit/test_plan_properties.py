@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from lightning_comp import OperatorFingerprint, PlanError, Precision, PrecisionPlan, parse_precision
+from lightning_comp import ComputePrecision, OperatorFingerprint, PlanError, PrecisionPlan, parse_precision
 from lightning_comp.operators.owned_work import WorkRecorder
 
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -28,10 +28,12 @@ free_text = st.text(max_size=12).filter(lambda s: not s.startswith("type:"))  # 
 selector = st.one_of(name, glob, type_selector, free_text)
 
 
-SPELLINGS = {**{p.value: p for p in Precision}, **{a: Precision(v) for a, v in Precision.aliases().items()}}
+Raw = dict[str, tuple[ComputePrecision, Any]]
+SPELLINGS = {**{p.value: p for p in ComputePrecision},
+             **{a: ComputePrecision(v) for a, v in ComputePrecision.aliases().items()}}
 
 
-def _spellings(precision: Precision) -> st.SearchStrategy[Any]:
+def _spellings(precision: ComputePrecision) -> st.SearchStrategy[Any]:
     aliases = [a for a, p in SPELLINGS.items() if p is precision]
     text = st.sampled_from(aliases).flatmap(
         lambda a: st.tuples(st.sampled_from([a, a.upper(), a.title()]), st.sampled_from(["", " ", "\t"])).map(
@@ -41,18 +43,18 @@ def _spellings(precision: Precision) -> st.SearchStrategy[Any]:
     return st.one_of(text, st.just(precision), st.just(precision.dtype))
 
 
-precision = st.sampled_from(list(Precision))
+precision = st.sampled_from(list(ComputePrecision))
 precision_value = precision.flatmap(lambda p: _spellings(p).map(lambda v: (p, v)))
 entries = st.dictionaries(selector, precision_value, max_size=8)
 
 
-def _plan(raw: dict[str, tuple[Precision, Any]], default: Precision) -> PrecisionPlan:
+def _plan(raw: Raw, default: ComputePrecision) -> PrecisionPlan:
     return PrecisionPlan.from_dict({s: v for s, (_, v) in raw.items()}, default=default)
 
 
 @SETTINGS
 @given(raw=entries, default=precision)
-def test_spellings_parse_to_their_precision(raw: dict[str, tuple[Precision, Any]], default: Precision) -> None:
+def test_spellings_parse_to_their_precision(raw: Raw, default: ComputePrecision) -> None:
     plan = _plan(raw, default)
     assert dict(plan.entries) == {s: p for s, (p, _) in raw.items()}
     assert plan.default is default
@@ -61,7 +63,7 @@ def test_spellings_parse_to_their_precision(raw: dict[str, tuple[Precision, Any]
 
 @SETTINGS
 @given(raw=entries, default=precision, notes=st.dictionaries(identifier, st.integers() | st.text(max_size=5)))
-def test_dict_and_json_round_trip(raw: dict[str, tuple[Precision, Any]], default: Precision, notes: dict) -> None:
+def test_dict_and_json_round_trip(raw: Raw, default: ComputePrecision, notes: dict) -> None:
     plan = _plan(raw, default).with_provenance(**notes)
     data = plan.to_dict()
     assert PrecisionPlan.from_dict(data) == plan
@@ -78,8 +80,8 @@ def test_dict_and_json_round_trip(raw: dict[str, tuple[Precision, Any]], default
 )
 def test_save_load_round_trip(
     tmp_path_factory: pytest.TempPathFactory,
-    raw: dict[str, tuple[Precision, Any]],
-    default: Precision,
+    raw: dict[str, tuple[ComputePrecision, Any]],
+    default: ComputePrecision,
     operators: list[tuple[str, str]],
 ) -> None:
     plan = _plan(raw, default)
@@ -114,7 +116,7 @@ def test_non_string_precisions_raise(value: object) -> None:
 
 @SETTINGS
 @given(bad=identifier.map(lambda s: "type:" + s + "."), p=precision)
-def test_malformed_type_selectors_raise(bad: str, p: Precision) -> None:
+def test_malformed_type_selectors_raise(bad: str, p: ComputePrecision) -> None:
     with pytest.raises(PlanError, match="must name a class"):
         PrecisionPlan.from_dict({bad: p})
 
@@ -130,7 +132,7 @@ class _B(_A):
 _CLASSES = [_B, _A, nn.Linear, nn.Module, object]
 
 
-def _oracle(plan: PrecisionPlan, op: str, klass: type) -> Precision:
+def _oracle(plan: PrecisionPlan, op: str, klass: type) -> ComputePrecision:
     """The documented precedence, spelled out independently: exact > longest glob > nearest type > default."""
     table = dict(plan.entries)
     if op in table and not any(c in op for c in "*?[") and not op.startswith("type:"):
@@ -155,7 +157,7 @@ def _oracle(plan: PrecisionPlan, op: str, klass: type) -> Precision:
     types=st.dictionaries(st.sampled_from([c.__name__ for c in _CLASSES[:4]]), precision, max_size=4),
 )
 def test_precedence_matches_the_documented_rule(
-    raw: dict[str, tuple[Precision, Any]], default: Precision, op: str, klass: type, types: dict[str, Precision]
+    raw: Raw, default: ComputePrecision, op: str, klass: type, types: dict[str, ComputePrecision]
 ) -> None:
     plan = _plan(raw, default).with_entries({"type:" + t: p for t, p in types.items()})
     assert plan.precision_of(op, klass) is _oracle(plan, op, klass)
@@ -164,9 +166,9 @@ def test_precedence_matches_the_documented_rule(
 @SETTINGS
 @given(raw=entries, op=name, p=precision, q=precision)
 def test_exact_entry_always_decides_and_types_never_override_names(
-    raw: dict[str, tuple[Precision, Any]], op: str, p: Precision, q: Precision
+    raw: dict[str, tuple[ComputePrecision, Any]], op: str, p: ComputePrecision, q: ComputePrecision
 ) -> None:
-    plan = _plan(raw, Precision.FP32)
+    plan = _plan(raw, ComputePrecision.FP32)
     assert plan.with_entries({op: p}).precision_of(op, _B) is p
     named = plan.with_entries({op: p, "type:_B": q, "type:Linear": q})
     assert named.precision_of(op, _B) is p
@@ -181,7 +183,7 @@ def test_exact_entry_always_decides_and_types_never_override_names(
 
 @SETTINGS
 @given(raw=entries, default=precision)
-def test_entries_are_validated_against_a_model(raw: dict[str, tuple[Precision, Any]], default: Precision) -> None:
+def test_entries_are_validated_against_a_model(raw: Raw, default: ComputePrecision) -> None:
     model = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
     with WorkRecorder(model):  # traced: the container is known to compute nothing itself (else entries wait)
         model(torch.randn(1, 2))
@@ -192,7 +194,7 @@ def test_entries_are_validated_against_a_model(raw: dict[str, tuple[Precision, A
     matched = [s for s in raw if s not in unmatched]
     for s in matched:  # every matched entry can decide at least one operator when it is the only entry
         alone = PrecisionPlan.from_dict({s: "fp16"}, default="bf16")
-        assert Precision.FP16 in alone.resolve(model).values()
+        assert ComputePrecision.FP16 in alone.resolve(model).values()
     kept = PrecisionPlan.from_dict({s: p for s, (p, _) in raw.items() if s in matched}, default=default)
     assert kept.bind(model).fingerprint == OperatorFingerprint.of(model)
     if unmatched:

@@ -15,7 +15,7 @@ from typing import Any
 
 from torch import nn
 
-from lightning_comp.numerics.precision import Precision
+from lightning_comp.numerics.precision import ComputePrecision
 from lightning_comp.operators.kinds import OperatorKind, classify
 from lightning_comp.search.config import SearchConfig
 from lightning_comp.search.decisions.objectives import ObjectivePolicy
@@ -198,7 +198,8 @@ def fills(config: SearchConfig, fp32: OperatorMeasurement, low: OperatorMeasurem
     return compute.high <= 1 + config.speed_margin or (compute.high - 1) * fp32.compute_ms <= config.min_gain_ms
 
 
-def decide_operators(config: SearchConfig, policy: ObjectivePolicy, low: Precision, modules: dict[str, nn.Module],
+def decide_operators(config: SearchConfig, policy: ObjectivePolicy, low: ComputePrecision,
+                     modules: dict[str, nn.Module],
                      lowerable: list[str], results: dict[str, ProfileResult]) -> dict[str, OperatorDecision]:
     """Each operator's decision from the per-operator profile (``results["fp32"]`` and ``results["low"]``).
 

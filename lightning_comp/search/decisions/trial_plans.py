@@ -14,7 +14,7 @@ from typing import Any
 from torch import nn
 
 from lightning_comp.errors import SearchConfigError
-from lightning_comp.numerics.precision import MasterPrecision, Precision, SavedPrecision, StatePrecision
+from lightning_comp.numerics.precision import ComputePrecision, MasterPrecision, SavedPrecision, StatePrecision
 from lightning_comp.operators.kinds import OperatorKind, classify
 from lightning_comp.plan.plan import PrecisionPlan
 from lightning_comp.search.candidates import Candidate, Dimension
@@ -69,7 +69,7 @@ def cheap_runs(order: Sequence[str], decisions: Mapping[str, OperatorDecision],
     return runs
 
 
-def plan_for(low: Precision, runs: Iterable[CheapRun], group: Sequence[Candidate] | None,
+def plan_for(low: ComputePrecision, runs: Iterable[CheapRun], group: Sequence[Candidate] | None,
              saved: Mapping[str, SavedPrecision] | None = None, state: Mapping[str, StatePrecision] | None = None,
              master: Mapping[str, MasterPrecision] | None = None) -> PrecisionPlan:
     """The plan that lowers ``group``: its compute candidates to ``low`` with the fills of ``runs`` between two of

@@ -20,14 +20,14 @@ from torch import nn
 
 from lightning_comp.common.nested import tensors
 from lightning_comp.devices.lowering import autocast_available
-from lightning_comp.numerics.precision import Precision
+from lightning_comp.numerics.precision import ComputePrecision
 from lightning_comp.operators.kinds import is_functional
 
 __all__ = ["lowered_under_autocast"]
 
 
 def lowered_under_autocast(modules: Mapping[str, nn.Module], step: Callable[[], None], device_type: str,
-                           low: Precision) -> frozenset[str]:
+                           low: ComputePrecision) -> frozenset[str]:
     """The operators that one global autocast region of ``low`` lowers in ``step``.
 
     Args:

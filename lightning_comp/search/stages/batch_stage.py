@@ -28,7 +28,7 @@ import torch
 
 from lightning_comp.devices.device_classes import model_device
 from lightning_comp.devices.lowering import Lowering, lowering_for
-from lightning_comp.numerics.precision import Precision
+from lightning_comp.numerics.precision import ComputePrecision
 from lightning_comp.operators.discovery import iter_operators
 from lightning_comp.operators.kinds import classify
 from lightning_comp.plan.plan import PrecisionPlan
@@ -83,7 +83,7 @@ class BatchStage:
         progress: where measured rounds are shown (nothing is shown without it).
     """
 
-    def __init__(self, config: SearchConfig, low: Precision, plugin: CoMPPrecision,
+    def __init__(self, config: SearchConfig, low: ComputePrecision, plugin: CoMPPrecision,
                  progress: SearchProgress | None = None) -> None:
         self.config = config
         self.policy = policy_for(config)
@@ -344,7 +344,7 @@ class BatchStage:
                step_ms: dict[str, float], saved: dict[str, float]) -> list[str]:
         """Make the operators of the winning alternative ``plan`` the candidates (no cheap-operator fills: the plan
         was timed as it is); return them."""
-        lowered = {selector for selector, precision in plan.entries if precision is not Precision.FP32}
+        lowered = {selector for selector, precision in plan.entries if precision is not ComputePrecision.FP32}
         what = ALTERNATIVES[winner].format(low=self.low)
         timing = f"({step_ms[winner]:.3f} vs {step_ms['fp32']:.3f} ms per step in fp32"
         timing += f", {step_ms['candidates']:.3f} ms for the candidates)" if "candidates" in step_ms else ")"

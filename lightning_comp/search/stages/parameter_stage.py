@@ -26,7 +26,7 @@ from torch import nn
 
 from lightning_comp.execution.optimizer_states import state_bytes, state_nbytes
 from lightning_comp.execution.parameter_groups import parameter_owners
-from lightning_comp.numerics.precision import MasterPrecision, Precision, StatePrecision
+from lightning_comp.numerics.precision import ComputePrecision, MasterPrecision, StatePrecision
 from lightning_comp.plan.plan import PrecisionPlan
 from lightning_comp.plugins.comp import CoMPPrecision
 from lightning_comp.search.candidates import Candidate
@@ -61,7 +61,7 @@ class ParameterStage:
         progress: where measured rounds are shown.
     """
 
-    def __init__(self, config: SearchConfig, low: Precision, plugin: CoMPPrecision,
+    def __init__(self, config: SearchConfig, low: ComputePrecision, plugin: CoMPPrecision,
                  progress: SearchProgress | None = None) -> None:
         self.config = config
         self.low = low
@@ -78,7 +78,7 @@ class ParameterStage:
             kinds = ", ".join(type(o).__qualname__ for o in optimizers) or "none"
             return (f"the run's optimizers ({kinds}) are not a single torch.optim.Adam/AdamW, whose state and master"
                     " precisions the plugin can step")
-        if base.uses(Precision.FP16) or self.low is Precision.FP16:
+        if base.uses(ComputePrecision.FP16) or self.low is ComputePrecision.FP16:
             return "fp16 plans are loss-scaled, which state and master precisions do not combine with yet"
         if self.plugin.compiled:
             return "the model is compiled"
@@ -193,7 +193,7 @@ class ParameterStage:
             time = paired_ratio(times["fp32"], times["master"])
             decision.time_ratios["master"] = [time.ratio, time.low, time.high]
             compute = base.precision_of(name, module_type)
-            if compute is not Precision.BF16:
+            if compute is not ComputePrecision.BF16:
                 reasons.append(f"master bf16: the operator computes in {compute.value} in the candidate plan")
             else:
                 ok, why, benefit = judge_lowering(self.config, budget, weights, lowered, fp32_ms, time)

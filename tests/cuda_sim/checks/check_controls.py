@@ -17,7 +17,7 @@ from lightning_comp.devices import lowering as lowering_module
 from lightning_comp.devices.lowering import Lowering
 from lightning_comp.execution import hooks as hooks_module
 from lightning_comp.execution import planned_operators
-from lightning_comp.numerics.precision import Precision
+from lightning_comp.numerics.precision import ComputePrecision
 from tests.cuda_sim.cases import CASES
 from tests.cuda_sim.harness import check_run, run_steps
 from tests.cuda_sim.recorder import CudaRuleViolation
@@ -30,8 +30,8 @@ LINEAR = next(c for c in CASES if c.name == "Linear")
 def test_a_cpu_lowering_forced_onto_cuda_is_caught(gpu: SimulatedGpu, monkeypatch: pytest.MonkeyPatch) -> None:
     original = lowering_module.lowering_for
 
-    def cpu_rules(module: nn.Module, precision: Precision, device: Any) -> Lowering | None:
-        if isinstance(module, nn.LayerNorm) and precision is not Precision.FP32:
+    def cpu_rules(module: nn.Module, precision: ComputePrecision, device: Any) -> Lowering | None:
+        if isinstance(module, nn.LayerNorm) and precision is not ComputePrecision.FP32:
             return Lowering.INPUT  # what a CPU gets: its kernels take a 16-bit input with fp32 weights
         return original(module, precision, device)
 
@@ -59,7 +59,7 @@ def test_an_operator_left_in_fp32_by_a_plan_that_lowers_it_is_caught(gpu: Simula
 
     monkeypatch.setattr(hooks_module, "_enter", enter_nothing_for_the_head)
     run = run_steps(gpu, LINEAR, {"head": "bf16"})  # (with its input chained low, mixed operands are caught earlier)
-    assert run.precisions["head"] is Precision.BF16  # the executor believes it is lowered
+    assert run.precisions["head"] is ComputePrecision.BF16  # the executor believes it is lowered
     with pytest.raises(CudaRuleViolation, match=r"head: forward addmm\(.*\) in head computes in torch.float32"):
-        check_run(run, LINEAR, Precision.BF16)
+        check_run(run, LINEAR, ComputePrecision.BF16)
     assert torch.float32 in {e.computes_in for e in run.recorder.work("head", "forward")}

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_comp.devices.kernel_probes import probe_recurrent
-from lightning_comp.numerics.precision import Precision
+from lightning_comp.numerics.precision import ComputePrecision
 from tests.cuda_sim.cases import BATCH, CLASSES, SEQ, WIDTH, Case, Head
 from tests.cuda_sim.harness import check_run, run_steps
 from tests.cuda_sim.simulated import SimulatedGpu, cuda_tensors, simulated_gpu
@@ -40,10 +40,10 @@ class ProbabilityHead(nn.Linear):
         return F.binary_cross_entropy(p, torch.ones_like(p), reduction="none").expand(-1, CLASSES)
 
 
-@pytest.mark.parametrize("low", [Precision.BF16, Precision.FP16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("low", [ComputePrecision.BF16, ComputePrecision.FP16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("block", [AttentionThenNorm, AttentionProbabilities], ids=lambda b: b.__name__)
 def test_an_autocast_block_ending_on_cudas_fp32_list_is_in_effect(gpu: SimulatedGpu, block: type[nn.Module],
-                                                                  low: Precision) -> None:
+                                                                  low: ComputePrecision) -> None:
     """Its matmuls run in 16 bits and its last op in fp32 (CUDA's rule), so it returns fp32: that is no 'plan entry
     had no effect' (the post-hook once judged by the output's dtype alone)."""
     features = SEQ * WIDTH if block is AttentionThenNorm else SEQ * SEQ
@@ -77,8 +77,8 @@ class _BceModel(nn.Module):
         return self.block(x)
 
 
-@pytest.mark.parametrize("low", [Precision.BF16, Precision.FP16], ids=["bf16", "fp16"])
-def test_recurrent_probes_run_under_the_fake_cuda_mode_every_time(gpu: SimulatedGpu, low: Precision) -> None:
+@pytest.mark.parametrize("low", [ComputePrecision.BF16, ComputePrecision.FP16], ids=["bf16", "fp16"])
+def test_recurrent_probes_run_under_the_fake_cuda_mode_every_time(gpu: SimulatedGpu, low: ComputePrecision) -> None:
     """The probe once moved a meta module to the device, which swaps parameters: refused now and then for GRU."""
     with simulated_gpu(gpu), cuda_tensors(gpu):
         for module in (nn.GRU(4, 4), nn.LSTM(4, 4, num_layers=2, bidirectional=True), nn.RNN(4, 4)):

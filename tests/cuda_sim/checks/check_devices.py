@@ -9,7 +9,7 @@ from torch import nn
 
 from lightning_comp import CoMPPrecision, device_class
 from lightning_comp.devices.lowering import Lowering, lowering_for
-from lightning_comp.numerics.precision import Precision
+from lightning_comp.numerics.precision import ComputePrecision
 from lightning_comp.search.config import SearchConfig
 from tests.cuda_sim.cases import CASES, loss_of
 from tests.cuda_sim.recorder import CudaRecorder
@@ -25,17 +25,17 @@ def test_device_class_and_auto_low_precision(gpu: SimulatedGpu) -> None:
         cuda = device_class("cuda")
         assert cuda.type == "cuda"
         native_bf16 = _major(gpu) >= 8
-        assert cuda.is_native(Precision.FP16)
-        assert cuda.is_native(Precision.BF16) is native_bf16
-        assert cuda.runs(Precision.BF16)  # emulated before sm80, still runs
+        assert cuda.is_native(ComputePrecision.FP16)
+        assert cuda.is_native(ComputePrecision.BF16) is native_bf16
+        assert cuda.runs(ComputePrecision.BF16)  # emulated before sm80, still runs
         auto = SearchConfig().resolve_low_precision(cuda)
-        assert auto is (Precision.BF16 if native_bf16 else Precision.FP16)
+        assert auto is (ComputePrecision.BF16 if native_bf16 else ComputePrecision.FP16)
         if gpu.simulated:
             assert cuda.capability == gpu.label and cuda.name == gpu.name
 
 
-@pytest.mark.parametrize("low", [Precision.BF16, Precision.FP16], ids=["bf16", "fp16"])
-def test_lowering_of_each_operator_type(gpu: SimulatedGpu, low: Precision) -> None:
+@pytest.mark.parametrize("low", [ComputePrecision.BF16, ComputePrecision.FP16], ids=["bf16", "fp16"])
+def test_lowering_of_each_operator_type(gpu: SimulatedGpu, low: ComputePrecision) -> None:
     expected = {nn.Linear(4, 4): Lowering.AUTOCAST, nn.Conv2d(3, 4, 3): Lowering.AUTOCAST,
                 nn.MultiheadAttention(4, 2): Lowering.AUTOCAST,
                 # CUDA's LayerNorm/GroupNorm/RMSNorm kernels refuse a 16-bit input with fp32 weights

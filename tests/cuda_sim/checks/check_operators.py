@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_comp.numerics.precision import Precision
+from lightning_comp.numerics.precision import ComputePrecision
 from tests.cuda_sim.cases import CASES, Case, installed
 from tests.cuda_sim.harness import check_run, run_steps
 from tests.cuda_sim.simulated import SimulatedGpu
@@ -30,16 +30,18 @@ def _cases() -> list[object]:
 
 
 @pytest.mark.parametrize("saved", ["fp32", "fp8"])
-@pytest.mark.parametrize("low", [Precision.BF16, Precision.FP16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("low", [ComputePrecision.BF16, ComputePrecision.FP16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("case", _cases())
-def test_operator_computes_in_its_planned_dtype(gpu: SimulatedGpu, case: Case, low: Precision, saved: str) -> None:
+def test_operator_computes_in_its_planned_dtype(
+    gpu: SimulatedGpu, case: Case, low: ComputePrecision, saved: str
+) -> None:
     run = run_steps(gpu, case, {"*": {"compute": low.value, "saved": saved}})
     check_run(run, case, low)
     if saved == "fp8":
         stored = [e for e in run.recorder.of(phase="forward", ops="_to_copy") if set(e.outputs) & set(_FP8)]
         read = [e for e in run.recorder.of(phase="backward", ops="_to_copy") if set(e.operands.values()) & set(_FP8)]
         assert stored and read, f"{case.name}: nothing saved for backward was stored in fp8 and read back"
-    if low is Precision.FP16:
+    if low is ComputePrecision.FP16:
         assert run.plugin.scaler is not None and run.plugin.scaler.is_enabled(), "fp16 plans need a loss scaler"
         assert run.plugin.scaler._device == "cuda"  # noqa: SLF001 - the scaler is CUDA's
     else:
