@@ -4,7 +4,7 @@
 module                     what it adapts
 =========================  ==================================================================================
 ``torch_internals``        autocast regions Dynamo traces, saved-tensor hooks in force, parameter swaps, CPU
-                           feature probes, module base classes, ``torch.compile``'s wrapper
+                           feature probes, module base classes, ``torch.compile``'s wrapper, autograd node names
 ``lightning_internals``    the fit loop's limits, validation schedule, dataloaders, callbacks, fused-optimizer
                            unscaling, compiled models, DDP communication hooks
 =========================  ==================================================================================

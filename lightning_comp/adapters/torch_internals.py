@@ -3,10 +3,10 @@
 Some of what the package does has no public API in torch: entering an autocast region in a form TorchDynamo traces,
 handing tensors on to the saved-tensor hooks already in force, swapping a module's parameters for 16-bit copies for
 one call, the CPU's native 16-bit features, the classes all convolutions and norms derive from, what
-``torch.compile`` wraps a module in. Each access is a small function or constant here, and
-``tests/unit/test_torch_internals.py`` checks every one against the installed torch, so an upgrade that moves one
-fails in one named test instead of silently changing what a plan computes. Where torch may lack a symbol, the
-function says what happens instead.
+``torch.compile`` wraps a module in, the names of autograd's nodes (which kind of operation made a tensor). Each
+access is a small function or constant here, and ``tests/unit/test_torch_internals.py`` checks every one against the
+installed torch, so an upgrade that moves one fails in one named test instead of silently changing what a plan
+computes. Where torch may lack a symbol, the function says what happens instead.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.autograd.graph import Node
 from torch.nn.utils import stateless
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -30,6 +31,13 @@ __all__ = [
     "ENTER_AUTOCAST",
     "EXIT_AUTOCAST",
     "NORM_BASE",
+    "autograd_output",
+    "is_cast_node",
+    "is_gradient_accumulator",
+    "is_reshape_node",
+    "is_view_or_cast_node",
+    "node_inputs",
+    "node_key",
     "cpu_feature_probe",
     "dynamo_disabled",
     "dynamo_guards_module_hooks",
@@ -109,6 +117,62 @@ def reparametrized(module: nn.Module, tensors: dict[str, torch.Tensor]) -> Itera
     is the public form, but it runs the call itself, and a forward hook must let the module's own call run)."""
     with stateless._reparametrize_module(module, tensors):
         yield
+
+
+# ------------------------------------------------------------------------------------------------ autograd nodes
+# What kind of operation made a tensor shows only in the name of its autograd node (``Node.name()``), a C++ class
+# name torch may change between releases.
+_CAST_NODE = "ToCopyBackward0"  # ``.to(dtype)``, autocast's casts, ``Tensor.type``
+# views that only reshape (row-major order kept): ``view``/``reshape``/``flatten``, and ``matmul``'s own reshapes
+_RESHAPE_NODES = frozenset({"ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0"})
+# views of any kind (transposes, slices, expansions, ...) and casts
+_VIEW_OR_CAST_NODES = _RESHAPE_NODES | {
+    _CAST_NODE, "TBackward0", "TransposeBackward0", "PermuteBackward0", "ExpandBackward0", "UnsqueezeBackward0",
+    "SqueezeBackward0", "SqueezeBackward1", "AliasBackward0", "SliceBackward0", "SelectBackward0",
+    "AsStridedBackward0",
+}
+_GRADIENT_ACCUMULATOR = "torch::autograd::AccumulateGrad"  # the node of a leaf that needs a gradient
+
+
+def is_cast_node(node: Node) -> bool:
+    """Whether autograd node ``node`` is that of a dtype cast (``ToCopyBackward0``: ``.to(dtype)``, an autocast
+    region's or a hook's input cast)."""
+    return node.name() == _CAST_NODE
+
+
+def is_reshape_node(node: Node) -> bool:
+    """Whether autograd node ``node`` is that of a view that only reshapes, keeping row-major order
+    (``ViewBackward0``, ``UnsafeViewBackward0``, ``ReshapeAliasBackward0``: ``view``, ``reshape``, ``flatten``)."""
+    return node.name() in _RESHAPE_NODES
+
+
+def is_view_or_cast_node(node: Node) -> bool:
+    """Whether autograd node ``node`` only views (reshape, transpose, permute, expand, (un)squeeze, slice, select,
+    alias, ``as_strided``) or casts its input."""
+    return node.name() in _VIEW_OR_CAST_NODES
+
+
+def is_gradient_accumulator(node: Node) -> bool:
+    """Whether autograd node ``node`` accumulates a leaf's gradient (``AccumulateGrad``: the leaf needs one)."""
+    return node.name() == _GRADIENT_ACCUMULATOR
+
+
+def node_inputs(node: Node) -> tuple[tuple[Node | None, int], ...]:
+    """The ``(node, output index)`` edges to the nodes of ``node``'s inputs (``Node.next_functions``; ``None``
+    for an input that needs no gradient)."""
+    return node.next_functions
+
+
+def node_key(node: Node) -> int:
+    """A number telling autograd node ``node`` from the others made in this thread (``Node._sequence_nr()``, counted
+    up at each node made): a key that does not keep the node alive, as the node itself would."""
+    return int(node._sequence_nr())
+
+
+def autograd_output(tensor: torch.Tensor) -> tuple[Node | None, int]:
+    """The autograd node that made ``tensor`` (``None``: a leaf, or made without recording) and which of its
+    outputs ``tensor`` is (``Tensor.grad_fn``, ``Tensor.output_nr``)."""
+    return tensor.grad_fn, int(tensor.output_nr)
 
 
 # -------------------------------------------------------------------------------------------- saved-tensor hooks

@@ -31,7 +31,12 @@ import torch
 from torch import nn
 from torch.utils.weak import WeakTensorKeyDictionary
 
-from lightning_comp.adapters.torch_internals import storage_key
+from lightning_comp.adapters.torch_internals import (
+    is_gradient_accumulator,
+    is_view_or_cast_node,
+    node_inputs,
+    storage_key,
+)
 from lightning_comp.errors import ConfigError
 from lightning_comp.execution.saved_hooks import OuterHooks, hooks_installable, take_back
 from lightning_comp.numerics.codecs import CompressedTensor, compress, decompress, shrinks
@@ -40,14 +45,6 @@ from lightning_comp.numerics.precision import SavedPrecision
 __all__ = ["DEFAULT_MIN_SAVED_BYTES", "SavedTensorCompressor", "is_compressor_pack"]
 
 DEFAULT_MIN_SAVED_BYTES = 16 * 1024
-# Autograd nodes that only view or cast their input: a saved tensor reached from a parameter through these is a form
-# of that parameter (a transposed weight, its 16-bit copy), not an activation.
-_VIEW_OR_CAST = frozenset({
-    "ToCopyBackward0", "TBackward0", "ViewBackward0", "TransposeBackward0", "PermuteBackward0", "ExpandBackward0",
-    "UnsqueezeBackward0", "SqueezeBackward0", "SqueezeBackward1", "AliasBackward0", "SliceBackward0",
-    "SelectBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0", "AsStridedBackward0",
-})
-_ACCUMULATE = "torch::autograd::AccumulateGrad"
 _MARK = "_lightning_comp_compressor"  # set on the pack hooks this module makes
 
 
@@ -57,16 +54,18 @@ def is_compressor_pack(pack: object) -> bool:
 
 
 def _from_parameter(tensor: torch.Tensor, depth: int = 4) -> bool:
-    """Whether ``tensor``'s autograd history is only views and casts of a parameter (a leaf that needs a gradient)."""
+    """Whether ``tensor``'s autograd history is only views and casts of a parameter (a leaf that needs a gradient):
+    a saved tensor reached from a parameter through these is a form of it (a transposed weight, its 16-bit copy),
+    not an activation."""
     fn = tensor.grad_fn
     for _ in range(depth):
-        if fn is None or fn.name() not in _VIEW_OR_CAST:
+        if fn is None or not is_view_or_cast_node(fn):
             return False
-        parents = [node for node, _ in fn.next_functions if node is not None]
+        parents = [node for node, _ in node_inputs(fn) if node is not None]
         if len(parents) != 1:
             return False
         fn = parents[0]
-        if fn.name() == _ACCUMULATE:
+        if is_gradient_accumulator(fn):
             return True
     return False
 

@@ -178,3 +178,48 @@ def test_the_wrapper_attributes_are_torchs_own() -> None:
 
     assert {"_orig_mod", FSDP_WRAPPED_MODULE, _CHECKPOINT_WRAPPED_MODULE} == adapter.WRAPPER_ATTRIBUTES
     assert adapter.FSDP2_MODULE is FSDPModule
+
+
+def test_a_cast_and_the_reshapes_are_told_by_their_autograd_nodes() -> None:
+    leaf = torch.ones(2, 3, requires_grad=True)
+    out = leaf * 2
+    cast = out.to(torch.bfloat16)
+    assert cast.grad_fn is not None and adapter.is_cast_node(cast.grad_fn)
+    assert out.grad_fn is not None and not adapter.is_cast_node(out.grad_fn)
+    matmul = torch.matmul(torch.ones(2, 3, 4, requires_grad=True), torch.ones(4, 5))  # a reshape of its own
+    for reshaped in (out.view(6), out.reshape(3, 2), out.flatten(), matmul):
+        assert reshaped.grad_fn is not None and adapter.is_reshape_node(reshaped.grad_fn), reshaped.grad_fn
+    for other in (out.t(), out[:, 1:], cast):
+        assert other.grad_fn is not None and not adapter.is_reshape_node(other.grad_fn)
+
+
+@pytest.mark.parametrize("view", [
+    lambda w: w.to(torch.bfloat16), lambda w: w.t(), lambda w: w.view(6), lambda w: w.transpose(0, 1),
+    lambda w: w.permute(1, 0), lambda w: w.expand(2, 2, 3), lambda w: w.unsqueeze(0), lambda w: w.squeeze(),
+    lambda w: w.squeeze(0), lambda w: torch.ops.aten.alias(w), lambda w: w[:, 1:], lambda w: w[0],
+    lambda w: w.reshape(3, 2),
+    lambda w: w.as_strided((2,), (1,)),
+], ids=["cast", "t", "view", "transpose", "permute", "expand", "unsqueeze", "squeeze", "squeeze_dim", "alias",
+        "slice", "select", "reshape", "as_strided"])
+def test_views_and_casts_of_a_parameter_lead_to_its_gradient_accumulator(view: Any) -> None:
+    weight = nn.Parameter(torch.ones(2, 3))
+    made = view(weight)
+    node = made.grad_fn
+    assert node is not None and adapter.is_view_or_cast_node(node), node
+    inputs = [n for n, _ in adapter.node_inputs(node) if n is not None]
+    assert len(inputs) == 1 and adapter.is_gradient_accumulator(inputs[0])
+    assert not adapter.is_view_or_cast_node(inputs[0]) and not adapter.is_gradient_accumulator(node)
+    assert not adapter.is_view_or_cast_node((weight * 2).grad_fn)  # type: ignore[arg-type]
+
+
+def test_an_output_is_found_from_its_node_and_the_node_keyed_without_keeping_it() -> None:
+    x = torch.ones(4, requires_grad=True)
+    first, second = (x * 2).split(2)
+    node, index = adapter.autograd_output(second)
+    assert node is second.grad_fn and index == 1 and adapter.autograd_output(first) == (first.grad_fn, 0)
+    assert adapter.autograd_output(x) == (None, 0)
+    edge_node, edge_index = adapter.node_inputs(torch.ones(2).mul(second).grad_fn)[1]  # type: ignore[arg-type]
+    assert edge_node is node and edge_index == 1
+    keys = [adapter.node_key(t.grad_fn) for t in (x * 1, x * 2)]  # type: ignore[arg-type]
+    assert isinstance(keys[0], int) and keys[0] != keys[1]
+    assert adapter.node_key(node) == adapter.node_key(second.grad_fn)  # type: ignore[arg-type]

@@ -1,0 +1,73 @@
+"""What autograd keeps for a tensor the recompute hooks pack, and how backward gets the tensor back: :func:`unpack`.
+
+- :class:`Saved`: a reference to a recipe's output (or a view or cast of it, or a view of that cast). It counts as a
+  user of the recipe while alive, so the recomputed outputs stay cached until autograd dropped its last reference.
+- :class:`Pending`: a placeholder for a non-leaf tensor saved inside a recompute operator's forward, before its
+  output exists. The operator's post-hook resolves it: into a :class:`Saved` if the tensor is (a view of) one of the
+  outputs, dropping the tensor, else into what the outer saved-tensor hooks packed of it.
+- Anything else was handed on to the outer hooks (:mod:`lightning_comp.execution.saved_hooks`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from lightning_comp.adapters.torch_internals import tensor_version
+from lightning_comp.execution.recompute.recipe import OutputCast, Recipe, View, form
+from lightning_comp.execution.saved_hooks import OuterHooks, take_back
+
+__all__ = ["Pending", "Saved", "unpack"]
+
+
+class Saved:
+    """What autograd keeps for a saved tensor that is (a view of) a recipe's output."""
+
+    __slots__ = ("recipe", "stage", "index", "view", "cast")
+
+    def __init__(self, recipe: Recipe, stage: int, index: int, view: View | None,
+                 cast: OutputCast | None = None) -> None:
+        self.recipe, self.stage, self.index, self.view, self.cast = recipe, stage, index, view, cast
+        recipe.users += 1
+
+    def __del__(self) -> None:
+        self.recipe.release()
+
+    def unpack(self) -> torch.Tensor:
+        """The saved tensor, recomputed."""
+        return form(self.recipe.value(self.stage, self.index), self.cast, self.view)
+
+
+class Pending:
+    """A tensor saved inside a recompute operator's forward, before its output exists: its post-hook makes it a
+    reference to the recipe (if it is one of the outputs) or hands it on to the outer hooks."""
+
+    __slots__ = ("tensor", "version", "outer", "saved")
+
+    def __init__(self, tensor: torch.Tensor, outer: OuterHooks) -> None:
+        self.tensor: torch.Tensor | None = tensor
+        self.version = tensor_version(tensor)
+        self.outer = outer
+        self.saved: Any = None
+
+    def resolve(self, saved: Saved | None) -> None:
+        """Keep ``saved`` instead of the tensor (``None``: hand the tensor on to the outer hooks)."""
+        tensor, self.tensor = self.tensor, None
+        assert tensor is not None
+        self.saved = saved if saved is not None else self.outer.hand_on(tensor)
+
+    def unpack(self) -> torch.Tensor:
+        """The saved tensor (recomputed, if it was resolved into a recipe's output)."""
+        if self.tensor is not None:  # never resolved: the forward raised
+            return self.tensor
+        if isinstance(self.saved, Saved):
+            return self.saved.unpack()
+        return take_back(self.saved)  # type: ignore[no-any-return]
+
+
+def unpack(saved: Any) -> torch.Tensor:
+    """The unpack hook of the recompute hooks: the tensor ``saved`` stands for."""
+    if isinstance(saved, (Saved, Pending)):
+        return saved.unpack()
+    return take_back(saved)  # type: ignore[no-any-return]
