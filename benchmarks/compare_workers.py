@@ -27,6 +27,7 @@ from typing import Any
 
 from compare_probes import _device_of, _make_baton_callback, _max_rss_bytes
 from compare_suite import MODES, ModelSpec
+from harness import rotated
 
 
 def _quiet() -> None:
@@ -198,8 +199,8 @@ def train_worker(conn: Any, job: dict[str, Any]) -> dict[str, Any]:
         "dynamo": _dynamo_stats() if job.get("compile") else None,
     }
     if mode.trainer_precision is None:
-        result["plan_lowered"] = [s for s, p in plugin.plan.entries if p.value != "fp32"]
-        result["plan_saved"] = {s: p.value for s, p in plugin.plan.saved if p.value != "fp32"}
+        result["plan_lowered"] = [s for s, p in plugin.plan["compute"].entries if p.value != "fp32"]
+        result["plan_saved"] = {s: p.value for s, p in plugin.plan["saved"].entries if p.value != "fp32"}
         result["hooked_operators"] = len(plugin.executor._operators)  # noqa: SLF001 - diagnostics only
     return result
 
@@ -356,8 +357,7 @@ def run_interleaved(ctx: Any, spec: ModelSpec, modes: list[str], plans: dict[str
     orders: list[list[str]] = []
     round_index = 0
     while active:
-        shift = round_index % len(active)
-        order = active[shift:] + active[:shift]
+        order = rotated(active, round_index)
         orders.append(order)
         for mode in order:
             conn, process = workers[mode]

@@ -118,20 +118,25 @@ def lean_plan(model: Any) -> Any:
                 entry["master"] = "bf16"
         if entry:
             mapping[info.name] = entry
-    plan = PrecisionPlan.from_dict(mapping, state_default="8bit")
+    plan = PrecisionPlan.from_dict(mapping, default={"state": "8bit"})
     return plan.with_provenance(made_by="benchmarks/memory_dimensions.py lean_plan")
 
 
 def plan_dimensions(plan: Any) -> dict[str, Any]:
     """Which of the new dimensions ``plan`` sets, with entry counts."""
-    saved = [p.value for _, p in plan.saved] + ([plan.saved_default.value] if plan.saved_default.changes else [])
+    saved = [p.value for p in plan["saved"].values() if p.changes]
     return {
-        "compute_bf16": sum(1 for _, p in plan.entries if p.value == "bf16") + (plan.default.value == "bf16"),
+        "compute_bf16": sum(1 for p in plan["compute"].values() if p.value == "bf16"),
         "saved_lowered": sum(1 for v in saved if v in ("bf16", "fp8")),
         "recompute": sum(1 for v in saved if v == "recompute"),
-        "state": sum(1 for _, p in plan.state if p.managed) + bool(plan.state_default.managed),
-        "master": sum(1 for _, p in plan.master if p.managed) + bool(plan.master_default.managed),
+        "state": sum(1 for p in plan["state"].values() if p.managed),
+        "master": sum(1 for p in plan["master"].values() if p.managed),
     }
+
+
+def without(plan: Any, dimension: str) -> Any:
+    """``plan`` with ``dimension`` back at FP32 for every operator."""
+    return replace(plan, assignments=tuple(a for a in plan.assignments if a.dimension.value != dimension))
 
 
 def ablations(plan: Any) -> dict[str, tuple[str, Any]]:
@@ -142,17 +147,17 @@ def ablations(plan: Any) -> dict[str, tuple[str, Any]]:
     out: dict[str, tuple[str, Any]] = {}
     if dims["state"]:
         out["plan-no-state"] = ("plan without optimizer-state precision (fp32 state)",
-                                replace(plan, state=(), state_default="fp32"))
+                                without(plan, "state"))
     if dims["master"]:
-        out["plan-no-master"] = ("plan without BF16 master weights", replace(plan, master=(), master_default="fp32"))
+        out["plan-no-master"] = ("plan without BF16 master weights", without(plan, "master"))
     if dims["recompute"]:
-        saved = tuple((s, SavedPrecision.FP32 if p.recomputes else p) for s, p in plan.saved)
-        default = "fp32" if plan.saved_default.recomputes else plan.saved_default
+        saved = {s: SavedPrecision.FP32 if p.recomputes else p for s, p in plan["saved"].entries}
+        default = "fp32" if plan["saved"].default.recomputes else plan["saved"].default
         out["plan-no-recompute"] = ("plan without recompute (those entries fp32)",
-                                    replace(plan, saved=saved, saved_default=default))
+                                    without(plan, "saved").with_assignment("saved", saved, default))
     if dims["saved_lowered"] or dims["recompute"]:
         out["plan-no-saved"] = ("plan without any saved lowering (fp8/bf16/recompute)",
-                                replace(plan, saved=(), saved_default="fp32"))
+                                without(plan, "saved"))
     return out
 
 

@@ -272,7 +272,7 @@ def bench_c(rounds: int, steps: int, warmup: int, keys: tuple[str, ...] = ("cnn"
         }
         result = run_zoo_rounds(key, model, loader, variants, "bf16_mixed", rounds, steps, warmup)
         ratio = result["ratios_vs_bf16_mixed"]["comp_amp_plan"]["time_ratio_median"]
-        result.update(plan=plan.to_dict()["entries"], lowered=len(plan.entries),
+        result.update(plan=plan.to_dict()["entries"], lowered=len(plan["compute"].entries),
                       pass_=ratio <= 1 + TARGET_AMP_PLAN_OVERHEAD)
         out["models"][key] = result
     out["pass"] = all(r["pass_"] for r in out["models"].values())

@@ -24,6 +24,7 @@ from lightning_comp.adapters.torch_internals import FSDP2_MODULE
 from lightning_comp.errors import UnsupportedSetupError
 from lightning_comp.numerics.precision import ComputePrecision
 from lightning_comp.operators.discovery import iter_operators, operator_name, operator_type
+from lightning_comp.plan.dimensions import Dimension
 from lightning_comp.plan.plan import PlanLike, plan_from_any
 
 __all__ = ["CPUFSDPStrategy", "fsdp2_policy"]
@@ -56,7 +57,7 @@ def fsdp2_policy(plan: PlanLike, module: nn.Module, name: str = "") -> Any:
         if any(op_name == u or op_name.startswith(u + ".") for u in inner) \
                 or not any(True for _ in op.parameters(recurse=False)):
             continue
-        precisions.add(resolved.precision_of(prefix + op_name if op_name else name, operator_type(op)))
+        precisions.add(resolved.of(Dimension.COMPUTE, prefix + op_name if op_name else name, operator_type(op)))
     low = next(iter(precisions)) if len(precisions) == 1 else ComputePrecision.FP32
     return MixedPrecisionPolicy(param_dtype=low.dtype if low.is_low else None, reduce_dtype=torch.float32,
                                 cast_forward_inputs=False)

@@ -10,14 +10,13 @@ trap worse than slowness (a CPU's FP16 convolution backward runs a reference ker
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
 from lightning_comp.devices.device_classes import DeviceClass
 from lightning_comp.numerics.precision import ComputePrecision
 from lightning_comp.operators.discovery import iter_operators
+from lightning_comp.plan.dimensions import Dimension
 from lightning_comp.plan.plan import PrecisionPlan
 
 __all__ = ["check_plan_device", "decline_slow_fp16", "emulated_operators"]
@@ -31,7 +30,7 @@ def emulated_operators(plan: PrecisionPlan, model: nn.Module, device: DeviceClas
     modules = dict(iter_operators(model))
     for name in plan.low_operators(model):
         module = modules[name]
-        precision = plan.precision_of(name, type(module))
+        precision = plan.of(Dimension.COMPUTE, name, type(module))
         if not device.is_native(precision):
             out[name] = precision
     return out
@@ -78,6 +77,8 @@ def decline_slow_fp16(plan: PrecisionPlan, device: DeviceClass, allow: bool) -> 
         " in fp32. Use 'bf16', or pass CoMPPrecision(allow_slow_fp16=True) to insist.",
         stacklevel=4,
     )
-    entries = tuple((s, ComputePrecision.FP32 if p is ComputePrecision.FP16 else p) for s, p in plan.entries)
-    default = ComputePrecision.FP32 if plan.default is ComputePrecision.FP16 else plan.default
-    return replace(plan, entries=entries, default=default, provenance={**plan.provenance, "declined_fp16": True})
+    compute = plan[Dimension.COMPUTE]
+    entries = {s: ComputePrecision.FP32 if p is ComputePrecision.FP16 else p for s, p in compute.entries}
+    default = ComputePrecision.FP32 if compute.default is ComputePrecision.FP16 else compute.default
+    declined = plan.with_assignment(Dimension.COMPUTE, entries, default)
+    return declined.with_provenance(declined_fp16=True)

@@ -51,6 +51,7 @@ from lightning_comp.execution.weight_casts import WeightCastRecorder
 from lightning_comp.numerics.precision import ComputePrecision
 from lightning_comp.operators.discovery import iter_operators, iter_untraced_containers
 from lightning_comp.operators.owned_work import StepWork, WorkRecorder
+from lightning_comp.plan.dimensions import Dimension
 from lightning_comp.plan.plan import PrecisionPlan
 
 __all__ = ["PlanExecutor", "StepKind"]
@@ -219,14 +220,15 @@ class PlanExecutor:
         self._saved.watch(model)
         # Cast boundaries depend only on the model's call pattern and the plan: re-applying a plan seen before
         # (the search alternates plans) reuses its calibration instead of tracing again.
-        key = (weakref.ref(model), bound.entries, bound.default, str(target))  # a dead model never matches
+        compute = bound[Dimension.COMPUTE]
+        key = (weakref.ref(model), compute.entries, compute.default, str(target))  # a dead model never matches
         self._chained = self._calibrations.setdefault(key, {})
         self._fed_low = self._fed_low_calibrations.setdefault(key, {})
-        said = (bound.entries, bound.default, str(target))
+        said = (compute.entries, compute.default, str(target))
         if not bound.is_all_fp32 and not any(op.low and not op.transparent for op in operators.values()) \
                 and said not in self._said_nothing_lowered:
             self._said_nothing_lowered.add(said)
-            low = sorted({p.value for p in (bound.default, *(p for _, p in bound.entries))
+            low = sorted({p.value for p in compute.values()
                           if p is not ComputePrecision.FP32})
             rank_zero_warn(
                 f"The plan assigns {'/'.join(low)} but no operator of {type(model).__name__} computes in it on"

@@ -17,6 +17,7 @@ from lightning_comp.errors import PlanError
 from lightning_comp.execution.hooks import HookedOperator
 from lightning_comp.operators.discovery import iter_operators, iter_untraced_containers
 from lightning_comp.operators.kinds import OperatorKind, classify
+from lightning_comp.plan.dimensions import Dimension
 from lightning_comp.plan.plan import PrecisionPlan
 
 __all__ = ["hooked_operators", "provisional_operators"]
@@ -34,14 +35,14 @@ def hooked_operators(model: nn.Module, plan: PrecisionPlan, device: torch.device
     operators: dict[str, HookedOperator] = {}
     unsupported = []
     for name, module in iter_operators(model):
-        precision = plan.precision_of(name, type(module))
+        precision = plan.of(Dimension.COMPUTE, name, type(module))
         lowering = lowering_for(module, precision, device)
         if lowering is None:
             why = why_not_lowerable(module, precision, device)
             unsupported.append(f"{name or '<root>'} ({type(module).__name__}, {precision.value}: {why})")
             continue
         operators[name] = HookedOperator(name, module, classify(module), precision, lowering,
-                                         saved=plan.saved_of(name, type(module)))
+                                         saved=plan.of(Dimension.SAVED, name, type(module)))
     if unsupported:
         raise PlanError(
             f"{len(unsupported)} operator(s) have no kernel for their planned precision on {device}"
@@ -64,7 +65,7 @@ def provisional_operators(model: nn.Module, plan: PrecisionPlan, device: torch.d
     """The containers of ``model`` not traced yet, hooked for one step as ``FUNCTIONAL`` operators in their planned
     precision (an autocast region; FP32 where the device has none); none if no container is planned low."""
     containers = [(n, m) for n, m in iter_untraced_containers(model) if n not in operators]
-    precisions = {n: plan.precision_of(n, type(m)) for n, m in containers}
+    precisions = {n: plan.of(Dimension.COMPUTE, n, type(m)) for n, m in containers}
     if not any(p.is_low for p in precisions.values()):
         return {}
     autocast = autocast_available(device.type)

@@ -148,9 +148,9 @@ class UnplannedWorkWarnings:
             owner: the plugin's name, for the message.
         """
         work, plan, model = executor.work, executor.plan, executor.model
-        if work is None or plan is None or model is None or plan.is_all_fp32 or plan.provenance.get("role") == "trial":
+        if work is None or plan is None or model is None or plan.is_all_fp32:
             return None
-        key = (plan.entries, plan.default, users_own, tuple(sorted(work.by_module)))
+        key = (plan.assignments, users_own, tuple(sorted(work.by_module)))
         if key in self._seen:
             return None
         self._seen.add(key)

@@ -1,106 +1,50 @@
-"""Parsing a plan's entries: selectors to compute precisions, to saved precisions, to optimizer-state precisions and
-to master-weight precisions, and the combined form ``{selector: {"compute": ..., "saved": ..., "state": ...,
-"master": ...}}`` users may write."""
+"""The entries users write: ``{selector: value}``, where a value is a compute precision or a mapping that sets several
+dimensions (``{"compute": "bf16", "saved": "fp8", "state": "8bit", "master": "bf16"}``), split into one
+``{selector: value}`` mapping per :class:`~lightning_comp.plan.dimensions.Dimension`."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from lightning_comp.errors import PlanError
-from lightning_comp.numerics.precision import (
-    ComputePrecision,
-    MasterPrecision,
-    SavedPrecision,
-    StatePrecision,
-    parse_precision,
-    parse_saved_precision,
-)
-from lightning_comp.plan.selectors import check_selector
+from lightning_comp.plan.dimensions import Dimension
 
-__all__ = ["DIMENSIONS", "as_mapping", "parse_entries", "parse_master", "parse_saved", "parse_state", "split_entries"]
-
-DIMENSIONS = ("compute", "saved", "state", "master")  # the keys of an entry that sets several dimensions
+__all__ = ["split_defaults", "split_entries"]
 
 
-def parse_entries(mapping: Mapping[str, Any]) -> tuple[tuple[str, ComputePrecision], ...]:
-    """``{selector: compute precision}`` as sorted, validated pairs.
-
-    Raises:
-        PlanError: naming a malformed selector or the entry with an unknown precision.
-    """
-    return _parse(mapping, parse_precision, "precision")
+def _dimension_choices() -> str:
+    return ", ".join(f"{d.value!r} ({'/'.join(v.value for v in d.values)})" for d in Dimension)
 
 
-def parse_saved(mapping: Mapping[str, Any]) -> tuple[tuple[str, SavedPrecision], ...]:
-    """``{selector: saved precision}`` as sorted, validated pairs.
+def _split_value(where: str, value: Any) -> dict[Dimension, Any]:
+    """One entry's value (or a plan's default) as ``{dimension: value}``; a bare value is a compute precision."""
+    if not isinstance(value, Mapping):
+        return {Dimension.COMPUTE: value}
+    unknown = [str(k) for k in value if not isinstance(k, Dimension) and Dimension._missing_(k) is None]
+    if unknown or not value:
+        raise PlanError(
+            f"{where}: {dict(value)!r} is not a precision; a value that sets several dimensions is a mapping with"
+            f" the keys {_dimension_choices()}" + (f", not {sorted(unknown)}." if unknown else ".")
+        )
+    return {Dimension.parse(k): v for k, v in value.items()}
+
+
+def split_entries(mapping: Mapping[str, Any]) -> dict[Dimension, dict[str, Any]]:
+    """Split ``{selector: precision | {dimension: value, ...}}`` into one ``{selector: value}`` per dimension.
 
     Raises:
-        PlanError: naming a malformed selector or the entry with an unknown saved precision.
+        PlanError: if ``mapping`` is not a mapping, or an entry's mapping names no dimension or an unknown one.
     """
-    return _parse(mapping, parse_saved_precision, "saved precision")
-
-
-def parse_state(mapping: Mapping[str, Any]) -> tuple[tuple[str, StatePrecision], ...]:
-    """``{selector: optimizer-state precision}`` as sorted, validated pairs.
-
-    Raises:
-        PlanError: naming a malformed selector or the entry with an unknown optimizer-state precision.
-    """
-    return _parse(mapping, StatePrecision.parse, "optimizer-state precision")
-
-
-def parse_master(mapping: Mapping[str, Any]) -> tuple[tuple[str, MasterPrecision], ...]:
-    """``{selector: master-weight precision}`` as sorted, validated pairs.
-
-    Raises:
-        PlanError: naming a malformed selector or the entry with an unknown master-weight precision.
-    """
-    return _parse(mapping, MasterPrecision.parse, "master-weight precision")
-
-
-def _parse(mapping: Mapping[str, Any], parse: Callable[[object], Any], what: str) -> tuple[tuple[str, Any], ...]:
-    if not isinstance(mapping, Mapping):
-        raise PlanError(f"Plan entries must be a mapping of selector -> {what}, got {type(mapping).__name__}.")
-    entries = []
-    for selector, value in mapping.items():
-        check_selector(selector)
-        try:
-            entries.append((selector, parse(value)))
-        except PlanError as err:
-            raise PlanError(f"Plan entry {selector!r}: {err}") from None
-    return tuple(sorted(entries))
-
-
-def split_entries(mapping: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
-    """Split ``{selector: precision | {"compute": ..., "saved": ..., "state": ..., "master": ...}}`` into one
-    ``{selector: value}`` mapping per dimension (keys of :data:`DIMENSIONS`)."""
     if not isinstance(mapping, Mapping):
         raise PlanError(f"Plan entries must be a mapping of selector -> precision, got {type(mapping).__name__}.")
-    split: dict[str, dict[str, Any]] = {dimension: {} for dimension in DIMENSIONS}
+    split: dict[Dimension, dict[str, Any]] = {dimension: {} for dimension in Dimension}
     for selector, value in mapping.items():
-        if not isinstance(value, Mapping):
-            split["compute"][selector] = value
-            continue
-        unknown = set(value) - set(DIMENSIONS)
-        if unknown or not value:
-            raise PlanError(
-                f"Plan entry {selector!r}: {dict(value)!r} is not a precision; an entry that sets several dimensions"
-                " is a mapping with the keys 'compute' (fp32/bf16/fp16), 'saved' (fp32/bf16/fp8/recompute), 'state'"
-                " (fp32/bf16/8bit: optimizer state) and/or 'master' (fp32/bf16: master weights)"
-                + (f", not {sorted(unknown)}." if unknown else ".")
-            )
-        for dimension in DIMENSIONS:
-            if dimension in value:
-                split[dimension][selector] = value[dimension]
+        for dimension, one in _split_value(f"Plan entry {selector!r}", value).items():
+            split[dimension][selector] = one
     return split
 
 
-def as_mapping(entries: Any) -> Mapping[str, Any]:
-    """Entries given as a mapping or as ``(selector, value)`` pairs, as a mapping."""
-    if isinstance(entries, Mapping):
-        return entries
-    try:
-        return dict(entries)
-    except (TypeError, ValueError):
-        raise PlanError(f"Plan entries must be a mapping of selector -> precision, got {entries!r}.") from None
+def split_defaults(default: Any) -> dict[Dimension, Any]:
+    """A plan's default, a compute precision or ``{dimension: value, ...}``, as ``{dimension: value}``."""
+    return _split_value("Plan default", default)

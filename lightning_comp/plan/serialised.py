@@ -19,16 +19,25 @@ from typing import Any
 from lightning_comp.common.plain import plain
 from lightning_comp.devices.device_classes import DeviceClass
 from lightning_comp.errors import PlanError, PlanFileError
+from lightning_comp.plan.dimensions import Assignment, Dimension
 from lightning_comp.plan.fingerprint import OperatorFingerprint
 
-__all__ = ["PLAN_FORMAT", "PLAN_VERSION", "document_fields", "fingerprint_document", "is_document", "read_document",
-           "write_document"]
+__all__ = ["PLAN_FORMAT", "PLAN_VERSION", "document_fields", "fingerprint_document", "is_document", "plan_document",
+           "read_document", "write_document"]
 
 PLAN_FORMAT = "lightning-comp/plan"
 PLAN_VERSION = 1
-_KEYS = frozenset({"format", "version", "default", "entries", "saved_default", "saved", "state_default", "state",
-                   "master_default", "master", "fingerprint", "torch_version", "device_type", "device", "provenance"})
-_DIMENSION_KEYS = ("saved", "state", "master")  # selector mappings beside "entries" (absent from older documents)
+
+
+def _keys(dimension: Dimension) -> tuple[str, str]:
+    """The document's keys of one dimension: ``(entries key, default key)``."""
+    if dimension is Dimension.COMPUTE:
+        return "entries", "default"
+    return dimension.value, f"{dimension.value}_default"
+
+
+_KEYS = frozenset({"format", "version", "fingerprint", "torch_version", "device_type", "device", "provenance",
+                   *(key for dimension in Dimension for key in _keys(dimension))})
 
 
 def is_document(data: Mapping[str, Any]) -> bool:
@@ -41,6 +50,25 @@ def fingerprint_document(fingerprint: OperatorFingerprint | None) -> dict[str, A
     if fingerprint is None:
         return None
     return {"digest": fingerprint.digest, "operators": [list(op) for op in fingerprint.operators]}
+
+
+def plan_document(assignments: tuple[Assignment, ...], fingerprint: OperatorFingerprint | None,
+                  torch_version: str | None, device_type: str | None, device: DeviceClass | None,
+                  provenance: Mapping[str, Any]) -> dict[str, Any]:
+    """A plan's fields as its document (plain JSON types only)."""
+    document: dict[str, Any] = {"format": PLAN_FORMAT, "version": PLAN_VERSION}
+    for assignment in assignments:
+        entries_key, default_key = _keys(assignment.dimension)
+        document[default_key] = assignment.default.value
+        document[entries_key] = assignment.to_dict()
+    document.update({
+        "fingerprint": fingerprint_document(fingerprint),
+        "torch_version": torch_version,
+        "device_type": device_type,
+        "device": None if device is None else device.to_dict(),
+        "provenance": plain(dict(provenance)),
+    })
+    return document
 
 
 def document_fields(data: Mapping[str, Any]) -> dict[str, Any]:
@@ -61,20 +89,16 @@ def document_fields(data: Mapping[str, Any]) -> dict[str, Any]:
     for key in ("torch_version", "device_type"):
         if data.get(key) is not None and not isinstance(data[key], str):
             raise PlanError(f"Plan {key} must be a string or null, got {data[key]!r}.")
-    entries = data.get("entries") or {}
-    if not isinstance(entries, Mapping):
-        raise PlanError(f"Plan entries must be a mapping of selector -> precision, got {entries!r}.")
-    dimensions: dict[str, Any] = {}
-    for key in _DIMENSION_KEYS:
-        mapping = data.get(key) or {}
+    assignments = []
+    for dimension in Dimension:
+        entries_key, default_key = _keys(dimension)
+        mapping = data.get(entries_key) or {}
         if not isinstance(mapping, Mapping):
-            raise PlanError(f"Plan {key!r} entries must be a mapping of selector -> precision, got {mapping!r}.")
-        dimensions[key] = tuple(mapping.items())
-        dimensions[f"{key}_default"] = data.get(f"{key}_default", "fp32")
+            raise PlanError(
+                f"Plan {entries_key!r} must be a mapping of selector -> {dimension.what}, got {mapping!r}.")
+        assignments.append(Assignment(dimension, tuple(mapping.items()), data.get(default_key, "fp32")))
     return {
-        "entries": tuple(entries.items()),
-        "default": data.get("default", "fp32"),
-        **dimensions,
+        "assignments": tuple(assignments),
         "fingerprint": _read_fingerprint(data.get("fingerprint")),
         "torch_version": data.get("torch_version"),
         "device_type": data.get("device_type"),

@@ -5,21 +5,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from enum import Enum
 from typing import Any
 
 from lightning_comp.errors import SearchConfigError
+from lightning_comp.plan.dimensions import Dimension
 
-__all__ = ["Candidate", "Dimension", "candidates_from_plain", "candidates_to_plain"]
-
-
-class Dimension(str, Enum):
-    """Which of an operator's precisions a candidate lowers."""
-
-    COMPUTE = "compute"  # the precision it computes in
-    SAVED = "saved"  # the precision it stores its saved tensors in (or recomputes them)
-    STATE = "state"  # the precision of its parameters' optimizer state
-    MASTER = "master"  # the precision its parameters are held in
+__all__ = ["Candidate", "candidates_from_plain", "candidates_to_plain"]
 
 
 @dataclass(frozen=True)

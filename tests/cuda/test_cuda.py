@@ -259,7 +259,7 @@ def test_saved_tensors_are_stored_compressed_on_cuda_without_host_synchronisatio
     reference = grads(PrecisionPlan())
     torch.cuda.set_sync_debug_mode("error")  # any implicit device-to-host synchronisation raises
     try:
-        lowered = grads(PrecisionPlan.from_dict({}, saved_default=saved))
+        lowered = grads(PrecisionPlan.from_dict({}, default={"saved": saved}))
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert min(sqnr(r, g) for r, g in zip(reference, lowered)) > (35.0 if saved == "bf16" else 15.0)

@@ -50,7 +50,7 @@ class SearchProbe(Callback):
         self._trials_seen = 0
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.plans.append({s: p.value for s, p in trainer.precision_plugin.plan.entries})
+        self.plans.append({s: p.value for s, p in trainer.precision_plugin.plan["compute"].entries})
         self.batches.append(0)
         state = self.search.state
         if len(state.trials) > self._trials_seen and len(state.trials) > 1 and state.snapshot is not None:

@@ -444,6 +444,6 @@ def test_plugin_plan_on_a_model_without_floating_point_operators(tmp_path: Path)
     assert plugin.executor.num_hooks == 0
     assert plugin.executor.precisions() == {"": ComputePrecision.FP32, "flat": ComputePrecision.FP32}
     # a default of bf16 reaches that work: the root is a FUNCTIONAL operator, its matmul lowered
-    plugin = CoMPPrecision(PrecisionPlan(default="bf16"))
+    plugin = CoMPPrecision(PrecisionPlan.from_dict({}, default="bf16"))
     _trainer(tmp_path, plugin).fit(NoFloatOps(), train, val)
     assert plugin.executor.precisions() == {"": ComputePrecision.BF16, "flat": ComputePrecision.FP32}

@@ -76,6 +76,7 @@ def _fit(tmp_path: Path, *args: str) -> Any:
     return main(["fit", "--config", str(config), "--trainer.default_root_dir", str(tmp_path / "run"), *args])
 
 
+@pytest.mark.slow
 def test_plugin_and_search_from_yaml_train_and_resume_with_the_plan_restored(tmp_path: Path) -> None:
     cli = _fit(tmp_path)
     trainer = cli.trainer
@@ -85,7 +86,7 @@ def test_plugin_and_search_from_yaml_train_and_resume_with_the_plan_restored(tmp
     assert search.phase == "done"
     chosen = search.chosen_plan
     assert chosen is not None
-    entries = dict(chosen.entries)
+    entries = dict(chosen["compute"].entries)
     assert {k: v.value for k, v in entries.items()} == {"body.2": "bf16"}, search.record
     trials = [(t.label, t.verdict) for t in search.state.trials]
     extension = search.state.extension_epochs  # the rejected trial epochs the search added to max_epochs
@@ -96,10 +97,11 @@ def test_plugin_and_search_from_yaml_train_and_resume_with_the_plan_restored(tmp
     resumed = _fit(tmp_path, "--ckpt_path", str(last), "--trainer.max_epochs", "3")  # one more user epoch
     again = _search(resumed.trainer)
     assert again.phase == "done" and [(t.label, t.verdict) for t in again.state.trials] == trials  # no new search
-    assert dict(resumed.trainer.precision_plugin.plan.entries) == entries  # the plan came back from the checkpoint
+    assert dict(resumed.trainer.precision_plugin.plan["compute"].entries) == entries  # the plan came back from its ckpt
     assert resumed.trainer.current_epoch == 3 + extension  # the extension is carried over, not added twice
 
 
+@pytest.mark.slow
 def test_plugin_and_search_from_the_command_line(tmp_path: Path) -> None:
     cli = main([
         "fit", "--model", "lightning_comp.zoo.NarrowMLP", "--model.width", "32", "--model.depth", "4",
@@ -125,6 +127,7 @@ def test_the_example_config_parses_with_the_plugin_and_the_search() -> None:
     assert search.config.trial_batches == 0.25 and search.config.warmup_epochs == 1
 
 
+@pytest.mark.slow
 def test_any_setting_reaches_the_search_through_its_config_spelled_as_in_yaml() -> None:
     """Settings that are not keyword arguments of CoMPSearch travel in ``config``; choices are spelled by value."""
     cli = main([

@@ -141,6 +141,7 @@ def _compiled(route: str, backend: Any) -> tuple[pl.LightningModule, Any, nn.Mod
     return torch.compile(model, backend=backend), PLAN, model  # "fit": Lightning unwraps it, compiles the steps
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("route", ["fit", "forward", "configure_model"])
 def test_every_operator_computes_in_its_planned_dtype_inside_one_compiled_graph(tmp_path: Path, route: str) -> None:
     torch._dynamo.reset()
@@ -174,6 +175,7 @@ def test_every_operator_computes_in_its_planned_dtype_inside_one_compiled_graph(
     assert any("_enter_autocast" in why for why in control.uncacheable), control.uncacheable
 
 
+@pytest.mark.slow
 def test_compiled_training_follows_the_eager_plan_step_for_step(tmp_path: Path) -> None:
     """Same plan, same data: the compiled model (recorded graph run as traced) ends where the eager one does."""
     torch._dynamo.reset()
@@ -188,6 +190,7 @@ def test_compiled_training_follows_the_eager_plan_step_for_step(tmp_path: Path) 
         assert torch.allclose(a.float(), b.float(), rtol=1e-4, atol=1e-5), name
 
 
+@pytest.mark.slow
 def test_inductor_compiles_the_plan_without_a_graph_break(tmp_path: Path) -> None:
     torch._dynamo.reset()
     counters.clear()
@@ -206,6 +209,7 @@ def test_inductor_compiles_the_plan_without_a_graph_break(tmp_path: Path) -> Non
         assert torch.allclose(a.float(), b.float(), rtol=2e-2, atol=2e-3), name
 
 
+@pytest.mark.slow
 def test_a_new_plan_is_traced_anew_and_hooks_are_guarded_only_while_fitting(tmp_path: Path) -> None:
     """Dynamo skips guards on module hooks by default: without the plugin turning them on, the graph traced without
     hooks (an all-fp32 plan, the search's warm-up) would go on running under the next plan."""
@@ -267,6 +271,7 @@ def test_saved_precision_is_refused_on_a_compiled_model(tmp_path: Path) -> None:
         search_trainer(tmp_path, [search], 2, CoMPPrecision()).fit(model, train, val)
 
 
+@pytest.mark.slow
 def test_the_search_measures_a_compiled_model_eagerly_and_trains_its_choice_compiled(tmp_path: Path) -> None:
     """No graph is traced while the search measures and trials (every plan would be a compilation); the chosen plan
     is traced once the search is done, and it is the plan an uncompiled run chooses: l3 stays fp32."""
@@ -280,7 +285,7 @@ def test_the_search_measures_a_compiled_model_eagerly_and_trains_its_choice_comp
     trainer = search_trainer(tmp_path, [search], 6, CoMPPrecision())
     trainer.fit(model, train, val)
     assert search.phase == Phase.DONE
-    chosen = {n: p.value for n, p in search.chosen_plan.entries}
+    chosen = {n: p.value for n, p in search.chosen_plan["compute"].entries}
     assert chosen == {"l2": "bf16", "l4": "bf16"}
     assert Phase.SEARCHING not in recorder.phases
     assert recorder.phases[0] == Phase.PENDING and recorder.phases[-1] == Phase.DONE
@@ -325,6 +330,7 @@ def test_an_operator_dynamo_cannot_trace_still_computes_in_its_planned_dtype() -
     assert "forward" not in model.lstm.__dict__  # its own forward is back
 
 
+@pytest.mark.slow
 def test_a_compiled_forward_dynamo_gives_up_on_still_runs_the_plan(tmp_path: Path) -> None:
     """The graph break at the LSTM makes Dynamo give up on the whole ``forward`` frame and compile the functions it
     calls as frames of their own. Compiled alone, the hooks' helpers lost their regions (and ``compiling()`` answered

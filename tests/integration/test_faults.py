@@ -153,12 +153,12 @@ def test_inf_trial_is_rejected_and_every_state_is_rewound_bit_for_bit(tmp_path: 
     poisoned = [epoch for epoch, finite in probe.finite_at_end.items() if not finite]
     assert poisoned, "the Inf trial should have poisoned the parameters (otherwise the rewind proves nothing)"
     assert probe.rewinds and all(exact for _, _, exact in probe.rewinds), probe.rewinds
-    assert plugin.plan.precision_of("bad", torch.nn.Linear) is ComputePrecision.FP32
+    assert plugin.plan.of("compute", "bad", torch.nn.Linear) is ComputePrecision.FP32
     if include == ["bad"]:  # no candidate converged: training goes on from the end of the FP32 reference trial
         assert search.state.finish_reason == "no candidate converged"
         assert plugin.plan.is_all_fp32 and probe.rewinds[-1][1] == "back to the reference's end"
     else:  # l2 passed; bad was inferred unsafe without a trial of its own; the l2 trial's progress is kept
-        assert plugin.plan.precision_of("l2", torch.nn.Linear) is ComputePrecision.BF16
+        assert plugin.plan.of("compute", "l2", torch.nn.Linear) is ComputePrecision.BF16
         assert search.record is not None and search.record["trials"][-1]["kept"]
     # training went on: finite weights, and exactly the user's epochs of kept progress (StepLR counts them)
     assert all(bool(torch.isfinite(t).all()) for t in model.state_dict().values() if t.is_floating_point())

@@ -173,14 +173,14 @@ def test_a_search_on_litgpt_trials_attention_and_its_plan_round_trips_and_resume
     assert attention <= set(record["operators"]), sorted(record["operators"])  # measured in the batch stage
     trialled = {name for trial in record["trials"] for name in trial["low_operators"]}
     assert attention <= trialled, record["trials"]
-    assert {n for n, p in search.chosen_plan.entries if p.value == "bf16"} & attention  # kept: it converged
+    assert {n for n, p in search.chosen_plan["compute"].entries if p.value == "bf16"} & attention  # kept: it converged
     path = search.chosen_plan.save(tmp_path / "litgpt_plan.json")
-    assert PrecisionPlan.load(path).entries == search.chosen_plan.entries
+    assert PrecisionPlan.load(path)["compute"] == search.chosen_plan["compute"]
     ckpt = trainer.checkpoint_callback.last_model_path or trainer.checkpoint_callback.best_model_path
     resumed_plugin, resumed_search = CoMPPrecision(), CoMPSearch(verbose=False)
     _trainer(tmp_path, resumed_plugin, [resumed_search], max_epochs=5, limit_train_batches=4).fit(
         factory(), datamodule=_text(), ckpt_path=ckpt)
-    assert resumed_search.phase == "done" and resumed_plugin.plan.entries == search.chosen_plan.entries
+    assert resumed_search.phase == "done" and resumed_plugin.plan["compute"] == search.chosen_plan["compute"]
     again = CoMPPrecision(path)
     _trainer(tmp_path, again, [], limit_val_batches=0).fit(factory(), datamodule=_text())
     assert again.executor.precisions() == resumed_plugin.executor.precisions()
@@ -236,7 +236,7 @@ def test_litgpt_trains_under_a_plan_in_a_fabric_loop_and_the_plan_comes_back_fro
     model2 = fabric2.setup_module(_litgpt_model())
     optimizer2 = fabric2.setup_optimizers(torch.optim.AdamW(model2.parameters(), lr=1e-3))
     fabric2.load(tmp_path / "fabric.ckpt", {"model": model2, "optimizer": optimizer2, "comp": restored})
-    assert restored.plan.entries == plugin.plan.entries and restored.optimizer_steps == 3
+    assert restored.plan["compute"].entries == plugin.plan["compute"].entries and restored.optimizer_steps == 3
     _fabric_steps(fabric2, model2, optimizer2, 1, seed=1)
     assert restored.executor.precisions() == precisions
 
@@ -258,6 +258,7 @@ def test_an_fp16_plan_in_fabric_scales_the_loss_and_skips_an_overflowing_step() 
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
 
 
+@pytest.mark.slow
 @_needs("litgpt", "litgpt")
 def test_the_fabric_example_runs(tmp_path: Path) -> None:
     import subprocess

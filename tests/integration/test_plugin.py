@@ -366,7 +366,7 @@ def test_an_explicit_plan_wins_over_the_checkpoints_with_a_warning_naming_both(
     message = next(str(w.message) for w in caught if "the checkpoint holds the plan" in str(w.message))
     assert "{'type:Linear': 'bf16', '<default>': 'fp32'}" in message  # what the checkpoint held
     assert "{'net.0': 'bf16', 'net.4': 'fp32', '<default>': 'fp32'}" in message and "is kept" in message
-    assert {s: p.value for s, p in plugin.plan.entries} == mine
+    assert {s: p.value for s, p in plugin.plan["compute"].entries} == mine
     precisions = plugin.executor.precisions()
     assert precisions["net.4"] is ComputePrecision.FP32 and precisions["net.0"].is_low
     assert resumed.global_step == 8  # the rest of the checkpoint (weights, optimizer, progress) resumed
@@ -388,7 +388,7 @@ def test_the_same_explicit_plan_as_the_checkpoints_resumes_without_a_warning(
         warnings.filterwarnings("error", message=".*checkpoint holds the plan.*")
         pl.Trainer(max_epochs=2, plugins=[plugin], **fast_trainer_kwargs).fit(make_mlp(), loader, ckpt_path=path,
                                                                               **WEIGHTS_ONLY)
-    assert {s: p.value for s, p in plugin.plan.entries} == plan
+    assert {s: p.value for s, p in plugin.plan["compute"].entries} == plan
 
 
 def test_resume_into_a_different_model_fails_loudly(tmp_path: Path, make_mlp: Any, make_regression_loader: Any,
@@ -556,8 +556,7 @@ def test_deepspeed_engine_is_refused() -> None:
 def test_the_plan_is_filed_under_one_key_whatever_the_plugin_class(tmp_path: Path, make_mlp: Any,
                                                                   make_regression_loader: Any,
                                                                   fast_trainer_kwargs: dict[str, Any]) -> None:
-    """A plan saved by CoMPPrecision resumes under a subclass (the FSDP form, a user's), and a checkpoint written
-    before the key existed (under the class name) still resumes."""
+    """A plan saved by CoMPPrecision resumes under a subclass (the FSDP form, a user's)."""
     from lightning_comp import CoMPFSDPPrecision
 
     class MyPlugin(CoMPPrecision):
@@ -571,11 +570,8 @@ def test_the_plan_is_filed_under_one_key_whatever_the_plugin_class(tmp_path: Pat
     assert "lightning_comp" in ckpt and "CoMPPrecision" not in ckpt
     for plugin in (MyPlugin(), CoMPFSDPPrecision()):
         plugin.on_load_checkpoint(ckpt)
-        assert plugin.plan.entries == (("type:Linear", ComputePrecision.BF16),), type(plugin).__name__
-    old = MyPlugin()
-    old.on_load_checkpoint({"CoMPPrecision": ckpt["lightning_comp"]})  # written before the key existed
-    assert old.plan.entries == (("type:Linear", ComputePrecision.BF16),)
+        assert plugin.plan["compute"].entries == (("type:Linear", ComputePrecision.BF16),), type(plugin).__name__
     resumed = MyPlugin()
     pl.Trainer(max_epochs=2, plugins=[resumed], **fast_trainer_kwargs).fit(make_mlp(), make_regression_loader(),
                                                                           ckpt_path=path)
-    assert resumed.plan.entries == (("type:Linear", ComputePrecision.BF16),)  # through Lightning's own restore
+    assert resumed.plan["compute"].entries == (("type:Linear", ComputePrecision.BF16),)  # through Lightning's restore

@@ -146,7 +146,7 @@ def test_killed_mid_search_resumes_and_finishes_with_the_same_plan(offset_run: d
     train, val = loaders()
     resumed.fit(WideMLP(), train, val, ckpt_path=str(last))
     assert search.phase == "done"
-    assert plugin.plan.entries == offset_run["plugin"].plan.entries
+    assert plugin.plan["compute"].entries == offset_run["plugin"].plan["compute"].entries
     # no epoch lost or counted twice: the same epochs as the uninterrupted run
     assert resumed.current_epoch == offset_run["trainer"].current_epoch
 
@@ -202,7 +202,7 @@ def test_nan_trial_is_rejected_rewound_and_training_goes_on(tmp_path: Path) -> N
     record = search.record
     assert record is not None
     assert any(t["verdict"] == "fail" and "NaN" in t["reason"] for t in record["trials"])
-    assert plugin.plan.precision_of("bad", torch.nn.Linear).value == "fp32"
+    assert plugin.plan.of("compute", "bad", torch.nn.Linear).value == "fp32"
     assert math.isfinite(float(trainer.callback_metrics["val_loss"]))
     assert all(probe.rewinds_exact)
     assert all(torch.isfinite(p).all() for p in trainer.lightning_module.parameters())

@@ -54,7 +54,7 @@ def test_early_stopping_does_not_stop_the_fit_on_a_rejected_nan_trial(tmp_path: 
     record = search.record
     assert record is not None, "the fit ended before the search did"
     assert any(t["verdict"] == "fail" and "NaN" in t["reason"] for t in record["trials"])
-    assert plugin.plan.precision_of("bad", torch.nn.Linear).value == "fp32"
+    assert plugin.plan.of("compute", "bad", torch.nn.Linear).value == "fp32"
     assert all(torch.isfinite(p).all() for p in trainer.lightning_module.parameters())
     # the fit ran its epochs, extended by the rejected trials: nothing stopped it early
     assert es.stopped_epoch == 0 and not trainer.should_stop

@@ -75,13 +75,14 @@ def test_settings_are_validated() -> None:
         CoMPSearch(master_precision="fp16")
 
 
+@pytest.mark.slow
 def test_group_testing_isolates_the_layer_whose_eight_bit_state_hurts(tmp_path: Path) -> None:
     pl.seed_everything(0)
     search, plugin = pinned_state_search(), CoMPPrecision()
     trainer = search_trainer(tmp_path, [search], max_epochs=3, plugin=plugin)
     trainer.fit(StateSensitiveMLP(), *loaders())
     plan = plugin.plan
-    assert {n: plan.state_of(n).value for n in ("l2", "l3", "l4")} == {"l2": "8bit", "l3": "fp32", "l4": "8bit"}
+    assert {n: plan.of("state", n).value for n in ("l2", "l3", "l4")} == {"l2": "8bit", "l3": "fp32", "l4": "8bit"}
     state = trainer.optimizers[0].state
     model = trainer.lightning_module
     assert state[model.l2.weight]["exp_avg"].dtype == torch.uint8  # the run trains on with the chosen plan

@@ -77,6 +77,7 @@ def test_saved_search_options_are_validated_and_only_memory_and_balanced_use_the
 
 
 # ------------------------------------------------------------------------------------------------ Trainer runs
+@pytest.mark.slow
 def test_group_testing_isolates_the_layer_whose_saved_tensors_break_convergence(tmp_path: Path) -> None:
     """``l3`` saves ``h + 4096``: stored at fp8 that loses ``h``, and its weight gradient becomes rounding noise
     (measured: val_loss 2.0516 against the reference's 2.0110, seed 0); l2 and l4 at fp8 end at 2.0110."""
@@ -86,7 +87,7 @@ def test_group_testing_isolates_the_layer_whose_saved_tensors_break_convergence(
     train, val = loaders()
     trainer.fit(WideMLP(), train, val)
     plan = plugin.plan
-    assert {n: plan.saved_of(n).value for n in ("l2", "l3", "l4")} == {"l2": "fp8", "l3": "fp32", "l4": "fp8"}
+    assert {n: plan.of("saved", n).value for n in ("l2", "l3", "l4")} == {"l2": "fp8", "l3": "fp32", "l4": "fp8"}
     assert not plan.low_operators(trainer.lightning_module)  # compute stays fp32: only the saved dimension moved
     groups = [t.group for t in search.state.trials[1:]]
     l2, l3, l4 = (Candidate.saved(n) for n in ("l2", "l3", "l4"))
@@ -114,6 +115,7 @@ def test_group_testing_isolates_the_layer_whose_saved_tensors_break_convergence(
     assert resumed_plugin.executor.saved_tensors.compressed_bytes > 0  # the resumed epoch trained with it
 
 
+@pytest.mark.slow
 def test_a_nan_from_compression_is_caught_by_the_trials_nan_rejection(tmp_path: Path,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """A codec fault (NaN in what it stores) must reject every trial that uses it; training goes on without it."""
@@ -177,5 +179,5 @@ def test_cheap_operators_recompute_as_a_group_when_the_step_pays(tmp_path: Path)
         assert entry["decision"] == "recompute", entry["reason"]
         assert tuple(entry["group"]) == relus and "recompute together" in entry["reason"]
         assert entry["bytes"]["recompute"] < entry["bytes"]["fp32"]
-    assert {n: plugin.plan.saved_of(n).value for n in relus} == dict.fromkeys(relus, "recompute")
+    assert {n: plugin.plan.of("saved", n).value for n in relus} == dict.fromkeys(relus, "recompute")
     assert record["saved_lowered"] == dict.fromkeys(relus, "recompute")

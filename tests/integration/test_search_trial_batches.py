@@ -126,7 +126,7 @@ def test_killed_during_trials_of_batches_resumes_to_the_same_plan(batch_trials: 
     train, val = loaders()
     resumed.fit(WideMLP(), train, val, ckpt_path=str(last))
     assert search.phase == "done"
-    assert plugin.plan.entries == batch_trials["plugin"].plan.entries
+    assert plugin.plan["compute"].entries == batch_trials["plugin"].plan["compute"].entries
     assert resumed.current_epoch == batch_trials["trainer"].current_epoch
 
 
@@ -214,7 +214,7 @@ def test_trials_of_batches_with_the_users_own_validation_inside_the_epoch(batch_
     trainer.fit(WideMLP(), train, val)
     assert search.phase == "done"
     assert search.chosen_plan is not None
-    assert search.chosen_plan.entries == batch_trials["search"].chosen_plan.entries
+    assert search.chosen_plan["compute"].entries == batch_trials["search"].chosen_plan["compute"].entries
     trial_epochs = {t.start_epoch for t in search.state.trials}
     for epoch in range(trainer.current_epoch):
         at = [ready for e, ready in seen if e == epoch]

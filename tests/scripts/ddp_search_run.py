@@ -37,7 +37,7 @@ class ReleaseProcessGroup(pl.Callback):
 
 def _plan_entries(plan: Any) -> dict[str, str]:
     """Both dimensions of a plan's entries, flat (saved ones as ``saved:<selector>``)."""
-    return {**{s: p.value for s, p in plan.entries}, **{f"saved:{s}": p.value for s, p in plan.saved}}
+    return {**plan["compute"].to_dict(), **{f"saved:{s}": v for s, v in plan["saved"].to_dict().items()}}
 
 
 class PlanLog(pl.Callback):

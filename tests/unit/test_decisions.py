@@ -14,7 +14,8 @@ from lightning_comp.errors import SearchConfigError, UsageError
 from lightning_comp.numerics.precision import ComputePrecision, SavedPrecision
 from lightning_comp.operators.discovery import iter_operators
 from lightning_comp.operators.kinds import OperatorKind
-from lightning_comp.search.candidates import Candidate, Dimension
+from lightning_comp.plan.dimensions import Dimension
+from lightning_comp.search.candidates import Candidate
 from lightning_comp.search.config import Objective, SearchConfig
 from lightning_comp.search.decisions.group_search import GroupSearch
 from lightning_comp.search.decisions.objectives import balanced_score, policy_for
@@ -257,7 +258,7 @@ def test_whole_step_alternatives_are_distinct_plans_without_excluded_operators()
     candidate_plan = plan_for(ComputePrecision.BF16, runs, [Candidate("0"), Candidate("2")])
     amp = {"0", "1", "2", "3", "4"}  # what a global autocast region lowered
     alternatives = stage._alternatives(modules, lowerable, order, decisions, candidate_plan, {"0", "3", "4"})
-    lowered = {label: {s for s, p in plan.entries if p is ComputePrecision.BF16}
+    lowered = {label: {s for s, p in plan["compute"].entries if p is ComputePrecision.BF16}
                for label, plan in alternatives.items()}
     # AMP's plan and all_low leave the excluded head out; compute = the Linears allowed (without the LayerNorm fill)
     assert lowered == {"amp": {"0", "3"}, "all_low": {"0", "1", "2", "3"}, "compute": {"0", "2"}}
@@ -307,10 +308,10 @@ def test_a_trial_plan_lowers_its_compute_candidates_with_their_fills_and_its_sav
     runs = [CheapRun("l1", "l2", ("a1",))]
     group = (Candidate("l1"), Candidate("l2"), Candidate.saved("a1"))
     plan = plan_for(ComputePrecision.BF16, runs, group, {"a1": SavedPrecision.FP8})
-    assert {s: p.value for s, p in plan.entries} == {"l1": "bf16", "a1": "bf16", "l2": "bf16"}
-    assert plan.saved_of("a1") is SavedPrecision.FP8 and plan.saved_of("l2") is SavedPrecision.FP32
+    assert {s: p.value for s, p in plan["compute"].entries} == {"l1": "bf16", "a1": "bf16", "l2": "bf16"}
+    assert plan.of("saved", "a1") is SavedPrecision.FP8 and plan.of("saved", "l2") is SavedPrecision.FP32
     alone = plan_for(ComputePrecision.BF16, runs, (Candidate("l1"),))
-    assert {s for s, _ in alone.entries} == {"l1"}  # a run is lowered only when both of its ends are
+    assert {s for s, _ in alone["compute"].entries} == {"l1"}  # a run is lowered only when both of its ends are
     assert plan_for(ComputePrecision.BF16, runs, None) == plan_for(ComputePrecision.BF16, runs, ()) == type(plan)()
     with pytest.raises(SearchConfigError, match=r"\['a1'\] have no saved precision"):
         plan_for(ComputePrecision.BF16, [], (Candidate.saved("a1"),), {})

@@ -235,14 +235,14 @@ def test_declining_slow_fp16_keeps_the_saved_dimension_and_the_rest_of_the_plan(
     model = TinyMLP()
     plan = PrecisionPlan.for_model(model, {"net.0": {"compute": "fp16", "saved": "fp8"}, "net.2": "bf16"},
                                    provenance={"made_by": "me"})
-    plan = plan.with_saved({}, default="bf16")
+    plan = plan.with_assignment("saved", {}, default="bf16")
     no_fast_fp16 = DeviceClass("cpu", name="test", capability="AVX512", native=frozenset({BF16}),
                                emulated=frozenset({FP16}))
     with pytest.warns(UserWarning, match="no fast fp16"):
         declined = decline_slow_fp16(plan, no_fast_fp16, allow=False)
-    assert declined.precision_of("net.0") is FP32 and declined.precision_of("net.2") is BF16
-    assert declined.saved == plan.saved and declined.saved_of("net.0").value == "fp8"
-    assert declined.saved_default is plan.saved_default and declined.saved_of("net.4").value == "bf16"
+    assert declined.of("compute", "net.0") is FP32 and declined.of("compute", "net.2") is BF16
+    assert declined["saved"] == plan["saved"] and declined.of("saved", "net.0").value == "fp8"
+    assert declined["saved"].default is plan["saved"].default and declined.of("saved", "net.4").value == "bf16"
     assert declined.fingerprint == plan.fingerprint and declined.provenance["made_by"] == "me"
     assert declined.provenance["declined_fp16"] is True
     assert decline_slow_fp16(plan, no_fast_fp16, allow=True) is plan
@@ -257,6 +257,6 @@ def test_the_plugin_trains_a_declined_fp16_plan_with_its_saved_entries(
     plugin = CoMPPrecision({"net.0": {"compute": "fp16", "saved": "fp8"}}, min_saved_bytes=0)
     with pytest.warns(UserWarning, match="no fast fp16"):
         pl.Trainer(max_steps=1, plugins=[plugin], **fast_trainer_kwargs).fit(TinyMLP(), regression_loader())
-    assert plugin.plan.precision_of("net.0") is FP32 and plugin.plan.saved_of("net.0").value == "fp8"
+    assert plugin.plan.of("compute", "net.0") is FP32 and plugin.plan.of("saved", "net.0").value == "fp8"
     assert plugin.executor._operators["net.0"].saved.value == "fp8"
     assert plugin.executor.saved_tensors.compressed_bytes > 0  # the fp8 codec ran in training

@@ -18,10 +18,10 @@ def _model() -> nn.Module:
 
 def test_every_dimension_round_trips_through_the_plan_file(tmp_path: object) -> None:
     plan = PrecisionPlan.from_dict({"0": {"compute": "bf16", "state": "8bit", "master": "bf16"},
-                                    "1": {"saved": "recompute"}}, state_default="bf16").bind(_model())
-    assert plan.state_of("0") is StatePrecision.INT8 and plan.state_of("2") is StatePrecision.BF16
-    assert plan.master_of("0") is MasterPrecision.BF16 and plan.master_of("2") is MasterPrecision.FP32
-    assert plan.saved_of("1") is SavedPrecision.RECOMPUTE and plan.recomputes and plan.manages_parameters
+                                    "1": {"saved": "recompute"}}, default={"state": "bf16"}).bind(_model())
+    assert plan.of("state", "0") is StatePrecision.INT8 and plan.of("state", "2") is StatePrecision.BF16
+    assert plan.of("master", "0") is MasterPrecision.BF16 and plan.of("master", "2") is MasterPrecision.FP32
+    assert plan.of("saved", "1") is SavedPrecision.RECOMPUTE and plan.recomputes and plan.manages_parameters
     document = plan.to_dict()
     assert document["state"] == {"0": "8bit"} and document["state_default"] == "bf16"
     assert document["master"] == {"0": "bf16"}
@@ -35,7 +35,7 @@ def test_documents_without_the_new_dimensions_read_as_fp32() -> None:
     for key in ("state", "state_default", "master", "master_default"):
         del document[key]
     plan = PrecisionPlan.from_dict(document)
-    assert not plan.manages_parameters and plan.state_default is StatePrecision.FP32
+    assert not plan.manages_parameters and plan["state"].default is StatePrecision.FP32
 
 
 def test_bad_values_and_unknown_operators_are_named() -> None:

@@ -99,7 +99,7 @@ def test_work_outside_every_module_is_its_own_owner() -> None:
 def test_all_bf16_lowers_the_containers_own_work_from_the_first_step(dtype_recorder: DtypeRecorder) -> None:
     model = _Model()
     executor = PlanExecutor()
-    executor.apply(model, PrecisionPlan(default="bf16"))
+    executor.apply(model, PrecisionPlan.from_dict({}, default="bf16"))
     dtype_recorder.attach(model)
     x = torch.randn(2, 5, 8)
     for _ in range(3):  # tracing (provisional operators), calibrating, chained

@@ -131,19 +131,19 @@ def test_exact_beats_glob_beats_type_beats_default() -> None:
 
 def test_longest_glob_wins() -> None:
     plan = PrecisionPlan.from_dict({"encoder.*": "bf16", "encoder.1.*": "fp16", "*": "fp32"})
-    assert plan.precision_of("encoder.1.norm") is ComputePrecision.FP16
-    assert plan.precision_of("encoder.0.norm") is ComputePrecision.BF16
-    assert plan.precision_of("head") is ComputePrecision.FP32
+    assert plan.of("compute", "encoder.1.norm") is ComputePrecision.FP16
+    assert plan.of("compute", "encoder.0.norm") is ComputePrecision.BF16
+    assert plan.of("compute", "head") is ComputePrecision.FP32
 
 
 def test_nearest_class_in_mro_wins() -> None:
     plan = PrecisionPlan.from_dict({"type:Linear": "fp16", "type:_MyLinear": "bf16", "type:Module": "fp32"})
-    assert plan.precision_of("head", _MyLinear) is ComputePrecision.BF16
-    assert plan.precision_of("x", nn.Linear) is ComputePrecision.FP16
-    assert plan.precision_of("x", nn.ReLU) is ComputePrecision.FP32
+    assert plan.of("compute", "head", _MyLinear) is ComputePrecision.BF16
+    assert plan.of("compute", "x", nn.Linear) is ComputePrecision.FP16
+    assert plan.of("compute", "x", nn.ReLU) is ComputePrecision.FP32
     plan2 = PrecisionPlan.from_dict({"type:_ConvNd": "bf16"}, default="fp16")
-    assert plan2.precision_of("c", nn.Conv2d) is ComputePrecision.BF16  # private base classes can be named
-    assert plan2.precision_of("c") is ComputePrecision.FP16  # type selectors need the class
+    assert plan2.of("compute", "c", nn.Conv2d) is ComputePrecision.BF16  # private base classes can be named
+    assert plan2.of("compute", "c") is ComputePrecision.FP16  # type selectors need the class
 
 
 def test_queries() -> None:
@@ -160,15 +160,15 @@ def test_queries() -> None:
 
 def test_with_entries_and_provenance_do_not_mutate() -> None:
     plan = PrecisionPlan.from_dict({"a": "bf16"})
-    plan2 = plan.with_entries({"a": "fp16", "b": "bf16"})
-    assert dict(plan.entries) == {"a": ComputePrecision.BF16}
-    assert dict(plan2.entries) == {"a": ComputePrecision.FP16, "b": ComputePrecision.BF16}
+    plan2 = plan.with_assignment("compute", {"a": "fp16", "b": "bf16"})
+    assert dict(plan["compute"].entries) == {"a": ComputePrecision.BF16}
+    assert dict(plan2["compute"].entries) == {"a": ComputePrecision.FP16, "b": ComputePrecision.BF16}
     noted = plan.with_provenance(source="test", epochs=2)
     assert noted == plan and noted.provenance == {"source": "test", "epochs": 2} and plan.provenance == {}
     with pytest.raises(TypeError):
         noted.provenance["x"] = 1  # type: ignore[index]
     with pytest.raises(AttributeError):
-        plan.default = ComputePrecision.BF16  # type: ignore[misc]
+        plan.assignments = ()  # type: ignore[misc]
 
 
 # ------------------------------------------------------------------------------------------------ validation

@@ -52,13 +52,14 @@ def _plan(raw: Raw, default: ComputePrecision) -> PrecisionPlan:
     return PrecisionPlan.from_dict({s: v for s, (_, v) in raw.items()}, default=default)
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(raw=entries, default=precision)
 def test_spellings_parse_to_their_precision(raw: Raw, default: ComputePrecision) -> None:
     plan = _plan(raw, default)
-    assert dict(plan.entries) == {s: p for s, (p, _) in raw.items()}
-    assert plan.default is default
-    assert [s for s, _ in plan.entries] == sorted(raw)
+    assert dict(plan["compute"].entries) == {s: p for s, (p, _) in raw.items()}
+    assert plan["compute"].default is default
+    assert [s for s, _ in plan["compute"].entries] == sorted(raw)
 
 
 @SETTINGS
@@ -86,7 +87,7 @@ def test_save_load_round_trip(
 ) -> None:
     plan = _plan(raw, default)
     if operators:  # a bound plan keeps its fingerprint and environment through the file
-        plan = PrecisionPlan(plan.entries, plan.default, OperatorFingerprint(tuple(operators)), "2.x", "cpu")
+        plan = PrecisionPlan(plan.assignments, OperatorFingerprint(tuple(operators)), "2.x", "cpu")
     path = tmp_path_factory.mktemp("plans") / "plan.json"
     assert PrecisionPlan.load(plan.save(path)) == plan
 
@@ -134,7 +135,7 @@ _CLASSES = [_B, _A, nn.Linear, nn.Module, object]
 
 def _oracle(plan: PrecisionPlan, op: str, klass: type) -> ComputePrecision:
     """The documented precedence, spelled out independently: exact > longest glob > nearest type > default."""
-    table = dict(plan.entries)
+    table = dict(plan["compute"].entries)
     if op in table and not any(c in op for c in "*?[") and not op.startswith("type:"):
         return table[op]
     globs = [
@@ -145,7 +146,7 @@ def _oracle(plan: PrecisionPlan, op: str, klass: type) -> ComputePrecision:
     for k in klass.__mro__:
         if "type:" + k.__name__ in table:
             return table["type:" + k.__name__]
-    return plan.default
+    return plan["compute"].default
 
 
 @SETTINGS
@@ -159,8 +160,8 @@ def _oracle(plan: PrecisionPlan, op: str, klass: type) -> ComputePrecision:
 def test_precedence_matches_the_documented_rule(
     raw: Raw, default: ComputePrecision, op: str, klass: type, types: dict[str, ComputePrecision]
 ) -> None:
-    plan = _plan(raw, default).with_entries({"type:" + t: p for t, p in types.items()})
-    assert plan.precision_of(op, klass) is _oracle(plan, op, klass)
+    plan = _plan(raw, default).with_assignment("compute", {"type:" + t: p for t, p in types.items()})
+    assert plan.of("compute", op, klass) is _oracle(plan, op, klass)
 
 
 @SETTINGS
@@ -169,16 +170,16 @@ def test_exact_entry_always_decides_and_types_never_override_names(
     raw: dict[str, tuple[ComputePrecision, Any]], op: str, p: ComputePrecision, q: ComputePrecision
 ) -> None:
     plan = _plan(raw, ComputePrecision.FP32)
-    assert plan.with_entries({op: p}).precision_of(op, _B) is p
-    named = plan.with_entries({op: p, "type:_B": q, "type:Linear": q})
-    assert named.precision_of(op, _B) is p
-    before = plan.precision_of(op)  # decided without a class: by name, glob or default
+    assert plan.with_assignment("compute", {op: p}).of("compute", op, _B) is p
+    named = plan.with_assignment("compute", {op: p, "type:_B": q, "type:Linear": q})
+    assert named.of("compute", op, _B) is p
+    before = plan.of("compute", op)  # decided without a class: by name, glob or default
     explained_by_name = any(
         s == op or (any(c in s for c in "*?[") and not s.startswith("type:") and fnmatch.fnmatchcase(op, s))
-        for s, _ in plan.entries
+        for s, _ in plan["compute"].entries
     )
     if explained_by_name:
-        assert plan.with_entries({"type:_B": q}).precision_of(op, _B) is before
+        assert plan.with_assignment("compute", {"type:_B": q}).of("compute", op, _B) is before
 
 
 @SETTINGS

@@ -99,11 +99,11 @@ def _model() -> nn.Sequential:
 
 def test_entries_may_set_either_dimension_or_both() -> None:
     plan = PrecisionPlan.from_dict({"0": {"compute": "bf16", "saved": "fp8"}, "type:GELU": {"saved": "bf16"},
-                                    "3": "bf16"}, saved={"1": "bf16"})
-    assert plan.precision_of("0") is plan.precision_of("3") and plan.precision_of("0").value == "bf16"
-    assert plan.saved_of("0") is SavedPrecision.FP8 and plan.saved_of("1") is SavedPrecision.BF16
-    assert plan.saved_of("2", nn.GELU) is SavedPrecision.BF16 and plan.saved_of("3") is SavedPrecision.FP32
-    assert plan.precision_of("2", nn.GELU).value == "fp32" and plan.compresses_saved
+                                    "3": "bf16", "1": {"saved": "bf16"}})
+    assert plan.of("compute", "0") is plan.of("compute", "3") and plan.of("compute", "0").value == "bf16"
+    assert plan.of("saved", "0") is SavedPrecision.FP8 and plan.of("saved", "1") is SavedPrecision.BF16
+    assert plan.of("saved", "2", nn.GELU) is SavedPrecision.BF16 and plan.of("saved", "3") is SavedPrecision.FP32
+    assert plan.of("compute", "2", nn.GELU).value == "fp32" and plan.compresses_saved
     with pytest.raises(PlanError, match=r"'0'.*'compute'.*'saved'.*not \['colour'\]"):
         PrecisionPlan.from_dict({"0": {"compute": "bf16", "colour": "red"}})
     with pytest.raises(PlanError, match="Plan entry '0'.*Unknown saved precision 'fp4'"):
@@ -118,18 +118,18 @@ def test_plan_files_round_trip_both_dimensions(tmp_path: Path) -> None:
     assert data["saved_default"] == "fp32"
     assert PrecisionPlan.load(plan.save(tmp_path / "p.json")) == plan
     assert pickle.loads(pickle.dumps(plan)) == plan and copy.deepcopy(plan) == plan
-    assert plan != plan.with_saved({"0": "bf16"})
-    assert plan.with_saved({"0": "fp32"}, default="fp8").saved_of("0") is SavedPrecision.FP32
+    assert plan != plan.with_assignment("saved", {"0": "bf16"})
+    assert plan.with_assignment("saved", {"0": "fp32"}, default="fp8").of("saved", "0") is SavedPrecision.FP32
     plain = PrecisionPlan.for_model(model, {"0": "bf16"})
     assert plain.to_dict()["saved"] == {} and not plain.compresses_saved
-    assert PrecisionPlan.load(plain.save(tmp_path / "plain.json")).saved_of("0") is SavedPrecision.FP32
+    assert PrecisionPlan.load(plain.save(tmp_path / "plain.json")).of("saved", "0") is SavedPrecision.FP32
 
 
 def test_saved_entries_that_match_no_operator_fail_loudly() -> None:
     with pytest.raises(PlanMismatchError, match="1 saved plan entry matches no operator of Sequential: 'lienar'"):
         PrecisionPlan.for_model(_model(), {"lienar": {"saved": "bf16"}})
     with pytest.raises(PlanMismatchError, match="lienar"):
-        PrecisionPlan.from_dict({}, saved={"lienar": "bf16"}).bind(_model())
+        PrecisionPlan.from_dict({"lienar": {"saved": "bf16"}}).bind(_model())
 
 
 def test_summary_shows_both_dimensions_and_what_decided_them() -> None:
@@ -163,8 +163,8 @@ def _batch() -> tuple[torch.Tensor, torch.Tensor]:
 def test_saved_entries_all_fp32_give_bit_identical_gradients() -> None:
     model, (x, y) = _model(), _batch()
     reference, _ = _grads(model, PrecisionPlan.from_dict({"0": "bf16"}), x, y)
-    same, executor = _grads(model, PrecisionPlan.from_dict({"0": {"compute": "bf16", "saved": "fp32"}},
-                                                           saved={"*": "fp32"}), x, y)
+    same, executor = _grads(model, PrecisionPlan.from_dict({"0": {"compute": "bf16", "saved": "fp32"},
+                                                            "*": {"saved": "fp32"}}), x, y)
     assert reference.keys() == same.keys() and all(torch.equal(reference[k], same[k]) for k in reference)
     assert executor.saved_tensors.compressed_bytes == 0
 
@@ -172,7 +172,7 @@ def test_saved_entries_all_fp32_give_bit_identical_gradients() -> None:
 def test_small_tensors_and_parameters_are_saved_as_they_are() -> None:
     model, (x, y) = _model(), _batch()
     reference, _ = _grads(model, PrecisionPlan(), x, y)
-    _, executor = _grads(model, PrecisionPlan.from_dict({}, saved_default="fp8"), x, y, min_bytes=10**9)
+    _, executor = _grads(model, PrecisionPlan.from_dict({}, default={"saved": "fp8"}), x, y, min_bytes=10**9)
     assert executor.saved_tensors.compressed_bytes == 0
     # a bf16 Linear saving fp8: its activations are compressed, its weight copy is left to the weight recipes
     frozen = _model()
@@ -205,7 +205,7 @@ def test_a_tensor_saved_by_several_operators_is_compressed_once() -> None:
 
     model = ThreeHeads()
     executor = PlanExecutor(min_saved_bytes=0)
-    executor.apply(model, PrecisionPlan.from_dict({}, saved={"q": "fp8", "k": "fp8", "v": "fp8"}))
+    executor.apply(model, PrecisionPlan.from_dict({n: {"saved": "fp8"} for n in ("q", "k", "v")}))
     with executor.step(StepKind.TRAIN):
         model(torch.randn(32, 64)).sum().backward()
     assert executor.saved_tensors.compressed_bytes == 32 * 64 * 4  # h once, not three times
@@ -214,7 +214,7 @@ def test_a_tensor_saved_by_several_operators_is_compressed_once() -> None:
 
 def test_compressed_tensors_are_handed_on_to_outer_hooks_such_as_save_on_cpu() -> None:
     model, (x, y) = _model(), _batch()
-    plan = PrecisionPlan.from_dict({}, saved_default="fp8")
+    plan = PrecisionPlan.from_dict({}, default={"saved": "fp8"})
     alone, _ = _grads(model, plan, x, y)
     on_cpu = torch.autograd.graph.save_on_cpu()
     moved: list[torch.dtype] = []
@@ -248,8 +248,8 @@ def test_an_inf_in_an_activation_saved_as_fp8_gives_nan_gradients_instead_of_a_s
         return x.grad
 
     assert torch.isfinite(grad(PrecisionPlan())).all()
-    assert torch.isfinite(grad(PrecisionPlan.from_dict({}, saved_default="bf16"))).all()  # bf16 keeps the inf
-    assert torch.isnan(grad(PrecisionPlan.from_dict({}, saved_default="fp8"))).all()
+    assert torch.isfinite(grad(PrecisionPlan.from_dict({}, default={"saved": "bf16"}))).all()  # bf16 keeps the inf
+    assert torch.isnan(grad(PrecisionPlan.from_dict({}, default={"saved": "fp8"}))).all()
 
 
 def _zoo_batch(kind: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -277,7 +277,7 @@ def test_gradient_error_of_saved_bf16_and_fp8_is_bounded_on_every_operator_type_
     reference, _ = _grads(model, PrecisionPlan(), x, y)
     owners = dict(iter_operators(model))
     for saved, bound in (("bf16", 35.0), ("fp8", 15.0)):
-        grads, executor = _grads(model, PrecisionPlan.from_dict({}, saved_default=saved), x, y)
+        grads, executor = _grads(model, PrecisionPlan.from_dict({}, default={"saved": saved}), x, y)
         assert executor.saved_tensors.compressed_bytes > 0
         worst: dict[str, float] = collections.defaultdict(lambda: float("inf"))
         for name, ref in reference.items():
@@ -303,7 +303,7 @@ def test_saved_precision_composes_with_activation_checkpointing() -> None:
     model, (x, y) = Checkpointed(), _batch()
     reference, _ = _grads(model, PrecisionPlan(), x, y)
     for saved, bound in (("bf16", 45.0), ("fp8", 25.0)):
-        grads, executor = _grads(model, PrecisionPlan.from_dict({}, saved_default=saved), x, y)
+        grads, executor = _grads(model, PrecisionPlan.from_dict({}, default={"saved": saved}), x, y)
         assert executor.saved_tensors.compressed_bytes > 0
         assert min(sqnr(reference[k], grads[k]) for k in reference) > bound
 

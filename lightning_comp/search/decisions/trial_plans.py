@@ -16,8 +16,9 @@ from torch import nn
 from lightning_comp.errors import SearchConfigError
 from lightning_comp.numerics.precision import ComputePrecision, MasterPrecision, SavedPrecision, StatePrecision
 from lightning_comp.operators.kinds import OperatorKind, classify
+from lightning_comp.plan.dimensions import Dimension
 from lightning_comp.plan.plan import PrecisionPlan
-from lightning_comp.search.candidates import Candidate, Dimension
+from lightning_comp.search.candidates import Candidate
 from lightning_comp.search.decisions.operators import Choice, OperatorDecision
 
 __all__ = ["CheapRun", "cheap_runs", "plan_for"]
@@ -100,5 +101,7 @@ def plan_for(low: ComputePrecision, runs: Iterable[CheapRun], group: Sequence[Ca
             raise SearchConfigError(f"{word.capitalize()}-precision candidates {missing} have no {word} precision in"
                                     f" the search state ({dict(mapping or {})!r}); the checkpoint is inconsistent.")
         chosen[dimension.value] = {name: mapping[name].value for name in names} if mapping else {}
-    return PrecisionPlan.from_dict(entries, saved=chosen["saved"] or None, state=chosen["state"] or None,
-                                   master=chosen["master"] or None)
+    plan = PrecisionPlan.from_dict(entries)
+    for dimension in (Dimension.SAVED, Dimension.STATE, Dimension.MASTER):
+        plan = plan.with_assignment(dimension, chosen[dimension.value])
+    return plan

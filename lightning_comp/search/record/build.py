@@ -10,6 +10,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_comp.numerics.precision import ComputePrecision
+from lightning_comp.plan.dimensions import Dimension
 from lightning_comp.plan.plan import PrecisionPlan
 from lightning_comp.search.config import SearchConfig
 from lightning_comp.search.record.loggers import log_record
@@ -30,7 +31,7 @@ def build_record(state: SearchState, config: SearchConfig) -> dict[str, Any]:
             rejected_seconds += float(trial.seconds)
         trials.append({
             "label": trial.label,
-            "low_operators": [s for s, p in plan.entries if p is not ComputePrecision.FP32],
+            "low_operators": [s for s, p in plan[Dimension.COMPUTE].entries if p is not ComputePrecision.FP32],
             "metric": trial.metric,
             "reference": state.trials[0].metric if state.trials else None,
             "verdict": None if trial.verdict is None else trial.verdict.value,

@@ -31,6 +31,7 @@ from lightning_comp.devices.lowering import Lowering, lowering_for
 from lightning_comp.numerics.precision import ComputePrecision
 from lightning_comp.operators.discovery import iter_operators
 from lightning_comp.operators.kinds import classify
+from lightning_comp.plan.dimensions import Dimension
 from lightning_comp.plan.plan import PrecisionPlan
 from lightning_comp.plugins.comp import CoMPPrecision
 from lightning_comp.search.candidates import Candidate
@@ -145,7 +146,8 @@ class BatchStage:
             runs = cheap_runs(order, decisions, modules)
             names = [n for n in order if decisions[n].is_candidate]
             candidate_plan = plan_for(self.low, runs, [Candidate(n) for n in names]) if names else None
-            if candidate_plan is not None and candidate_plan.entries != self._all_low(lowerable).entries:
+            all_low = self._all_low(lowerable)[Dimension.COMPUTE]
+            if candidate_plan is not None and candidate_plan[Dimension.COMPUTE] != all_low:
                 # its cast boundaries differ from the all-low plan's the operators were measured at
                 plan_profile = self._profile_at_boundaries(trainer, pl_module, step, clock, candidate_plan)
                 dropped = agree(trainer, recheck_at_plan_boundaries(self.policy, decisions, plan_profile))
@@ -175,7 +177,7 @@ class BatchStage:
                 saved = SavedStage(self.config, self.plugin, self.progress).measure(
                     trainer, pl_module, step, clock, base, modules, order, decisions)
         if self.policy.weighs_memory:
-            with_saved = base.with_saved({n: s.value for n, s in saved.choices.items()})
+            with_saved = base.with_assignment(Dimension.SAVED, {n: s.value for n, s in saved.choices.items()})
             chosen = winner or ("candidates" if names else "fp32")  # the plan the candidates now are
             saved_bytes = step_saved.get(chosen, step_saved.get("fp32", 0.0))
             chosen_ms = {"fp32": step_ms["fp32"], "candidates": step_ms.get(chosen, step_ms["fp32"])}
@@ -330,13 +332,13 @@ class BatchStage:
             "all_low": PrecisionPlan.from_dict({n: low for n in allowed}),
             "compute": PrecisionPlan.from_dict({n: low for n in heavy}),
         }
-        seen = {PrecisionPlan().entries}
+        seen = {PrecisionPlan()[Dimension.COMPUTE].entries}
         if candidate_plan is not None:
-            seen.add(candidate_plan.entries)
+            seen.add(candidate_plan[Dimension.COMPUTE].entries)
         out: dict[str, PrecisionPlan] = {}
         for label, plan in options.items():
-            if plan.entries not in seen:
-                seen.add(plan.entries)
+            if plan[Dimension.COMPUTE].entries not in seen:
+                seen.add(plan[Dimension.COMPUTE].entries)
                 out[label] = plan
         return out
 
@@ -344,7 +346,8 @@ class BatchStage:
                step_ms: dict[str, float], saved: dict[str, float]) -> list[str]:
         """Make the operators of the winning alternative ``plan`` the candidates (no cheap-operator fills: the plan
         was timed as it is); return them."""
-        lowered = {selector for selector, precision in plan.entries if precision is not ComputePrecision.FP32}
+        lowered = {selector for selector, precision in plan[Dimension.COMPUTE].entries
+                   if precision is not ComputePrecision.FP32}
         what = ALTERNATIVES[winner].format(low=self.low)
         timing = f"({step_ms[winner]:.3f} vs {step_ms['fp32']:.3f} ms per step in fp32"
         timing += f", {step_ms['candidates']:.3f} ms for the candidates)" if "candidates" in step_ms else ")"

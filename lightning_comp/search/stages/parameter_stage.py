@@ -27,6 +27,7 @@ from torch import nn
 from lightning_comp.execution.optimizer_states import state_bytes, state_nbytes
 from lightning_comp.execution.parameter_groups import parameter_owners
 from lightning_comp.numerics.precision import ComputePrecision, MasterPrecision, StatePrecision
+from lightning_comp.plan.dimensions import Dimension
 from lightning_comp.plan.plan import PrecisionPlan
 from lightning_comp.plugins.comp import CoMPPrecision
 from lightning_comp.search.candidates import Candidate
@@ -192,7 +193,7 @@ class ParameterStage:
             decision.bytes["master"] = lowered
             time = paired_ratio(times["fp32"], times["master"])
             decision.time_ratios["master"] = [time.ratio, time.low, time.high]
-            compute = base.precision_of(name, module_type)
+            compute = base.of(Dimension.COMPUTE, name, module_type)
             if compute is not ComputePrecision.BF16:
                 reasons.append(f"master bf16: the operator computes in {compute.value} in the candidate plan")
             else:
@@ -219,8 +220,8 @@ class ParameterStage:
         """The candidate plan with and without the lowerings as whole steps: forward and backward timed, updates
         added; judged by the objective."""
         config, plugin = self.config, self.plugin
-        lowered = base.with_state({n: s.value for n, s in result.state_choices.items()}).with_master(
-            {n: m.value for n, m in result.master_choices.items()})
+        lowered = base.with_assignment(Dimension.STATE, {n: s.value for n, s in result.state_choices.items()})
+        lowered = lowered.with_assignment(Dimension.MASTER, {n: m.value for n, m in result.master_choices.items()})
         configs: dict[str, Callable[[], Any]] = {
             "candidates": functools.partial(plugin.measured_step, base),
             "parameters": functools.partial(plugin.measured_step, lowered)}

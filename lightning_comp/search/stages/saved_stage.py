@@ -25,6 +25,7 @@ import torch
 from lightning_comp.execution.recompute import recompute_unsuitable
 from lightning_comp.numerics.precision import SavedPrecision
 from lightning_comp.operators.kinds import OperatorKind, classify
+from lightning_comp.plan.dimensions import Dimension
 from lightning_comp.plan.plan import PrecisionPlan
 from lightning_comp.plugins.comp import CoMPPrecision
 from lightning_comp.search.candidates import Candidate
@@ -80,7 +81,7 @@ class SavedStage:
         eligible = self.eligible(modules, order)
         # bf16 shrinks only what an operator computing in fp32 saves: not worth profiling when every one is lowered
         options = tuple(s for s in self.policy.saved_options if s is not SavedPrecision.BF16
-                        or any(not base.precision_of(n, type(modules[n])).is_low for n in eligible))
+                        or any(not base.of(Dimension.COMPUTE, n, type(modules[n])).is_low for n in eligible))
         recomputable = [n for n in eligible if self.policy.recomputes and recompute_unsuitable(modules[n]) is None]
         if not options and not recomputable:  # e.g. saved_precision="bf16" with every operator computing in 16 bits
             return SavedStageResult()
@@ -107,9 +108,11 @@ class SavedStage:
         """The candidate plan profiled with every eligible operator saving as computed and at each option, and with
         every recomputable one recomputing."""
         config, plugin = self.config, self.plugin
-        plans = {"fp32": base, **{s.value: base.with_saved({n: s.value for n in eligible}) for s in options}}
+        plans = {"fp32": base, **{s.value: base.with_assignment(Dimension.SAVED, dict.fromkeys(eligible, s.value))
+                                  for s in options}}
         if recomputable:
-            plans[_RECOMPUTE] = base.with_saved({n: SavedPrecision.RECOMPUTE.value for n in recomputable})
+            plans[_RECOMPUTE] = base.with_assignment(Dimension.SAVED,
+                                                     dict.fromkeys(recomputable, SavedPrecision.RECOMPUTE.value))
         # Profiled as training steps run (calibrated cast boundaries, so a lowered operator's output stays low where
         # training keeps it low, and the tensors operators share are the ones training shares). A saved precision
         # does not move a cast boundary: one calibrating step of the base plan serves every configuration.
@@ -188,7 +191,7 @@ class SavedStage:
                     base: PrecisionPlan, choices: dict[str, SavedPrecision]) -> SavedStepCheck:
         """Time the candidate plan with and without the saved lowerings as whole steps, and judge the difference."""
         config, plugin = self.config, self.plugin
-        with_saved = base.with_saved({name: saved.value for name, saved in choices.items()})
+        with_saved = base.with_assignment(Dimension.SAVED, {name: saved.value for name, saved in choices.items()})
         plans = {"fp32": PrecisionPlan(), "candidates": base, "saved": with_saved}
         configs: dict[str, Callable[[], Any]] = {
             label: functools.partial(plugin.measured_step, plan) for label, plan in plans.items()}
