@@ -3,6 +3,9 @@
 
 What the fixtures hand out lives in ``tests/helpers`` (tests import from there, never from this file). Everything is
 small on purpose: the whole suite runs on 2 shared CPU cores.
+
+Two tiers: ``pytest -m "not slow"`` is the inner loop (minutes); CI runs everything. A test is ``slow`` when it takes
+more than about 1.5 s here, and every ``multiprocess`` test is (see ``pytest_collection_modifyitems``).
 """
 
 from __future__ import annotations
@@ -29,10 +32,15 @@ from tests.helpers.recording import DtypeRecorder, count_forward_hooks, sqnr
 SEED = 0
 
 
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects: a test marked slow here is left out of the fast tier
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Skip ``needs_native_bf16`` tests (their point is speed) where this CPU emulates BF16, saying so."""
+    """Mark every ``multiprocess`` test ``slow`` too (the fast tier, ``-m "not slow"``, starts no worker processes);
+    skip ``needs_native_bf16`` tests (their point is speed) where this CPU emulates BF16, saying so."""
     from lightning_comp.devices import device_class
 
+    for item in items:
+        if "multiprocess" in item.keywords and "slow" not in item.keywords:
+            item.add_marker(pytest.mark.slow)
     cpu = device_class("cpu")
     if cpu.is_native("bf16"):
         return

@@ -141,6 +141,7 @@ def test_resume_from_last_checkpoint(tmp_path: Path) -> None:
     assert (tmp_path / "b" / "checkpoints" / "last.ckpt").is_file()
 
 
+@pytest.mark.slow
 @requires_engine
 def test_resume_under_comp_keeps_the_plan(tmp_path: Path) -> None:
     first = run(_compose(tmp_path / "a", "model=char_gpt", "data=text", "precision=comp", *COMP_FAST))
@@ -201,6 +202,7 @@ THIRD_PARTY = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("model", "data", "overrides", "library"), THIRD_PARTY)
 def test_models_nobody_here_wrote_train_under_comp(tmp_path: Path, model: str, data: str,
                                                     overrides: tuple[str, ...], library: str) -> None:

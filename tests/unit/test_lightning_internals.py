@@ -115,6 +115,7 @@ def test_ddp_hook_registration_the_half_precision_strategy_overrides_still_exist
     assert hasattr(strategy, "_ddp_comm_wrapper")  # the slot HalfPrecisionDDPStrategy refuses to share
 
 
+@pytest.mark.slow
 def test_a_model_handed_to_fit_compiled_is_seen() -> None:
     from lightning.pytorch.utilities.compile import _maybe_unwrap_optimized
     from torch import nn

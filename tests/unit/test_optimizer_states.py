@@ -118,6 +118,7 @@ def test_bf16_master_with_stochastic_rounding_keeps_small_updates() -> None:
     assert nearest.float().mean().item() == 1.0  # round-to-nearest loses every update
 
 
+@pytest.mark.slow
 def test_bf16_master_trains_and_halves_weight_and_gradient_bytes() -> None:
     reference, _, ref_losses = _train(None)
     plan = PrecisionPlan.from_dict({"big": {"compute": "bf16", "master": "bf16", "state": "8bit"}})
