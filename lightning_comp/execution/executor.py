@@ -2,9 +2,10 @@
 
 The executor registers one pre-hook and one post-hook per operator (:mod:`lightning_comp.execution.hooks`), which put
 each operator's precision into effect the way that suits it (:class:`~lightning_comp.devices.lowering.Lowering`).
-Once a step of a kind has calibrated, the FP32 operators whose hooks changed nothing in it are unhooked
-(:mod:`lightning_comp.execution.hook_registry`). Master weights are never modified: they stay FP32 and receive FP32
-gradients through the differentiable casts.
+Once a step of a kind has calibrated (:mod:`lightning_comp.execution.calibration`), the FP32 operators whose hooks
+changed nothing in it are unhooked (:mod:`lightning_comp.execution.hook_registry`). The hooks never modify
+the parameters: each receives its gradient in its own dtype through the differentiable casts (FP32, unless a plan's
+``master`` entry made it BF16: :mod:`lightning_comp.execution.optimizer_states`).
 
 It is the one owner of what a plan's execution depends on: the model, the plan in force (bound to the model), the
 device the hooks were built for, and whether the model runs compiled. A model carries one executor's plan at a time.
@@ -32,6 +33,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
@@ -40,9 +42,10 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
 from lightning_comp.devices.device_classes import model_device
+from lightning_comp.execution.calibration import Calibration, Calibrations, CastBoundaries
 from lightning_comp.execution.cast_boundaries import ConsumerTracer
 from lightning_comp.execution.compiled_regions import eager
-from lightning_comp.execution.hook_registry import HookRegistry, always_hooked
+from lightning_comp.execution.hook_registry import HookNeeds, HookRegistry
 from lightning_comp.execution.hooks import HookedOperator, PostHook, PreHook, StepState, make_hooks
 from lightning_comp.execution.planned_operators import hooked_operators, provisional_operators
 from lightning_comp.execution.recompute import Recomputer
@@ -56,6 +59,7 @@ from lightning_comp.plan.plan import PrecisionPlan
 
 __all__ = ["PlanExecutor", "StepKind"]
 
+
 class StepKind(str, Enum):
     """The kind of Lightning step a forward belongs to; cast boundaries are calibrated per kind."""
 
@@ -68,6 +72,36 @@ class StepKind(str, Enum):
 # The executor whose hooks are on each model. A model carries one plan at a time: applying another executor (a new
 # CoMPPrecision for the same model, e.g. a second Trainer) takes the previous one's hooks off first.
 _OWNERS: weakref.WeakKeyDictionary[nn.Module, PlanExecutor] = weakref.WeakKeyDictionary()
+
+
+@dataclass
+class _WorkTrace:
+    """Which kinds of step the model's own work was traced in (for which model), and the work found."""
+
+    model: weakref.ref[nn.Module] | None = None
+    kinds: set[StepKind] = field(default_factory=set)
+    work: StepWork | None = None  # that of the first traced step, or of the latest traced training step
+
+    def needed(self, model: nn.Module, kind: StepKind) -> bool:
+        """Whether a step of ``kind`` on ``model`` is to be traced (a new model starts over)."""
+        if self.model is None or self.model() is not model:
+            self.model = weakref.ref(model)
+            self.kinds = set()
+        return kind not in self.kinds
+
+    def done(self, kind: StepKind, work: StepWork) -> None:
+        """A step of ``kind`` was traced and found ``work``."""
+        self.kinds.add(kind)
+        if self.work is None or kind is StepKind.TRAIN:
+            self.work = work
+
+
+@dataclass
+class _SaidOnce:
+    """The warnings given already, each said once per executor."""
+
+    ineffective: set[str] = field(default_factory=set)  # operators whose plan entry had no effect
+    nothing_lowered: set[tuple[Any, ...]] = field(default_factory=set)  # plans (and devices) that lowered nothing
 
 
 class PlanExecutor:
@@ -87,30 +121,25 @@ class PlanExecutor:
     def __init__(self, recast_weights_in_backward: bool = True,
                  min_saved_bytes: int = DEFAULT_MIN_SAVED_BYTES) -> None:
         self.recast_weights_in_backward = bool(recast_weights_in_backward)
+        # the step's state the hooks read, the engines they call, and the hooks registered
+        self._step_state = StepState()
         self._weight_casts = WeightCastRecorder()
-        self._saved = SavedTensorCompressor(min_saved_bytes, is_weight_copy=self._weight_casts.made)
-        self._state = StepState()
-        self._recomputer = Recomputer(self._state)
+        self._saved_tensors = SavedTensorCompressor(min_saved_bytes, is_weight_copy=self._weight_casts.made)
+        self._recomputer = Recomputer(self._step_state)
         self._hooks = HookRegistry(self._make_hooks)  # (a bound method: the plugin pickles for ddp_spawn)
-        self._operators: dict[str, HookedOperator] = {}
-        self._plan: PrecisionPlan | None = None
+        # the model, and the plan in force on it
         self._model: nn.Module | None = None
         self._compiled = False
+        self._plan: PrecisionPlan | None = None
+        self._operators: dict[str, HookedOperator] = {}
+        self._needs = HookNeeds()
         self._in_force = False  # the plan's hooks are on the model (an all-FP32 plan needs none)
-        self._chained: dict[StepKind, frozenset[str]] = {}
+        # what steps found
+        self._calibrations = Calibrations()  # of every plan applied so far
+        self._calibration = Calibration()  # of the plan in force
         self._last_step_chained: frozenset[str] = frozenset()  # what the latest step's forward chained
-        self._warned_ineffective: set[str] = set()
-        self._calibrations: dict[tuple[Any, ...], dict[StepKind, frozenset[str]]] = {}
-        # per calibrated kind of step: the FP32 operators seen receiving a 16-bit input (they keep their hooks)
-        self._fed_low: dict[StepKind, frozenset[str]] = {}
-        self._fed_low_calibrations: dict[tuple[Any, ...], dict[StepKind, frozenset[str]]] = {}
-        self._always_hooked: frozenset[str] = frozenset()
-        self._compresses = False  # an operator of the plan saves in a lower precision
-        self._recomputes = False  # an operator of the plan saves 'recompute'
-        self._said_nothing_lowered: set[tuple[Any, ...]] = set()  # plans warned about lowering nothing
-        self._traced_kinds: set[StepKind] = set()  # kinds of step the model's work was traced in
-        self._traced_model: weakref.ref[nn.Module] | None = None
-        self._work: StepWork | None = None
+        self._work_trace = _WorkTrace()
+        self._said = _SaidOnce()
 
     # ---------------------------------------------------------------------------------------------------- state
     @property
@@ -126,7 +155,7 @@ class PlanExecutor:
     @property
     def device(self) -> torch.device | None:
         """The device the hooks were built for (``None`` before :meth:`apply`)."""
-        return self._state.device
+        return self._step_state.device
 
     @property
     def compiled(self) -> bool:
@@ -145,7 +174,7 @@ class PlanExecutor:
     @property
     def saved_tensors(self) -> SavedTensorCompressor:
         """The engine that stores operators' saved tensors at their planned saved precision."""
-        return self._saved
+        return self._saved_tensors
 
     @property
     def recomputer(self) -> Recomputer:
@@ -158,12 +187,12 @@ class PlanExecutor:
 
     def chained_operators(self, kind: StepKind) -> frozenset[str]:
         """Low-precision operators whose output stays low in steps of ``kind`` (empty until calibrated)."""
-        return self._chained.get(kind, frozenset())
+        return self._calibration.chained(kind)
 
     @property
     def work(self) -> StepWork | None:
         """The compute-heavy work of the model's first traced step, by owning module (``None`` before it ran)."""
-        return self._work
+        return self._work_trace.work
 
     def placed(self) -> bool:
         """Whether the plan is in force for the device the model computes on now (Lightning may have moved it)."""
@@ -216,18 +245,15 @@ class PlanExecutor:
             owner.remove()  # stale hooks of another executor would keep computing the old plan
         _OWNERS[model] = self
         self._operators, self._plan, self._model, self._compiled = operators, bound, model, compiled
-        self._state.device = target
-        self._saved.watch(model)
-        # Cast boundaries depend only on the model's call pattern and the plan: re-applying a plan seen before
-        # (the search alternates plans) reuses its calibration instead of tracing again.
+        self._step_state.device = target
+        self._saved_tensors.watch(model)
+        # re-applying a plan seen before (the search alternates plans) reuses its calibration
         compute = bound[Dimension.COMPUTE]
-        key = (weakref.ref(model), compute.entries, compute.default, str(target))  # a dead model never matches
-        self._chained = self._calibrations.setdefault(key, {})
-        self._fed_low = self._fed_low_calibrations.setdefault(key, {})
+        self._calibration = self._calibrations.of(model, (compute.entries, compute.default), target)
         said = (compute.entries, compute.default, str(target))
         if not bound.is_all_fp32 and not any(op.low and not op.transparent for op in operators.values()) \
-                and said not in self._said_nothing_lowered:
-            self._said_nothing_lowered.add(said)
+                and said not in self._said.nothing_lowered:
+            self._said.nothing_lowered.add(said)
             low = sorted({p.value for p in compute.values()
                           if p is not ComputePrecision.FP32})
             rank_zero_warn(
@@ -243,26 +269,24 @@ class PlanExecutor:
         """Register the hooks of the plan (none when no operator computes or saves in a lower precision): every
         operator's, then, for the kinds of step calibrated already, only those that change something."""
         self._in_force = True
-        self._always_hooked = always_hooked(self._operators)
-        self._compresses = any(op.saved.compresses for op in self._operators.values())
-        self._recomputes = any(op.saved.recomputes for op in self._operators.values())
+        self._needs = HookNeeds.of(self._operators)
         # compressing operators leave recompute operators' outputs to the recipes (no check without any)
-        self._saved.defer_to(self._recomputer.claims if self._recomputes else None)
-        if not self._always_hooked:
+        self._saved_tensors.defer_to(self._recomputer.claims if self._needs.recomputes else None)
+        if not self._needs.always_hooked:
             return
         self._hooks.hook(self._operators.values(), compiled=self._compiled)
         self._prune()
 
     def _make_hooks(self, op: HookedOperator) -> tuple[PreHook, PostHook]:
-        return make_hooks(op, self._state, self._weight_casts, self._saved, self._recomputer)
+        return make_hooks(op, self._step_state, self._weight_casts, self._saved_tensors, self._recomputer)
 
     def _prune(self) -> None:
         """Take the hooks off the FP32 operators that change nothing in any kind of step calibrated so far (see
         :mod:`lightning_comp.execution.hook_registry`); steps of a kind not calibrated yet re-hook them first. Not
         under ``torch.compile``: hooks traced into a graph cost nothing per call, and changing them recompiles."""
-        if self._compiled or not self._fed_low or not self._always_hooked:
+        if self._compiled or not self._calibration or not self._needs.always_hooked:
             return
-        keep = self._always_hooked.union(*self._fed_low.values())
+        keep = self._needs.always_hooked | self._calibration.fed_low()
         self._hooks.unhook([name for name in self._operators if name not in keep])
 
     def _hook_all(self) -> list[str]:
@@ -276,7 +300,7 @@ class PlanExecutor:
             self._operators.pop(name, None)
             while op.contexts:  # left entered only by a forward that raised before its post-hook
                 op.contexts.pop().__exit__(None, None, None)
-        self._state.regions = 0
+        self._step_state.regions = 0
 
     def _uninstall(self) -> None:
         """Remove the hooks and leave whatever a hook left entered (a forward that raised mid-way)."""
@@ -288,7 +312,7 @@ class PlanExecutor:
                 shield = op.shields.pop()
                 if shield is not None:
                     shield.exit()
-        self._state.regions = 0
+        self._step_state.regions = 0
 
     def detach(self) -> None:
         """Take the hooks off the model but keep the plan, precisions and calibration for inspection.
@@ -304,11 +328,10 @@ class PlanExecutor:
         """Remove every hook and forget the plan and its calibration; the model is left exactly as it was."""
         self.detach()
         self._operators = {}
-        self._chained = {}
-        self._fed_low = {}
-        self._state.chained = frozenset()
+        self._calibration = Calibration()
+        self._step_state.chained = frozenset()
         self._plan = None
-        self._state.device = None
+        self._step_state.device = None
 
     # ---------------------------------------------------------------------------------------------------- steps
     @contextmanager
@@ -320,7 +343,7 @@ class PlanExecutor:
             PlanMismatchError: after a tracing step, if a plan entry names containers none of which computes.
             PlanError: after a tracing step, if a container found computing has no way of lowering on the device.
         """
-        if self._model is not None and self._needs_trace(kind):
+        if self._model is not None and self._work_trace.needed(self._model, kind):
             with self._tracing_step(kind):
                 yield
             return
@@ -328,19 +351,19 @@ class PlanExecutor:
             yield
             return
         assert self._model is not None
-        if self._compresses:  # parameters may have been replaced since the last step (walking them costs)
-            self._saved.watch(self._model)
+        if self._needs.compresses:  # parameters may have been replaced since the last step (walking them costs)
+            self._saved_tensors.watch(self._model)
         recording = self._weight_casts.recording() if self._recasting else nullcontext()
         recipes = self._recipes(kind)
-        state = self._state
-        if kind in self._chained:
-            state.chained = self._last_step_chained = self._chained[kind]
+        state = self._step_state
+        if self._calibration.calibrated(kind):
+            state.chained = self._last_step_chained = self._calibration.chained(kind)
             try:
                 with recording, recipes:
                     yield
             finally:
                 state.chained = frozenset()
-                self._saved.clear()
+                self._saved_tensors.clear()
             return
         self._last_step_chained = frozenset()  # a calibrating step hands every output on in fp32
         self._hook_all()  # it finds the call pattern with every operator hooked
@@ -350,33 +373,25 @@ class PlanExecutor:
                 yield
         finally:
             state.tracer = None
-            self._saved.clear()
+            self._saved_tensors.clear()
         self._calibrated(kind, tracer)
         self._warn_ineffective(tracer.ineffective)
 
     def _recipes(self, kind: StepKind) -> AbstractContextManager[Any]:
         """Where recompute operators store recipes: the forward of a training step, when the plan has any."""
-        return self._recomputer.recording() if self._recomputes and kind is StepKind.TRAIN else nullcontext()
+        return self._recomputer.recording() if self._needs.recomputes and kind is StepKind.TRAIN else nullcontext()
 
     def _calibrated(self, kind: StepKind, tracer: ConsumerTracer) -> None:
         """Keep what a calibrating step of ``kind`` found, and take off the hooks that change nothing."""
-        self._chained[kind] = tracer.chained()
-        self._fed_low[kind] = frozenset(tracer.fed_low)
+        self._calibration.record(kind, CastBoundaries(tracer.chained(), frozenset(tracer.fed_low)))
         self._prune()
-
-    def _needs_trace(self, kind: StepKind) -> bool:
-        model = self._model
-        if self._traced_model is None or self._traced_model() is not model:
-            self._traced_model = None if model is None else weakref.ref(model)
-            self._traced_kinds = set()
-        return kind not in self._traced_kinds
 
     @contextmanager
     def _tracing_step(self, kind: StepKind) -> Iterator[None]:
         """A step that records which modules own compute-heavy work, with provisional operators hooked."""
         model = self._model
         assert model is not None
-        plan, device = self._plan, self._state.device
+        plan, device = self._plan, self._step_state.device
         untraced = next(iter_untraced_containers(model), None) is not None
         provisional: dict[str, HookedOperator] = {}
         if plan is not None and device is not None and self._in_force:
@@ -392,8 +407,8 @@ class PlanExecutor:
         self._last_step_chained = frozenset()  # a tracing step hands every output on in fp32, as a calibrating one
         recording = self._weight_casts.recording() if self._recasting and hooked else nullcontext()
         tracer = ConsumerTracer(self._operators, frozenset(provisional)) if hooked else None
-        self._state.tracer = tracer
-        self._saved.watch(model)
+        self._step_state.tracer = tracer
+        self._saved_tensors.watch(model)
         recorder = WorkRecorder(model)
         try:
             with eager() if self._compiled else nullcontext(), recorder, \
@@ -404,11 +419,9 @@ class PlanExecutor:
             self._hooks.unhook([] if planned else added)
             raise
         finally:
-            self._state.tracer = None
-            self._saved.clear()
-        self._traced_kinds.add(kind)
-        if self._work is None or kind is StepKind.TRAIN:
-            self._work = recorder.work
+            self._step_state.tracer = None
+            self._saved_tensors.clear()
+        self._work_trace.done(kind, recorder.work)
         self._drop_provisional(provisional)
         if not planned:  # an all-FP32 plan carries no hooks after the trace
             self._hooks.unhook(added)
@@ -419,9 +432,7 @@ class PlanExecutor:
             plan.validate(model)  # entries that waited for the trace: each must now match an operator
         new = set(self._operators) - before
         if new:  # cast boundaries found without these operators no longer hold
-            for calibrations in (self._calibrations, self._fed_low_calibrations):
-                for calibration in calibrations.values():
-                    calibration.clear()
+            self._calibrations.forget()
         if tracer is not None:
             if not new and self._hooks:
                 self._calibrated(kind, tracer)
@@ -434,12 +445,12 @@ class PlanExecutor:
         if not self._hooks:
             yield
             return
-        self._state.chained = self._last_step_chained
+        self._step_state.chained = self._last_step_chained
         try:
             with self._weight_casts.recording() if self._recasting else nullcontext():
                 yield
         finally:
-            self._state.chained = frozenset()
+            self._step_state.chained = frozenset()
 
     @contextmanager
     def weight_cast_recording(self) -> Iterator[None]:
@@ -456,9 +467,9 @@ class PlanExecutor:
         return self.recast_weights_in_backward and not self._compiled
 
     def _warn_ineffective(self, names: set[str]) -> None:
-        fresh = sorted(names - self._warned_ineffective)
+        fresh = sorted(names - self._said.ineffective)
         if fresh:
-            self._warned_ineffective.update(fresh)
+            self._said.ineffective.update(fresh)
             described = ", ".join(f"{n} ({type(self._operators[n].module).__name__})" for n in fresh)
             rank_zero_warn(
                 f"Plan entries had no effect: {described} computed in float32 although the plan assigns a 16-bit"

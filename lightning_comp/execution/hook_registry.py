@@ -2,8 +2,8 @@
 
 Every hook costs a module call its fast path (``nn.Module.__call__`` runs the slow one as soon as a module has any
 hook), about 10 us per call on a CPU: on a model of a hundred small operators, hooking them all costs a third of a
-step. So an operator carries hooks only where they change something (:func:`always_hooked`, plus what a calibrating
-step finds):
+step. So an operator carries hooks only where they change something (:attr:`HookNeeds.always_hooked`, plus what a
+calibrating step finds):
 
 - an operator that computes in a lower precision, or saves other than as computed (its region, casts, saved-tensor
   hooks; an operator saving ``recompute`` records its recipes in its hooks);
@@ -15,20 +15,22 @@ step finds):
 Every other FP32 operator would only cost: lowered operators' outputs return to FP32 before anything but an operator
 of their own precision consumes them (the cast boundaries). A calibrating step (the first of each kind after a plan
 is applied, when the call pattern is found) runs with every operator hooked; the executor then takes the hooks off
-those that did nothing (:class:`HookRegistry`).
+those that did nothing (:class:`HookRegistry`). A step runs inside saved-tensor hooks only where the plan needs them:
+its parameters are watched where an operator compresses what it saves, and a training step's forward records
+recipes where an operator recomputes.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from typing import Protocol
 
 from lightning_comp.execution.compiled_regions import EagerCall, untraceable
 from lightning_comp.execution.hooks import HookedOperator, PostHook, PreHook
 from lightning_comp.operators.kinds import OperatorKind
 
-__all__ = ["HookRegistry", "always_hooked"]
-
+__all__ = ["HookNeeds", "HookRegistry"]
 
 
 class _Handle(Protocol):
@@ -37,9 +39,29 @@ class _Handle(Protocol):
     def remove(self) -> None: ...
 
 
-def always_hooked(operators: Mapping[str, HookedOperator]) -> frozenset[str]:
-    """The operators whose hooks change something in every step (see the module docstring); none at all when no
-    operator computes in a lower precision or saves other than as computed."""
+@dataclass(frozen=True)
+class HookNeeds:
+    """The hooks a plan's operators need (see the module docstring).
+
+    Attributes:
+        always_hooked: the operators whose forward hooks change something in every step; none at all when no
+            operator computes in a lower precision or saves other than as computed.
+        compresses: an operator saves in a lower precision (``bf16``/``fp8``).
+        recomputes: an operator saves ``recompute``.
+    """
+
+    always_hooked: frozenset[str] = frozenset()
+    compresses: bool = False
+    recomputes: bool = False
+
+    @staticmethod
+    def of(operators: Mapping[str, HookedOperator]) -> HookNeeds:
+        """What ``operators`` (name -> operator) need."""
+        return HookNeeds(_always_hooked(operators), any(op.saved.compresses for op in operators.values()),
+                         any(op.saved.recomputes for op in operators.values()))
+
+
+def _always_hooked(operators: Mapping[str, HookedOperator]) -> frozenset[str]:
     if not any(op.low or op.saved.changes for op in operators.values()):
         return frozenset()
     regions = [op.name for op in operators.values() if op.kind is OperatorKind.FUNCTIONAL and op.low]

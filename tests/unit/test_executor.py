@@ -15,9 +15,11 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_comp import ComputePrecision, PlanError, PlanExecutor, PlanMismatchError, PrecisionPlan, StepKind
+from lightning_comp import PlanError, PlanMismatchError, PrecisionPlan
 from lightning_comp.common.nested import cast_floating
 from lightning_comp.devices.lowering import Lowering, lowering_for
+from lightning_comp.execution import PlanExecutor, StepKind
+from lightning_comp.numerics import ComputePrecision
 from lightning_comp.operators.kinds import register_atomic
 
 BF16, FP32 = torch.bfloat16, torch.float32
@@ -365,7 +367,7 @@ def test_exception_inside_hooked_forward_restores_state(bad: nn.Module) -> None:
             model(torch.randn(2, 4))
         assert not torch.is_autocast_enabled("cpu")  # the autocast region was exited
         assert bad.weight is weight and bad.weight.dtype == FP32  # parameter copies were swapped back
-        assert executor._state.tracer is None  # no calibration is left running
+        assert executor._step_state.tracer is None  # no calibration is left running
     model[1] = nn.Identity()  # the model is still usable
     executor.apply(model, PrecisionPlan.from_dict({"0": "bf16"}))
     out, _ = _train_step(executor, model, torch.randn(2, 4))
