@@ -37,8 +37,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from compare_suite import RESULTS_DIR, SUITE  # noqa: E402
 
-from lightning_comp import ComputePrecision, PlanExecutor, PrecisionPlan, StepKind, zoo  # noqa: E402
+from lightning_comp import PrecisionPlan, zoo  # noqa: E402
 from lightning_comp.devices.lowering import Lowering, lowering_for  # noqa: E402
+from lightning_comp.execution import PlanExecutor, StepKind
+from lightning_comp.numerics import ComputePrecision
 from lightning_comp.operators import classify, iter_operators  # noqa: E402
 
 

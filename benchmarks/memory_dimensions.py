@@ -141,7 +141,7 @@ def without(plan: Any, dimension: str) -> Any:
 
 def ablations(plan: Any) -> dict[str, tuple[str, Any]]:
     """``plan`` with each dimension it sets removed in turn: key -> (label, plan)."""
-    from lightning_comp import SavedPrecision
+    from lightning_comp.numerics import SavedPrecision
 
     dims = plan_dimensions(plan)
     out: dict[str, tuple[str, Any]] = {}
@@ -572,7 +572,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     _quiet()
-    from lightning_comp import device_class
+    from lightning_comp.devices import device_class
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     out = Path(args.out)

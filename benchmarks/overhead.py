@@ -48,8 +48,10 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_comp import CoMPPrecision, ComputePrecision, PrecisionPlan, device_class
+from lightning_comp import CoMPPrecision, PrecisionPlan
+from lightning_comp.devices import device_class
 from lightning_comp.devices.cpu_features import cpu_features, cpu_name
+from lightning_comp.numerics import ComputePrecision
 
 RESULTS = Path(__file__).resolve().parent / "results" / "overhead.json"
 TARGET_FP32_OVERHEAD = 0.02

@@ -31,10 +31,10 @@ Numerics:
 
 Usage::
 
-    from lightning_comp import half_precision_ddp_strategy
+    from lightning_comp.distributed import half_precision_ddp_strategy
 
     trainer = Trainer(accelerator="cpu", devices=2, strategy=half_precision_ddp_strategy("fp16"))
-    # Hydra: trainer.strategy: {_target_: lightning_comp.half_precision_ddp_strategy, dtype: bf16}
+    # Hydra: trainer.strategy: {_target_: lightning_comp.distributed.half_precision_ddp_strategy, dtype: bf16}
 
 Measuring:
     With ``measure=True`` the hook is wrapped by :func:`counting_comm_hook`, which records, per process, the bytes of

@@ -6,9 +6,9 @@ Selectors (exact operator names, globs,
 default.
 
 Plans made for a model (:meth:`PrecisionPlan.for_model`, or any plan a search produces) carry the model's operator
-fingerprint, the torch version and the class of the device they were made on (:class:`~lightning_comp.DeviceClass`),
-so that applying them to another model fails loudly, and applying them on a device where their 16-bit precision is
-emulated warns. Their file format is :mod:`lightning_comp.plan.serialised`.
+fingerprint, the torch version and the class of the device they were made on
+(:class:`~lightning_comp.devices.DeviceClass`), so that applying them to another model fails loudly, and applying them
+on a device where their 16-bit precision is emulated warns. Their file format is :mod:`lightning_comp.plan.serialised`.
 """
 
 from __future__ import annotations

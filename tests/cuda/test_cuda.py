@@ -23,7 +23,9 @@ from lightning.pytorch.callbacks import Callback
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_comp import CoMPPrecision, CoMPSearch, ComputePrecision, PrecisionPlan, device_class
+from lightning_comp import CoMPPrecision, CoMPSearch, PrecisionPlan
+from lightning_comp.devices import device_class
+from lightning_comp.numerics import ComputePrecision
 from tests.helpers.paths import REPO
 from tests.helpers.recording import DtypeRecorder
 from tests.helpers.search_models import WideMLP, fixed_search, loaders

@@ -11,7 +11,8 @@ from lightning.pytorch.callbacks import Callback
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_comp import CoMPSearch, TrainingSnapshot
+from lightning_comp import CoMPSearch
+from lightning_comp.search.rewind.snapshot import TrainingSnapshot
 
 OFFSET = 4096.0  # bf16 spacing at 4096 is 32: an input of this offset loses its O(1) signal entirely
 TOLERANCE = 0.05

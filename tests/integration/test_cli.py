@@ -16,8 +16,11 @@ import pytest
 
 pytest.importorskip("jsonargparse", reason="LightningCLI needs the 'cli' extra: pip install -e '.[cli]'")
 
-from lightning_comp import CoMPPrecision, CoMPSearch, Objective  # noqa: E402
-from lightning_comp.search import Timing  # noqa: E402
+from lightning_comp import CoMPPrecision, CoMPSearch  # noqa: E402
+from lightning_comp.search import (
+    Objective,
+    Timing,  # noqa: E402
+)
 from lightning_comp.search.measurement.clocks import single_intra_op_thread  # noqa: E402
 from tests.helpers.paths import REPO  # noqa: E402
 

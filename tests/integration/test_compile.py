@@ -16,8 +16,9 @@ from torch import nn
 from torch._dynamo.utils import counters
 from torch._functorch._aot_autograd.autograd_cache import BypassAOTAutogradCache, check_node_safe
 
-from lightning_comp import CoMPPrecision, PlanError, PrecisionPlan, SearchConfigError, discover_operators
+from lightning_comp import CoMPPrecision, PlanError, PrecisionPlan, SearchConfigError
 from lightning_comp.execution.executor import PlanExecutor, StepKind
+from lightning_comp.operators import discover_operators
 from lightning_comp.operators.discovery import iter_operators
 from lightning_comp.search.state import Phase
 from tests.helpers.compile import graph_breaks

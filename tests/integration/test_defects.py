@@ -13,8 +13,9 @@ import torch
 from lightning.pytorch.utilities import rank_zero_only
 from torch import nn
 
-from lightning_comp import CoMPPrecision, PlanError, PrecisionPlan, WorkerScaledLR
+from lightning_comp import CoMPPrecision, PlanError, PrecisionPlan
 from lightning_comp.devices.device_classes import DeviceClass
+from lightning_comp.distributed import WorkerScaledLR
 from lightning_comp.errors import UnsupportedSetupError
 from lightning_comp.execution.emulation import check_plan_device
 from tests.helpers.models import TinyMLP, regression_loader

@@ -64,8 +64,9 @@ def _one_thread() -> Iterator[None]:
 
 def _cpu_autocast_runs_bf16_lstm() -> bool:
     from lightning_comp.devices.lowering import Lowering, lowering_for
+    from lightning_comp.numerics import ComputePrecision
 
-    return lowering_for(torch.nn.LSTM(2, 2), lightning_comp.Precision.BF16, "cpu") is Lowering.AUTOCAST
+    return lowering_for(torch.nn.LSTM(2, 2), ComputePrecision.BF16, "cpu") is Lowering.AUTOCAST
 
 
 def _compose(out: Path, *overrides: str) -> DictConfig:

@@ -16,8 +16,9 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
-from lightning_comp import CoMPPrecision, CoMPSearch, TrainingSnapshot
+from lightning_comp import CoMPPrecision, CoMPSearch
 from lightning_comp.numerics.precision import ComputePrecision
+from lightning_comp.search.rewind.snapshot import TrainingSnapshot
 from tests.helpers.paths import SCRIPTS
 from tests.scripts.fault_run import MAX_EPOCHS, InfBNMLP, OverflowMLP, fixed_loaders
 

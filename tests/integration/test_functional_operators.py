@@ -18,14 +18,8 @@ import torch
 from lightning.fabric import Fabric
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lightning_comp import (
-    CoMPFabricPrecision,
-    CoMPPrecision,
-    CoMPSearch,
-    OperatorKind,
-    PrecisionPlan,
-    discover_operators,
-)
+from lightning_comp import CoMPFabricPrecision, CoMPPrecision, CoMPSearch, PrecisionPlan
+from lightning_comp.operators import OperatorKind, discover_operators
 from lightning_comp.zoo import HFGPT2, CharGPT, CharTextDataModule, LitGPT, XTransformerLM
 
 BF16, FP32 = torch.bfloat16, torch.float32

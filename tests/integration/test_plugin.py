@@ -13,15 +13,9 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_comp import (
-    CoMPPrecision,
-    ComputePrecision,
-    PlanError,
-    PlanMismatchError,
-    PrecisionPlan,
-    StepKind,
-    UnsupportedSetupError,
-)
+from lightning_comp import CoMPPrecision, PlanError, PlanMismatchError, PrecisionPlan, UnsupportedSetupError
+from lightning_comp.execution import StepKind
+from lightning_comp.numerics import ComputePrecision
 from tests.helpers.models import MIXED_OPERATORS, WEIGHTS_ONLY, TinyMLP
 from tests.helpers.recording import DtypeRecorder, count_forward_hooks
 

@@ -25,7 +25,8 @@ _SCRIPT = textwrap.dedent(
     import torch
     from torch import nn
     from torch.utils.data import DataLoader, TensorDataset
-    from lightning_comp import CoMPPrecision, StepKind
+    from lightning_comp import CoMPPrecision
+    from lightning_comp.execution import StepKind
 
     warnings.filterwarnings("ignore")
 

@@ -14,8 +14,10 @@ from lightning.pytorch.callbacks import Callback
 from torch import nn
 from torch.utils.data import DataLoader
 
-from lightning_comp import CoMPPrecision, CoMPSearch, TrainingSnapshot, WorkerScaledLR
+from lightning_comp import CoMPPrecision, CoMPSearch
+from lightning_comp.distributed import WorkerScaledLR
 from lightning_comp.errors import SearchConfigError, SnapshotMismatchError
+from lightning_comp.search.rewind.snapshot import TrainingSnapshot
 from tests.helpers.search_models import WideMLP, fixed_search, search_trainer, teacher_data
 
 

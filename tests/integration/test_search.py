@@ -15,8 +15,9 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
-from lightning_comp import CoMPPrecision, CoMPSearch, ComputePrecision, PrecisionPlan
+from lightning_comp import CoMPPrecision, CoMPSearch, PrecisionPlan
 from lightning_comp.errors import SearchConfigError, UnsupportedSetupError
+from lightning_comp.numerics import ComputePrecision
 from lightning_comp.search.candidates import Candidate
 from lightning_comp.search.record.text import format_record
 from tests.helpers.search_models import (

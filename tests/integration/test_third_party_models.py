@@ -14,8 +14,9 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
-from lightning_comp import CoMPPrecision, CoMPSearch, OperatorKind, PrecisionPlan, discover_operators
+from lightning_comp import CoMPPrecision, CoMPSearch, PrecisionPlan
 from lightning_comp.execution.executor import PlanExecutor, StepKind
+from lightning_comp.operators import OperatorKind, discover_operators
 from lightning_comp.zoo import HFGPT2, CharTextDataModule, LitGPT, ShapesDataModule, TorchvisionResNet, XTransformerLM
 from tests.helpers.recording import DtypeRecorder
 

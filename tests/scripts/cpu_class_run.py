@@ -23,7 +23,8 @@ from lightning.pytorch.callbacks import Callback
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_comp import CoMPPrecision, CoMPSearch, device_class
+from lightning_comp import CoMPPrecision, CoMPSearch
+from lightning_comp.devices import device_class
 from lightning_comp.devices.lowering import lowering_for
 from lightning_comp.operators.discovery import iter_operators
 from lightning_comp.search.record.text import format_record

@@ -10,10 +10,12 @@ from enum import Enum
 import pytest
 import torch
 
-from lightning_comp import ComputePrecision, ConfigError, GradCommDtype, PlanError, SavedPrecision, SearchConfigError
+from lightning_comp import ConfigError, PlanError, SearchConfigError
 from lightning_comp.common.nested import cast_floating, has_dtype, map_tensors, structures_equal, tensors, to_device
 from lightning_comp.common.plain import plain
 from lightning_comp.common.tables import format_table
+from lightning_comp.distributed import GradCommDtype
+from lightning_comp.numerics import ComputePrecision, SavedPrecision
 from lightning_comp.search import LowPrecision, Mode, Objective, SavedPrecisions, Timing, ToleranceMode
 
 

@@ -14,13 +14,15 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_comp import CoMPPrecision, ComputePrecision, DeviceClass, PrecisionPlan, SearchConfig
+from lightning_comp import CoMPPrecision, PrecisionPlan, SearchConfig
+from lightning_comp.devices import DeviceClass
 from lightning_comp.devices import cpu_features as cpu_mod
 from lightning_comp.devices import device_classes as devices
 from lightning_comp.devices.device_classes import device_class
 from lightning_comp.errors import PlanError, PlanFileError
 from lightning_comp.execution.emulation import check_plan_device, decline_slow_fp16
 from lightning_comp.execution.hooks import precision_may_cause
+from lightning_comp.numerics import ComputePrecision
 from lightning_comp.plan import PLAN_VERSION
 from lightning_comp.plugins import comp as comp_plugin
 from tests.helpers.models import TinyMLP, regression_loader

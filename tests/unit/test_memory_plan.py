@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 from torch import nn
 
-from lightning_comp import MasterPrecision, PrecisionPlan, SavedPrecision, StatePrecision
+from lightning_comp import PrecisionPlan
 from lightning_comp.errors import PlanError, PlanMismatchError
+from lightning_comp.numerics import MasterPrecision, SavedPrecision, StatePrecision
 from lightning_comp.search.config import SearchConfig
 from lightning_comp.search.decisions.parameters import StepBudget, judge_lowering
 from lightning_comp.search.measurement.estimates import RatioEstimate

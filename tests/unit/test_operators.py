@@ -8,8 +8,11 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_comp import ComputePrecision, ConfigError, Lowering, OperatorKind, discover_operators, register_atomic
+from lightning_comp import ConfigError
+from lightning_comp.devices import Lowering
 from lightning_comp.devices.lowering import lowering_for
+from lightning_comp.numerics import ComputePrecision
+from lightning_comp.operators import OperatorKind, discover_operators, register_atomic
 from lightning_comp.operators import kinds as ops_mod
 from lightning_comp.operators.discovery import iter_operators
 from lightning_comp.operators.kinds import classify

@@ -10,9 +10,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_comp import ComputePrecision, OperatorKind, PlanMismatchError, PrecisionPlan, discover_operators
+from lightning_comp import PlanMismatchError, PrecisionPlan
 from lightning_comp.execution.executor import PlanExecutor, StepKind
 from lightning_comp.execution.unplanned_work import unplanned_work
+from lightning_comp.numerics import ComputePrecision
+from lightning_comp.operators import OperatorKind, discover_operators
 from lightning_comp.operators.owned_work import OUTSIDE, WorkRecorder
 from tests.helpers.recording import DtypeRecorder
 

@@ -9,17 +9,10 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_comp import (
-    ComputePrecision,
-    OperatorFingerprint,
-    PlanError,
-    PlanFileError,
-    PlanMismatchError,
-    PrecisionPlan,
-    parse_precision,
-)
+from lightning_comp import PlanError, PlanFileError, PlanMismatchError, PrecisionPlan
+from lightning_comp.numerics import ComputePrecision, parse_precision
 from lightning_comp.operators.owned_work import WorkRecorder
-from lightning_comp.plan import PLAN_FORMAT, PLAN_VERSION
+from lightning_comp.plan import PLAN_FORMAT, PLAN_VERSION, OperatorFingerprint
 from lightning_comp.plan.plan import plan_from_any
 
 

@@ -12,8 +12,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from lightning_comp import ComputePrecision, OperatorFingerprint, PlanError, PrecisionPlan, parse_precision
+from lightning_comp import PlanError, PrecisionPlan
+from lightning_comp.numerics import ComputePrecision, parse_precision
 from lightning_comp.operators.owned_work import WorkRecorder
+from lightning_comp.plan import OperatorFingerprint
 
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 

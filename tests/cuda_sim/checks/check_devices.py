@@ -7,7 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_comp import CoMPPrecision, device_class
+from lightning_comp import CoMPPrecision
+from lightning_comp.devices import device_class
 from lightning_comp.devices.lowering import Lowering, lowering_for
 from lightning_comp.numerics.precision import ComputePrecision
 from lightning_comp.search.config import SearchConfig
