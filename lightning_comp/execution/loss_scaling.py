@@ -16,7 +16,7 @@ from lightning_comp.adapters.lightning_internals import optimizer_handles_unscal
 from lightning_comp.adapters.torch_internals import grad_scaler_scale
 from lightning_comp.errors import UnsupportedSetupError
 
-__all__ = ["ScalerSlot", "SkippedSteps", "scaled_optimizer_step"]
+__all__ = ["ScalerSlot", "SkippedSteps", "scaled_optimizer_step", "scaler_step"]
 
 
 class ScalerSlot:
@@ -110,8 +110,7 @@ def scaled_optimizer_step(scaler: torch.amp.GradScaler, optimizer: Any, model: A
     Raises:
         UnsupportedSetupError: for LBFGS, which re-evaluates the closure and cannot be loss-scaled.
     """
-    if isinstance(optimizer, LBFGS):
-        raise UnsupportedSetupError("Loss scaling for fp16 plans is not compatible with the LBFGS optimizer.")
+    _refuse_unscalable(optimizer)
     closure_result = closure()
     skip_unscaling = closure_result is None and model.automatic_optimization
     if not optimizer_handles_unscaling(optimizer) and not skip_unscaling:
@@ -119,6 +118,20 @@ def scaled_optimizer_step(scaler: torch.amp.GradScaler, optimizer: Any, model: A
     after_closure(model, optimizer)
     if skip_unscaling:
         return closure_result, False
+    return scaler_step(scaler, optimizer, **kwargs)
+
+
+def scaler_step(scaler: torch.amp.GradScaler, optimizer: Any, **kwargs: Any) -> tuple[Any, torch.Tensor | bool]:
+    """Step ``optimizer`` through ``scaler`` (skipped if a gradient overflowed) and update the scale.
+
+    Returns:
+        The step's output, and whether the step was skipped (the scale went down): a 0-d bool tensor on the scaler's
+        device, or ``False`` when the scaler has no scale yet.
+
+    Raises:
+        UnsupportedSetupError: for LBFGS, which re-evaluates the closure and cannot be loss-scaled.
+    """
+    _refuse_unscalable(optimizer)
     scale = grad_scaler_scale(scaler)
     before = None if scale is None else scale.clone()
     step_output = scaler.step(optimizer, **kwargs)
@@ -127,3 +140,8 @@ def scaled_optimizer_step(scaler: torch.amp.GradScaler, optimizer: Any, model: A
     if before is None or after is None:
         return step_output, False
     return step_output, after < before
+
+
+def _refuse_unscalable(optimizer: Any) -> None:
+    if isinstance(optimizer, LBFGS):
+        raise UnsupportedSetupError("Loss scaling for fp16 plans is not compatible with the LBFGS optimizer.")

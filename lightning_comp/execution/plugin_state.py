@@ -1,10 +1,12 @@
-"""What a ``CoMPPrecision`` keeps in a checkpoint: the plan in force, the loss scaler's state, its step counters.
+"""What a plugin of the package keeps in a checkpoint: the plan in force, the loss scaler's state, step counters and
+the stochastic-rounding generators of BF16 master weights.
 
-Plain Python types only, so that checkpoints load with ``torch.load(weights_only=True)``. One format version.
+Plain Python types only, so that checkpoints load with ``torch.load(weights_only=True)``. One format version, with
+every key; a state of another version, or with keys missing or unknown, is refused naming them.
 
 Lightning files a precision plugin's state under the plugin's class name; ours goes under :data:`CHECKPOINT_KEY`
 instead, whatever the class (``CoMPPrecision``, its FSDP form, a user's subclass), so that a plan saved under one
-strategy resumes under another. Checkpoints written before read from :data:`LEGACY_CHECKPOINT_KEYS`.
+strategy resumes under another. Fabric's plugin keeps the same state wherever the user puts it.
 """
 
 from __future__ import annotations
@@ -15,15 +17,12 @@ from typing import Any
 
 from lightning_comp.errors import PlanError
 
-__all__ = ["CHECKPOINT_KEY", "LEGACY_CHECKPOINT_KEYS", "PLUGIN_STATE_VERSION", "PluginState"]
+__all__ = ["CHECKPOINT_KEY", "PLUGIN_STATE_VERSION", "PluginState"]
 
 PLUGIN_STATE_VERSION = 1
 #: The checkpoint key of the plugin's state, the same for every plugin class of the package.
 CHECKPOINT_KEY = "lightning_comp"
-#: Where checkpoints written before :data:`CHECKPOINT_KEY` hold it (Lightning's key: the class name).
-LEGACY_CHECKPOINT_KEYS = ("CoMPPrecision",)
 _KEYS = frozenset({"version", "plan", "scaler", "skipped_steps", "optimizer_steps", "rounding"})
-_OPTIONAL = frozenset({"rounding"})  # absent from states written before master-weight precision
 
 
 @dataclass(frozen=True)
@@ -62,7 +61,7 @@ class PluginState:
         if version != PLUGIN_STATE_VERSION:
             raise PlanError(f"Cannot load a CoMPPrecision state of version {version!r}: this version reads"
                             f" {PLUGIN_STATE_VERSION}. Load it with the lightning-comp that wrote it.")
-        unknown, missing = sorted(set(data) - _KEYS), sorted(_KEYS - _OPTIONAL - set(data))
+        unknown, missing = sorted(set(data) - _KEYS), sorted(_KEYS - set(data))
         if unknown:
             raise PlanError(f"Unknown keys {unknown} in a CoMPPrecision state: it was written by another version of"
                             " lightning-comp.")
@@ -74,4 +73,4 @@ class PluginState:
         scaler = data["scaler"]
         return cls(plan=dict(data["plan"]), scaler=None if scaler is None else dict(scaler),
                    skipped_steps=int(data["skipped_steps"]), optimizer_steps=int(data["optimizer_steps"]),
-                   rounding=None if data.get("rounding") is None else dict(data["rounding"]))
+                   rounding=None if data["rounding"] is None else dict(data["rounding"]))

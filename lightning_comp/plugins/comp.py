@@ -10,29 +10,26 @@ import lightning.pytorch as pl
 import torch
 from lightning.fabric.utilities.types import Optimizable
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.utilities import GradClipAlgorithmType, rank_zero_warn
+from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_comp.adapters.lightning_internals import optimizer_handles_unscaling
-from lightning_comp.devices.device_classes import DeviceClass, device_class, model_device
 from lightning_comp.errors import UnsupportedSetupError
-from lightning_comp.execution.compiled_regions import guarding_hooks, is_compiled
-from lightning_comp.execution.emulation import check_plan_device, decline_slow_fp16
-from lightning_comp.execution.executor import PlanExecutor, StepKind
-from lightning_comp.execution.loss_scaling import ScalerSlot, SkippedSteps, scaled_optimizer_step
-from lightning_comp.execution.optimizer_states import OptimizerStates
-from lightning_comp.execution.plugin_state import CHECKPOINT_KEY, LEGACY_CHECKPOINT_KEYS, PluginState
+from lightning_comp.execution.compiled_regions import guarding_hooks
+from lightning_comp.execution.executor import StepKind
+from lightning_comp.execution.loss_scaling import scaled_optimizer_step
+from lightning_comp.execution.plugin_state import CHECKPOINT_KEY
 from lightning_comp.execution.saved_tensors import DEFAULT_MIN_SAVED_BYTES
-from lightning_comp.execution.unplanned_work import UnplannedWorkWarnings
-from lightning_comp.numerics.precision import ComputePrecision
-from lightning_comp.plan.plan import PlanLike, PrecisionPlan, plan_from_any
+from lightning_comp.plan.plan import PlanLike, PrecisionPlan
+from lightning_comp.plugins.runtime import PlanOrigin, PlanRuntime
+from lightning_comp.plugins.shell import PlanShell
 
 __all__ = ["CoMPPrecision"]
 
 
-class CoMPPrecision(Precision):
+class CoMPPrecision(PlanShell, Precision):
     """Train with a per-operator precision plan: FP32 master weights, each operator in its own precision.
 
     Pass it to the Trainer as ``Trainer(plugins=[CoMPPrecision(plan)])`` and leave the Trainer's ``precision``
@@ -52,6 +49,10 @@ class CoMPPrecision(Precision):
     **A search's entry points.** :meth:`try_plan` puts a plan in force that the caller tries on purpose;
     :meth:`measured_step` runs a training step of a plan outside Lightning's loop exactly as training would run it.
     ``CoMPSearch`` drives the plugin through these two only.
+
+    The plugin maps Lightning's hooks onto its :class:`~lightning_comp.plugins.runtime.PlanRuntime`, which owns the
+    plan, the executor, the loss scaler, the optimizer-state manager and the checkpoint state (the Fabric plugin
+    shares it).
 
     Args:
         plan: a :class:`PrecisionPlan`, a ``{selector: precision}`` mapping, a path to a plan saved with
@@ -84,80 +85,23 @@ class CoMPPrecision(Precision):
         min_saved_bytes: int = DEFAULT_MIN_SAVED_BYTES,
     ) -> None:
         Precision.__init__(self)  # (not super(): a subclass that is also an FSDPPrecision must not run its __init__)
-        self._requested: PrecisionPlan = plan_from_any(plan)  # asked for; the executor holds it bound, in force
-        self._users_own = plan is not None  # the user's own plan wins over a checkpoint's
-        self._trial = False  # the plan was put in force by try_plan (no emulation warning)
-        self.allow_slow_fp16 = bool(allow_slow_fp16)
-        self._scaler = ScalerSlot(scaler, self._new_scaler)
-        self._executor = PlanExecutor(recast_weights_in_backward=recast_weights_in_backward,
-                                      min_saved_bytes=min_saved_bytes)
+        self._runtime = PlanRuntime(plan, owner=type(self).__name__, hooks_on_attach=True,
+                                    allow_slow_fp16=allow_slow_fp16, scaler=scaler, scaler_factory=self._new_scaler,
+                                    recast_weights_in_backward=recast_weights_in_backward,
+                                    min_saved_bytes=min_saved_bytes)
         self._hook_guards = ExitStack()  # while a compiled model trains: Dynamo guards on hooks
-        self._skipped = SkippedSteps()
-        self._unplanned = UnplannedWorkWarnings()
-        self._optimizer_states = OptimizerStates()
-        self.optimizer_steps = 0
 
     def _new_scaler(self, device_type: str) -> torch.amp.GradScaler:
         """The loss scaler an FP16 plan gets on ``device_type`` (a strategy's plugin may need another kind)."""
         return torch.amp.GradScaler(device=device_type)
 
-    # -------------------------------------------------------------------------------------------- the plan
-    @property
-    def plan(self) -> PrecisionPlan:
-        """The plan in force (bound to the model once the Trainer has set it up), else the plan asked for."""
-        applied = self._executor.plan
-        return self._requested if applied is None else applied
-
-    @property
-    def scaler(self) -> torch.amp.GradScaler | None:
-        """The loss scaler (FP16 plans only, or the one passed to the constructor)."""
-        return self._scaler.scaler
-
-    @property
-    def device(self) -> DeviceClass | None:
-        """The class of the device the plan runs (or last ran) on (``None`` until the model is placed and hooked)."""
-        device = self._executor.device
-        return None if device is None else device_class(device)
-
-    @property
-    def compiled(self) -> bool:
-        """Whether the model runs under ``torch.compile`` (known once the Trainer has set it up)."""
-        return self._executor.compiled
-
-    @property
-    def skipped_steps(self) -> int:
-        """Optimizer steps the FP16 loss scaler skipped so far (counted on the device: reading it is a host sync)."""
-        return self._skipped.value
-
-    @property
-    def executor(self) -> PlanExecutor:
-        """The hook engine (for inspection)."""
-        return self._executor
-
-    def set_plan(self, plan: PlanLike) -> PrecisionPlan:
-        """Replace the plan by one of the user's own; re-hooks the model at once if it is known (idempotent).
-
-        A plan set here wins over a checkpoint's on resume, like the constructor's.
-
-        Args:
-            plan: the new plan (anything the constructor accepts).
-
-        Returns:
-            The plan now in force.
-
-        Raises:
-            PlanMismatchError: if the plan does not fit the model.
-            PlanError: if an operator has no kernel for its planned precision on the model's device.
-        """
-        result = self._request(plan_from_any(plan), trial=False)
-        self._users_own = True
-        return result
-
+    # ------------------------------------------------------------------------------------ a search's entry points
     def try_plan(self, plan: PlanLike) -> PrecisionPlan:
         """Put in force a plan the caller tries on purpose (a search's trial, or the plan it chose).
 
         As :meth:`set_plan`, but the plan is not the user's own: no warning where its 16-bit precision is emulated
-        on this device (the caller chose to try it there), and a checkpoint's plan replaces it on resume.
+        on this device or where it leaves work unplanned (the caller chose to try it there), and a checkpoint's plan
+        replaces it on resume.
 
         Returns:
             The plan now in force.
@@ -166,9 +110,7 @@ class CoMPPrecision(Precision):
             PlanMismatchError: if the plan does not fit the model.
             PlanError: if an operator has no kernel for its planned precision on the model's device.
         """
-        result = self._request(plan_from_any(plan), trial=True)
-        self._users_own = False
-        return result
+        return self._runtime.request(plan, PlanOrigin.TRIAL)
 
     def measured_step(self, plan: PlanLike, *, calibrated: bool = True) -> AbstractContextManager[None]:
         """Put ``plan`` in force (as :meth:`try_plan`) and return the context in which to run one training step
@@ -186,46 +128,8 @@ class CoMPPrecision(Precision):
         """
         self.try_plan(plan)
         if calibrated:
-            return self._executor.step(StepKind.TRAIN)
-        return self._executor.weight_cast_recording()
-
-    def _request(self, plan: PrecisionPlan, trial: bool) -> PrecisionPlan:
-        previous = self._requested, self._trial
-        self._requested, self._trial = plan, trial
-        if self._executor.model is not None:
-            try:
-                self._apply()
-            except Exception:
-                self._requested, self._trial = previous  # a rejected plan must not poison the next convert_module
-                raise
-        return self.plan
-
-    def _apply(self) -> None:
-        """Hook the model for the device it is on now (its parameters' device, read now, never remembered)."""
-        model = self._executor.model
-        assert model is not None
-        device = model_device(model)
-        target = device_class(device)
-        plan = self._executor.apply(model, decline_slow_fp16(self._requested, target, self.allow_slow_fp16), device)
-        self._optimizer_states.assign(model, plan)
-        self._scaler.sync(plan.uses(ComputePrecision.FP16), device.type)
-        if not self._trial:
-            accepted = frozenset({ComputePrecision.FP16}) if self.allow_slow_fp16 else frozenset()
-            check_plan_device(plan, model, target, stacklevel=4, accepted=accepted)
-        self._report_unplanned()
-
-    def _report_unplanned(self) -> None:
-        """Warn when the plan leaves much of the traced step's work in FP32 unplanned (not for trials)."""
-        self._unplanned.check(self._executor, self._users_own, type(self).__name__)
-
-    def _ensure_placed(self) -> None:
-        """Re-hook if the model computes somewhere else than the hooks were built for (Lightning moved it)."""
-        if self._executor.model is not None and not self._executor.placed():
-            self._apply()
-
-    def __repr__(self) -> str:
-        return (f"{type(self).__name__}(plan={self.plan!r}, allow_slow_fp16={self.allow_slow_fp16},"
-                f" recast_weights_in_backward={self._executor.recast_weights_in_backward})")
+            return self._runtime.executor.step(StepKind.TRAIN)
+        return self._runtime.executor.weight_cast_recording()
 
     # ------------------------------------------------------------------------------------------ Lightning hooks
     @override
@@ -240,9 +144,7 @@ class CoMPPrecision(Precision):
         Raises:
             PlanMismatchError: if the plan does not fit ``module``.
         """
-        self._requested.validate(module)
-        compiled = is_compiled(module)
-        self._executor.attach(module, compiled=compiled)
+        compiled = self._runtime.attach(module)
         self._hook_guards.close()
         if compiled:
             self._hook_guards.enter_context(guarding_hooks())
@@ -255,41 +157,34 @@ class CoMPPrecision(Precision):
                 "CoMPPrecision cannot drive a DeepSpeed engine (backward and step must go through DeepSpeed's own"
                 " precision plugin). Use strategy='ddp' or 'auto' with CoMPPrecision, or DeepSpeed without it."
             )
-        if self._executor.model is not None:
-            self._apply()  # Lightning has placed the model by now: hook it for its device
+        if self._runtime.executor.model is not None:
+            self._runtime.apply()  # Lightning has placed the model by now: hook it for its device
         for optimizer in optimizers or ():
-            self._optimizer_states.watch(optimizer)  # before Lightning restores a checkpoint's optimizer states
+            self._runtime.optimizer_states.watch(optimizer)  # before Lightning restores a checkpoint's states
         return super().connect(model, optimizers, lr_schedulers)
-
-    @contextmanager
-    def _step(self, kind: StepKind) -> Generator[None, None, None]:
-        self._ensure_placed()
-        with self._executor.step(kind):
-            yield
-        self._report_unplanned()  # the first step traced the model's work
 
     @override
     @contextmanager
     def train_step_context(self) -> Generator[None, None, None]:
-        with self._step(StepKind.TRAIN):
+        with self._runtime.step(StepKind.TRAIN):
             yield
 
     @override
     @contextmanager
     def val_step_context(self) -> Generator[None, None, None]:
-        with self._step(StepKind.VALIDATION):
+        with self._runtime.step(StepKind.VALIDATION):
             yield
 
     @override
     @contextmanager
     def test_step_context(self) -> Generator[None, None, None]:
-        with self._step(StepKind.TEST):
+        with self._runtime.step(StepKind.TEST):
             yield
 
     @override
     @contextmanager
     def predict_step_context(self) -> Generator[None, None, None]:
-        with self._step(StepKind.PREDICT):
+        with self._runtime.step(StepKind.PREDICT):
             yield
 
     @override
@@ -303,26 +198,23 @@ class CoMPPrecision(Precision):
                  **kwargs: Any) -> None:
         """Backward as the base plugin does it, with forwards that activation checkpointing re-runs in it computing
         the dtypes of the step's own forward."""
-        with self._executor.recomputing():
+        with self._runtime.executor.recomputing():
             super().backward(tensor, model, optimizer, *args, **kwargs)
 
     @override
     def optimizer_step(  # type: ignore[override]
         self, optimizer: Optimizable, model: pl.LightningModule, closure: Callable[[], Any], **kwargs: Any
     ) -> Any:
-        self.optimizer_steps += 1
-        states = self._optimizer_states
-        if isinstance(optimizer, Optimizer):
-            if self.scaler is None and states.steps(optimizer):  # the plan manages some of its parameters
-                states.watch(optimizer)
-                result = self._wrap_closure(model, optimizer, closure)  # forward, backward, clipping: as the base
-                states.step(optimizer, lambda: optimizer.step(**kwargs))
-                return result
-            states.convert(optimizer)  # moments a former plan kept in 8 bits or bf16: back to the optimizer's own
+        runtime = self._runtime
+        if runtime.begin_optimizer_step(optimizer):  # the plan manages some of its parameters
+            assert isinstance(optimizer, Optimizer)
+            result = self._wrap_closure(model, optimizer, closure)  # forward, backward, clipping: as the base
+            runtime.managed_step(optimizer, lambda: optimizer.step(**kwargs))
+            return result
         if self.scaler is None:
             return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
         output, skipped = scaled_optimizer_step(self.scaler, optimizer, model, closure, self._after_closure, **kwargs)
-        self._skipped.add(skipped)
+        runtime.count_skipped(skipped)
         return output
 
     @override
@@ -341,37 +233,6 @@ class CoMPPrecision(Precision):
 
     # ------------------------------------------------------------------------------------------------ state
     @override
-    def state_dict(self) -> dict[str, Any]:
-        """The plan (plain Python types, loadable with ``weights_only=True``), scaler state and step counters."""
-        return PluginState(plan=self.plan.to_dict(), scaler=None if self.scaler is None else self.scaler.state_dict(),
-                           skipped_steps=self.skipped_steps, optimizer_steps=self.optimizer_steps,
-                           rounding=self._optimizer_states.rounding_state() or None).to_dict()
-
-    @override
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore the plan and re-apply it to the model (unless the user gave a plan of their own: it wins, with a
-        warning naming what the checkpoint held), then the scaler and the step counters.
-
-        Raises:
-            PlanError: if the state is malformed, of another version, or has unknown keys.
-            PlanMismatchError: if the stored plan was made for a different model.
-        """
-        state = PluginState.from_dict(state_dict)
-        stored = PrecisionPlan.from_dict(state.plan)
-        if not self._users_own:
-            self._request(stored, trial=self._trial)
-        elif not _same_assignment(stored, self.plan):
-            rank_zero_warn(
-                f"CoMPPrecision: the checkpoint holds the plan {_assignment(stored)}, but this run was given the plan"
-                f" {_assignment(self.plan)}, which is kept. Pass CoMPPrecision() without a plan to resume with the"
-                " checkpoint's.",
-            )
-        self._scaler.load(state.scaler, self.plan.uses(ComputePrecision.FP16), self._executor.model is not None)
-        self._skipped = SkippedSteps(state.skipped_steps)
-        self.optimizer_steps = state.optimizer_steps
-        self._optimizer_states.load_rounding_state(state.rounding)
-
-    @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """File the state Lightning stored under this plugin's class name under ``"lightning_comp"`` instead, the
         same key for every plugin class of the package (a plan saved under DDP resumes under FSDP, and back)."""
@@ -380,8 +241,7 @@ class CoMPPrecision(Precision):
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Restore the state from ``"lightning_comp"`` (or the class-named key of checkpoints written before it,
-        unless Lightning restored that already, under this very class's name).
+        """Restore the state from ``"lightning_comp"`` (a checkpoint without it holds no plan: nothing to restore).
 
         Raises:
             PlanError: if the state is malformed, of another version, or has unknown keys.
@@ -389,11 +249,6 @@ class CoMPPrecision(Precision):
         """
         if CHECKPOINT_KEY in checkpoint:
             self.load_state_dict(checkpoint[CHECKPOINT_KEY])
-            return
-        for key in LEGACY_CHECKPOINT_KEYS:
-            if key in checkpoint and key != type(self).__qualname__:
-                self.load_state_dict(checkpoint[key])
-                return
 
     @override
     def teardown(self) -> None:
@@ -403,30 +258,10 @@ class CoMPPrecision(Precision):
         plan held in bf16 (``master="bf16"``) are FP32 again, exactly (their values are bf16 values). The plan stays
         inspectable (:attr:`plan`, ``executor.precisions()``) and the next stage, or :meth:`set_plan`, hooks it again.
         """
-        self._executor.detach()
-        self._optimizer_states.release()  # bf16 masters back to the dtypes the model came with
+        self._runtime.release()
         self._hook_guards.close()
         super().teardown()
 
     def remove_hooks(self) -> None:
         """Take the plan off the model (it then computes in FP32 everywhere); :meth:`set_plan` puts one back."""
-        self._executor.remove()
-        self._optimizer_states.release()
-
-
-def _same_assignment(a: PrecisionPlan, b: PrecisionPlan) -> bool:
-    """Whether two plans assign the same precisions (whatever their fingerprints, devices and provenance)."""
-    def assignment(plan: PrecisionPlan) -> tuple[Any, ...]:
-        return (plan.entries, plan.default, plan.saved, plan.saved_default, plan.state, plan.state_default,
-                plan.master, plan.master_default)
-
-    return assignment(a) == assignment(b)
-
-
-def _assignment(plan: PrecisionPlan) -> str:
-    """The plan's entries for a message, e.g. ``{'head': 'bf16', '<default>': 'fp32'}``."""
-    entries = {selector: precision.value for selector, precision in plan.entries}
-    entries["<default>"] = plan.default.value
-    for dimension in ("saved", "state", "master"):
-        entries.update({f"{dimension} {selector}": value.value for selector, value in getattr(plan, dimension)})
-    return repr(entries)
+        self._runtime.remove()

@@ -53,7 +53,7 @@ def test_manual_optimization_is_refused_at_setup_before_any_step(tmp_path: Path)
 def test_plugin_state_of_another_version_or_with_unknown_keys_is_refused() -> None:
     plugin = CoMPPrecision()
     state = {"version": 1, "plan": PrecisionPlan().to_dict(), "scaler": None, "skipped_steps": 0,
-             "optimizer_steps": 0}
+             "optimizer_steps": 0, "rounding": None}
     plugin.load_state_dict(state)  # the current version loads
     with pytest.raises(PlanError, match=r"missing keys \['skipped_steps'\]"):
         plugin.load_state_dict({k: v for k, v in state.items() if k != "skipped_steps"})  # one format: every key
