@@ -25,8 +25,10 @@ hold any optimizer state, and it loads with ``torch.load(weights_only=True)``. T
   change dtype when the plan is applied (FP32 <-> BF16; a parameter returns to the dtype it had).
 
 At a step (:meth:`OptimizerStates.step`), the managed parameters are updated here with Adam(W)'s arithmetic in FP32
-(decoupled or L2 weight decay, AMSGrad, ``maximize``), each from its group's current hyper-parameters (so LR
+(decoupled or L2 weight decay, AMSGrad, ``maximize``), each from its group's current hyper-parameters
+(:class:`AdamSettings`: an ``AdamW`` decouples weight decay by its class, an ``Adam`` where its group says so; LR
 schedulers work as they do), and their gradients are hidden from the optimizer's own ``step``, which updates the rest.
+``tests/unit/test_optimizer_states.py`` checks the FP32 arithmetic against ``torch.optim.Adam``/``AdamW`` step by step.
 Optimizers other than ``torch.optim.Adam`` and ``AdamW`` are refused with an error naming them.
 """
 
@@ -46,9 +48,10 @@ from lightning_comp.execution.parameter_groups import parameter_owners
 from lightning_comp.numerics import block_quant
 from lightning_comp.numerics.precision import MasterPrecision, StatePrecision
 from lightning_comp.numerics.stochastic_rounding import round_to_bf16
+from lightning_comp.plan.dimensions import Dimension
 from lightning_comp.plan.plan import PrecisionPlan
 
-__all__ = ["OptimizerStates", "ParameterTreatment", "adam_step", "state_bytes", "state_nbytes"]
+__all__ = ["AdamSettings", "OptimizerStates", "ParameterTreatment", "adam_step", "state_bytes", "state_nbytes"]
 
 _MOMENTS = (("exp_avg", True), ("exp_avg_sq", False), ("max_exp_avg_sq", False))  # key, signed
 _ROUNDING_SEED = 0x5EED
@@ -103,11 +106,6 @@ class OptimizerStates:
         self.__dict__.update(state)
         self._watched, self._converted = weakref.WeakSet(), weakref.WeakSet()
 
-    @property
-    def managing(self) -> bool:
-        """Whether any parameter is stepped here."""
-        return bool(self._treatments)
-
     def steps(self, optimizer: Optimizer) -> bool:
         """Whether ``optimizer``'s step must go through :meth:`step`: it has parameters the plan manages."""
         if not self._treatments:
@@ -151,11 +149,11 @@ class OptimizerStates:
         for owned in parameter_owners(model):
             p = owned.parameter
             if owned.owner is None:
-                treatment = ParameterTreatment(plan.state_default, plan.master_default)
+                treatment = ParameterTreatment(plan[Dimension.STATE].default, plan[Dimension.MASTER].default)
             else:
-                treatment = ParameterTreatment(plan.state_of(owned.owner, owned.owner_type),
-                                               plan.master_of(owned.owner, owned.owner_type))
-                compute = plan.precision_of(owned.owner, owned.owner_type)
+                treatment = ParameterTreatment(plan.of(Dimension.STATE, owned.owner, owned.owner_type),
+                                               plan.of(Dimension.MASTER, owned.owner, owned.owner_type))
+                compute = plan.of(Dimension.COMPUTE, owned.owner, owned.owner_type)
                 if treatment.master.managed and compute.dtype != treatment.master.dtype:
                     raise PlanError(
                         f"Plan entry for {owned.owner!r}: master='bf16' holds its parameters in bfloat16, so it must"
@@ -281,7 +279,7 @@ class OptimizerStates:
                         if p.grad is None:
                             continue
                         _check_optimizer(optimizer, group, self._names[id(p)])
-                        self._update(p, optimizer.state[p], group, treatment)
+                        self._update(p, optimizer.state[p], AdamSettings.of(optimizer, group), treatment)
                         hidden.append((p, p.grad))
                         p.grad = None
             return own_step()
@@ -289,7 +287,7 @@ class OptimizerStates:
             for p, grad in hidden:
                 p.grad = grad
 
-    def _update(self, p: nn.Parameter, state: dict[str, Any], group: dict[str, Any],
+    def _update(self, p: nn.Parameter, state: dict[str, Any], settings: AdamSettings,
                 treatment: ParameterTreatment) -> None:
         grad = p.grad
         assert grad is not None
@@ -297,14 +295,51 @@ class OptimizerStates:
             raise UnsupportedSetupError(f"Parameter {self._names[id(p)]!r} has a sparse gradient: state/master"
                                         " precisions need dense gradients; keep them fp32 for it.")
         rounding = self._generator(p.device) if p.dtype == torch.bfloat16 and treatment.master.managed else None
-        adam_step(p, grad, state, group, treatment.state, rounding)
+        adam_step(p, grad, state, settings, treatment.state, rounding)
 
 
-def adam_step(p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], group: dict[str, Any],
+@dataclass(frozen=True)
+class AdamSettings:
+    """The hyper-parameters of one Adam(W) step, read from a parameter group of ``torch.optim.Adam``/``AdamW``.
+
+    Attributes:
+        lr: the learning rate.
+        betas: the moments' decay rates.
+        eps: added to the denominator.
+        weight_decay: the weight-decay factor.
+        decoupled: whether weight decay is decoupled (AdamW's: the weights shrink) rather than L2 (Adam's: added to
+            the gradient).
+        amsgrad: whether the denominator uses the maximum second moment so far.
+        maximize: whether the objective is maximised.
+    """
+
+    lr: float
+    betas: tuple[float, float]
+    eps: float
+    weight_decay: float
+    decoupled: bool
+    amsgrad: bool = False
+    maximize: bool = False
+
+    @classmethod
+    def of(cls, optimizer: Optimizer, group: dict[str, Any]) -> AdamSettings:
+        """The settings ``group`` of ``optimizer`` steps with now (LR schedulers change them between steps).
+
+        Weight decay is decoupled for every ``AdamW`` (its own class before torch 2.6, a subclass of ``Adam`` since)
+        and for an ``Adam`` whose group says ``decoupled_weight_decay=True`` (torch 2.6 and later).
+        """
+        decoupled = isinstance(optimizer, torch.optim.AdamW) or bool(group.get("decoupled_weight_decay", False))
+        beta1, beta2 = (float(b) for b in group["betas"])
+        return cls(lr=float(group["lr"]), betas=(beta1, beta2), eps=float(group["eps"]),
+                   weight_decay=float(group["weight_decay"]), decoupled=decoupled,
+                   amsgrad=bool(group.get("amsgrad", False)), maximize=bool(group.get("maximize", False)))
+
+
+def adam_step(p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], settings: AdamSettings,
               precision: StatePrecision, rounding: torch.Generator | None) -> None:
-    """One Adam(W) step of ``p`` in FP32 with ``group``'s hyper-parameters, its moments read and written in
-    ``precision``'s format; with ``rounding``, the new BF16 value of ``p`` is rounded stochastically from it."""
-    amsgrad = bool(group.get("amsgrad", False))
+    """One Adam(W) step of ``p`` in FP32 with ``settings``, its moments read and written in ``precision``'s format;
+    with ``rounding``, the new BF16 value of ``p`` is rounded stochastically from it."""
+    amsgrad = settings.amsgrad
     if not state:
         state["step"] = torch.tensor(0.0, dtype=torch.float32)
     moments = [(k, signed) for k, signed in _MOMENTS if k != "max_exp_avg_sq" or amsgrad]
@@ -312,16 +347,16 @@ def adam_step(p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], group:
     values = {k: _read(state, k, signed, p) for k, signed in moments}
     state["step"] += 1
     step = float(state["step"])
-    lr = float(group["lr"])
-    beta1, beta2 = (float(b) for b in group["betas"])
-    eps, decay = float(group["eps"]), float(group["weight_decay"])
+    lr = settings.lr
+    beta1, beta2 = settings.betas
+    eps, decay = settings.eps, settings.weight_decay
     g = grad.float()
-    if group.get("maximize", False):
+    if settings.maximize:
         g = -g
     in_place = p.dtype == torch.float32
     weights = p.detach() if in_place else p.detach().float()
     if decay != 0:
-        if _decoupled(group):
+        if settings.decoupled:
             weights.mul_(1 - lr * decay)
         else:
             g = g.add(weights, alpha=decay)
@@ -406,10 +441,6 @@ def _to_own_format(state: dict[str, Any], p: torch.Tensor) -> None:
             state[key] = block_quant.unpack(stored, p.shape, signed).dequantise().to(p.dtype)
         elif stored.dtype != p.dtype and stored.is_floating_point():
             state[key] = stored.to(p.dtype)
-
-
-def _decoupled(group: dict[str, Any]) -> bool:
-    return bool(group.get("decoupled_weight_decay", False))
 
 
 def _check_optimizer(optimizer: Optimizer, group: dict[str, Any], name: str) -> None:

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from lightning_comp.execution.optimizer_states import adam_step
+from lightning_comp.execution.optimizer_states import AdamSettings, adam_step
 from lightning_comp.numerics.precision import StatePrecision
 from lightning_comp.search.measurement.clocks import Clock
 
@@ -98,11 +98,12 @@ def _update(optimizer: Optimizer, params: Sequence[nn.Parameter], hyper: dict[in
         states.append(copy.deepcopy(dict(own)) if own else {})
     generator = torch.Generator(device=copies[0].device).manual_seed(0) if config.master else None
     precision = config.state
+    settings = {id(source): AdamSettings.of(optimizer, hyper[id(source)]) for source in params}
 
     def run() -> None:
         with torch.no_grad():
             for source, target, state in zip(params, copies, states):
                 assert target.grad is not None
-                adam_step(target, target.grad, state, hyper[id(source)], precision, generator)
+                adam_step(target, target.grad, state, settings[id(source)], precision, generator)
 
     return run
