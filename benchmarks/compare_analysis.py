@@ -19,6 +19,7 @@ from typing import Any
 
 from compare_searches import mode_searches, search_summary
 from compare_suite import COMP_MODES, MODES, ModelSpec
+from harness import geomean, median, ratio_summary
 
 # Targets of the issue (ratios measured in one run).
 TARGET_GEOMEAN_VS_AMP = 1.15
@@ -37,15 +38,6 @@ AXIS_TARGETS: dict[str, dict[str, Any]] = {
 }
 
 
-def _median(values: list[float]) -> float:
-    return float(statistics.median(values)) if values else math.nan
-
-
-def _geomean(values: list[float]) -> float:
-    values = [v for v in values if v and math.isfinite(v) and v > 0]
-    return math.exp(sum(math.log(v) for v in values) / len(values)) if values else math.nan
-
-
 def throughput_stats(result: dict[str, Any], batch_size: int) -> dict[str, Any]:
     """Per-round throughput (samples/s from the round's median batch time); round 0 is warm-up."""
     per_round: dict[int, list[float]] = {}
@@ -55,20 +47,20 @@ def throughput_stats(result: dict[str, Any], batch_size: int) -> dict[str, Any]:
             continue
         per_round.setdefault(b["round"], []).append(b["ms"])
         steady.append(b["ms"])
-    rounds = {r: batch_size / (_median(v) / 1e3) for r, v in sorted(per_round.items())}
+    rounds = {r: batch_size / (median(v) / 1e3) for r, v in sorted(per_round.items())}
     values = list(rounds.values())
     if not values:  # too few steps for a warm-up round: use everything but the special steps
         steady = [b["ms"] for b in result["batches"] if not b["special"]]
-        values = [batch_size / (_median(steady) / 1e3)] if steady else []
+        values = [batch_size / (median(steady) / 1e3)] if steady else []
     q = statistics.quantiles(values, n=4) if len(values) >= 2 else [values[0]] * 3 if values else [math.nan] * 3
     return {
-        "samples_per_s": _median(values),
+        "samples_per_s": median(values),
         "min": min(values) if values else math.nan,
         "max": max(values) if values else math.nan,
         "q1": q[0], "q3": q[2],
         "rounds": {str(k): v for k, v in rounds.items()},
-        "pooled_samples_per_s": batch_size / (_median(steady) / 1e3) if steady else math.nan,
-        "median_step_ms": _median(steady),
+        "pooled_samples_per_s": batch_size / (median(steady) / 1e3) if steady else math.nan,
+        "median_step_ms": median(steady),
         "min_step_ms": min(steady) if steady else math.nan,
         "steady_batches": len(steady),
     }
@@ -81,8 +73,7 @@ def round_ratio(a: dict[str, Any], b: dict[str, Any]) -> dict[str, float]:
     if not ratios:
         value = a["samples_per_s"] / b["samples_per_s"] if b["samples_per_s"] else math.nan
         return {"median": value, "min": value, "max": value, "rounds": 0}
-    return {"median": _median(ratios), "min": min(ratios), "max": max(ratios), "rounds": len(ratios),
-            "ratio_of_medians": a["samples_per_s"] / b["samples_per_s"]}
+    return {**ratio_summary(ratios), "ratio_of_medians": a["samples_per_s"] / b["samples_per_s"]}
 
 
 def _step_peak(entry: dict[str, Any]) -> float:
@@ -298,8 +289,8 @@ def evaluate_targets(models: dict[str, Any], tolerance: float, tolerance_mode: s
                 note="search measured on full epochs; 20-epoch run = 20 x full epoch at the plan's measured step time"
                 if s["extrapolated"]["scale"] == 1 else "search cost extrapolated from shortened epochs")
     if vs_amp:
-        add("throughput CoMP/AMP geomean over the suite", _geomean(vs_amp), TARGET_GEOMEAN_VS_AMP, ">=")
-    return {"checks": checks, "geomean_vs_amp": _geomean(vs_amp) if vs_amp else math.nan}
+        add("throughput CoMP/AMP geomean over the suite", geomean(vs_amp), TARGET_GEOMEAN_VS_AMP, ">=")
+    return {"checks": checks, "geomean_vs_amp": geomean(vs_amp) if vs_amp else math.nan}
 
 
 def analyse_raw(spec: ModelSpec, raw: dict[str, Any], tolerance: float, tolerance_mode: str) -> dict[str, Any]:

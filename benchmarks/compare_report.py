@@ -1,4 +1,4 @@
-"""The outputs of ``benchmarks/compare.py``: Markdown, CSV and JSON files, console lines and the machine description.
+"""The outputs of ``benchmarks/compare.py``: Markdown, CSV and JSON files and console lines.
 
 The Markdown report has the table per model and mode, the throughput search's cost (``## CoMP search``), the memory
 axis (``## Memory axis``: every mode's step peak and saved-for-backward bytes against AMP, and the saved lowerings each
@@ -9,57 +9,14 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import platform
-import subprocess
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 from compare_analysis import _step_peak, round_ratio
 from compare_suite import AXIS_MODES, COMP_MODES, MODES
-
-
-def machine_info() -> dict[str, Any]:
-    """Versions, CPU model and its BF16/FP16/AMX flags, thread counts and the device class of this machine."""
-    import lightning
-    import torch
-
-    info: dict[str, Any] = {
-        "python": platform.python_version(), "torch": torch.__version__, "lightning": lightning.__version__,
-        "platform": platform.platform(), "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-        "cuda": torch.cuda.is_available(),
-    }
-    try:
-        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
-        for line in lscpu.splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() in ("Model name", "CPU(s)", "Core(s) per socket", "Thread(s) per core", "Flags"):
-                value = value.strip()
-                if key.strip() == "Flags":
-                    value = " ".join(f for f in value.split() if "amx" in f or "bf16" in f or "fp16" in f)
-                info[f"lscpu {key.strip()}"] = value
-    except (OSError, subprocess.SubprocessError):
-        pass
-    from lightning_comp.devices.cpu_features import cpu_features
-    from lightning_comp.devices.device_classes import device_class
-
-    features = cpu_features()
-    for name in ("amx_tile", "avx512_bf16", "amx_fp16"):
-        info[f"is_{name}_supported"] = name in features
-
-    info["device_class"] = device_class("cuda" if torch.cuda.is_available() else "cpu").to_dict()
-    if torch.cuda.is_available():
-        info["cuda_device"] = torch.cuda.get_device_name()
-        info["cuda_capability"] = list(torch.cuda.get_device_capability())
-    return info
-
-
-def _load() -> list[float]:
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        return []
+from harness import json_default
 
 
 def short_lines(key: str, m: dict[str, Any]) -> str:
@@ -316,9 +273,9 @@ def write_outputs(report: dict[str, Any], out_dir: Path, img_dir: Path, prefix: 
     paths = []
     json_path = out_dir / f"{prefix}.json"
     raw_path = out_dir / f"{prefix}_raw.json.gz"
-    raw_path.write_bytes(gzip.compress((json.dumps(report, default=_json_default) + "\n").encode(), mtime=0))
+    raw_path.write_bytes(gzip.compress((json.dumps(report, default=json_default) + "\n").encode(), mtime=0))
     json_path.write_text(json.dumps({k: v for k, v in report.items() if k != "raw"}, indent=1,
-                                    default=_json_default) + "\n")
+                                    default=json_default) + "\n")
     paths.append(raw_path)
     csv_path = out_dir / f"{prefix}.csv"
     with csv_path.open("w", newline="") as handle:
@@ -341,14 +298,6 @@ def _csv_value(value: Any) -> Any:
     if isinstance(value, float):
         return "" if not math.isfinite(value) else f"{value:.6g}"
     return "" if value is None else value
-
-
-def _json_default(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, (set, tuple)):
-        return list(value)
-    return str(value)
 
 
 def print_ratios(report: dict[str, Any]) -> None:

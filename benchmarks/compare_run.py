@@ -10,9 +10,9 @@ How each number is measured (per model):
    ``search_batches`` batches (validation shortened in the same proportion), and their cost is scaled to full epochs.
    The share of a 20-epoch run divides the search cost by 20 full epochs at the chosen plan's measured step time (a
    real 20-epoch run per model does not fit the time budget).
-2. **Interleaved training.** One fresh process per mode (``32-true``, ``bf16-mixed``, ``bf16-true``, ``16-mixed`` if
-   the device has fast FP16, and per CoMP mode ``CoMPPrecision(plan=<its own search's chosen plan>)``), all from the
-   same seed, initial weights and batches. A coordinator hands a baton to one process at a time, which trains
+2. **Interleaved training.** One fresh process per mode (``32-true``, ``bf16-mixed``, ``bf16-true``, ``16-mixed`` on
+   a CUDA device with fast FP16 (never on a CPU: ``fp16_amp_skipped``), and per CoMP mode
+   ``CoMPPrecision(plan=<its own search's chosen plan>)``), all from the same seed, initial weights and batches. A coordinator hands a baton to one process at a time, which trains
    ``segment`` optimizer steps and hands it back; the order rotates every round, so all modes see the same machine
    conditions while each keeps a process (and a memory peak) of its own. Round 0 is warm-up. Each batch is timed from
    ``on_train_batch_start`` to ``on_train_batch_end`` (forward, backward, clipping, optimizer step; synchronised on
@@ -44,9 +44,10 @@ from pathlib import Path
 from typing import Any
 
 from compare_analysis import analyse_raw, evaluate_targets
-from compare_report import _load, machine_info, short_lines
+from compare_report import short_lines
 from compare_suite import COMP_MODES, DEFAULT_MODELS, MODES, ROOT, SUITE, ModelSpec, smoke_spec, unavailable
 from compare_workers import _search_kwargs, mp_context, run_interleaved, run_search
+from harness import load_average, machine_info
 
 
 def modes_that_cannot_run(spec: ModelSpec, modes: list[str], device_type: str) -> dict[str, str]:
@@ -71,6 +72,27 @@ def modes_that_cannot_run(spec: ModelSpec, modes: list[str], device_type: str) -
         return {"bf16-mixed": f"skipped: CPU autocast has no BF16 nn.LSTM kernel on this CPU"
                               f" ({device_class('cpu').describe()}); Lightning's bf16-mixed would fail inside oneDNN"}
     return {}
+
+
+def fp16_amp_skipped(device_type: str) -> str | None:
+    """Why ``16-mixed`` does not run on ``device_type`` (``None``: it runs, on CUDA with fast FP16).
+
+    On a CPU it never runs, whatever its class: Lightning turns ``precision="16-mixed"`` into ``"bf16-mixed"`` there,
+    so the mode would time AMP twice under two names. The reason names the device class: with AMX-FP16 FP16 is
+    native, but not through Lightning's AMP.
+    """
+    from lightning_comp.devices.device_classes import device_class
+    from lightning_comp.numerics.precision import ComputePrecision
+
+    cls = device_class(device_type)
+    lightning = "Lightning turns precision='16-mixed' into 'bf16-mixed' on CPU"
+    if device_type == "cpu" and cls.is_native(ComputePrecision.FP16):
+        return f"skipped: {lightning} (FP16 is native on this CPU, {cls.describe()}, but not through Lightning's AMP)"
+    if device_type == "cpu":
+        return (f"skipped: this CPU has no fast FP16 ({cls.describe()}): FP16 matmul runs at ~1x FP32, FP16 Conv2d"
+                " backward uses oneDNN's reference kernel (~100x slower), nn.LSTM has no FP16 CPU kernel, and"
+                f" {lightning}.")
+    return None if cls.is_native(ComputePrecision.FP16) else f"skipped: no fast FP16 on this {device_type}"
 
 
 def search_comp_modes(ctx: Any, spec: ModelSpec, comp_modes: list[str], args: argparse.Namespace,
@@ -120,20 +142,14 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     """
     import torch
 
-    from lightning_comp.devices.device_classes import device_class
-    from lightning_comp.numerics.precision import ComputePrecision
-
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     modes = ["fp32", "bf16-mixed", "bf16-true"]
     skipped: dict[str, str] = {}
-    if device_class(device_type).is_native(ComputePrecision.FP16):
+    skip_fp16 = fp16_amp_skipped(device_type)
+    if skip_fp16 is None:
         modes.append("16-mixed")
     else:
-        skipped["16-mixed"] = (
-            f"skipped: this {device_type} has no fast FP16 (no AMX-FP16): FP16 matmul"
-            " runs at ~1x FP32, FP16 Conv2d backward uses oneDNN's reference kernel (~100x slower), nn.LSTM has no"
-            " FP16 CPU kernel, and Lightning silently turns precision='16-mixed' into 'bf16-mixed' on CPU."
-            if device_type == "cpu" else f"skipped: no fast FP16 on this {device_type}")
+        skipped["16-mixed"] = skip_fp16
     modes += COMP_MODES
     if getattr(args, "compile", False) and not args.modes:
         modes = ["fp32", "bf16-mixed", "comp"]  # compiled: the baselines and the shipped objective
@@ -167,7 +183,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         "command": "python " + " ".join([os.path.relpath(sys.argv[0], ROOT)] + sys.argv[1:]),
         "machine": machine_info(),
         "device": device_type,
-        "load_average_start": _load(),
+        "load_average_start": load_average(),
         "smoke": bool(args.smoke),
         "compile": bool(getattr(args, "compile", False)),
         "modes": modes,
@@ -194,7 +210,8 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
                 print(f"[compare] {spec.key}/{mode} failed:\n{result['error']}", flush=True)
         # "search": the throughput search (``comp``), as in older raw files; "searches": the other CoMP modes'.
         raw = {"search": searches.pop("comp", {"error": "CoMP not benchmarked"}), "searches": searches,
-               "runs": runs, "orders": orders, "seconds": time.perf_counter() - t0, "load_average_after": _load()}
+               "runs": runs, "orders": orders, "seconds": time.perf_counter() - t0,
+               "load_average_after": load_average()}
         report["raw"][spec.key] = raw
         analysed = analyse_raw(spec, raw, tolerance, tolerance_mode)
         analysed["skipped_modes"] = cannot_run
@@ -203,6 +220,6 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
               flush=True)
         print(short_lines(spec.key, analysed), flush=True)
     report["targets"] = evaluate_targets(report["models"], tolerance, tolerance_mode)
-    report["load_average_end"] = _load()
+    report["load_average_end"] = load_average()
     report["total_seconds"] = time.perf_counter() - started
     return report
