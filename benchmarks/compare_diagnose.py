@@ -1,6 +1,6 @@
 """Why CoMP misses a target: in-process diagnostics for one model of ``benchmarks/compare.py``'s suite.
 
-    python benchmarks/compare_diagnose.py --model gpt [--plan benchmarks/results/compare_search_gpt/comp_plan.json]
+    python benchmarks/compare_diagnose.py --model gpt [--plan benchmarks/results/compare_search_gpt/plan.json]
 
 Everything is measured on one fixed batch, without Lightning, in interleaved rounds (minimum and median over rounds):
 
@@ -228,7 +228,7 @@ def attribution(model: torch.nn.Module, x: Any, y: Any, rounds: int) -> dict[str
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="gpt", choices=sorted(SUITE))
-    parser.add_argument("--plan", default=None, help="a comp_plan.json from compare.py (default: the one it wrote)")
+    parser.add_argument("--plan", default=None, help="a plan.json from compare.py (default: the one it wrote)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None)
@@ -237,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore")
     if args.threads:
         torch.set_num_threads(args.threads)
-    plan_path = Path(args.plan) if args.plan else RESULTS_DIR / f"compare_search_{args.model}" / "comp_plan.json"
+    plan_path = Path(args.plan) if args.plan else RESULTS_DIR / f"compare_search_{args.model}" / "plan.json"
     searched = json.loads(plan_path.read_text()) if plan_path.exists() else None
     model, x, y = _batch(args.model, args.seed)
     plans = _plans(model, searched)

@@ -9,7 +9,7 @@ AdamW) under, per model:
 1. FP32 (``Trainer(precision="32-true")``),
 2. AMP (``Trainer(precision="bf16-mixed")``),
 3. a CoMP plan (``--plan-<model> PATH``; default: the chosen plan of a memory search,
-   ``benchmarks/results/memory_axis/compare_search_<model>_comp-memory/comp_plan.json``, where it fits the model and
+   ``benchmarks/results/memory_axis/compare_search_<model>_comp-memory/plan.json``, where it fits the model and
    sets a state, master or recompute entry; else the built-in *lean* plan of :func:`lean_plan`),
 4. that plan with each dimension removed in turn: no optimizer-state precision, no BF16 master weights, no
    recomputation (recompute entries back to ``fp32``), no saved-for-backward lowering at all (a dimension the plan
@@ -80,7 +80,7 @@ RECOMPUTE_TYPES = frozenset({"GELU", "LayerNorm", "ReLU", "BatchNorm1d", "BatchN
 
 def search_plan_path(key: str) -> Path:
     """Where ``benchmarks/compare.py --out benchmarks/results/memory_axis`` leaves the memory search's chosen plan."""
-    return RESULTS_DIR / "memory_axis" / f"compare_search_{key}_comp-memory" / "comp_plan.json"
+    return RESULTS_DIR / "memory_axis" / f"compare_search_{key}_comp-memory" / "plan.json"
 
 
 # --------------------------------------------------------------------------------------------------------- plans

@@ -6,7 +6,9 @@ The config is the one in ``lightning_comp/conf/train.yaml``: groups ``precision`
 
 * ``checkpoints/`` (from the ``callbacks.checkpoint`` ModelCheckpoint: best by ``val_loss`` and ``last.ckpt``),
 * ``logs/`` (CSVLogger metrics),
-* ``plan.json`` and ``search_record.json`` when the precision is ``comp``,
+* ``plan.json`` and ``search_record.json`` when the precision is ``comp``: a ``CoMPSearch`` writes both itself (its
+  ``record_dir`` is the run directory unless the config sets one); the plan in force is written here where no search
+  wrote one (a fixed plan),
 * ``results.json``: the one-run summary (metrics, times, paths) that benchmarks read.
 
 Under DDP every process runs :func:`run`; only global rank 0 writes files and prints.
@@ -24,13 +26,14 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from hydra.utils import instantiate
+from hydra.utils import get_class, instantiate
 from lightning.pytorch.callbacks import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_comp.devices import Lowering, device_class, lowering_for
 from lightning_comp.errors import ConfigError
 from lightning_comp.numerics import ComputePrecision
+from lightning_comp.search import CoMPSearch
 from lightning_comp.zoo.callbacks import EpochTimer
 
 __all__ = ["DATA_OPTIONS", "check_compatible", "check_lightning_precision", "run"]
@@ -73,12 +76,13 @@ def _check_precision_wiring(cfg: DictConfig) -> None:
         )
 
 
-def _instantiate_callbacks(group: Any, where: str) -> list[Callback]:
+def _instantiate_callbacks(group: Any, where: str, out: Path) -> list[Callback]:
     """Instantiate a mapping ``name -> callback config``.
 
     ``null`` entries are switched-off callbacks. Entries without ``_target_`` are settings for a callback that the
     selected option does not define; they are skipped, so that ``++precision.callbacks.comp_search.trial_epochs=2``
-    can be given to a multirun over ``precision=fp32,bf16-mixed,comp`` (it only affects the ``comp`` jobs).
+    can be given to a multirun over ``precision=fp32,bf16-mixed,comp`` (it only affects the ``comp`` jobs). A
+    ``CoMPSearch`` without a ``record_dir`` writes its record and plan into the run directory ``out``.
     """
     if group is None:
         return []
@@ -91,11 +95,22 @@ def _instantiate_callbacks(group: Any, where: str) -> list[Callback]:
         if isinstance(node, Mapping) and "_target_" not in node:
             log.info("%s.%s has no _target_ (not defined by the selected option); ignored", where, name)
             continue
-        callback = instantiate(node, _convert_="all")
+        extra = {}
+        if _is_search(node) and node.get("record_dir") is None:
+            extra["record_dir"] = str(out)
+        callback = instantiate(node, _convert_="all", **extra)
         if not isinstance(callback, Callback):
             raise ConfigError(f"{where}.{name} must build a lightning Callback, got {type(callback).__name__}")
         callbacks.append(callback)
     return callbacks
+
+
+def _is_search(node: Any) -> bool:
+    try:
+        target = get_class(str(node["_target_"])) if isinstance(node, Mapping) else None
+    except (ImportError, ValueError):  # a function target, or one Hydra fails to load later with its own message
+        return False
+    return isinstance(target, type) and issubclass(target, CoMPSearch)
 
 
 def _choices(cfg: DictConfig) -> dict[str, str]:
@@ -134,20 +149,23 @@ def _scalar_metrics(trainer: pl.Trainer) -> dict[str, float]:
 
 
 def _export_comp(trainer: pl.Trainer, out: Path) -> dict[str, str]:
-    """Save the CoMP plan and search record (if any) and print the plan; returns the written paths."""
+    """Print the CoMP plan in force; returns the paths of ``plan.json`` and ``search_record.json``.
+
+    A search wrote both into its ``record_dir``; the plan in force is written here only where no search wrote one.
+    """
     paths: dict[str, str] = {}
     plugin = trainer.precision_plugin
     plan = getattr(plugin, "plan", None) if any(c.__name__ == "CoMPPrecision" for c in type(plugin).__mro__) else None
-    if plan is not None:
-        print("CoMP precision plan:\n" + str(plan.summary()), flush=True)
-        paths["plan_path"] = str(plan.save(out / "plan.json") or out / "plan.json")
-    for callback in trainer.callbacks:  # type: ignore[attr-defined]
-        if type(callback).__name__ == "CoMPSearch":
-            record = getattr(callback, "record", None)
-            if record is not None:
-                path = out / "search_record.json"
-                path.write_text(json.dumps(record, indent=2, default=str))
-                paths["search_record_path"] = str(path)
+    if plan is None:
+        return paths
+    print("CoMP precision plan:\n" + str(plan.summary()), flush=True)
+    search = next((c for c in trainer.callbacks if isinstance(c, CoMPSearch)), None)  # type: ignore[attr-defined]
+    directory = out if search is None else Path(search.config.record_dir or out)
+    if not (directory / "plan.json").is_file():  # no search, or one that chose no plan (nothing to search here)
+        plan.save(directory / "plan.json")
+    paths["plan_path"] = str(directory / "plan.json")
+    if (directory / "search_record.json").is_file():
+        paths["search_record_path"] = str(directory / "search_record.json")
     return paths
 
 
@@ -216,8 +234,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     datamodule = instantiate(cfg.data, _convert_="all")
     model = instantiate(cfg.model, _convert_="all")
     check_compatible(model, datamodule)
-    callbacks = _instantiate_callbacks(cfg.get("callbacks"), "callbacks")
-    callbacks += _instantiate_callbacks(cfg.precision.get("callbacks"), "precision.callbacks")
+    callbacks = _instantiate_callbacks(cfg.get("callbacks"), "callbacks", out)
+    callbacks += _instantiate_callbacks(cfg.precision.get("callbacks"), "precision.callbacks", out)
     trainer: pl.Trainer = instantiate(cfg.trainer, callbacks=callbacks, _convert_="all")
     check_lightning_precision(trainer, model)
 

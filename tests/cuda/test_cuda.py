@@ -122,8 +122,8 @@ def test_a_search_end_to_end_on_cuda(tmp_path: Path) -> None:
     memory = record["memory"]  # CUDA peak memory per profiled configuration
     assert memory and all(isinstance(e["peak_bytes"], int) and e["peak_bytes"] > 0 for e in memory.values())
     assert record["step_ms"] and all(v > 0 for v in record["step_ms"].values())
-    assert (tmp_path / "record" / "comp_plan.json").exists()
-    plan = PrecisionPlan.load(tmp_path / "record" / "comp_plan.json")
+    assert (tmp_path / "record" / "plan.json").exists()
+    plan = PrecisionPlan.load(tmp_path / "record" / "plan.json")
     assert plan.device is not None and plan.device.type == "cuda" and plan.device.capability.startswith("sm")
 
 

@@ -120,7 +120,7 @@ def test_plugin_and_search_from_the_command_line(tmp_path: Path) -> None:
     assert isinstance(cli.trainer.precision_plugin, CoMPPrecision)
     search = _search(cli.trainer)
     assert search.config.exclude == ("body.0", "body.4", "body.6", "head") and search.phase == "done"
-    assert (tmp_path / "comp_search.json").exists()
+    assert (tmp_path / "search_record.json").exists()
 
 
 def test_the_example_config_parses_with_the_plugin_and_the_search() -> None:
@@ -154,4 +154,4 @@ def test_the_readme_command_runs(tmp_path: Path) -> None:
         cwd=REPO, capture_output=True, text=True, timeout=600,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    assert list(tmp_path.rglob("comp_search.json")), "the decision record was not written"
+    assert list(tmp_path.rglob("search_record.json")), "the decision record was not written"

@@ -23,7 +23,7 @@ def test_quickstart_runs_search_and_training(tmp_path: Path) -> None:
     result = quickstart.main(["--epochs", "3", "--width", "128", "--samples", "800", "--batch-size", "64",
                               "--out", str(tmp_path)])
     assert math.isfinite(result["val_loss"]) and 0.0 <= result["val_acc"] <= 1.0
-    records = list(tmp_path.rglob("comp_search.json"))
+    records = list(tmp_path.rglob("search_record.json"))
     assert records, "the search record is written next to the logs"
     record = json.loads(records[0].read_text())
     assert record["chosen_plan"]["format"] == "lightning-comp/plan"

@@ -90,7 +90,7 @@ def test_unsafe_operator_stays_fp32_and_safe_large_ones_are_lowered(offset_run: 
 @pytest.mark.slow
 def test_decision_record_is_written_and_in_checkpoint(offset_run: dict[str, Any], tmp_path: Path) -> None:
     trainer: pl.Trainer = offset_run["trainer"]
-    record = json.loads((Path(offset_run["dir"]) / "comp_search.json").read_text())
+    record = json.loads((Path(offset_run["dir"]) / "search_record.json").read_text())
     assert record["chosen_plan"] == offset_run["plugin"].plan.to_dict()
     assert {t["verdict"] for t in record["trials"]} == {"pass", "fail"}
     assert record["operators"]["l2"]["fp32"]["total_ms"] > 0
@@ -102,7 +102,7 @@ def test_decision_record_is_written_and_in_checkpoint(offset_run: dict[str, Any]
     gap_ms = max(0.0, record["trials"][0]["median_step_ms"] - chosen["median_step_ms"])
     assert cost["warmup_overhead_seconds"] == pytest.approx(8 * gap_ms / 1e3)
     assert cost["total_seconds"] == pytest.approx(cost["search_seconds"] + cost["warmup_overhead_seconds"])
-    saved = PrecisionPlan.load(Path(offset_run["dir"]) / "comp_plan.json")
+    saved = PrecisionPlan.load(Path(offset_run["dir"]) / "plan.json")
     assert saved == offset_run["plugin"].plan
     path = tmp_path / "done.ckpt"
     trainer.save_checkpoint(path)
@@ -119,7 +119,7 @@ def test_decision_record_is_written_and_in_checkpoint(offset_run: dict[str, Any]
     assert plugin.plan == offset_run["plugin"].plan
     assert len(search.state.trials) == len(offset_run["search"].state.trials)
     # and a saved plan can be reused for a new run without any search
-    reuse = CoMPPrecision(plan=Path(offset_run["dir"]) / "comp_plan.json")
+    reuse = CoMPPrecision(plan=Path(offset_run["dir"]) / "plan.json")
     fresh = search_trainer(tmp_path / "reuse", [], max_epochs=1, plugin=reuse)
     fresh.fit(WideMLP(), train, val)
     assert reuse.plan == offset_run["plugin"].plan

@@ -120,16 +120,16 @@ def warmup_overhead_seconds(state: SearchState) -> float | None:
 
 
 def publish(trainer: pl.Trainer, state: SearchState, config: SearchConfig, final: bool) -> None:
-    """Write ``comp_search.json`` and ``comp_plan.json`` (rank 0); unless ``final``, send the record to the loggers
+    """Write ``search_record.json`` and ``plan.json`` (rank 0); unless ``final``, send the record to the loggers
     (:mod:`~lightning_comp.search.record.loggers`) and print it."""
     record = build_record(state, config)
     # Trainer.log_dir is a collective (it broadcasts from rank 0): every rank must ask for it.
     directory = Path(config.record_dir or trainer.log_dir or trainer.default_root_dir)
     if trainer.is_global_zero:
         directory.mkdir(parents=True, exist_ok=True)
-        (directory / "comp_search.json").write_text(json.dumps(record, indent=2, default=str) + "\n")
+        (directory / "search_record.json").write_text(json.dumps(record, indent=2, default=str) + "\n")
         if record["chosen_plan"] is not None:
-            PrecisionPlan.from_dict(record["chosen_plan"]).save(directory / "comp_plan.json")
+            PrecisionPlan.from_dict(record["chosen_plan"]).save(directory / "plan.json")
     if final:
         return
     log_record(trainer, record)
