@@ -38,7 +38,6 @@ from enum import Enum
 from typing import Any
 
 import torch
-from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
 from lightning_comp.devices.device_classes import model_device
@@ -47,6 +46,7 @@ from lightning_comp.execution.cast_boundaries import ConsumerTracer
 from lightning_comp.execution.compiled_regions import eager
 from lightning_comp.execution.hook_registry import HookNeeds, HookRegistry
 from lightning_comp.execution.hooks import HookedOperator, PostHook, PreHook, StepState, make_hooks
+from lightning_comp.execution.plan_warnings import PlanWarnings
 from lightning_comp.execution.planned_operators import hooked_operators, provisional_operators
 from lightning_comp.execution.recompute import Recomputer
 from lightning_comp.execution.saved_tensors import DEFAULT_MIN_SAVED_BYTES, SavedTensorCompressor
@@ -96,14 +96,6 @@ class _WorkTrace:
             self.work = work
 
 
-@dataclass
-class _SaidOnce:
-    """The warnings given already, each said once per executor."""
-
-    ineffective: set[str] = field(default_factory=set)  # operators whose plan entry had no effect
-    nothing_lowered: set[tuple[Any, ...]] = field(default_factory=set)  # plans (and devices) that lowered nothing
-
-
 class PlanExecutor:
     """Puts a :class:`PrecisionPlan` into effect on a model, in place, through forward hooks.
 
@@ -139,7 +131,7 @@ class PlanExecutor:
         self._calibration = Calibration()  # of the plan in force
         self._last_step_chained: frozenset[str] = frozenset()  # what the latest step's forward chained
         self._work_trace = _WorkTrace()
-        self._said = _SaidOnce()
+        self._warnings = PlanWarnings()  # (each said once)
 
     # ---------------------------------------------------------------------------------------------------- state
     @property
@@ -250,18 +242,7 @@ class PlanExecutor:
         # re-applying a plan seen before (the search alternates plans) reuses its calibration
         compute = bound[Dimension.COMPUTE]
         self._calibration = self._calibrations.of(model, (compute.entries, compute.default), target)
-        said = (compute.entries, compute.default, str(target))
-        if not bound.is_all_fp32 and not any(op.low and not op.transparent for op in operators.values()) \
-                and said not in self._said.nothing_lowered:
-            self._said.nothing_lowered.add(said)
-            low = sorted({p.value for p in compute.values()
-                          if p is not ComputePrecision.FP32})
-            rank_zero_warn(
-                f"The plan assigns {'/'.join(low)} but no operator of {type(model).__name__} computes in it on"
-                f" {target}: its 16-bit entries match only shape-only operators, or operators with no"
-                " low-precision kernel there. Training runs in fp32.",
-                stacklevel=2,
-            )
+        self._warnings.nothing_lowered(model, bound, operators, target)
         self._install()
         return bound
 
@@ -375,7 +356,7 @@ class PlanExecutor:
             state.tracer = None
             self._saved_tensors.clear()
         self._calibrated(kind, tracer)
-        self._warn_ineffective(tracer.ineffective)
+        self._warnings.ineffective(tracer.ineffective, self._operators)
 
     def _recipes(self, kind: StepKind) -> AbstractContextManager[Any]:
         """Where recompute operators store recipes: the forward of a training step, when the plan has any."""
@@ -436,7 +417,7 @@ class PlanExecutor:
         if tracer is not None:
             if not new and self._hooks:
                 self._calibrated(kind, tracer)
-            self._warn_ineffective(tracer.ineffective & set(self._operators))
+            self._warnings.ineffective(tracer.ineffective & set(self._operators), self._operators)
 
     @contextmanager
     def recomputing(self) -> Iterator[None]:
@@ -465,15 +446,3 @@ class PlanExecutor:
     @property
     def _recasting(self) -> bool:
         return self.recast_weights_in_backward and not self._compiled
-
-    def _warn_ineffective(self, names: set[str]) -> None:
-        fresh = sorted(names - self._said.ineffective)
-        if fresh:
-            self._said.ineffective.update(fresh)
-            described = ", ".join(f"{n} ({type(self._operators[n].module).__name__})" for n in fresh)
-            rank_zero_warn(
-                f"Plan entries had no effect: {described} computed in float32 although the plan assigns a 16-bit"
-                " precision (PyTorch has no lower-precision kernel for them on this device, or they do no"
-                " floating-point work). Assign them 'fp32' to silence this warning.",
-                stacklevel=2,
-            )

@@ -36,6 +36,7 @@ from lightning_comp.adapters.torch_internals import (
     is_view_or_cast_node,
     node_inputs,
     storage_key,
+    tensor_version,
 )
 from lightning_comp.errors import ConfigError
 from lightning_comp.execution.saved_hooks import OuterHooks, hooks_installable, take_back
@@ -155,7 +156,7 @@ class SavedTensorCompressor:
         return pack
 
     def _shared_copy(self, tensor: torch.Tensor, saved: SavedPrecision) -> CompressedTensor:
-        key = (saved, tensor._version)
+        key = (saved, tensor_version(tensor))
         entry = self._shared.get(tensor)
         if entry is not None and key in entry:
             return entry[key]
