@@ -1,14 +1,9 @@
-"""Synchronous data-parallel training across many workers, as the distributed-RNN paper does it.
+"""Training under a plan across many workers: synchronous data parallelism, as the distributed-RNN paper does it, and
+sharding.
 
-=====================  ==========================================================================================
-module                 what it holds
-=====================  ==========================================================================================
-``grad_compression``   :class:`HalfPrecisionDDPStrategy`: gradients all-reduced in bf16/fp16 on any backend,
-                       with a byte counter
-``lr_schedule``        :class:`WorkerScaledLR`: a learning rate that stays convergent at O(100) workers
-``sharding``           :func:`fsdp2_policy` (FSDP2 units' policies from a plan), :class:`CPUFSDPStrategy` (FSDP1
-                       on a CPU)
-=====================  ==========================================================================================
+:func:`half_precision_ddp_strategy` all-reduces gradients in bf16/fp16 on any backend, with a byte counter;
+:class:`WorkerScaledLR` keeps the learning rate convergent at O(100) workers; :func:`fsdp2_policy` derives FSDP2 units'
+policies from a plan, and :class:`CPUFSDPStrategy` runs FSDP1 on a CPU. Each module's docstring says what it holds.
 """
 
 from lightning_comp.distributed.grad_compression import (

@@ -1,17 +1,8 @@
-"""Numerics: the precisions a plan assigns, and the codecs that store saved tensors at a lower precision.
+"""Numerics: the precisions a plan assigns, and the formats that store tensors at a lower precision.
 
-==================  ====================================================================================
-module              what it holds
-==================  ====================================================================================
-``precision``       :class:`ComputePrecision` (what an operator computes in), :class:`SavedPrecision` (what it
-                    stores for backward in, or ``recompute``), :class:`StatePrecision` (its parameters'
-                    optimizer state), :class:`MasterPrecision` (its parameters themselves)
-``codecs``          compress and decompress a saved tensor at a :class:`SavedPrecision` (bf16, fp8 with a
-                    power-of-two scale)
-``block_quant``     8-bit block-quantised optimizer moments in plain tensors (torchao's format)
-``stochastic_       FP32 -> BF16 stochastic rounding with a generator of its own (BF16 master weights)
-rounding``
-==================  ====================================================================================
+The value enums of the plan's dimensions (:class:`ComputePrecision`, :class:`SavedPrecision`, :class:`StatePrecision`,
+:class:`MasterPrecision`), the codecs of saved tensors (bf16, fp8 with a scale), 8-bit block-quantised optimizer moments
+and stochastic rounding to BF16. Each module's docstring says what it holds.
 """
 
 from lightning_comp.numerics.precision import (

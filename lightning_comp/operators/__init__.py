@@ -1,14 +1,8 @@
 """Operators: the units of work of a model that a precision plan assigns a precision to.
 
-==============  ======================================================================================
-module          what it holds
-==============  ======================================================================================
-``owned_work``  :class:`WorkRecorder`: the work each module does itself in a traced step (which containers
-                compute between their children), with its floating-point operations counted
-``kinds``       :class:`OperatorKind` and :func:`classify` (what an operator does), atomic modules
-                (:func:`register_atomic`), Hugging Face's ``Conv1D`` known by class name
-``discovery``   :func:`iter_operators`/:func:`discover_operators`: which modules of a model are operators
-==============  ======================================================================================
+:func:`discover_operators` lists a model's operators (leaf modules, modules treated whole: :func:`register_atomic`, and
+containers a traced step finds computing between their children); :class:`OperatorKind` says what each does, which
+decides how a low precision can apply to it. Each module's docstring says what it holds.
 """
 
 from lightning_comp.operators.discovery import OperatorInfo, discover_operators, iter_operators, operator_name

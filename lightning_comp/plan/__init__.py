@@ -1,16 +1,10 @@
 """The precision plan: what each operator of a model computes in, saves for backward in, and keeps its parameters'
 optimizer state and master copy in.
 
-===============  ========================================================================================
-module           what it holds
-===============  ========================================================================================
-``selectors``    how plans name operators: exact names, globs, ``"type:ClassName"``, and their precedence
-``dimensions``   :class:`Dimension` (compute, saved, state, master) and :class:`Assignment`: one dimension's values
-``entries``      the entries users write (``{selector: precision}`` or ``{selector: {dimension: value}}``), split
-``fingerprint``  :class:`OperatorFingerprint`: the operators a plan was made for
-``serialised``   the JSON document of a plan, and reading and writing plan files
-``plan``         :class:`PrecisionPlan`: construction, queries, serialisation, summary
-===============  ========================================================================================
+A :class:`PrecisionPlan` maps each :class:`Dimension` (compute, saved, state, master) to an :class:`Assignment`
+(selector -> value entries and a default); :class:`Selectors` name operators, an :class:`OperatorFingerprint` records
+the operators a plan was made for, and only the serialiser knows the JSON document's field names. Each module's
+docstring says what it holds.
 """
 
 from lightning_comp.plan.dimensions import Assignment, Dimension

@@ -1,12 +1,7 @@
-"""Lightning precision plugins that train with a precision plan, one plugin per module.
-
-==========  ===========================================================================
-module      plugin
-========  =============================================================================
-``comp``    :class:`CoMPPrecision`: the Trainer's plugin (single device, DDP, FSDP2 via ModelParallelStrategy)
-``fsdp``    :class:`CoMPFSDPPrecision`: the same, in the form ``FSDPStrategy`` (FSDP1) accepts
-``fabric``  :class:`CoMPFabricPrecision`: Lightning Fabric's plugin (a plan from a file or a mapping)
-==========  ===========================================================================
+"""Lightning precision plugins that train with a precision plan, one plugin per module: :class:`CoMPPrecision` (the
+Trainer's: single device, DDP, FSDP2), :class:`CoMPFSDPPrecision` (its form for ``FSDPStrategy``, FSDP1) and
+:class:`CoMPFabricPrecision` (Fabric's). Each is a thin shell that maps its framework's hooks onto one
+:class:`~lightning_comp.plugins.runtime.PlanRuntime`; each module's docstring says what it holds.
 """
 
 from lightning_comp.plugins.comp import CoMPPrecision

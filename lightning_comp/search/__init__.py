@@ -1,23 +1,8 @@
 """The convergence-aware two-stage search for a model's precision plan.
 
-Packages and modules, each importing only those above it in this table:
-
-=================  ==========================================================================================
-part               what it holds
-=================  ==========================================================================================
-``config``         :class:`SearchConfig` and its enums (:class:`Objective`, ...): validated settings
-``candidates``     :class:`~lightning_comp.search.candidates.Candidate`: what a trial lowers
-``measurement/``   clocks, machine load, profilers, ratio estimates
-``decisions/``     per-operator, saved-precision, whole-step and trial decisions; objective policies; group testing
-``state``          :class:`SearchState` and :class:`TrialRecord`: typed state, checkpoint form
-``ranks``          rank agreement under DDP
-``record/``        the decision record: progress, text, loggers, JSON
-``rewind/``        snapshots, paused callbacks, the loop budget
-``checks``         set-up checks (plugin, strategy, validation, selectors, monitor)
-``compiled``       the search on a compiled model: measured and trialled eagerly
-``stages/``        the batch stage and the epoch stage
-``callback``       :class:`CoMPSearch`: the Lightning hooks, delegating to the parts above
-=================  ==========================================================================================
+:class:`CoMPSearch` is the Lightning callback and :class:`SearchConfig` its settings. Its parts (measurement,
+decisions, state, record, rewind, stages) form layers of their own, each importing only those below it: the order is
+in ``docs/architecture.md`` and ``tests/unit/test_layers.py`` checks it. Each module's docstring says what it holds.
 """
 
 from lightning_comp.search.callback import CoMPSearch

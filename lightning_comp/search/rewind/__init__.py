@@ -1,10 +1,3 @@
-"""Rewinding trials: the search's hold on Lightning's fit loop.
-
-============  ===============================================================================================
-module        what it holds
-============  ===============================================================================================
-``snapshot``  :class:`TrainingSnapshot`: a bit-exact copy of a run's state, restored more than once
-``pause``     callbacks (EarlyStopping) taken out of the Trainer for a while, and put back
-``loop``      the loop budget (rejected trials given back through ``max_epochs``), cut epochs, rewinds
-============  ===============================================================================================
+"""Rewinding trials: the search's hold on Lightning's fit loop (bit-exact snapshots, callbacks paused for a while,
+the loop budget and cut epochs). Each module's docstring says what it holds.
 """
