@@ -124,7 +124,7 @@ class PlanExecutor:
         self._compiled = False
         self._plan: PrecisionPlan | None = None
         self._operators: dict[str, HookedOperator] = {}
-        self._needs = HookNeeds()
+        self._hook_needs = HookNeeds()
         self._in_force = False  # the plan's hooks are on the model (an all-FP32 plan needs none)
         # what steps found
         self._calibrations = Calibrations()  # of every plan applied so far
@@ -250,10 +250,10 @@ class PlanExecutor:
         """Register the hooks of the plan (none when no operator computes or saves in a lower precision): every
         operator's, then, for the kinds of step calibrated already, only those that change something."""
         self._in_force = True
-        self._needs = HookNeeds.of(self._operators)
+        self._hook_needs = HookNeeds.of(self._operators)
         # compressing operators leave recompute operators' outputs to the recipes (no check without any)
-        self._saved_tensors.defer_to(self._recomputer.claims if self._needs.recomputes else None)
-        if not self._needs.always_hooked:
+        self._saved_tensors.defer_to(self._recomputer.claims if self._hook_needs.recomputes else None)
+        if not self._hook_needs.always_hooked:
             return
         self._hooks.hook(self._operators.values(), compiled=self._compiled)
         self._prune()
@@ -265,9 +265,9 @@ class PlanExecutor:
         """Take the hooks off the FP32 operators that change nothing in any kind of step calibrated so far (see
         :mod:`lightning_comp.execution.hook_registry`); steps of a kind not calibrated yet re-hook them first. Not
         under ``torch.compile``: hooks traced into a graph cost nothing per call, and changing them recompiles."""
-        if self._compiled or not self._calibration or not self._needs.always_hooked:
+        if self._compiled or not self._calibration or not self._hook_needs.always_hooked:
             return
-        keep = self._needs.always_hooked | self._calibration.fed_low()
+        keep = self._hook_needs.always_hooked | self._calibration.fed_low()
         self._hooks.unhook([name for name in self._operators if name not in keep])
 
     def _hook_all(self) -> list[str]:
@@ -332,7 +332,7 @@ class PlanExecutor:
             yield
             return
         assert self._model is not None
-        if self._needs.compresses:  # parameters may have been replaced since the last step (walking them costs)
+        if self._hook_needs.compresses:  # parameters may have been replaced since the last step (walking them costs)
             self._saved_tensors.watch(self._model)
         recording = self._weight_casts.recording() if self._recasting else nullcontext()
         recipes = self._recipes(kind)
@@ -360,7 +360,7 @@ class PlanExecutor:
 
     def _recipes(self, kind: StepKind) -> AbstractContextManager[Any]:
         """Where recompute operators store recipes: the forward of a training step, when the plan has any."""
-        return self._recomputer.recording() if self._needs.recomputes and kind is StepKind.TRAIN else nullcontext()
+        return self._recomputer.recording() if self._hook_needs.recomputes and kind is StepKind.TRAIN else nullcontext()
 
     def _calibrated(self, kind: StepKind, tracer: ConsumerTracer) -> None:
         """Keep what a calibrating step of ``kind`` found, and take off the hooks that change nothing."""

@@ -4,7 +4,7 @@
   training step's forward (inside whatever the user or a profiler has in force: what it does not handle it hands on
   to those hooks, as :mod:`lightning_comp.execution.saved_tensors` does). Its pack hook stores a reference to the
   recipe of each tensor it recognises (:mod:`lightning_comp.execution.recompute.recognition`).
-- :meth:`Recomputer.wrap` wraps a recompute operator X's pre- and post-hook. The pre-hook opens a *frame* of the call
+- :meth:`Recomputer.wrap` wraps a recompute operator X's pre- and post-hook. The pre-hook opens a record of the call
   (the inputs after its casts, what reproduces the forward: :mod:`lightning_comp.execution.recompute.forward_state`);
   while X's forward runs, a non-leaf tensor saved inside it (other than X's inputs) is packed as a placeholder
   (:class:`~lightning_comp.execution.recompute.saved.Pending`). X's post-hook makes the call's
@@ -110,7 +110,7 @@ class _Unseen:
 
 
 @dataclass
-class _Frame:
+class _Call:
     """One call of a recompute operator in a step, from its pre-hook to its post-hook."""
 
     op: RecomputedOperator
@@ -138,17 +138,17 @@ class Recomputer:
         self._recording = False
         self._outer: OuterHooks | None = None  # the hooks in force around the step being recorded
         self._recorded = RecordedOutputs()  # the outputs of the recipes recorded in the step
-        self._frames: list[_Frame | None] = []  # one per hooked call in flight (None: not recorded)
-        self._open: list[_Frame] = []  # the recorded ones
-        self._target: Recipe | None = None  # the recipe being recomputed now
+        self._calls: list[_Call | None] = []  # one per hooked call in flight (None: not recorded)
+        self._open_calls: list[_Call] = []  # the recorded ones, innermost last
+        self._recomputed: Recipe | None = None  # the recipe being recomputed now
         self._pack_hook: Callable[[torch.Tensor], Any] | None = None
         self._warned: set[str] = set()
         self._unseen = _Unseen(state)
 
     def __getstate__(self) -> dict[str, Any]:
         # ddp_spawn pickles the plugin: recipes and weak tables belong to this process
-        return {**self.__dict__, "_recorded": None, "_frames": [], "_open": [], "_unseen": None,
-                "_target": None, "_pack_hook": None, "_recording": False, "_outer": None}
+        return {**self.__dict__, "_recorded": None, "_calls": [], "_open_calls": [], "_unseen": None,
+                "_recomputed": None, "_pack_hook": None, "_recording": False, "_outer": None}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
@@ -172,8 +172,8 @@ class Recomputer:
             self._recording = False
             self._pack_hook = self._outer = None
             self._recorded = RecordedOutputs()
-            self._frames.clear()
-            self._open.clear()
+            self._calls.clear()
+            self._open_calls.clear()
 
     # ------------------------------------------------------------------------------------------ saved tensors
     def claims(self, tensor: torch.Tensor) -> bool:
@@ -184,7 +184,7 @@ class Recomputer:
         with self._unseen:
             if self._recorded.find(tensor) is not None:
                 return True
-        return bool(self._open) and not tensor.is_leaf and id(tensor) not in self._open[-1].input_ids
+        return bool(self._open_calls) and not tensor.is_leaf and id(tensor) not in self._open_calls[-1].input_ids
 
     def _pack(self, tensor: torch.Tensor) -> Any:
         outer = self._outer
@@ -193,11 +193,11 @@ class Recomputer:
             found = self._recorded.find(tensor)
         if found is not None:
             return Saved(*found)
-        if self._open and not tensor.is_leaf:
-            frame = self._open[-1]
-            if id(tensor) not in frame.input_ids:
+        if self._open_calls and not tensor.is_leaf:
+            call = self._open_calls[-1]
+            if id(tensor) not in call.input_ids:
                 pending = Pending(tensor, outer)
-                frame.pending.append(pending)
+                call.pending.append(pending)
                 return pending
         return outer.hand_on(tensor)
 
@@ -212,39 +212,39 @@ class Recomputer:
         state = self._state
 
         def pre(module: nn.Module, args: Any, kwargs: Any) -> Any:
-            if not self._recording or self._target is not None or not torch.is_grad_enabled():
-                self._frames.append(None)
+            if not self._recording or self._recomputed is not None or not torch.is_grad_enabled():
+                self._calls.append(None)
                 return pre_hook(module, args, kwargs)
             if not self._innermost():
                 self._say_left_to_outer_hooks(op)
-                self._frames.append(None)
+                self._calls.append(None)
                 return pre_hook(module, args, kwargs)
-            frame = _Frame(op, autocast_state(state.device), state.regions)
-            self._frames.append(frame)  # (first: the post-hook runs even if a pre-hook raises)
+            call = _Call(op, autocast_state(state.device), state.regions)
+            self._calls.append(call)  # (first: the post-hook runs even if a pre-hook raises)
             with self._unseen:
-                frame.buffers = buffer_copies(module)  # (kernels update some unversioned)
+                call.buffers = buffer_copies(module)  # (kernels update some unversioned)
             result = pre_hook(module, args, kwargs)
             with self._unseen:
-                frame.args, frame.kwargs = result if result is not None else (args, kwargs)
-                frame.inputs = tensors((frame.args, frame.kwargs))
-                frame.versions = [tensor_version(t) for t in frame.inputs]
-                frame.input_ids = frozenset(id(t) for t in frame.inputs)
-                frame.rng = RngState.capture(frame.inputs)
-            self._open.append(frame)
+                call.args, call.kwargs = result if result is not None else (args, kwargs)
+                call.inputs = tensors((call.args, call.kwargs))
+                call.versions = [tensor_version(t) for t in call.inputs]
+                call.input_ids = frozenset(id(t) for t in call.inputs)
+                call.rng = RngState.capture(call.inputs)
+            self._open_calls.append(call)
             return result
 
         def post(module: nn.Module, args: Any, output: Any) -> Any:
-            frame = self._frames.pop() if self._frames else None
-            if frame is not None and self._open and self._open[-1] is frame:
-                self._open.pop()
+            call = self._calls.pop() if self._calls else None
+            if call is not None and self._open_calls and self._open_calls[-1] is call:
+                self._open_calls.pop()
             raw = output
             final = post_hook(module, args, output)
-            target = self._target
+            target = self._recomputed
             if target is not None and target.op.module is module and raw is not None:
                 target.captured = (outputs_of(op, raw), outputs_of(op, final))
-            if frame is not None and (raw is not None or sys.exc_info()[1] is None):  # (None: the forward raised)
+            if call is not None and (raw is not None or sys.exc_info()[1] is None):  # (None: the forward raised)
                 with self._unseen:
-                    self._finish(frame, raw, final)
+                    self._finish(call, raw, final)
             return final
 
         return pre, post
@@ -267,36 +267,36 @@ class Recomputer:
             stacklevel=2,
         )
 
-    def _finish(self, frame: _Frame, raw: Any, final: Any) -> None:
+    def _finish(self, call: _Call, raw: Any, final: Any) -> None:
         """At the post-hook of a recorded call: make its recipe, resolve its placeholders, register its outputs."""
-        op = frame.op
+        op = call.op
         raw_outs, final_outs = outputs_of(op, raw), outputs_of(op, final)
-        for tensor, version in zip(frame.inputs, frame.versions):
+        for tensor, version in zip(call.inputs, call.versions):
             if tensor_version(tensor) != version:
                 raise PlanError(
                     f"Operator {describe(op)} saves 'recompute', but its forward modifies its input in place, so"
                     f" the input its output would be recomputed from is gone. {KEEP_AS_COMPUTED}, or make it work"
                     " out of place (inplace=False)."
                 )
-        inputs = {storage_key(t) for t in frame.inputs}
+        inputs = {storage_key(t) for t in call.inputs}
         metas: tuple[list[OutputMeta | None], list[OutputMeta | None]] = (
             [None if t is None or storage_key(t) in inputs else OutputMeta.of(t) for t in raw_outs],
             [None if t is None or storage_key(t) in inputs else OutputMeta.of(t) for t in final_outs],
         )  # an output sharing an input's memory is kept with that input anyway
-        held = map_tensors((frame.args, frame.kwargs), self._held)
-        recipe = Recipe(self._recomputing, op, held[0], held[1], self._state.chained, frame.regions, frame.autocast,
-                        frame.rng, frame.buffers, metas)
+        held = map_tensors((call.args, call.kwargs), self._held)
+        recipe = Recipe(self._recomputing, op, held[0], held[1], self._state.chained, call.regions, call.autocast,
+                        call.rng, call.buffers, metas)
         stages = ((RAW, raw_outs), (FINAL, final_outs))
-        for pending in frame.pending:
+        for pending in call.pending:
             assert pending.tensor is not None
             found = match_in_forward(pending.tensor, pending.version, stages, metas)
             if found is not None:
                 pending.resolve(Saved(recipe, *found))
-            elif self._open:  # it may be an output of the enclosing recompute operator
-                self._open[-1].pending.append(pending)
+            elif self._open_calls:  # it may be an output of the enclosing recompute operator
+                self._open_calls[-1].pending.append(pending)
             else:
                 pending.resolve(None)
-        frame.pending.clear()
+        call.pending.clear()
         for index, (out, meta) in enumerate(zip(final_outs, metas[FINAL])):
             if out is not None and meta is not None:
                 self._recorded.add(recipe, index, out)
@@ -305,12 +305,12 @@ class Recomputer:
     def _recomputing(self, recipe: Recipe) -> Iterator[None]:
         """While ``recipe``'s forward is recomputed: the step's state as it was in that forward, no bookkeeping."""
         state = self._state
-        saved = self._target, state.chained, state.regions
+        saved = self._recomputed, state.chained, state.regions
         with _Unseen(state):
             tracer, state.tracer = state.tracer, None
-            self._target, state.chained, state.regions = recipe, recipe.chained, recipe.regions
+            self._recomputed, state.chained, state.regions = recipe, recipe.chained, recipe.regions
             try:
                 yield
             finally:
-                self._target, state.chained, state.regions = saved
+                self._recomputed, state.chained, state.regions = saved
                 state.tracer = tracer
