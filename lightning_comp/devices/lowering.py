@@ -32,7 +32,8 @@ __all__ = ["Lowering", "autocast_available", "lowering_for", "why_not_lowerable"
 
 
 class Lowering(str, Enum):
-    """How a low precision is put into effect for one operator (master weights always stay FP32)."""
+    """How a low precision is put into effect for one operator (never by changing its parameters: they keep the
+    plan's ``master`` precision, FP32 unless it says ``bf16``)."""
 
     AUTOCAST = "autocast"  # a torch.autocast region around the call: weights cast per call, FP32 grads
     INPUT = "input"  # floating inputs cast to the low dtype; parameters/statistics stay FP32 (mixed kernels)

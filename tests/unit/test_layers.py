@@ -4,6 +4,7 @@ import, a lazy one and a cycle, in a copy of the package."""
 
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 
@@ -74,3 +75,22 @@ def test_the_graph_resolves_names_to_the_modules_that_define_them() -> None:
     assert "lightning_comp.devices.lowering" in graph["lightning_comp.execution.planned_operators"]
     assert "lightning_comp.plugins.comp" in graph["lightning_comp.search.stages.batch_stage"]
     assert not any(t.startswith("lightning_comp.search") for t in graph["lightning_comp.plugins.comp"])
+
+
+def _documented_layers() -> tuple[dict[int, set[str]], list[set[str]]]:
+    """docs/architecture.md's layer table (layer -> packages) and its sentence on the search's parts, bottom first."""
+    text = (REPO / "docs" / "architecture.md").read_text()
+    table = {int(n): {tok.removesuffix("/").replace("lightning_comp", "") for tok in re.findall(r"`([^`]+)`", cell)
+                      if tok != "__init__"}
+             for n, cell in re.findall(r"^\| (\d+) \| ([^|]+) \|", text, flags=re.M)}
+    sentence = text.split("Inside `search/`, bottom first:")[1].split("\n\n")[0]
+    while re.search(r"\([^()]*\)", sentence):  # asides, nested ones too
+        sentence = re.sub(r"\([^()]*\)", "", sentence)
+    parts = [{tok.removesuffix("/") for tok in re.findall(r"`([^`]+)`", step)} for step in sentence.split(";")]
+    return table, parts
+
+
+def test_docs_architecture_shows_the_layers_the_checker_holds() -> None:
+    table, parts = _documented_layers()
+    assert table == {index: set(layer) for index, layer in enumerate(LAYERS)}
+    assert parts == [set(layer) for layer in SEARCH_LAYERS if layer != ("",)]
