@@ -234,7 +234,8 @@ class PrecisionPlan:
                 )
         for assignment in self.assignments:
             dimension = assignment.dimension
-            what = "plan entr" if dimension is Dimension.COMPUTE else f"{dimension.what.removesuffix(' precision')} plan entr"
+            noun = "" if dimension is Dimension.COMPUTE else dimension.what.removesuffix(" precision") + " "
+            what = f"{noun}plan entr"
             assignment.selectors.validate(model, what=what)
 
     def low_operators(self, model: nn.Module) -> list[str]:
