@@ -26,21 +26,20 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import platform
-import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-import torch
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the repository: tests.scripts
 
 from tests.scripts.busy_search import CLEAR, batch_stage_record, default_example_record  # noqa: E402
 from tests.scripts.competitor import competing_load  # noqa: E402
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from harness import RESULTS_DIR, median, run_header, write_json, write_text  # noqa: E402
 
 
 def summarize(record: dict[str, Any]) -> dict[str, Any]:
@@ -100,7 +99,10 @@ def analyse(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
 
 def markdown(report: dict[str, Any]) -> str:
     """The report as a Markdown table."""
-    lines = [f"Machine: {report['machine']}; {report['repeats']} quiet and {report['repeats']} busy runs per setting;"
+    m = report["machine"]
+    machine = (f"{m.get('lscpu Model name', m['platform'])}, torch {m['torch']}, ATen CPU capability"
+               f" {m['aten_cpu_capability']}, {m['torch_threads']} threads")
+    lines = [f"Machine: {machine}; {report['repeats']} quiet and {report['repeats']} busy runs per setting;"
              f" load during busy runs: {report['busy_load']}.", "",
              "| timing | clocks (quiet / busy) | clear operators | own decisions on clear ops as quiet: quiet runs"
              " / busy runs | busy runs with the usual quiet plan | clearly slower ops made candidates under load |"
@@ -121,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--timing", default="auto,wall", help="comma-separated: auto, wall, cpu, none")
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR)
     parser.add_argument("--tag", default="", help="suffix of the output files, e.g. avx2")
     parser.add_argument("--scenario", choices=["busy_mlp", "default_example"], default="busy_mlp",
                         help="busy_mlp: BusyMLP, BF16 pinned; default_example: the batch stage of examples/train.py")
@@ -129,9 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     run = batch_stage_record if args.scenario == "busy_mlp" else default_example_record
     settings = [s.strip() for s in args.timing.split(",") if s.strip()]
     report: dict[str, Any] = {
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "machine": f"{platform.processor() or platform.machine()}, torch {torch.__version__},"
-                   f" ATen CPU capability {torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} threads",
+        **run_header("busy_machine.py", argv),
         "repeats": args.repeats, "scenario": args.scenario, "settings": {}, "raw": {},
     }
     loads = []
@@ -149,13 +149,12 @@ def main(argv: list[str] | None = None) -> int:
             report["settings"][setting] = analyse(runs)
             report["raw"][setting] = runs
             print(setting, json.dumps(report["settings"][setting], indent=1), flush=True)
-    report["busy_load"] = (f"other processes used {statistics.median(x for x in loads if x is not None):.2f} CPUs"
+    report["busy_load"] = (f"other processes used {median(x for x in loads if x is not None):.2f} CPUs"
                            if any(x is not None for x in loads) else "unknown")
     report["seconds"] = round(time.perf_counter() - started, 1)
-    args.out.mkdir(parents=True, exist_ok=True)
     suffix = f"_{args.tag}" if args.tag else ""
-    (args.out / f"busy_machine{suffix}.json").write_text(json.dumps(report, indent=1) + "\n")
-    (args.out / f"busy_machine{suffix}.md").write_text(markdown(report))
+    write_json(args.out / f"busy_machine{suffix}.json", report)
+    write_text(args.out / f"busy_machine{suffix}.md", markdown(report))
     print(markdown(report))
     return 0
 

@@ -11,13 +11,13 @@ How each number is measured (per model):
    The share of a 20-epoch run divides the search cost by 20 full epochs at the chosen plan's measured step time (a
    real 20-epoch run per model does not fit the time budget).
 2. **Interleaved training.** One fresh process per mode (``32-true``, ``bf16-mixed``, ``bf16-true``, ``16-mixed`` on
-   a CUDA device with fast FP16 (never on a CPU: ``fp16_amp_skipped``), and per CoMP mode
-   ``CoMPPrecision(plan=<its own search's chosen plan>)``), all from the same seed, initial weights and batches. A coordinator hands a baton to one process at a time, which trains
-   ``segment`` optimizer steps and hands it back; the order rotates every round, so all modes see the same machine
-   conditions while each keeps a process (and a memory peak) of its own. Round 0 is warm-up. Each batch is timed from
-   ``on_train_batch_start`` to ``on_train_batch_end`` (forward, backward, clipping, optimizer step; synchronised on
-   CUDA). Throughput = batch size / median batch time of a round; summary = median over rounds (spread: min-max);
-   ratios between modes are medians of per-round ratios.
+   a CUDA device with fast FP16 (never on a CPU: ``fp16_amp_skipped``), and per CoMP mode ``CoMPPrecision(plan=<its own
+   search's chosen plan>)``), all from the same seed, initial weights and batches. A coordinator hands a baton to one
+   process at a time, which trains ``segment`` optimizer steps and hands it back; the order rotates every round, so all
+   modes see the same machine conditions while each keeps a process (and a memory peak) of its own. Round 0 is warm-up.
+   Each batch is timed from ``on_train_batch_start`` to ``on_train_batch_end`` (forward, backward, clipping, optimizer
+   step; synchronised on CUDA). Throughput = batch size / median batch time of a round; summary = median over rounds
+   (spread: min-max); ratios between modes are medians of per-round ratios.
 3. **Memory.** The peak tensor memory of one steady training step: parameters, gradients and optimizer state at the
    step's start plus the peak of live tensors during the step from ``torch.profiler`` memory events (on CUDA,
    ``torch.cuda.max_memory_allocated``). Bytes saved for backward over one step come from
@@ -28,7 +28,7 @@ How each number is measured (per model):
    ``val_every`` steps; the final validation loss is compared with FP32 under the search's tolerance.
 
 One step per mode (in the warm-up round) also runs under ``torch.profiler`` to attribute time to casts
-(``aten::_to_copy``/``aten::copy_``). ``benchmarks/compare_diagnose.py`` digs further into a miss.
+(``aten::_to_copy``/``aten::copy_``).
 """
 
 from __future__ import annotations
@@ -104,8 +104,8 @@ def search_comp_modes(ctx: Any, spec: ModelSpec, comp_modes: list[str], args: ar
         spec: The model.
         comp_modes: The CoMP modes to search for.
         args: The command-line options.
-        out_dir: The results folder; ``comp`` records under ``compare_search_<model>`` (where
-            ``compare_diagnose.py`` looks), the others under ``compare_search_<model>_<mode>``.
+        out_dir: The results folder; ``comp`` records under ``compare_search_<model>``, the others under
+            ``compare_search_<model>_<mode>``.
 
     Returns:
         Each mode's search result (or ``{"error": ...}``) and the chosen plan of each mode whose search chose one.

@@ -9,7 +9,7 @@ AdamW) under, per model:
 1. FP32 (``Trainer(precision="32-true")``),
 2. AMP (``Trainer(precision="bf16-mixed")``),
 3. a CoMP plan (``--plan-<model> PATH``; default: the chosen plan of a memory search,
-   ``benchmarks/results/memory_axis/compare_search_<model>_comp-memory/plan.json``, where it fits the model and
+   ``benchmarks/results/memory_dims/seed0/compare_search_<model>_comp-memory/plan.json``, where it fits the model and
    sets a state, master or recompute entry; else the built-in *lean* plan of :func:`lean_plan`),
 4. that plan with each dimension removed in turn: no optimizer-state precision, no BF16 master weights, no
    recomputation (recompute entries back to ``fp32``), no saved-for-backward lowering at all (a dimension the plan
@@ -44,15 +44,10 @@ under ``--out`` (default ``benchmarks/results/memory_dimensions``).
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import datetime as _dt
 import gc
-import json
 import math
-import os
 import queue
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -65,9 +60,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the compare benchmar
 
 from compare_analysis import round_ratio  # noqa: E402
 from compare_probes import _make_baton_callback  # noqa: E402
-from compare_report import machine_info  # noqa: E402
 from compare_suite import RESULTS_DIR, ROOT, SUITE, smoke_spec  # noqa: E402
 from compare_workers import _build, _quiet, _trainer_common  # noqa: E402
+from harness import load_average, run_header, write_json, write_text  # noqa: E402
 
 MODELS = ("gpt", "cnn")
 OUT_DIR = RESULTS_DIR / "memory_dimensions"
@@ -79,8 +74,9 @@ RECOMPUTE_TYPES = frozenset({"GELU", "LayerNorm", "ReLU", "BatchNorm1d", "BatchN
 
 
 def search_plan_path(key: str) -> Path:
-    """Where ``benchmarks/compare.py --out benchmarks/results/memory_axis`` leaves the memory search's chosen plan."""
-    return RESULTS_DIR / "memory_axis" / f"compare_search_{key}_comp-memory" / "plan.json"
+    """Where ``benchmarks/compare.py --out benchmarks/results/memory_dims/seed0`` (docs/benchmark.md, "Memory
+    dimensions") leaves the memory search's chosen plan."""
+    return RESULTS_DIR / "memory_dims" / "seed0" / f"compare_search_{key}_comp-memory" / "plan.json"
 
 
 # --------------------------------------------------------------------------------------------------------- plans
@@ -442,13 +438,6 @@ _PARTS = ("weights_bytes", "gradients_bytes", "optimizer_state_bytes", "in_step_
 
 
 # ------------------------------------------------------------------------------------------------------ report
-def _git(*argv: str) -> str:
-    try:
-        return subprocess.run(["git", *argv], cwd=ROOT, capture_output=True, text=True, timeout=20).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return ""
-
-
 def _mib(value: float) -> str:
     return "n/a" if value is None or not math.isfinite(value) else f"{value / MiB:.2f}"
 
@@ -531,13 +520,6 @@ def markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _load() -> list[float]:
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        return []
-
-
 # -------------------------------------------------------------------------------------------------------- main
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
@@ -579,17 +561,11 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     report: dict[str, Any] = {
-        "date": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "command": "python " + " ".join([os.path.relpath(sys.argv[0], ROOT)] + sys.argv[1:])
-        if sys.argv and sys.argv[0].endswith("memory_dimensions.py") else "run_benchmark(...)",
-        "commit": _git("rev-parse", "--short", "HEAD"),
-        "dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
-        "machine": machine_info(),
+        **run_header("memory_dimensions.py"),
         "device": device,
         "device_class": device_class(device).describe(),
         "torch": torch.__version__,
         "torch_threads": args.threads or torch.get_num_threads(),
-        "load_average_start": _load(),
         "smoke": bool(args.smoke),
         "settings": {"measured_rounds": args.steps, "warmup_rounds": args.warmup_rounds, "seed": args.seed},
         "models": {},
@@ -624,18 +600,12 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
                       f" (x AMP {e.get('step_peak_vs_amp', math.nan):.3f})  throughput x AMP"
                       f" {_ratio_cell(e.get('throughput_vs_amp'))}", flush=True)
         print(f"[memory_dimensions] {key}: done in {model_report['seconds']:.0f} s", flush=True)
-    report["load_average_end"] = _load()
+    report["load_average_end"] = load_average()
     report["total_seconds"] = time.perf_counter() - started
-    (out / "memory_dimensions.json").write_text(json.dumps(report, indent=1, default=_json_default) + "\n")
-    (out / "memory_dimensions.md").write_text(markdown(report))
+    write_json(out / "memory_dimensions.json", report)
+    write_text(out / "memory_dimensions.md", markdown(report))
     print(f"[memory_dimensions] wrote {out / 'memory_dimensions.md'} and memory_dimensions.json", flush=True)
     return report
-
-
-def _json_default(value: Any) -> Any:
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return asdict(value)
-    return str(value)
 
 
 def main(argv: list[str] | None = None) -> int:

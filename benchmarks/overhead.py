@@ -33,8 +33,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import sys
 import time
@@ -45,12 +43,11 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from harness import load_average, ratio_summary, rotated, run_header, write_json
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_comp import CoMPPrecision, PrecisionPlan
-from lightning_comp.devices import device_class
-from lightning_comp.devices.cpu_features import cpu_features, cpu_name
 from lightning_comp.numerics import ComputePrecision
 
 RESULTS = Path(__file__).resolve().parent / "results" / "overhead.json"
@@ -155,9 +152,8 @@ def run_zoo_rounds(name: str, model: pl.LightningModule, loader: DataLoader, var
     per_round: dict[str, list[float]] = {v: [] for v in variants}
     per_round_cpu: dict[str, list[float]] = {v: [] for v in variants}
     all_batches: dict[str, list[float]] = {v: [] for v in variants}
-    order = list(variants)
     for r in range(rounds):
-        for v in order[r % len(order) :] + order[: r % len(order)]:
+        for v in rotated(list(variants), r):
             timer = _BatchTimer()
             trainer = pl.Trainer(**_trainer_kwargs(steps + warmup, timer), **variants[v]())
             trainer.fit(model, loader)
@@ -182,9 +178,11 @@ def run_zoo_rounds(name: str, model: pl.LightningModule, loader: DataLoader, var
         if v != baseline:
             ratios = [t / b for t, b in zip(per_round[v], per_round[baseline])]  # time ratio: > 1 is slower
             cpu_ratios = [t / b for t, b in zip(per_round_cpu[v], per_round_cpu[baseline])]
+            time_ratio = ratio_summary(ratios)
             summary["ratios_vs_" + baseline][v] = {
-                "time_ratio_median": statistics.median(ratios),
-                "time_ratio_min": min(ratios),
+                "time_ratio_median": time_ratio["median"],
+                "time_ratio_min": time_ratio["min"],
+                "time_ratio_max": time_ratio["max"],
                 "time_ratio_of_min_batch": min(all_batches[v]) / min(all_batches[baseline]),
                 "throughput_ratio_median": statistics.median(1 / q for q in ratios),
                 "throughput_ratio_max": max(1 / q for q in ratios),
@@ -322,19 +320,7 @@ def main(argv: list[str] | None = None) -> int:
 
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     out: dict[str, Any] = {
-        "environment": {
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "lightning": pl.__version__,
-            "threads": torch.get_num_threads(),
-            "machine": platform.machine(),
-            "cpu": cpu_name(),
-            "amx_bf16": "amx_tile" in cpu_features(),
-            "avx512_bf16": "avx512_bf16" in cpu_features(),
-            "device_class": device_class("cpu").to_dict(),
-            "load_average_at_start": list(os.getloadavg()),
-            "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        },
+        **run_header("overhead.py", argv),
         "method": "median batch time per round (warm-up dropped), ratios per interleaved round",
         "rounds": args.rounds,
     }
@@ -350,11 +336,11 @@ def main(argv: list[str] | None = None) -> int:
             result["target"], result["pass"] = out["c_amp_plan_overhead"]["target"], result["pass_"]
             print(_table(f"(c) AMP's plan under CoMP vs bf16-mixed, {key} ({result['lowered']} operators lowered)",
                          result, "bf16_mixed"))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
+    out["load_average_end"] = load_average()
     if args.only and args.out.exists():  # keep the other benchmarks' last results
         previous = json.loads(args.out.read_text())
         out = {**{k: v for k, v in previous.items() if k.startswith(("a_", "b_", "c_"))}, **out}
-    args.out.write_text(json.dumps(out, indent=2) + "\n")
+    write_json(args.out, out, indent=2)
     print(f"\nwrote {args.out}")
     return 0
 

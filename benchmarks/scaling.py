@@ -22,11 +22,8 @@ Reproduce ``docs/scaling.md`` with::
 
 import argparse
 import faulthandler
-import json
 import math
 import multiprocessing as mp
-import os
-import platform
 import socket
 import statistics
 import sys
@@ -43,6 +40,8 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from harness import load_average, run_header, write_json  # noqa: E402
+
 from lightning_comp.distributed.grad_compression import (  # noqa: E402
     CommStats,
     bf16_compress_hook_any_backend,
@@ -323,10 +322,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     load: dict[str, Any] = {}
     for setup in setups:
         start = time.perf_counter()
-        before = os.getloadavg()
+        before = load_average()
         measured[setup.label] = run_setup(setup, cfg)
-        load[setup.label] = {"loadavg_before": before, "loadavg_after": os.getloadavg()}
-        print(f"{setup.label}: {time.perf_counter() - start:.0f} s, load {before[0]:.1f} -> {os.getloadavg()[0]:.1f}")
+        after = load_average()
+        load[setup.label] = {"loadavg_before": before, "loadavg_after": after}
+        print(f"{setup.label}: {time.perf_counter() - start:.0f} s, load {before[:1]} -> {after[:1]}")
     one, two = measured[setups[0].label], measured[setups[1].label]
     fit: dict[str, Any] = {}
     for mode in MODES:
@@ -348,20 +348,14 @@ def main(argv: Sequence[str] | None = None) -> None:
             "cpu_comm_share_2w": 1.0 - two[mode]["cpu_compute_only_step_s_median"] / two[mode]["cpu_step_s_median"],
         }
     summary = {
-        "command": "python benchmarks/scaling.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        **run_header("scaling.py", argv),
         "config": asdict(cfg),
-        "environment": {
-            "torch": torch.__version__,
-            "python": platform.python_version(),
-            "cpus": os.cpu_count(),
-            "backend": "gloo",
-        },
+        "backend": "gloo",
         "measured": measured,
         "load": load,
         "fit": fit,
     }
-    args.out_json.parent.mkdir(parents=True, exist_ok=True)
-    args.out_json.write_text(json.dumps(summary, indent=1))
+    write_json(args.out_json, summary)
     _plot(summary, args.out_png)
     print(f"params {one['fp32']['params']}, fp32 grads {one['fp32']['grad_bytes_per_step'] / 1e6:.3f} MB/step")
     for mode in MODES:

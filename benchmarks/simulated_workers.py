@@ -26,8 +26,6 @@ Reproduce the numbers in ``docs/scaling.md`` with::
 import argparse
 import json
 import math
-import os
-import platform
 import sys
 import time
 from collections.abc import Sequence
@@ -42,6 +40,8 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from harness import run_header, write_json  # noqa: E402
+
 from lightning_comp.distributed.lr_schedule import worker_scaled_lr  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -358,19 +358,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     print(table)
     elapsed = time.perf_counter() - start
     print(f"total training time {elapsed:.0f} s with {args.jobs} processes")
-    args.out_json.parent.mkdir(parents=True, exist_ok=True)
     meta = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     result = {
-        "command": "python benchmarks/simulated_workers.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        **run_header("simulated_workers.py", argv),
         "args": meta,
         "equivalence_max_abs_diff": equivalence,
         "elapsed_seconds": elapsed,
-        "environment": {"torch": torch.__version__, "python": platform.python_version(), "cpus": os.cpu_count()},
         "summary": rows,
         "table_markdown": table,
         "runs": runs,
     }
-    args.out_json.write_text(json.dumps(result, indent=1))
+    write_json(args.out_json, result)
     _plot(rows, runs, args.out_png)
     print(f"wrote {args.out_json} and {args.out_png}")
 
