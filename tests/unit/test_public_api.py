@@ -5,7 +5,8 @@ documents cite only files that exist.
   in a snippet) and has a docstring of its own.
 - Every module of the package opens with a docstring. A package's docstring that names its own modules (a table, a
   list) names all of them and only those that exist; most name none and leave each module to say what it holds.
-- Every repository path README.md, ``docs/*.md`` and ``.ci/`` cite exists.
+- Every repository path README.md, ``docs/*.md`` and ``.ci/`` cite exists, and every test they cite by name
+  (``test_file.py::test_name``).
 """
 
 from __future__ import annotations
@@ -136,3 +137,21 @@ def test_every_path_a_document_cites_exists(document: Path) -> None:
     # docs/benchmark.md logs results: its history names the modules of their day (``casting.py``) by file name
     missing = _missing_paths(document.read_text(), bare=document.name != "benchmark.md")
     assert not missing, f"{document.relative_to(REPO)} cites paths that do not exist: {missing}"
+
+
+def _missing_tests(text: str) -> list[str]:
+    """The ``test_file.py::test_name`` references in ``text`` whose file or test does not exist."""
+    sources: dict[str, list[str]] = {}
+    for path in (REPO / "tests").rglob("test_*.py"):
+        sources.setdefault(path.name, []).append(path.read_text())
+    return sorted(f"{file}::{name}" for file, name in re.findall(r"(test_\w+\.py)::(\w+)", text)
+                  if not any(re.search(rf"^\s*(?:async )?def {name}\(", source, flags=re.M)
+                             for source in sources.get(file, [])))
+
+
+@pytest.mark.parametrize("document", [README, *sorted((REPO / "docs").glob("*.md")), REPO / "examples" / "README.md"],
+                         ids=lambda p: str(p.relative_to(REPO)))
+def test_every_test_a_document_cites_exists(document: Path) -> None:
+    assert _missing_tests("see test_layers.py::test_an_upward_import_is_caught") == []
+    missing = _missing_tests(document.read_text())
+    assert not missing, f"{document.relative_to(REPO)} cites tests that do not exist: {missing}"
