@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from enum import Enum, EnumMeta
 from typing import Any, TypeVar
 
@@ -10,9 +10,15 @@ import torch
 
 from lightning_comp.errors import CoMPError, ConfigError
 
-__all__ = ["SpelledEnum"]
+__all__ = ["SpelledEnum", "quoted"]
 
 _E = TypeVar("_E", bound="SpelledEnum")
+
+
+def quoted(values: Iterable[object], last: str = "or") -> str:
+    """``values`` quoted for a message, the last joined by ``last``: ``"'min' or 'max'"``, ``"'a', 'b' and 'c'"``."""
+    texts = [repr(str(value)) for value in values]
+    return texts[0] if len(texts) == 1 else ", ".join(texts[:-1]) + f" {last} " + texts[-1]
 
 
 class _Spellings(EnumMeta):
@@ -60,8 +66,12 @@ class SpelledEnum(str, Enum, metaclass=_Spellings):
     @classmethod
     def choices(cls) -> str:
         """The valid spellings, for messages (``"'fp32', 'bf16' and 'fp16'"``)."""
-        values = [repr(member.value) for member in cls]
-        return values[0] if len(values) == 1 else ", ".join(values[:-1]) + " and " + values[-1]
+        return quoted((member.value for member in cls), last="and")
+
+    @classmethod
+    def alternatives(cls) -> str:
+        """The valid spellings as a choice, for "use ..." advice (``"'min' or 'max'"``)."""
+        return quoted(member.value for member in cls)
 
     @classmethod
     def _missing_(cls, value: object) -> Any:

@@ -9,10 +9,12 @@ from lightning_comp.adapters import lightning_internals as lightning
 from lightning_comp.devices.device_classes import DeviceClass, model_device
 from lightning_comp.devices.lowering import Lowering, lowering_for
 from lightning_comp.errors import PlanMismatchError, SearchConfigError, UnsupportedSetupError
-from lightning_comp.numerics.precision import ComputePrecision
+from lightning_comp.numerics.precision import ComputePrecision, SavedPrecision
 from lightning_comp.operators.discovery import iter_operators
+from lightning_comp.plan.dimensions import Dimension
+from lightning_comp.plan.selectors import Selectors
 from lightning_comp.plugins.comp import CoMPPrecision
-from lightning_comp.search.config import SavedPrecisions, SearchConfig
+from lightning_comp.search.config import SearchConfig
 from lightning_comp.search.decisions.objectives import policy_for
 
 __all__ = ["check_low_precision", "check_monitor", "check_optimization", "check_selectors", "check_trainer",
@@ -107,38 +109,42 @@ def check_low_precision(config: SearchConfig, low: ComputePrecision | None, devi
 
 def check_compiled(config: SearchConfig, plugin: CoMPPrecision) -> None:
     """Refuse an explicit request to search saved-for-backward precisions on a model compiled with ``torch.compile``
-    (AOTAutograd decides what a compiled graph saves; ``saved_precision="auto"`` just leaves them out there).
+    (AOTAutograd decides what a compiled graph saves; ``precisions={"saved": "auto"}`` just leaves them out there).
 
     Raises:
-        SearchConfigError: for ``saved_precision="bf16"``/``"fp8"`` or ``include_saved`` with a compiled model.
+        SearchConfigError: for ``precisions={"saved": "bf16"/"fp8"}`` or ``include_dimensions={"saved": [...]}``
+            with a compiled model.
     """
     if not plugin.compiled or not policy_for(config).saved_options:
         return
-    if config.saved_precision in (SavedPrecisions.BF16, SavedPrecisions.FP8) or config.include_saved:
-        auto = config.saved_precision is SavedPrecisions.AUTO
-        asked = (f"saved_precision={config.saved_precision.value!r}" if not auto
-                 else f"include_saved={list(config.include_saved)!r}")
+    saved, forced = config.precisions[Dimension.SAVED], config.include_dimensions.get(Dimension.SAVED)
+    if saved in (SavedPrecision.BF16, SavedPrecision.FP8) or forced:
+        asked = (f"precisions={{'saved': {str(saved)!r}}}" if not forced
+                 else f"include_dimensions={{'saved': {list(forced)!r}}}")
         raise SearchConfigError(
             f"CoMPSearch({asked}) on a model compiled with torch.compile: the precision of tensors saved for"
             " backward cannot be chosen inside a compiled graph (AOTAutograd decides what it saves). Use"
-            " saved_precision='auto' or 'off' (the search then leaves saved tensors as computed), or train the"
-            " model uncompiled."
+            " precisions={'saved': 'auto'} or 'off' (the search then leaves saved tensors as computed), or train"
+            " the model uncompiled."
         )
 
 
 def check_selectors(config: SearchConfig, pl_module: pl.LightningModule) -> None:
-    """Fail on ``include``/``exclude`` selectors that match no operator (a typo must not lower a layer).
+    """Fail on ``include``/``include_dimensions``/``exclude`` selectors that match no operator (a typo must not
+    lower a layer).
 
     Raises:
         SearchConfigError: naming the selectors and the model's operators.
     """
-    for name, selectors in (("include", config.included), ("exclude", config.excluded)):
-        if not selectors:
+    named = [("include", config.include), ("exclude", config.exclude)]
+    named += [(f"include_dimensions[{str(d)!r}]", tuple(s)) for d, s in config.include_dimensions.items()]
+    for name, given in named:
+        if not given:
             continue
         try:
-            selectors.validate(pl_module)
+            Selectors.of(given).validate(pl_module)
         except PlanMismatchError as err:
-            raise SearchConfigError(f"CoMPSearch({name}={list(getattr(config, name))!r}): {err}") from None
+            raise SearchConfigError(f"CoMPSearch({name}={list(given)!r}): {err}") from None
 
 
 def nothing_to_search(config: SearchConfig, low: ComputePrecision, pl_module: pl.LightningModule) -> str | None:

@@ -7,6 +7,7 @@ Runs ``examples/cli.py``'s ``main`` in-process (the example is the code under te
 
 from __future__ import annotations
 
+import inspect
 import subprocess
 import sys
 from pathlib import Path
@@ -16,11 +17,10 @@ import pytest
 
 pytest.importorskip("jsonargparse", reason="LightningCLI needs the 'cli' extra: pip install -e '.[cli]'")
 
-from lightning_comp import CoMPPrecision, CoMPSearch  # noqa: E402
-from lightning_comp.search import (
-    Objective,
-    Timing,  # noqa: E402
-)
+from lightning_comp import CoMPPrecision, CoMPSearch, SearchConfig  # noqa: E402
+from lightning_comp.plan.dimensions import Dimension  # noqa: E402
+from lightning_comp.search import MeasurementConfig, Objective, Timing  # noqa: E402
+from lightning_comp.search.config import MEASUREMENT_PRESETS  # noqa: E402
 from lightning_comp.search.measurement.clocks import single_intra_op_thread  # noqa: E402
 from tests.helpers.paths import REPO  # noqa: E402
 
@@ -130,18 +130,30 @@ def test_the_example_config_parses_with_the_plugin_and_the_search() -> None:
     assert search.config.trial_batches == 0.25 and search.config.warmup_epochs == 1
 
 
-@pytest.mark.slow
-def test_any_setting_reaches_the_search_through_its_config_spelled_as_in_yaml() -> None:
-    """Settings that are not keyword arguments of CoMPSearch travel in ``config``; choices are spelled by value."""
+def test_every_setting_has_one_spelling_init_args_name_and_measurement_name() -> None:
+    """One rule: every SearchConfig field is ``init_args.<name>``, every measurement knob
+    ``init_args.measurement.<name>`` (or a preset's name); choices are spelled by value."""
+    assert list(inspect.signature(CoMPSearch).parameters) == list(SearchConfig.setting_names())
     cli = main([
         "--model", "lightning_comp.zoo.NarrowMLP", "--data", "lightning_comp.zoo.MNIST1DDataModule",
         "--trainer.plugins=lightning_comp.CoMPPrecision", "--trainer.callbacks+=lightning_comp.CoMPSearch",
-        "--trainer.callbacks.tolerance=0.05", "--trainer.callbacks.config.objective=memory",
-        "--trainer.callbacks.config.timing=cpu", "--trainer.callbacks.config.profile_steps=2",
+        "--trainer.callbacks.tolerance=0.05", "--trainer.callbacks.objective=memory",
+        "--trainer.callbacks.precisions={saved: fp8, master: 'off'}",
+        "--trainer.callbacks.include_dimensions={state: [body.0]}",
+        "--trainer.callbacks.measurement.timing=cpu", "--trainer.callbacks.measurement.profile_steps=2",
     ], run=False)
     config = _search(cli.trainer).config
-    assert (config.objective, config.timing, config.profile_steps, config.tolerance) == (
+    assert (config.objective, config.measurement.timing, config.measurement.profile_steps, config.tolerance) == (
         Objective.MEMORY, Timing.CPU, 2, 0.05)
+    assert config.measurement.extra_profile_time == MeasurementConfig().extra_profile_time  # the rest: "default"
+    assert config.precisions == {Dimension.SAVED: "fp8", Dimension.STATE: "auto", Dimension.MASTER: "off"}
+    assert config.included(Dimension.STATE).selectors == ("body.0",)
+    preset = main([
+        "--model", "lightning_comp.zoo.NarrowMLP", "--data", "lightning_comp.zoo.MNIST1DDataModule",
+        "--trainer.plugins=lightning_comp.CoMPPrecision", "--trainer.callbacks+=lightning_comp.CoMPSearch",
+        "--trainer.callbacks.measurement=thorough",
+    ], run=False)
+    assert _search(preset.trainer).config.measurement == MEASUREMENT_PRESETS["thorough"]
 
 
 @pytest.mark.slow

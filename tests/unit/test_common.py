@@ -13,10 +13,11 @@ import torch
 from lightning_comp import ConfigError, PlanError, SearchConfigError
 from lightning_comp.common.nested import cast_floating, has_dtype, map_tensors, structures_equal, tensors, to_device
 from lightning_comp.common.plain import plain
+from lightning_comp.common.spelled_enum import quoted
 from lightning_comp.common.tables import format_table
 from lightning_comp.distributed import GradCommDtype
 from lightning_comp.numerics import ComputePrecision, SavedPrecision
-from lightning_comp.search import LowPrecision, Mode, Objective, SavedPrecisions, Timing, ToleranceMode
+from lightning_comp.search import LowPrecision, Mode, Objective, Timing, ToleranceMode
 
 
 @pytest.mark.parametrize(("enum", "spellings", "member"), [
@@ -55,7 +56,11 @@ def test_a_bad_spelling_names_the_value_and_every_valid_one(enum: type, error: t
 def test_every_setting_choice_is_an_enum_of_its_own() -> None:
     assert [m.value for m in Mode] == ["min", "max"] and [m.value for m in ToleranceMode] == ["relative", "absolute"]
     assert [m.value for m in LowPrecision] == ["auto", "bf16", "fp16"]
-    assert SavedPrecisions.AUTO.options == (SavedPrecision.FP8, SavedPrecision.BF16) and not SavedPrecisions.OFF.options
+
+
+def test_choices_and_advice_are_generated_from_the_members() -> None:
+    assert Timing.choices() == "'auto', 'wall' and 'cpu'" and Mode.alternatives() == "'min' or 'max'"
+    assert quoted(["only"]) == "'only'" and quoted([Objective.MEMORY, "x"], last="and") == "'memory' and 'x'"
 
 
 Pair = namedtuple("Pair", "a b")

@@ -1,0 +1,281 @@
+"""``CoMPSearch``'s settings: one validated, immutable :class:`SearchConfig`, the one source of their defaults.
+
+Each setting is written once, here: its name, default, valid values and meaning. ``CoMPSearch(...)`` takes exactly
+these settings by name (so LightningCLI spells each one ``init_args.<name>``, the measurement's
+``init_args.measurement.<name>``), and the Hydra app's ``comp_search`` node is this dataclass as a structured config
+(registered in :mod:`lightning_comp.conf`), so ``conf/precision/comp.yaml`` names only its overrides.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import torch
+
+from lightning_comp.common.spelled_enum import SpelledEnum, quoted
+from lightning_comp.devices.device_classes import DeviceClass
+from lightning_comp.errors import CoMPError, PlanError, SearchConfigError
+from lightning_comp.numerics.precision import ComputePrecision, SavedPrecision
+from lightning_comp.plan.dimensions import Dimension
+from lightning_comp.plan.selectors import Selectors
+from lightning_comp.search.config.choices import (
+    AUTO_VALUES,
+    DimensionChoice,
+    LowPrecision,
+    Mode,
+    Objective,
+    ToleranceMode,
+    parse_dimension_choice,
+    tried_values,
+)
+from lightning_comp.search.config.measurement import MeasurementConfig
+
+__all__ = ["SearchConfig"]
+
+# setting -> its enum (the advice of a bad value is generated from it)
+_CHOICES: dict[str, type[SpelledEnum]] = {"mode": Mode, "tolerance_mode": ToleranceMode, "objective": Objective,
+                                          "low_precision": LowPrecision}
+_SELECTORS = "it must be a list of plan selectors (operator names, globs or 'type:ClassName')"
+
+
+def _every_dimension_auto() -> dict[str, str]:
+    return {dimension.value: DimensionChoice.AUTO.value for dimension in AUTO_VALUES}
+
+
+@dataclass(frozen=True)
+class SearchConfig:
+    """Validated settings of :class:`~lightning_comp.CoMPSearch`: what the user wants, and how to measure it.
+
+    Attributes:
+        monitor: validation metric that judges convergence (logged in ``validation_step``; under DDP log it with
+            ``sync_dist=True``).
+        mode: ``"min"`` if lower is better (losses), ``"max"`` if higher is better (accuracy).
+        tolerance: how much worse than the FP32 reference trial a candidate may end. Relative by default: ``0.02``
+            accepts ``val_loss <= 1.02 * reference`` (mode min) or ``acc >= 0.98 * reference`` (mode max).
+        tolerance_mode: ``"relative"`` (fraction of ``|reference|``) or ``"absolute"`` (metric units).
+        objective: ``"throughput"``, ``"memory"`` (saved-for-backward bytes) or ``"balanced"``. Per operator first;
+            then the candidate plan is compared as a whole step with AMP's plan, the all-low and the compute-only
+            plans: by time (``"throughput"``), by bytes saved for backward within ``max_memory_slowdown`` of FP32
+            (``"memory"``), or by the geometric mean of both ratios to FP32 (``"balanced"``). ``"memory"`` and
+            ``"balanced"`` also search the ``saved``, ``state`` and ``master`` dimensions (``precisions``) and trial
+            those choices like compute precision.
+        low_precision: the compute dimension's choice: ``"auto"`` (BF16 on CPUs with AVX512-BF16/AMX and on CUDA
+            >= sm80, FP16 on CUDA sm70-sm75, FP32 without a search where no 16-bit precision is native, e.g.
+            AVX2-only CPUs), ``"bf16"`` or ``"fp16"``. Decided from the device the model trains on, once Lightning
+            has placed it, and kept by a resumed search.
+        precisions: the other dimensions' choices, ``{dimension: choice}`` for ``saved``, ``state`` and ``master``
+            (a dimension left out is ``"auto"``); used by ``objective="memory"``/``"balanced"`` only. Every choice
+            is ``"auto"``, ``"off"`` (as FP32 training does it) or one value of that dimension:
+            ``saved`` (how an operator's tensors saved for backward are kept): ``"auto"`` (cheap operators, as a
+            group, recompute their outputs in backward where that pays; the others store ``fp8`` or ``bf16``, the
+            smaller that pays per operator), ``"fp8"``, ``"bf16"`` or ``"recompute"`` (recomputation only).
+            ``state`` (an ``Adam``/``AdamW`` optimizer's state of each operator's parameters): ``"auto"``
+            (``8bit`` or ``bf16``, the smaller that pays per operator), ``"8bit"`` or ``"bf16"``.
+            ``master`` (the master weights of each operator the search lowers to bf16): ``"auto"`` or ``"bf16"``
+            (held in bf16 with no FP32 copy, stochastically rounded updates, where that pays).
+        include: plan selectors of operators to trial in low precision (the compute dimension) whatever the batch
+            stage measures.
+        include_dimensions: per other dimension, plan selectors of operators whose lowering in that dimension is
+            trialled whatever the batch stage measures (at its smallest stored value: ``fp8``, ``8bit``, ``bf16``
+            with ``"auto"``), e.g. ``{"saved": ["l2"], "state": ["l3"]}``; convergence still decides.
+        exclude: plan selectors of operators never to lower (kept FP32 without trials), e.g. a sensitive head.
+        warmup_epochs: FP32 epochs before the search starts (kept as training; at least 1 recommended so every trial
+            sees the same batch order).
+        trial_epochs: epochs each convergence trial trains.
+        trial_batches: if set (a number of batches, or a fraction of the epoch such as ``0.25``, as with
+            ``Trainer(limit_train_batches)``), each trial trains only the first that many batches of an epoch and is
+            judged by a validation run right there. A rejected trial ends its epoch early and is rewound (its epoch is
+            given back through ``max_epochs``, as for whole-epoch trials); the trial that is kept goes on to the end
+            of its epoch with its plan, so the kept progress still equals a plain run's. Cuts the cost of the FP32
+            reference trial to that many batches. Needs ``trial_epochs=1`` and validation at every epoch end
+            (``Trainer(check_val_every_n_epoch=1)``), which is why ``None`` (whole epochs) is the default.
+        max_trials: most candidate trials (the FP32 reference not counted); then the best passing group is taken.
+        max_memory_slowdown: the largest slowdown against FP32 the memory objective accepts (per operator, as a
+            whole step).
+        measurement: how the batch stage measures and trials are judged (:class:`MeasurementConfig`): a preset's
+            name (``"quick"``, ``"default"``, ``"thorough"``), a ``MeasurementConfig``, or a mapping of its fields.
+        record_dir: where to write ``search_record.json`` and ``plan.json`` (default: the Trainer's log dir).
+        snapshot_device: where the search keeps its snapshots of the run (model, optimizer state, buffers):
+            ``None`` keeps them where the tensors are, ``"cpu"`` spares accelerator memory (slower rewinds).
+        verbose: print the decision table on rank 0.
+
+    Raises:
+        SearchConfigError: on an invalid setting, naming it and the valid values.
+    """
+
+    monitor: str = "val_loss"
+    mode: Mode = Mode.MIN
+    tolerance: float = 0.02
+    tolerance_mode: ToleranceMode = ToleranceMode.RELATIVE
+    objective: Objective = Objective.THROUGHPUT
+    low_precision: LowPrecision = LowPrecision.AUTO
+    precisions: dict[str, str] = field(default_factory=_every_dimension_auto)
+    include: tuple[str, ...] = ()
+    include_dimensions: dict[str, list[str]] = field(default_factory=dict)
+    exclude: tuple[str, ...] = ()
+    warmup_epochs: int = 1
+    trial_epochs: int = 1
+    trial_batches: int | float | None = None
+    max_trials: int = 12
+    max_memory_slowdown: float = 1.5
+    measurement: MeasurementConfig = field(default_factory=MeasurementConfig)
+    record_dir: str | None = None
+    snapshot_device: str | None = None
+    verbose: bool = True
+
+    def __post_init__(self) -> None:
+        if self.record_dir is not None:
+            object.__setattr__(self, "record_dir", str(self.record_dir))  # a Path is welcome, a str is stored
+        for name, choice in _CHOICES.items():
+            try:
+                object.__setattr__(self, name, choice.parse(getattr(self, name)))
+            except SearchConfigError:
+                self._fail(name, f"use {choice.alternatives()}")
+        object.__setattr__(self, "measurement", MeasurementConfig.parse(self.measurement))
+        self._check_numbers()
+        self._check_trial_length()
+        if self.snapshot_device is not None:
+            try:
+                torch.device(self.snapshot_device)
+            except (RuntimeError, TypeError):
+                self._fail("snapshot_device", "use None (keep snapshots where the tensors are) or a device such as"
+                           " 'cpu'")
+        object.__setattr__(self, "precisions", self._parse_precisions())
+        included = {dimension: Selectors(()) for dimension in Dimension}
+        included[Dimension.COMPUTE] = self._selectors("include", self.include)
+        self._selectors("exclude", self.exclude)
+        object.__setattr__(self, "include", tuple(self.include))
+        object.__setattr__(self, "exclude", tuple(self.exclude))
+        for dimension, selectors in self._parse_includes().items():
+            stored = [value for value in self.tried(dimension) if value is not SavedPrecision.RECOMPUTE]
+            if selectors and not stored:
+                valid = [DimensionChoice.AUTO, *(v for v in AUTO_VALUES[dimension] if v != SavedPrecision.RECOMPUTE)]
+                self._fail("include_dimensions", f"{dimension.value!r} forces a stored lowering, which"
+                           f" precisions[{dimension.value!r}]={str(self.precisions[dimension])!r} does not try;"
+                           f" it needs {quoted(valid)} there")
+            included[dimension] = selectors
+        object.__setattr__(self, "include_dimensions",
+                           {d: list(s.selectors) for d, s in included.items() if d in AUTO_VALUES and s})
+        object.__setattr__(self, "_included", included)
+
+    def _fail(self, name: str, valid: str) -> None:
+        raise SearchConfigError(f"CoMPSearch({name}={getattr(self, name)!r}) is invalid: {valid}.")
+
+    def _parse_precisions(self) -> dict[str, str]:
+        given = self.precisions
+        if not isinstance(given, Mapping):
+            self._fail("precisions", f"it must be a mapping {{dimension: choice}} of the dimensions"
+                       f" {quoted((d.value for d in AUTO_VALUES), 'and')}")
+        parsed: dict[str, str] = {dimension: DimensionChoice.AUTO for dimension in AUTO_VALUES}
+        for key, value in given.items():
+            dimension = self._dimension("precisions", key)
+            parsed[dimension] = parse_dimension_choice(dimension, value)
+        return parsed
+
+    def _parse_includes(self) -> dict[Dimension, Selectors]:
+        given = self.include_dimensions
+        if not isinstance(given, Mapping):
+            self._fail("include_dimensions", f"it must be a mapping {{dimension: [selectors]}} of the dimensions"
+                       f" {quoted((d.value for d in AUTO_VALUES), 'and')}")
+        return {self._dimension("include_dimensions", key): self._selectors(f"include_dimensions[{key!r}]", value)
+                for key, value in given.items()}
+
+    def _dimension(self, name: str, key: object) -> Dimension:
+        try:
+            dimension = Dimension.parse(key)
+        except CoMPError:
+            dimension = None
+        if dimension not in AUTO_VALUES:
+            compute = "; the compute dimension's are low_precision and include" if dimension else ""
+            raise SearchConfigError(f"CoMPSearch({name}={{{key!r}: ...}}) is invalid: its keys are the dimensions"
+                                    f" {quoted(d.value for d in AUTO_VALUES)}{compute}.")
+        return dimension  # type: ignore[return-value]
+
+    def _selectors(self, name: str, value: object) -> Selectors:
+        if isinstance(value, str) or not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+            raise SearchConfigError(f"CoMPSearch({name}={value!r}) is invalid: {_SELECTORS}.")
+        try:
+            return Selectors.of(tuple(value))
+        except PlanError as err:
+            raise SearchConfigError(f"CoMPSearch({name}=...): {err}") from None
+
+    def _check_numbers(self) -> None:
+        if not isinstance(self.monitor, str) or not self.monitor:
+            self._fail("monitor", "it must be the name of a metric logged during validation, e.g. 'val_loss'")
+        if not _number(self.tolerance) or not math.isfinite(self.tolerance) or self.tolerance < 0:
+            self._fail("tolerance", "it must be a finite number >= 0")
+        for name, low in (("warmup_epochs", 0), ("trial_epochs", 1), ("max_trials", 1)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                self._fail(name, f"it must be an integer >= {low}")
+        if not _number(self.max_memory_slowdown) or not self.max_memory_slowdown >= 1:
+            self._fail("max_memory_slowdown", "it must be >= 1 (the slowdown accepted for memory)")
+        if not isinstance(self.verbose, bool):
+            self._fail("verbose", "use True or False")
+
+    def _check_trial_length(self) -> None:
+        if self.trial_batches is None:
+            return
+        value = self.trial_batches
+        count = isinstance(value, int) and not isinstance(value, bool) and value >= 1
+        fraction = isinstance(value, float) and 0.0 < value <= 1.0
+        if not (count or fraction):
+            self._fail("trial_batches", "it must be None (whole epochs), a number of batches >= 1, or a fraction of"
+                       " the epoch in (0, 1]")
+        if self.trial_epochs != 1:
+            self._fail("trial_batches", f"trials of a number of batches need trial_epochs=1, not {self.trial_epochs}")
+
+    @classmethod
+    def setting_names(cls) -> tuple[str, ...]:
+        """The names of every setting, in order (``CoMPSearch``'s keyword arguments)."""
+        return tuple(f.name for f in fields(cls))
+
+    @classmethod
+    def of(cls, settings: Mapping[str, Any]) -> SearchConfig:
+        """The defaults with ``settings`` (setting name -> value) in place of theirs.
+
+        Raises:
+            SearchConfigError: naming a setting that does not exist, and the ones that do; or an invalid value.
+        """
+        unknown = sorted(set(settings) - set(cls.setting_names()))
+        if unknown:
+            measured = [name for name in unknown if name in {f.name for f in fields(MeasurementConfig)}]
+            hint = (f" ({quoted(measured, 'and')} tune the measurement: measurement={{{measured[0]!r}: ...}})"
+                    if measured else "")
+            raise SearchConfigError(f"CoMPSearch has no setting {quoted(unknown, 'and')}; its settings are"
+                                    f" {', '.join(cls.setting_names())}{hint}.")
+        return cls(**settings)
+
+    def included(self, dimension: Dimension) -> Selectors:
+        """Operators whose lowering in ``dimension`` is trialled whatever the batch stage measures."""
+        return self._included[dimension]  # type: ignore[attr-defined, no-any-return]
+
+    @property
+    def excluded(self) -> Selectors:
+        """Operators never lowered."""
+        return Selectors(self.exclude)
+
+    def tried(self, dimension: Dimension) -> tuple[Any, ...]:
+        """The values of ``dimension`` (saved, state or master) the search may try, smallest first; empty when
+        ``precisions`` switches it off (``recompute``, storing nothing, comes after the stored values). Each is a
+        member of ``dimension.values``."""
+        return tried_values(dimension, self.precisions[dimension])
+
+    def resolve_low_precision(self, device: DeviceClass) -> ComputePrecision | None:
+        """The 16-bit precision to search with on ``device`` (``None`` when none is native there).
+
+        ``"auto"`` prefers BF16 (no loss scaling), then FP16; an explicit ``"bf16"``/``"fp16"`` is taken as is.
+        """
+        if self.low_precision is not LowPrecision.AUTO:
+            return ComputePrecision.parse(self.low_precision.value)
+        for precision in (ComputePrecision.BF16, ComputePrecision.FP16):
+            if device.is_native(precision):
+                return precision
+        return None
+
+
+def _number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
