@@ -8,7 +8,7 @@ AdamW) under, per model:
 
 1. FP32 (``Trainer(precision="32-true")``),
 2. AMP (``Trainer(precision="bf16-mixed")``),
-3. a CoMP plan (``--plan-<model> PATH``; default: the chosen plan of a memory search,
+3. a CoMP plan (``--plan-<model> PATH``, or ``lean``; default: the chosen plan of a memory search,
    ``benchmarks/results/memory_dims/seed0/compare_search_<model>_comp-memory/plan.json``, where it fits the model and
    sets a state, master or recompute entry; else the built-in *lean* plan of :func:`lean_plan`),
 4. that plan with each dimension removed in turn: no optimizer-state precision, no BF16 master weights, no
@@ -166,6 +166,8 @@ def choose_plan(key: str, model: Any, path: str | None, smoke: bool) -> tuple[An
     from lightning_comp import PrecisionPlan
     from lightning_comp.errors import PlanError
 
+    if path == "lean":
+        return lean_plan(model), "built-in lean plan", f"asked for with --plan-{key} lean", None
     if path:
         plan = PrecisionPlan.load(path)
         plan.validate(model)  # a plan made for another model fails here, naming the difference
@@ -532,7 +534,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", default=str(OUT_DIR), help="results folder (default %(default)s)")
     for key in MODELS:
         parser.add_argument(f"--plan-{key}", default=None, metavar="PATH",
-                            help=f"plan file for {key} (default: its memory search's plan, else the lean plan)")
+                            help=f"plan file for {key}, or 'lean' for the built-in lean plan (default: its memory"
+                                 " search's plan where it sets a state, master or recompute entry, else the lean plan)")
     parser.add_argument("--no-reference", action="store_true",
                         help="no reference row for a memory search plan that the lean plan replaced")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
