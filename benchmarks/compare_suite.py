@@ -158,7 +158,7 @@ _SMOKE_SIZES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
                                                                                 "batch_size": 8}),
     "tv_resnet": ({}, {"num_samples": 400, "batch_size": 16, "image_size": 32}),
 }
-_SMOKE_SEARCH = {"profile_steps": 1, "profile_warmup": 0, "max_trials": 2}
+_SMOKE_SEARCH = {"measurement": {"profile_steps": 1, "profile_warmup": 0}, "max_trials": 2}
 
 
 def smoke_spec(spec: ModelSpec) -> ModelSpec:

@@ -42,7 +42,7 @@ class SpelledEnum(str, Enum, metaclass=_Spellings):
     command lines may spell a member by its value; a member's name works too); :meth:`parse` also accepts a member and,
     where members name a torch dtype (a ``dtype`` property), that dtype, and raises the subclass's
     :meth:`error_type` with a message naming the value and every valid spelling. Subclasses override the class methods
-    :meth:`aliases`, :meth:`noun`, :meth:`error_type` and, to explain the choices, :meth:`choices`.
+    :meth:`aliases`, :meth:`noun`, :meth:`error_type` and, to explain the choices, :meth:`notes`.
     """
 
     def __str__(self) -> str:
@@ -65,8 +65,15 @@ class SpelledEnum(str, Enum, metaclass=_Spellings):
 
     @classmethod
     def choices(cls) -> str:
-        """The valid spellings, for messages (``"'fp32', 'bf16' and 'fp16'"``)."""
-        return quoted((member.value for member in cls), last="and")
+        """The valid spellings, each with its :meth:`notes` entry, for messages (``"'fp32', 'bf16' and 'fp16'"``)."""
+        notes = cls.notes()
+        texts = [repr(member.value) + (f" ({notes[member.value]})" if member.value in notes else "") for member in cls]
+        return texts[0] if len(texts) == 1 else ", ".join(texts[:-1]) + " and " + texts[-1]
+
+    @classmethod
+    def notes(cls) -> Mapping[str, str]:
+        """What some members mean, shown beside them by :meth:`choices`: value -> a few words."""
+        return {}
 
     @classmethod
     def alternatives(cls) -> str:

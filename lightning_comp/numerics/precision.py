@@ -94,9 +94,9 @@ class SavedPrecision(SpelledEnum):
         return PlanError
 
     @classmethod
-    def choices(cls) -> str:
-        return ("'fp32' (as computed), 'bf16', 'fp8' (float8 e4m3 with a per-tensor scale) and 'recompute' (not"
-                " stored: recomputed in backward from the operator's input)")
+    def notes(cls) -> Mapping[str, str]:
+        return {"fp32": "as computed", "fp8": "float8 e4m3 with a per-tensor scale",
+                "recompute": "not stored: recomputed in backward from the operator's input"}
 
 
 class StatePrecision(SpelledEnum):
@@ -124,8 +124,8 @@ class StatePrecision(SpelledEnum):
         return PlanError
 
     @classmethod
-    def choices(cls) -> str:
-        return "'fp32' (the optimizer's own), 'bf16' and '8bit' (block-quantised moments)"
+    def notes(cls) -> Mapping[str, str]:
+        return {"fp32": "the optimizer's own", "8bit": "block-quantised moments"}
 
 
 class MasterPrecision(SpelledEnum):
@@ -157,8 +157,8 @@ class MasterPrecision(SpelledEnum):
         return PlanError
 
     @classmethod
-    def choices(cls) -> str:
-        return "'fp32' and 'bf16' (stochastically rounded updates, no FP32 copy)"
+    def notes(cls) -> Mapping[str, str]:
+        return {"bf16": "stochastically rounded updates, no FP32 copy"}
 
 
 def parse_precision(value: object) -> ComputePrecision:

@@ -195,7 +195,7 @@ def test_a_checkpoint_resumes_the_plan_on_cuda(tmp_path: Path) -> None:
 
 
 def test_the_default_search_chooses_a_native_precision_on_cuda(tmp_path: Path) -> None:
-    search = CoMPSearch(verbose=False, warmup_epochs=0, profile_steps=2, record_dir=str(tmp_path))
+    search = CoMPSearch(verbose=False, warmup_epochs=0, measurement="quick", record_dir=str(tmp_path))
     train, val = loaders(n_train=512, n_val=256)
     _trainer(tmp_path, CoMPPrecision(), [search], max_epochs=2, enable_checkpointing=False).fit(
         WideMLP(width=512, offset=False), train, val)

@@ -35,7 +35,7 @@ def fixed_search(**kwargs: Any) -> CoMPSearch:
     kwargs.setdefault("exclude", ["l1", "head", "a?"])
     kwargs.setdefault("tolerance", TOLERANCE)
     kwargs.setdefault("verbose", False)
-    kwargs.setdefault("profile_steps", 3)
+    kwargs["measurement"] = {"profile_steps": 3, **kwargs.get("measurement", {})}
     return CoMPSearch(**kwargs)
 
 

@@ -17,7 +17,7 @@ from lightning.pytorch.plugins.precision import Precision as LightningPrecision
 from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy
 from torch import nn
 
-from lightning_comp import CoMPPrecision, CoMPSearch, PrecisionPlan
+from lightning_comp import CoMPPrecision, CoMPSearch, PrecisionPlan, SearchConfig
 from lightning_comp.devices import device_class
 from lightning_comp.errors import (
     PlanError,
@@ -67,8 +67,7 @@ def _small_loaders() -> tuple[Any, Any]:
 def _search(**kwargs: Any) -> CoMPSearch:
     kwargs.setdefault("verbose", False)
     kwargs.setdefault("low_precision", "bf16")  # pinned: the same on every CPU class
-    kwargs.setdefault("profile_steps", 1)
-    kwargs.setdefault("profile_warmup", 0)
+    kwargs.setdefault("measurement", {"profile_steps": 1, "profile_warmup": 0})
     return CoMPSearch(**kwargs)
 
 
@@ -338,12 +337,19 @@ def test_a_plain_lightning_precision_is_not_mistaken_for_the_plugin(tmp_path: Pa
         ({"tolerance": float("inf")}, "CoMPSearch(tolerance=inf) is invalid: it must be a finite number >= 0."),
         ({"trial_epochs": 0}, "CoMPSearch(trial_epochs=0) is invalid: it must be an integer >= 1."),
         ({"trial_epochs": 1.5}, "CoMPSearch(trial_epochs=1.5) is invalid: it must be an integer >= 1."),
-        ({"profile_steps": 0}, "CoMPSearch(profile_steps=0) is invalid: it must be an integer >= 1."),
+        ({"measurement": {"profile_steps": 0}},
+         "CoMPSearch(measurement.profile_steps=0) is invalid: it must be an integer >= 1."),
         ({"warmup_epochs": -1}, "CoMPSearch(warmup_epochs=-1) is invalid: it must be an integer >= 0."),
         ({"max_trials": 0}, "CoMPSearch(max_trials=0) is invalid: it must be an integer >= 1."),
         ({"mode": "maximum"}, "CoMPSearch(mode='maximum') is invalid: use 'min'"),
         ({"monitor": ""}, "CoMPSearch(monitor='') is invalid: it must be the name of a metric"),
-        ({"max_skipped_fraction": -0.5}, "CoMPSearch(max_skipped_fraction=-0.5) is invalid: it must be a number >= 0"),
+        ({"measurement": {"max_skipped_fraction": -0.5}},
+         "CoMPSearch(measurement.max_skipped_fraction=-0.5) is invalid: it must be a number >= 0"),
+        ({"measurement": "fast"}, "CoMPSearch(measurement='fast') is invalid: use a preset, 'quick', 'default' or"),
+        ({"precisions": {"saved": "fp4"}},
+         "CoMPSearch(precisions={'saved': 'fp4'}) is invalid: use 'auto', 'off', 'fp8', 'bf16' or 'recompute'."),
+        ({"precisions": {"compute": "bf16"}}, "CoMPSearch(precisions={'compute': ...}) is invalid: its keys are"),
+        ({"include_dimensions": {"master": "l2"}}, "CoMPSearch(include_dimensions['master']='l2') is invalid"),
         ({"include": "l2"}, "CoMPSearch(include='l2') is invalid: it must be a list of plan selectors"),
         ({"exclude": ["type:Linear."]}, "CoMPSearch(exclude=...): Type selector 'type:Linear.' must name a class"),
     ],
@@ -351,6 +357,15 @@ def test_a_plain_lightning_precision_is_not_mistaken_for_the_plugin(tmp_path: Pa
 def test_bad_search_arguments_name_the_value_and_the_valid_range(kwargs: dict[str, Any], message: str) -> None:
     with pytest.raises(SearchConfigError, match=re.escape(message)):
         CoMPSearch(**kwargs)
+
+
+def test_a_measurement_setting_given_as_a_setting_of_its_own_says_where_it_goes() -> None:
+    with pytest.raises(SearchConfigError, match=re.escape(
+            "CoMPSearch has no setting 'profile_steps'; its settings are monitor, mode,")) as info:
+        SearchConfig.of({"profile_steps": 2})
+    assert "tune the measurement: measurement={'profile_steps': ...}" in str(info.value)
+    with pytest.raises(TypeError, match="profile_steps"):
+        CoMPSearch(profile_steps=2)  # type: ignore[call-arg]  # Python's own error for an unknown keyword
 
 
 @pytest.mark.parametrize("name", ["include", "exclude"])

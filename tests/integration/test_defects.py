@@ -147,7 +147,7 @@ class _BigWeights(WideMLP):
 def test_profiled_saved_bytes_exclude_weight_copies_that_training_recasts(tmp_path: Path) -> None:
     pl.seed_everything(0)
     search = fixed_search(include=["l2"], exclude=["l1", "l3", "l4", "head", "a?"], warmup_epochs=0,
-                          profile_steps=1, profile_warmup=0)
+                          measurement={"profile_steps": 1, "profile_warmup": 0})
     trainer = search_trainer(tmp_path, [search], max_epochs=1, plugin=CoMPPrecision(), limit_train_batches=4)
     train, val = loaders(n_train=64, n_val=16, batch_size=8)
     trainer.fit(_BigWeights(), train, val)

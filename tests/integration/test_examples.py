@@ -45,7 +45,7 @@ EXPECTED_TRAINER_PRECISION = {
     "bf16-true": {"bf16-true"},
 }
 # a short search for tiny runs (1 epoch of 4 training batches): no warm-up epoch, 2 profiled steps
-COMP_FAST = ["precision.callbacks.comp_search.warmup_epochs=0", "precision.callbacks.comp_search.profile_steps=2"]
+COMP_FAST = ["precision.callbacks.comp_search.warmup_epochs=0", "precision/callbacks/comp_search/measurement=quick"]
 
 _MISSING = [name for name in ("CoMPPrecision", "CoMPSearch") if not hasattr(lightning_comp, name)]
 requires_engine = pytest.mark.skipif(

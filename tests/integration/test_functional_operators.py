@@ -154,8 +154,8 @@ def test_a_search_on_litgpt_trials_attention_and_its_plan_round_trips_and_resume
     profiled and trialled like any other; the chosen plan survives a file and a checkpoint resume."""
     torch.manual_seed(0)
     search = CoMPSearch(low_precision="bf16", include=["type:CausalSelfAttention", "type:Linear"],
-                        exclude=["type:RMSNorm", "type:Embedding"], tolerance=0.1, profile_steps=1, max_trials=3,
-                        verbose=False)
+                        exclude=["type:RMSNorm", "type:Embedding"], tolerance=0.1, measurement={"profile_steps": 1},
+                        max_trials=3, verbose=False)
     factory = MODELS["litgpt"][0]
     trainer = _trainer(tmp_path, CoMPPrecision(), [search], max_epochs=4, limit_train_batches=4,
                        enable_checkpointing=True)

@@ -105,7 +105,7 @@ def test_the_search_resolves_auto_from_the_placed_device(tmp_path: Path) -> None
     with torch.device("meta"):
         model = WideMLP(width=32)
     search = CoMPSearch(warmup_epochs=0, include=["l2"], exclude=["l1", "l3", "l4", "head", "a?"], verbose=False,
-                        profile_steps=1, profile_warmup=0, record_dir=str(tmp_path))
+                        measurement={"profile_steps": 1, "profile_warmup": 0}, record_dir=str(tmp_path))
     train, val = loaders(n_train=64, n_val=64, batch_size=32)
     _trainer(_Materialize(state), CoMPPrecision(), [search], max_epochs=2).fit(model, train, val)
     record = search.record

@@ -24,7 +24,7 @@ BATCHES = 3  # of 8 per epoch (2048 samples, batch 256)
 
 
 def _search(**kwargs: Any) -> CoMPSearch:
-    kwargs.setdefault("profile_steps", 2)
+    kwargs.setdefault("measurement", {"profile_steps": 2})
     kwargs.setdefault("trial_batches", BATCHES)
     return fixed_search(**kwargs)
 

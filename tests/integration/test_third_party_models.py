@@ -129,7 +129,7 @@ def test_gpt2_search_chooses_a_plan_that_round_trips_and_resumes(tmp_path: Path)
     here, not whether BF16 pays on this CPU); the plan is written to the checkpoint, to a file, and read back."""
     search = CoMPSearch(low_precision="bf16", include=["type:Conv1D", "type:GPT2Attention", "gpt2.lm_head"],
                         exclude=["type:LayerNorm", "type:Embedding", "type:Dropout", "type:NewGELUActivation"],
-                        tolerance=0.05, profile_steps=1, max_trials=3, verbose=False)
+                        tolerance=0.05, measurement={"profile_steps": 1}, max_trials=3, verbose=False)
     trainer = _trainer(tmp_path, CoMPPrecision(), [search], max_epochs=4, enable_checkpointing=True)
     trainer.fit(_gpt2(), datamodule=_text())
     assert search.phase == "done" and search.chosen_plan is not None
@@ -174,7 +174,7 @@ def test_resnet_heavy_operators_are_found_and_lowered() -> None:
 def test_resnet_search_chooses_a_plan_that_round_trips(tmp_path: Path) -> None:
     search = CoMPSearch(low_precision="bf16", include=["type:Conv2d", "resnet.fc"],
                         exclude=["type:BatchNorm2d", "type:ReLU", "type:MaxPool2d", "type:AdaptiveAvgPool2d"],
-                        tolerance=0.1, profile_steps=1, max_trials=3, verbose=False)
+                        tolerance=0.1, measurement={"profile_steps": 1}, max_trials=3, verbose=False)
     _trainer(tmp_path, CoMPPrecision(), [search], max_epochs=4).fit(_resnet(), datamodule=_shapes())
     assert search.phase == "done" and search.chosen_plan is not None
     path = search.chosen_plan.save(tmp_path / "resnet_plan.json")

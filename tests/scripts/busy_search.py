@@ -48,7 +48,7 @@ def batch_stage_record(root: Path, timing: str | None = "auto", seed: int = 0, *
     """
     pl.seed_everything(seed, verbose=False)
     if timing is not None:
-        search["timing"] = timing
+        search["measurement"] = {**search.get("measurement", {}), "timing": timing}
     callback = CoMPSearch(low_precision="bf16", warmup_epochs=0, trial_batches=1, verbose=False,
                           record_dir=str(root), **search)
     trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=1, limit_train_batches=2, limit_val_batches=1,
@@ -81,7 +81,7 @@ def default_example_record(root: Path, timing: str | None = "auto", seed: int = 
     settings = {k: v for k, v in shipped["callbacks"]["comp_search"].items() if not str(k).startswith("_")}
     settings.update(warmup_epochs=0, trial_batches=1, verbose=False, record_dir=str(root), **search)
     if timing is not None:
-        settings["timing"] = timing
+        settings["measurement"] = {**settings.get("measurement", {}), "timing": timing}
     pl.seed_everything(seed, verbose=False)
     callback = CoMPSearch(**settings)
     trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=1, limit_train_batches=2, limit_val_batches=1,

@@ -28,8 +28,7 @@ from lightning_comp.search.measurement import machine_load
 from lightning_comp.search.measurement.autocast_lowering import lowered_under_autocast
 from lightning_comp.search.measurement.clock_choice import BUSY_CPUS, choose_timing
 from lightning_comp.search.measurement.clocks import ClockKind, ThreadCpuClock, make_clock, single_intra_op_thread
-from lightning_comp.search.measurement.estimates import Verdict, paired_ratio
-from lightning_comp.search.measurement.extra_rounds import ExtraRounds
+from lightning_comp.search.measurement.estimates import ExtraRounds, Verdict, paired_ratio
 from lightning_comp.search.measurement.machine_load import MachineLoad
 from lightning_comp.search.stages import batch_stage as batch_stage_module
 from tests.helpers.paths import SCRIPTS
@@ -62,18 +61,18 @@ def test_few_rounds_give_the_range_and_unusable_rounds_decide_nothing() -> None:
 
 
 def test_extra_rounds_stay_within_the_time_budget() -> None:
-    config = SearchConfig(profile_steps=4, extra_profile_time=0.5)
+    config = SearchConfig(measurement={"profile_steps": 4, "extra_profile_time": 0.5})
     budget = ExtraRounds(config, first_seconds=10.0, first_rounds=5)  # 2 s a round, 5 s to spend
     assert budget.next_rounds() == 2
     budget.left = 0.0
     assert budget.next_rounds() == 0
     small = ExtraRounds(config, first_seconds=0.01, first_rounds=5)  # tiny steps: at least 0.5 s of rounds
     assert small.next_rounds() == 4
-    assert ExtraRounds(SearchConfig(extra_profile_time=0), 0.01, 5).next_rounds() == 0
+    assert ExtraRounds(SearchConfig(measurement={"extra_profile_time": 0}), 0.01, 5).next_rounds() == 0
     with pytest.raises(SearchConfigError, match="extra_profile_time"):
-        SearchConfig(extra_profile_time=-1)
+        SearchConfig(measurement={"extra_profile_time": -1})
     with pytest.raises(SearchConfigError, match="timing"):
-        SearchConfig(timing="cycles")
+        SearchConfig(measurement={"timing": "cycles"})
 
 
 # ---------------------------------------------------------------------------------------- clocks and the load
@@ -167,12 +166,12 @@ def test_a_busy_machine_decides_clearly_different_operators_as_a_quiet_one(tmp_p
     all operators low, which moves a cast to a smaller tensor); the reason then says so."""
     # 8 rounds: the interval leaves out the extreme round on either side, so one stray preemption on a shared CI
     # machine cannot hide how clear the head is; a second quiet run if the first still saw a noisy moment
-    quiet = batch_stage_record(tmp_path / "quiet", profile_steps=8)
+    quiet = batch_stage_record(tmp_path / "quiet", measurement={"profile_steps": 8})
     if "head" not in clear_operators(quiet):
-        quiet = batch_stage_record(tmp_path / "quiet-again", profile_steps=8)
+        quiet = batch_stage_record(tmp_path / "quiet-again", measurement={"profile_steps": 8})
     with competing_load() as load:
         assert load.others_cpus is not None and load.others_cpus >= 1.5, load
-        busy = batch_stage_record(tmp_path / "busy", profile_steps=8)
+        busy = batch_stage_record(tmp_path / "busy", measurement={"profile_steps": 8})
     assert busy["timing"]["clock"] == "thread-cpu" and busy["timing"]["threads"] == 1, busy["timing"]
     assert "busy" in busy["timing"]["reason"]
     clear = clear_operators(quiet)

@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import random
 from collections.abc import Iterator
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from hydra import compose, initialize_config_dir, initialize_config_module
-from omegaconf import DictConfig, ListConfig
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from torch import nn
 
+import lightning_comp.conf
+from lightning_comp import SearchConfig
+from lightning_comp.search.config import MEASUREMENT_PRESETS
 from lightning_comp.zoo import (
     CLASS_NAMES,
     VOCAB_SIZE,
@@ -272,9 +276,11 @@ def test_precision_options_wire_the_trainer(precision: str) -> None:
         cfg = compose("train", overrides=["output_dir=/tmp/unused", f"precision={precision}"])
     if precision == "comp":
         assert cfg.trainer.precision is None and len(cfg.trainer.plugins) == 1
-        search = cfg.precision.callbacks.comp_search
-        expected = {"monitor", "mode", "tolerance", "tolerance_mode", "warmup_epochs", "trial_epochs", "profile_steps"}
-        assert expected | {"low_precision", "objective", "speed_margin", "record_dir"} <= set(search)
+        search = cfg.precision.callbacks.comp_search  # SearchConfig's fields and Python's defaults (ConfigStore)
+        assert set(search) == {"_target_", *SearchConfig.setting_names()} and search.tolerance == SearchConfig.tolerance
+        assert dict(search.measurement) == asdict(MEASUREMENT_PRESETS["default"])
+        shipped = OmegaConf.load(Path(lightning_comp.conf.__file__).parent / "precision" / "comp.yaml")
+        assert dict(shipped.callbacks.comp_search) == {"trial_batches": 0.25} == {"trial_batches": search.trial_batches}
     else:
         expected = {"fp32": "32-true"}.get(precision, precision)
         assert cfg.trainer.precision == expected and cfg.trainer.plugins is None and not cfg.precision.callbacks
