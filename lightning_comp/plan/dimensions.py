@@ -72,12 +72,9 @@ class Dimension(SpelledEnum):
         """The value of this dimension ``value`` spells.
 
         Raises:
-            PlanError: naming ``value`` and this dimension's valid values.
+            PlanError: naming ``value`` and this dimension's valid values (the value enum's own error).
         """
-        try:
-            return self.values.parse(value)  # type: ignore[return-value]
-        except CoMPError as err:
-            raise PlanError(f"Unknown {self.what} {value!r}: valid values are {self.values.choices()}.") from err
+        return self.values.parse(value)  # type: ignore[return-value]
 
 
 _VALUES: dict[Dimension, type[SpelledEnum]] = {

@@ -95,7 +95,7 @@ def document_fields(data: Mapping[str, Any]) -> dict[str, Any]:
         mapping = data.get(entries_key) or {}
         if not isinstance(mapping, Mapping):
             raise PlanError(
-                f"Plan {entries_key!r} must be a mapping of selector -> {dimension.what}, got {mapping!r}.")
+                f"Plan {entries_key} must be a mapping of selector -> {dimension.what}, got {mapping!r}.")
         assignments.append(Assignment(dimension, tuple(mapping.items()), data.get(default_key, "fp32")))
     return {
         "assignments": tuple(assignments),

@@ -325,7 +325,7 @@ def test_deepspeed_engine_is_refused_by_the_plugin() -> None:
 def test_a_plain_lightning_precision_is_not_mistaken_for_the_plugin(tmp_path: Path) -> None:
     trainer = _trainer(tmp_path, LightningPrecision(), callbacks=[_search()])
     train, val = _small_loaders()
-    with pytest.raises(UnsupportedSetupError, match="the Trainer uses ComputePrecision"):
+    with pytest.raises(UnsupportedSetupError, match="the Trainer uses Precision"):
         trainer.fit(WideMLP(width=32), train, val)
 
 
