@@ -39,7 +39,7 @@ from lightning_comp.search.checks import (
     check_trainer,
 )
 from lightning_comp.search.compiled import EagerWhileSearching
-from lightning_comp.search.config import SearchConfig
+from lightning_comp.search.config import MeasurementConfig, SearchConfig
 from lightning_comp.search.record.build import build_record, publish
 from lightning_comp.search.record.progress import SearchProgress
 from lightning_comp.search.rewind.loop import LoopBudget
@@ -59,27 +59,40 @@ class CoMPSearch(Callback):
 
     Use with the plugin: ``Trainer(plugins=[CoMPPrecision()], callbacks=[CoMPSearch()])``.
 
-    Every setting is a field of :class:`~lightning_comp.SearchConfig`, which documents it: pass a ``config``, the
-    common settings below as keyword arguments, any other setting by its name, or a mix (keyword arguments replace
-    the ``config``'s values; a common setting left ``None`` keeps it)::
+    Every argument is a field of :class:`~lightning_comp.SearchConfig` of the same name, which documents it and holds
+    its default (an argument left ``None`` keeps it); they say what you want. How the search measures is one nested
+    argument, ``measurement``: a preset's name, a :class:`~lightning_comp.search.MeasurementConfig`, or a mapping of
+    its fields. So every setting has one spelling, in Python, in LightningCLI's ``init_args`` and in the Hydra app::
 
         CoMPSearch(monitor="val_acc", mode="max")
-        CoMPSearch(config=SearchConfig(objective="memory", max_memory_slowdown=2.0), tolerance=0.05)
-        CoMPSearch(profile_steps=8, timing="cpu")
+        CoMPSearch(objective="memory", precisions={"saved": "fp8", "master": "off"}, max_memory_slowdown=2.0)
+        CoMPSearch(include=["blocks.*.mlp"], include_dimensions={"state": ["blocks.0.*"]})
+        CoMPSearch(measurement="thorough")
+        CoMPSearch(measurement={"profile_steps": 8, "timing": "cpu"})
+        CoMPSearch(**dataclasses.asdict(config))  # from a SearchConfig
 
     Args:
-        monitor: the validation metric that judges convergence (``SearchConfig.monitor``).
+        monitor: the validation metric that judges convergence.
         mode: ``"min"`` or ``"max"``.
         tolerance: how much worse than the FP32 reference a candidate may end.
+        tolerance_mode: ``"relative"`` or ``"absolute"``.
         objective: ``"throughput"``, ``"memory"`` or ``"balanced"``.
-        low_precision: ``"auto"``, ``"bf16"`` or ``"fp16"``.
-        warmup_epochs: FP32 epochs before the search starts.
-        trial_batches: batches (or a fraction of an epoch) each trial trains; ``None`` keeps the config's.
+        low_precision: ``"auto"``, ``"bf16"`` or ``"fp16"`` (the compute dimension).
+        precisions: ``{dimension: choice}`` for ``saved``, ``state`` and ``master``: ``"auto"``, ``"off"`` or a
+            value of that dimension.
         include: plan selectors of operators to trial in low precision whatever the batch stage measures.
+        include_dimensions: ``{dimension: [selectors]}``: the same for the saved, state and master dimensions.
         exclude: plan selectors of operators never to lower.
+        warmup_epochs: FP32 epochs before the search starts.
+        trial_epochs: epochs each convergence trial trains.
+        trial_batches: batches (or a fraction of an epoch) each trial trains; ``None``: whole epochs.
+        max_trials: most candidate trials.
+        max_memory_slowdown: the largest slowdown the memory objective accepts.
+        measurement: ``"quick"``, ``"default"`` or ``"thorough"``, a ``MeasurementConfig``, or a mapping of its
+            fields (over ``"default"``, or over the preset its ``preset`` key names).
+        record_dir: where the decision record and the chosen plan are written.
+        snapshot_device: where the search keeps its snapshots (``None``: where the tensors are).
         verbose: print the decision table on rank 0.
-        config: the settings to start from (default: ``SearchConfig()``).
-        **settings: any other field of :class:`~lightning_comp.SearchConfig`, by name.
 
     A rewind restores, bit for bit: parameters and buffers (non-persistent ones too), every optimizer, LR scheduler
     and the loss scaler, the RNGs, the training dataloaders' own generators (so every trial sees the reference's
@@ -102,23 +115,28 @@ class CoMPSearch(Callback):
         self,
         monitor: str | None = None,
         mode: str | None = None,
+        *,
         tolerance: float | None = None,
+        tolerance_mode: str | None = None,
         objective: str | None = None,
         low_precision: str | None = None,
-        warmup_epochs: int | None = None,
-        trial_batches: int | float | None = None,
+        precisions: Mapping[str, str] | None = None,
         include: Sequence[str] | None = None,
+        include_dimensions: Mapping[str, Sequence[str]] | None = None,
         exclude: Sequence[str] | None = None,
+        warmup_epochs: int | None = None,
+        trial_epochs: int | None = None,
+        trial_batches: int | float | None = None,
+        max_trials: int | None = None,
+        max_memory_slowdown: float | None = None,
+        measurement: str | Mapping[str, Any] | MeasurementConfig | None = None,
+        record_dir: str | None = None,
+        snapshot_device: str | None = None,
         verbose: bool | None = None,
-        *,
-        config: SearchConfig | None = None,
-        **settings: Any,
     ) -> None:
-        common = {"monitor": monitor, "mode": mode, "tolerance": tolerance, "objective": objective,
-                  "low_precision": low_precision, "warmup_epochs": warmup_epochs, "trial_batches": trial_batches,
-                  "include": include, "exclude": exclude, "verbose": verbose}
-        given = {name: value for name, value in common.items() if value is not None}
-        self.config = SearchConfig.of(config, {**given, **settings})  # validates every setting, naming a bad one
+        given = {name: value for name, value in locals().items() if name not in ("self", "__class__")}
+        given = {name: value for name, value in given.items() if value is not None}
+        self.config = SearchConfig.of(given)  # validates every setting, naming a bad one
         self._plugin: CoMPPrecision | None = None
         self._budget = LoopBudget()
         self._batch_started: float | None = None
@@ -139,7 +157,8 @@ class CoMPSearch(Callback):
 
     @property
     def phase(self) -> Phase:
-        """``"pending"`` (warm-up), ``"searching"`` or ``"done"`` (a :class:`Phase`, equal to those strings)."""
+        """``"pending"`` (warm-up), ``"measuring"`` (the batch stage is due), ``"searching"`` (trials) or ``"done"``
+        (a :class:`Phase`, equal to those strings)."""
         return self._state.phase
 
     @property
@@ -211,9 +230,9 @@ class CoMPSearch(Callback):
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
         self._follow_phase()  # with on_validation_start: before every forward of the fit
-        if self._state.phase is not Phase.SEARCHING:
+        if not self._state.searching:
             return
-        if self._state.profile is None:
+        if self._state.phase is Phase.MEASURING:
             self._batch_stage(trainer, pl_module, batch, batch_idx)
             if self._state.phase is not Phase.SEARCHING:
                 self._follow_phase()
@@ -231,7 +250,7 @@ class CoMPSearch(Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         current = self._state.current_trial
-        if current is None or self._state.phase is not Phase.SEARCHING:
+        if current is None or not self._state.searching:
             return
         if self._batch_started is not None and batch_idx >= _TIMING_SKIP_BATCHES:
             _synchronize(pl_module)
@@ -250,7 +269,7 @@ class CoMPSearch(Callback):
         if not self._monitor_checked:  # fail on the sanity check already, before any epoch is spent
             check_monitor(self.config, trainer)
             self._monitor_checked = True
-        if trainer.sanity_checking or self._state.phase is not Phase.SEARCHING:
+        if trainer.sanity_checking or not self._state.searching:
             return
         current = self._state.current_trial
         if current is None:
@@ -265,14 +284,14 @@ class CoMPSearch(Callback):
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._budget.restore_epoch_length(trainer)  # a rejected trial of batches cut this epoch short
-        if self._state.phase is Phase.SEARCHING and self._state.current_trial is not None:
+        if self._state.searching and self._state.current_trial is not None:
             self._driver.end_of_epoch(trainer, pl_module)
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._state.phase is Phase.DONE:  # training stopped before the epoch start that would apply a rewind
             self._driver.apply_pending_restore(trainer, pl_module)
-        elif self._state.phase is Phase.SEARCHING:
+        elif self._state.searching:
             warn_stopped_inside_the_search(self._state)
         self._early_stopping.resume(trainer)
         self._eager.release()

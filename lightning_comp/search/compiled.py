@@ -30,8 +30,8 @@ class EagerWhileSearching:
         return self._active
 
     def follow(self, phase: Phase, compiled: bool) -> None:
-        """Hold compiled code eager if ``compiled`` and the search is measuring (``phase`` SEARCHING), else release."""
-        wanted = compiled and phase is Phase.SEARCHING
+        """Hold compiled code eager if ``compiled`` and the search is measuring or trialling, else release."""
+        wanted = compiled and phase in (Phase.MEASURING, Phase.SEARCHING)
         if wanted and not self._active:
             self._held.enter_context(eager())
             self._active = True

@@ -6,7 +6,8 @@ ranks before any comparison, and decisions taken on rank 0 are broadcast.
 
 from __future__ import annotations
 
-from typing import TypeVar
+from collections.abc import Mapping
+from typing import Any, TypeVar
 
 import lightning.pytorch as pl
 import torch
@@ -26,7 +27,7 @@ def reduce_mean(trainer: pl.Trainer, value: float) -> float:
     return float(trainer.strategy.reduce(tensor, reduce_op="mean"))
 
 
-def reduce_profile(trainer: pl.Trainer, results: dict[str, ProfileResult]) -> None:
+def reduce_profile(trainer: pl.Trainer, results: Mapping[Any, ProfileResult]) -> None:
     """Average per-operator times and saved-for-backward bytes over ranks, in place.
 
     Bytes matter as much as times: the memory and balanced objectives decide from them, and batches of different

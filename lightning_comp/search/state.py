@@ -1,36 +1,43 @@
 """The search's state and trial records: typed while the search runs, plain containers in a checkpoint.
 
 :meth:`SearchState.to_dict` writes every field, in plain Python types and tensors, so checkpoints load with
-``torch.load(weights_only=True)``; :meth:`SearchState.from_dict` reads exactly that form (one format version) and
-refuses anything else, naming it. The state is the one owner of what the search decided: the searched precision,
-the candidates and their group testing, the trials, the chosen plan.
+``torch.load(weights_only=True)``; :meth:`SearchState.from_dict` reads exactly that form and refuses anything else,
+naming it. There is one format, :data:`STATE_VERSION`: a state of another version (or with other keys) is refused
+with the keys it lacks or has in excess, never read in part. The batch stage's result travels in the form
+:func:`to_plain` gives any of the search's dataclasses (fields by name, enums by value, a mapping with other than
+string or enum keys as ``[key, value]`` pairs) and :func:`from_plain` reads back from the dataclass's type hints.
+The state is the one owner of what the search decided: the searched precision, the batch stage's measurements and
+candidates, their group testing, the trials, the chosen plan.
 """
 
 from __future__ import annotations
 
+import types
+import typing
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, is_dataclass
 from enum import Enum
 from typing import Any
 
 from lightning_comp.errors import SearchConfigError
-from lightning_comp.numerics.precision import ComputePrecision, MasterPrecision, SavedPrecision, StatePrecision
+from lightning_comp.numerics.precision import ComputePrecision
 from lightning_comp.search.candidates import Candidate, candidates_from_plain, candidates_to_plain
+from lightning_comp.search.decisions.batch_result import BatchStageResult
 from lightning_comp.search.decisions.group_search import GroupSearch
-from lightning_comp.search.decisions.trial_plans import CheapRun
+from lightning_comp.search.decisions.trial_plans import CheapRun, Choices
 from lightning_comp.search.decisions.trials import TrialVerdict
 
-__all__ = ["STATE_VERSION", "Phase", "Restore", "SearchState", "TrialRecord"]
+__all__ = ["STATE_VERSION", "Phase", "Restore", "SearchState", "TrialRecord", "from_plain", "to_plain"]
 
-STATE_VERSION = 1
-_ADDED_LATER = ("state_choices", "master_choices")  # keys a version-1 state may lack (read as empty)
+STATE_VERSION = 1  # the one checkpoint form of the search's state this version writes and reads
 
 
 class Phase(str, Enum):
     """The search's phases."""
 
     PENDING = "pending"  # the FP32 warm-up
-    SEARCHING = "searching"  # the batch stage and the trials
+    MEASURING = "measuring"  # the FP32 reference trial has started; the batch stage runs at its first batch
+    SEARCHING = "searching"  # the trials
     DONE = "done"  # a plan is chosen
 
 
@@ -127,11 +134,8 @@ class SearchState:
         snapshot: the run's state at the search's start (``TrainingSnapshot.to_state()``), while trials may rewind.
         reference_end: the run's state at the end of the FP32 reference trial, while it may be continued from.
         pending_restore: the rewind the next epoch start applies, if any.
-        profile: the batch stage's measurements and decisions, in the decision record's form.
-        runs: runs of cheap operators lowered between two lowered ones.
-        saved_choices: operator -> the saved precision of its saved candidate.
-        state_choices: operator -> the optimizer-state precision of its state candidate.
-        master_choices: operator -> the master-weight precision of its master candidate.
+        num_operators: the model's operators (counted when the search starts or ends at once).
+        batch: the batch stage's measurements, decisions and candidates, once it ran.
         group_search: the adaptive group testing over the candidates.
         trials: the trials so far, in order.
         extension_epochs: epochs added to ``max_epochs`` (rejected trials).
@@ -151,11 +155,8 @@ class SearchState:
     snapshot: dict[str, Any] | None = None
     reference_end: dict[str, Any] | None = None
     pending_restore: Restore | None = None
-    profile: dict[str, Any] | None = None
-    runs: list[CheapRun] = field(default_factory=list)
-    saved_choices: dict[str, SavedPrecision] = field(default_factory=dict)
-    state_choices: dict[str, StatePrecision] = field(default_factory=dict)
-    master_choices: dict[str, MasterPrecision] = field(default_factory=dict)
+    num_operators: int = 0
+    batch: BatchStageResult | None = None
     group_search: GroupSearch | None = None
     trials: list[TrialRecord] = field(default_factory=list)
     extension_epochs: int = 0
@@ -176,9 +177,25 @@ class SearchState:
         return None
 
     @property
+    def searching(self) -> bool:
+        """Whether a trial runs (the reference's first batch, where the batch stage measures, included)."""
+        return self.phase in (Phase.MEASURING, Phase.SEARCHING)
+
+    @property
     def in_search(self) -> bool:
         """Whether trials run, or one's state is still to be rewound (EarlyStopping stays paused meanwhile)."""
-        return self.phase is Phase.SEARCHING or (self.phase is Phase.DONE and self.pending_restore is not None)
+        return self.searching or (self.phase is Phase.DONE and self.pending_restore is not None)
+
+    @property
+    def runs(self) -> list[CheapRun]:
+        """The runs of cheap operators lowered between two lowered candidates (none before the batch stage)."""
+        return [] if self.batch is None else self.batch.runs
+
+    @property
+    def choices(self) -> Choices:
+        """Per saved, state and master dimension, operator -> the value of its candidate (none before the batch
+        stage)."""
+        return {} if self.batch is None else self.batch.choices
 
     def to_dict(self) -> dict[str, Any]:
         """The checkpoint form: plain containers and tensors, with the state version."""
@@ -187,10 +204,7 @@ class SearchState:
         out["phase"] = self.phase.value
         out["low_precision"] = None if self.low_precision is None else self.low_precision.value
         out["pending_restore"] = None if self.pending_restore is None else self.pending_restore.value
-        out["runs"] = [run.to_dict() for run in self.runs]
-        out["saved_choices"] = {name: saved.value for name, saved in self.saved_choices.items()}
-        out["state_choices"] = {name: state.value for name, state in self.state_choices.items()}
-        out["master_choices"] = {name: master.value for name, master in self.master_choices.items()}
+        out["batch"] = None if self.batch is None else to_plain(self.batch)
         out["group_search"] = None if self.group_search is None else self.group_search.state_dict()
         out["trials"] = [t.to_dict() for t in self.trials]
         return out
@@ -208,25 +222,21 @@ class SearchState:
                 f" {STATE_VERSION}."
             )
         values = {k: v for k, v in data.items() if k != "version"}
-        for key in _ADDED_LATER:  # states written before the parameter dimensions existed
-            values.setdefault(key, {})
         _check_keys(values, cls, "checkpoint state")
         values["phase"] = Phase(values["phase"])
         low = values["low_precision"]
         values["low_precision"] = None if low is None else ComputePrecision.parse(low)
         values["pending_restore"] = None if values["pending_restore"] is None else Restore(values["pending_restore"])
-        values["runs"] = [CheapRun.from_dict(run) for run in values["runs"]]
-        values["saved_choices"] = {str(k): SavedPrecision.parse(v) for k, v in values["saved_choices"].items()}
-        values["state_choices"] = {str(k): StatePrecision.parse(v) for k, v in values["state_choices"].items()}
-        values["master_choices"] = {str(k): MasterPrecision.parse(v) for k, v in values["master_choices"].items()}
+        values["num_operators"] = int(values["num_operators"])
+        values["batch"] = None if values["batch"] is None else from_plain(BatchStageResult, values["batch"])
         values["group_search"] = None if values["group_search"] is None else GroupSearch.from_state(
             values["group_search"])
         values["trials"] = [TrialRecord.from_dict(t) for t in values["trials"]]
         return cls(**values)
 
 
-def _check_keys(data: Mapping[str, Any], kind: type, what: str) -> None:
-    known = {f.name for f in fields(kind)}
+def _check_keys(data: Mapping[str, Any], kind: type, what: str, known: set[str] | None = None) -> None:
+    known = {f.name for f in fields(kind)} if known is None else known
     unknown, missing = sorted(set(data) - known), sorted(known - set(data))
     if unknown or missing:
         found = " and ".join(part for part in (f"Unknown keys {unknown}" if unknown else "",
@@ -235,3 +245,70 @@ def _check_keys(data: Mapping[str, Any], kind: type, what: str) -> None:
             f"{found[0].upper()}{found[1:]} in a CoMPSearch {what}: it was written by another version of"
             f" lightning-comp. Known keys: {sorted(known)}."
         )
+
+
+def to_plain(value: Any) -> Any:
+    """``value`` (a dataclass of the search, or anything inside one) in plain types, as a checkpoint holds it.
+
+    Dataclasses become dicts of their fields, enums their values, tuples lists; a mapping whose keys are all strings
+    or enums a dict keyed by those strings, any other mapping a list of ``[key, value]`` pairs.
+    """
+    if is_dataclass(value) and not isinstance(value, type):
+        return {f.name: to_plain(getattr(value, f.name)) for f in fields(value) if f.init}
+    if isinstance(value, Enum):
+        return value.value
+    if isinstance(value, Mapping):
+        if all(isinstance(key, (str, Enum)) for key in value):
+            return {to_plain(key): to_plain(item) for key, item in value.items()}
+        return [[to_plain(key), to_plain(item)] for key, item in value.items()]
+    if isinstance(value, (list, tuple)):
+        return [to_plain(item) for item in value]
+    return value
+
+
+def from_plain(kind: Any, data: Any) -> Any:
+    """Read :func:`to_plain`'s form of a value of type ``kind`` (a dataclass, enum, container or plain type).
+
+    Raises:
+        SearchConfigError: where ``data`` does not have the form of ``kind`` (the checkpoint is inconsistent).
+    """
+    try:
+        return _from_plain(kind, data)
+    except (KeyError, TypeError, ValueError, AttributeError) as err:
+        raise SearchConfigError(f"Malformed CoMPSearch checkpoint state: cannot read {data!r} as {kind!r}: {err}."
+                                ) from None
+
+
+def _from_plain(kind: Any, data: Any) -> Any:
+    origin, args = typing.get_origin(kind), typing.get_args(kind)
+    if kind is Any:
+        return data
+    if origin in (typing.Union, types.UnionType):
+        if data is None:
+            return None
+        options = [arg for arg in args if arg is not type(None)]
+        if any(isinstance(arg, type) and type(data) is arg for arg in options):
+            return data  # e.g. float | int: already the plain value
+        return _from_plain(options[0], data)
+    if origin in (dict, Mapping):
+        key_kind, item_kind = args
+        items = data.items() if isinstance(data, Mapping) else data
+        return {_from_plain(key_kind, key): _from_plain(item_kind, item) for key, item in items}
+    if origin is list:
+        return [_from_plain(args[0], item) for item in data]
+    if origin is tuple:
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_from_plain(args[0], item) for item in data)
+        return tuple(_from_plain(arg, item) for arg, item in zip(args, data, strict=True))
+    if isinstance(kind, type) and is_dataclass(kind):
+        hints = typing.get_type_hints(kind)
+        known = {f.name for f in fields(kind) if f.init}
+        _check_keys(data, kind, kind.__name__, known)
+        return kind(**{name: _from_plain(hints[name], data[name]) for name in known})
+    if isinstance(kind, type) and issubclass(kind, Enum):
+        return kind(data)
+    if kind in (int, float, str, bool):
+        if not isinstance(data, (int, float, str, bool)):
+            raise TypeError(f"expected a {kind.__name__}")
+        return data  # as written (a count averaged over ranks may be a float)
+    raise TypeError(f"no plain form for {kind!r}")

@@ -266,9 +266,10 @@ def test_saved_precision_is_refused_on_a_compiled_model(tmp_path: Path) -> None:
                                  compiled=True)
     model = WideMLP()
     model.forward = torch.compile(model.forward, backend="eager")
-    search = fixed_search(objective="memory", saved_precision="fp8")
+    search = fixed_search(objective="memory", precisions={"saved": "fp8"})
     train, val = loaders(n_train=256, n_val=64, batch_size=64)
-    with pytest.raises(SearchConfigError, match=r"saved_precision='fp8'.*compiled with torch.compile.*'auto' or 'off'"):
+    with pytest.raises(SearchConfigError,
+                       match=r"precisions=\{'saved': 'fp8'\}.*compiled with torch.compile.*'auto'\} or 'off'"):
         search_trainer(tmp_path, [search], 2, CoMPPrecision()).fit(model, train, val)
 
 
@@ -288,7 +289,7 @@ def test_the_search_measures_a_compiled_model_eagerly_and_trains_its_choice_comp
     assert search.phase == Phase.DONE
     chosen = {n: p.value for n, p in search.chosen_plan["compute"].entries}
     assert chosen == {"l2": "bf16", "l4": "bf16"}
-    assert Phase.SEARCHING not in recorder.phases
+    assert Phase.MEASURING not in recorder.phases and Phase.SEARCHING not in recorder.phases
     assert recorder.phases[0] == Phase.PENDING and recorder.phases[-1] == Phase.DONE
     trained = [g for g, phase in zip(recorder.graphs, recorder.phases) if phase == Phase.DONE]
     assert {n for n, d in trained[0].items() if d == torch.bfloat16} == {"l2", "l4"}

@@ -112,8 +112,7 @@ class RewindProbe(pl.Callback):
 
 def _search(include: list[str], exclude: list[str], **kwargs: Any) -> CoMPSearch:
     kwargs.setdefault("low_precision", "bf16")  # pinned: the trials run on every CPU class
-    return CoMPSearch(include=include, exclude=exclude, tolerance=0.05, profile_steps=2, profile_warmup=1,
-                      verbose=False, **kwargs)
+    return CoMPSearch(include=include, exclude=exclude, tolerance=0.05, measurement="quick", verbose=False, **kwargs)
 
 
 def _all_but(include: list[str]) -> list[str]:
@@ -236,7 +235,7 @@ def test_sigkill_anywhere_in_the_search_resumes_to_the_same_result(tmp_path: Pat
     ref, all_ = "fp32 reference", "all candidates"
     # (kill point, the state where it died, the state in last.ckpt: epoch, phase, trials)
     points = [
-        ("profile:5", {"where": "profile", "epoch": 1, "phase": "searching", "profile_done": False},
+        ("profile:5", {"where": "profile", "epoch": 1, "phase": "measuring", "profile_done": False},
          (0, "pending", [])),
         ("batch:2:3", {"where": "batch", "epoch": 2, "phase": "searching", "trials": [[ref, "pass"], [all_, None]]},
          (1, "searching", [[ref, "pass"]])),

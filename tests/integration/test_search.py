@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import json
 import math
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -157,7 +158,7 @@ def test_tiny_operators_keep_fp32_without_convergence_trials(tmp_path: Path) -> 
     pl.seed_everything(0)
     # speed_margin=0.2: on a shared machine a 5% whole-step "win" of tiny ops can be faked by noise in both the
     # fastest and the median round; 20% cannot. The decision logic itself is unchanged.
-    search = fixed_search(include=[], exclude=[], speed_margin=0.2)
+    search = fixed_search(include=[], exclude=[], measurement={"speed_margin": 0.2})
     plugin = CoMPPrecision()
     trainer = search_trainer(tmp_path, [search], max_epochs=3, plugin=plugin)
     train, val = loaders(n_train=512, batch_size=32)
@@ -276,7 +277,7 @@ def finished_search(tmp_path_factory: pytest.TempPathFactory) -> CoMPSearch:
 
 def test_the_search_state_round_trips_through_its_checkpoint_form(finished_search: CoMPSearch) -> None:
     saved = finished_search.state_dict()
-    again = CoMPSearch(config=finished_search.config)  # the record reports the settings beside the state
+    again = CoMPSearch(**asdict(finished_search.config))  # the record reports the settings beside the state
     again.load_state_dict(torch.load(_saved(saved), weights_only=True))
     assert again.state == finished_search.state  # every field, typed again (candidates, verdicts, enums)
     assert again.state_dict() == saved
@@ -302,8 +303,8 @@ def test_unknown_keys_in_a_search_state_are_an_error_naming_them(finished_search
         state["trials"][1]["surprise"] = 1
     with pytest.raises(SearchConfigError, match=r"Unknown keys \['surprise'\]"):
         CoMPSearch(verbose=False).load_state_dict(state)
-    missing = {k: v for k, v in finished_search.state_dict().items() if k != "runs"}
-    with pytest.raises(SearchConfigError, match=r"Missing keys \['runs'\]"):
+    missing = {k: v for k, v in finished_search.state_dict().items() if k != "batch"}
+    with pytest.raises(SearchConfigError, match=r"Missing keys \['batch'\]"):
         CoMPSearch(verbose=False).load_state_dict(missing)
 
 

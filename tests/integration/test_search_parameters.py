@@ -1,7 +1,7 @@
 """The search over the optimizer-state and master-weight dimensions: decisions from measurements, group testing that
 isolates a layer whose 8-bit state hurts convergence, the record, and the plan in the checkpoint.
 
-Trials pin their candidates (``include_state``, and a ``speed_margin`` no compute lowering can meet), so what they
+Trials pin their candidates (``include_dimensions``, and a ``speed_margin`` no compute lowering can meet), so what they
 show does not depend on how fast BF16 is on this CPU.
 """
 
@@ -15,8 +15,9 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
-from lightning_comp import CoMPPrecision, CoMPSearch
+from lightning_comp import CoMPPrecision, CoMPSearch, Dimension
 from lightning_comp.errors import SearchConfigError
+from lightning_comp.numerics.precision import MasterPrecision
 from lightning_comp.search.candidates import Candidate
 from lightning_comp.search.measurement.clocks import single_intra_op_thread
 from tests.helpers.search_models import WideMLP, loaders, search_trainer
@@ -61,18 +62,22 @@ class ScheduledAdamW(WideMLP):
 
 def pinned_state_search(**kwargs: Any) -> CoMPSearch:
     """8-bit state of l2, l3, l4 trialled whatever is measured; no compute or saved lowering."""
-    kwargs.setdefault("include_state", ["l2", "l3", "l4"])
-    return CoMPSearch(objective="memory", low_precision="bf16", speed_margin=0.9, saved_precision="off",
-                      master_precision="off", tolerance=0.02, verbose=False, profile_steps=3, **kwargs)
+    kwargs.setdefault("include_dimensions", {"state": ["l2", "l3", "l4"]})
+    kwargs.setdefault("precisions", {"saved": "off", "master": "off"})
+    return CoMPSearch(objective="memory", low_precision="bf16", measurement={"speed_margin": 0.9, "profile_steps": 3},
+                      tolerance=0.02, verbose=False, **kwargs)
 
 
 def test_settings_are_validated() -> None:
-    with pytest.raises(SearchConfigError, match=r"state_precision='4bit'.*'auto'.*'8bit', 'bf16' or 'off'"):
-        CoMPSearch(state_precision="4bit")
-    with pytest.raises(SearchConfigError, match="include_state.*needs state_precision other than 'off'"):
-        CoMPSearch(state_precision="off", include_state=["l2"])
-    with pytest.raises(SearchConfigError, match=r"master_precision='fp16'"):
-        CoMPSearch(master_precision="fp16")
+    with pytest.raises(SearchConfigError, match=r"precisions=\{'state': '4bit'\}.*'auto', 'off', '8bit' or 'bf16'"):
+        CoMPSearch(precisions={"state": "4bit"})
+    with pytest.raises(SearchConfigError, match="include_dimensions.*'state'.*it needs 'auto', '8bit' or 'bf16'"):
+        CoMPSearch(precisions={"state": "off"}, include_dimensions={"state": ["l2"]})
+    with pytest.raises(SearchConfigError, match=r"precisions=\{'master': 'fp16'\}.*use 'auto', 'off' or 'bf16'"):
+        CoMPSearch(precisions={"master": "fp16"})
+    forced = CoMPSearch(precisions={"master": "bf16"}, include_dimensions={"master": ["l2"]}).config
+    assert forced.tried(Dimension.MASTER) == (MasterPrecision.BF16,)
+    assert forced.included(Dimension.MASTER).selectors == ("l2",)
 
 
 @pytest.mark.slow
@@ -105,15 +110,16 @@ def test_group_testing_isolates_the_layer_whose_eight_bit_state_hurts(tmp_path: 
     trainer.save_checkpoint(path)
     ckpt = torch.load(path, weights_only=True)
     assert ckpt["lightning_comp"]["plan"]["state"] == {"l2": "8bit", "l4": "8bit"}
-    assert ckpt["callbacks"]["CoMPSearch"]["state_choices"] == {"l2": "8bit", "l3": "8bit", "l4": "8bit"}
+    batch = ckpt["callbacks"]["CoMPSearch"]["batch"]
+    assert batch["parameters"]["state_choices"] == {"l2": "8bit", "l3": "8bit", "l4": "8bit"}
 
 
 def test_the_batch_stage_judges_state_and_master_from_measurements(tmp_path: Path) -> None:
     """Unpinned, with any slowdown accepted: every operator owning 4096+ parameters gets a decision with bytes and
     update times, the smallest state format, and a bf16 master exactly where it computes in bf16."""
     pl.seed_everything(0)
-    search = CoMPSearch(objective="memory", low_precision="bf16", saved_precision="off", max_memory_slowdown=1e6,
-                        verbose=False, profile_steps=3, max_trials=2)
+    search = CoMPSearch(objective="memory", low_precision="bf16", precisions={"saved": "off"}, max_memory_slowdown=1e6,
+                        verbose=False, measurement={"profile_steps": 3}, max_trials=2)
     trainer = search_trainer(tmp_path, [search], max_epochs=3, plugin=CoMPPrecision())
     trainer.fit(ScheduledAdamW(), *loaders())
     record = search.record

@@ -1,6 +1,6 @@
 """The search over the saved-for-backward dimension: decisions, group testing, NaN rejection, checkpoints.
 
-Trials pin their candidates (``include_saved``, and a ``speed_margin`` no compute lowering can meet), so what they
+Trials pin their candidates (``include_dimensions``, and a ``speed_margin`` no compute lowering can meet), so what they
 show does not depend on how fast BF16 is on this CPU: the saved tensors of an FP32 plan are compressed by the same
 elementwise codec on every CPU class.
 """
@@ -37,11 +37,11 @@ def _one_thread() -> Iterator[None]:
 
 def pinned_saved_search(**kwargs: Any) -> CoMPSearch:
     """Saved lowering of l2, l3, l4 at fp8, trialled whatever is measured; no compute lowering can pay."""
-    kwargs.setdefault("include_saved", ["l2", "l3", "l4"])
-    kwargs.setdefault("state_precision", "off")  # only the saved dimension: tests/integration/test_search_parameters
-    kwargs.setdefault("master_precision", "off")
-    return CoMPSearch(objective="memory", low_precision="bf16", speed_margin=0.9, saved_precision="fp8",
-                      tolerance=0.01, verbose=False, profile_steps=3, **kwargs)
+    kwargs.setdefault("include_dimensions", {"saved": ["l2", "l3", "l4"]})
+    # only the saved dimension: tests/integration/test_search_parameters
+    return CoMPSearch(objective="memory", low_precision="bf16", measurement={"speed_margin": 0.9, "profile_steps": 3},
+                      precisions={"saved": "fp8", "state": "off", "master": "off"}, tolerance=0.01, verbose=False,
+                      **kwargs)
 
 
 def _estimate(ratio: float) -> RatioEstimate:
@@ -64,16 +64,17 @@ def test_saved_search_options_are_validated_and_only_memory_and_balanced_use_the
     def options(**settings: Any) -> tuple[SavedPrecision, ...]:
         return policy_for(SearchConfig(**settings)).saved_options
 
-    assert options() == () and options(saved_precision="fp8") == ()  # throughput chooses no saved precision
+    assert options() == () and options(precisions={"saved": "fp8"}) == ()  # throughput chooses no saved precision
     assert options(objective="memory") == (SavedPrecision.FP8, SavedPrecision.BF16)
-    assert options(objective="balanced", saved_precision="bf16") == (SavedPrecision.BF16,)
-    assert options(objective="memory", saved_precision="off") == ()
-    with pytest.raises(SearchConfigError, match=r"saved_precision='fp4'.*'auto'.*'bf16', 'fp8', 'recompute' or 'off'"):
-        CoMPSearch(saved_precision="fp4")
-    with pytest.raises(SearchConfigError, match="include_saved.*needs saved_precision 'auto', 'bf16' or 'fp8'"):
-        CoMPSearch(saved_precision="off", include_saved=["l2"])
-    with pytest.raises(SearchConfigError, match="include_saved.*needs saved_precision 'auto', 'bf16' or 'fp8'"):
-        CoMPSearch(saved_precision="recompute", include_saved=["l2"])
+    assert options(objective="balanced", precisions={"saved": "bf16"}) == (SavedPrecision.BF16,)
+    assert options(objective="memory", precisions={"saved": "off"}) == ()
+    with pytest.raises(SearchConfigError,
+                       match=r"precisions=\{'saved': 'fp4'\}.*'auto', 'off', 'fp8', 'bf16' or 'recompute'"):
+        CoMPSearch(precisions={"saved": "fp4"})
+    with pytest.raises(SearchConfigError, match="include_dimensions.*'saved'.*it needs 'auto', 'fp8' or 'bf16'"):
+        CoMPSearch(precisions={"saved": "off"}, include_dimensions={"saved": ["l2"]})
+    with pytest.raises(SearchConfigError, match="include_dimensions.*'saved'.*it needs 'auto', 'fp8' or 'bf16'"):
+        CoMPSearch(precisions={"saved": "recompute"}, include_dimensions={"saved": ["l2"]})
 
 
 # ------------------------------------------------------------------------------------------------ Trainer runs
@@ -107,7 +108,7 @@ def test_group_testing_isolates_the_layer_whose_saved_tensors_break_convergence(
     trainer.save_checkpoint(path)
     ckpt = torch.load(path, weights_only=True)
     assert ckpt["lightning_comp"]["plan"]["saved"] == {"l2": "fp8", "l4": "fp8"}
-    assert ckpt["callbacks"]["CoMPSearch"]["saved_choices"] == {"l2": "fp8", "l3": "fp8", "l4": "fp8"}
+    assert ckpt["callbacks"]["CoMPSearch"]["batch"]["saved"]["choices"] == {"l2": "fp8", "l3": "fp8", "l4": "fp8"}
     resumed_search, resumed_plugin = pinned_saved_search(), CoMPPrecision()
     resumed = search_trainer(tmp_path, [resumed_search], max_epochs=trainer.current_epoch + 1, plugin=resumed_plugin)
     resumed.fit(WideMLP(), *loaders(), ckpt_path=str(path))
@@ -128,7 +129,7 @@ def test_a_nan_from_compression_is_caught_by_the_trials_nan_rejection(tmp_path: 
 
     monkeypatch.setattr(saved_tensors, "compress", faulty)
     pl.seed_everything(0)
-    search, plugin = pinned_saved_search(include_saved=["l2", "l4"]), CoMPPrecision()
+    search, plugin = pinned_saved_search(include_dimensions={"saved": ["l2", "l4"]}), CoMPPrecision()
     trainer = search_trainer(tmp_path, [search], max_epochs=3, plugin=plugin)
     trainer.fit(WideMLP(), *loaders())
     failed = [t for t in search.state.trials[1:] if t.verdict == "fail"]
@@ -141,7 +142,7 @@ def test_a_nan_from_compression_is_caught_by_the_trials_nan_rejection(tmp_path: 
 def test_batch_stage_decides_saved_precision_from_measured_bytes(tmp_path: Path) -> None:
     pl.seed_everything(0)
     search = CoMPSearch(objective="memory", low_precision="bf16", max_memory_slowdown=100.0, verbose=False,
-                        profile_steps=3, tolerance=0.05, state_precision="off", master_precision="off")
+                        measurement={"profile_steps": 3}, tolerance=0.05, precisions={"state": "off", "master": "off"})
     trainer = search_trainer(tmp_path, [search], max_epochs=3, plugin=CoMPPrecision())
     trainer.fit(WideMLP(offset=False), *loaders())
     record = search.record
@@ -154,7 +155,7 @@ def test_batch_stage_decides_saved_precision_from_measured_bytes(tmp_path: Path)
         assert full > 0 and entry["bytes"]["fp8"] <= full // 2 + 64, (name, computed, entry)
         # with a 100x slowdown accepted, time never stops it: what saves bytes is lowered to fp8
         assert entry["decision"] == "fp8", (name, entry)
-    for name in ("a1", "a2", "a3", "a4"):  # the cheap ones recompute (saved_precision="auto"), judged together
+    for name in ("a1", "a2", "a3", "a4"):  # the cheap ones recompute (precisions saved "auto"), judged together
         entry = record["operators"][name]["saved"]
         assert entry["decision"] == "recompute" and entry["bytes"]["recompute"] < entry["bytes"]["fp32"], entry
     assert record["saved_step"]["verdict"] == "pays", record["saved_step"]
@@ -162,12 +163,12 @@ def test_batch_stage_decides_saved_precision_from_measured_bytes(tmp_path: Path)
 
 
 def test_cheap_operators_recompute_as_a_group_when_the_step_pays(tmp_path: Path) -> None:
-    """``saved_precision="recompute"``: the ReLUs' outputs (each the next Linear's saved input) are recomputed in
+    """``precisions={"saved": "recompute"}``: the ReLUs' outputs (each the next Linear's saved input) are recomputed in
     backward instead of stored; judged together against the whole step's saved bytes and time, trialled, kept."""
     pl.seed_everything(0)
-    search = CoMPSearch(objective="memory", low_precision="bf16", speed_margin=0.9, saved_precision="recompute",
-                        state_precision="off", master_precision="off", max_memory_slowdown=1e6, verbose=False,
-                        profile_steps=3)
+    search = CoMPSearch(objective="memory", low_precision="bf16", measurement={"speed_margin": 0.9, "profile_steps": 3},
+                        precisions={"saved": "recompute", "state": "off", "master": "off"}, max_memory_slowdown=1e6,
+                        verbose=False)
     plugin = CoMPPrecision()
     trainer = search_trainer(tmp_path, [search], max_epochs=3, plugin=plugin)
     trainer.fit(WideMLP(offset=False), *loaders())

@@ -54,12 +54,12 @@ SEARCH_KWARGS: dict[str, Any] = {
     "include": ["l2", "l3"],
     "exclude": ["l1", "l4", "head", "a?"],
     "tolerance": 0.05,
-    "profile_steps": 2,
-    "profile_warmup": 1,
+    "measurement": {"profile_steps": 2, "profile_warmup": 1},
     "verbose": False,
 }
 # --timed: candidates come from the batch stage's measurements, whatever they are on this machine
-TIMED_SEARCH_KWARGS: dict[str, Any] = {**SEARCH_KWARGS, "include": [], "exclude": [], "profile_steps": 4}
+TIMED_SEARCH_KWARGS: dict[str, Any] = {**SEARCH_KWARGS, "include": [], "exclude": [],
+                                       "measurement": {"profile_steps": 4, "profile_warmup": 1}}
 MAX_EPOCHS = 3
 SEARCH_WARMUP_EPOCHS = 1
 WIDTH = 256
@@ -182,10 +182,10 @@ class Killer(pl.Callback):
             "epoch": trainer.current_epoch,
             "global_step": trainer.global_step,
             "phase": state.phase,
-            "profile_done": state.profile is not None,
+            "profile_done": state.batch is not None,
             "trials": [(t.label, t.verdict) for t in state.trials],
-            "decisions": _decisions(state.profile),
-            "timing": (state.profile or {}).get("timing"),
+            "decisions": _decisions(state.batch),
+            "timing": None if state.batch is None else state.batch.timing,
         }
         (self.root / "killed.json").write_text(json.dumps(info))
         sys.stdout.flush()
@@ -198,7 +198,7 @@ class Killer(pl.Callback):
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
         # runs before CoMPSearch's hook (this callback comes first), i.e. before the batch stage
         state = self.search.state
-        if self.kind == "profile" and state.phase != "done" and state.profile is None \
+        if self.kind == "profile" and state.phase != "done" and state.batch is None \
                 and trainer.current_epoch >= SEARCH_WARMUP_EPOCHS and batch_idx == 0:
             pl_module.calls_left = self.numbers[0]
             pl_module.on_kill = lambda: self.kill(trainer, "profile")
@@ -211,11 +211,11 @@ class Killer(pl.Callback):
 
 
 
-def _decisions(profile: dict[str, Any] | None) -> dict[str, str] | None:
+def _decisions(batch: Any) -> dict[str, str] | None:
     """The batch stage's decision per operator (``None`` before it ran)."""
-    if profile is None:
+    if batch is None:
         return None
-    return {name: op["decision"] for name, op in profile["operators"].items()}
+    return {name: decision.decision.value for name, decision in batch.decisions.items()}
 
 
 def param_digest(module: nn.Module) -> str:
@@ -282,8 +282,8 @@ def main(argv: list[str] | None = None) -> int:
         "extension_epochs": search.state.extension_epochs,
         "val_loss": float(trainer.callback_metrics["val_loss"]),
         "digest": param_digest(model),
-        "decisions": _decisions(search.state.profile),
-        "timing": (search.state.profile or {}).get("timing"),
+        "decisions": _decisions(search.state.batch),
+        "timing": None if search.state.batch is None else search.state.batch.timing,
     }
     if args.out is not None:
         args.out.write_text(json.dumps(result, indent=2))

@@ -17,6 +17,7 @@ from lightning_comp.operators.kinds import OperatorKind
 from lightning_comp.plan.dimensions import Dimension
 from lightning_comp.search.candidates import Candidate
 from lightning_comp.search.config import Objective, SearchConfig
+from lightning_comp.search.decisions.batch_result import BatchStageResult, SavedStageResult, StepMemory
 from lightning_comp.search.decisions.group_search import GroupSearch
 from lightning_comp.search.decisions.objectives import balanced_score, policy_for
 from lightning_comp.search.decisions.operators import (
@@ -27,14 +28,15 @@ from lightning_comp.search.decisions.operators import (
     judge_operator,
     recheck_at_plan_boundaries,
 )
-from lightning_comp.search.decisions.saved import judge_saved, sharing_groups, unshared_choices
+from lightning_comp.search.decisions.saved import SavedStepCheck, judge_saved, sharing_groups, unshared_choices
 from lightning_comp.search.decisions.trial_plans import CheapRun, cheap_runs, plan_for
 from lightning_comp.search.decisions.trials import TrialVerdict, judge_trial
-from lightning_comp.search.decisions.whole_step import StepComparison
+from lightning_comp.search.decisions.whole_step import ComparedPlan, PlanStep, ProfiledPlan, StepComparison
 from lightning_comp.search.measurement.estimates import RatioEstimate, Verdict, paired_ratio
 from lightning_comp.search.measurement.profiling import OperatorMeasurement, ProfileResult
-from lightning_comp.search.stages.batch_result import SavedStageResult
+from lightning_comp.search.record.build import build_record
 from lightning_comp.search.stages.batch_stage import BatchStage
+from lightning_comp.search.state import Phase, SearchState
 
 
 def _measured(ms: float, saved_bytes: int = 0) -> OperatorMeasurement:
@@ -67,7 +69,7 @@ def test_an_operator_that_cannot_be_told_apart_stays_fp32_with_the_ratio_and_spr
     # 6 rounds: the interval runs from the 2nd to the 5th of the sorted ratios
     assert verdict.reason.startswith("does not pay") and (verdict.time.low, verdict.time.high) == (2.0, 2.2)
     # undecided but worth less than min_gain_ms even at its best: settled as not worth it
-    tiny = _judge(SearchConfig(min_gain_ms=0.5), 1.0, 0.85, 100, 50, noisy)
+    tiny = _judge(SearchConfig(measurement={"min_gain_ms": 0.5}), 1.0, 0.85, 100, 50, noisy)
     assert tiny.settled is True and tiny.decision is Choice.FP32
 
 
@@ -170,7 +172,7 @@ def test_a_whole_step_plan_that_cannot_be_told_apart_is_undecided() -> None:
     assert policy.candidates_pay(steps) is Verdict.UNDECIDED
     steps = StepComparison({"fp32": [10.0] * 6, "candidates": [8.0, 8.1, 7.9, 8.0, 8.2, 7.8]})
     assert policy.candidates_pay(steps) is Verdict.BELOW
-    assert steps.ratios()["candidates"]["ratio"] == pytest.approx(0.8)
+    assert steps.ratios()[ComparedPlan.CANDIDATES].ratio == pytest.approx(0.8)
     assert policy_for(SearchConfig(objective="memory")).candidates_pay(steps) is Verdict.BELOW
 
 
@@ -291,7 +293,7 @@ def test_a_lowering_whose_tensor_another_operator_keeps_is_dropped() -> None:
     fp8 = SavedPrecision.FP8
     dropped = unshared_choices({"fc": fp8, "norm": fp8, "act": fp8, "proj": fp8}, sharing, forced=set())
     assert set(dropped) == {"fc"} and "also saved by relu" in dropped["fc"]  # relu keeps it: both forms held
-    assert unshared_choices({"fc": fp8}, sharing, forced={"fc"}) == {}  # include_saved forces it anyway
+    assert unshared_choices({"fc": fp8}, sharing, forced={"fc"}) == {}  # include_dimensions forces it anyway
     # dropping one makes its partner unshared in turn
     chain = {"a": {"b"}, "b": {"a", "c"}, "c": {"b"}}
     assert set(unshared_choices({"a": fp8, "b": fp8}, chain, forced=set())) == {"a", "b"}
@@ -307,7 +309,7 @@ def test_operators_that_save_the_same_tensors_form_one_group_in_execution_order(
 def test_a_trial_plan_lowers_its_compute_candidates_with_their_fills_and_its_saved_candidates() -> None:
     runs = [CheapRun("l1", "l2", ("a1",))]
     group = (Candidate("l1"), Candidate("l2"), Candidate.saved("a1"))
-    plan = plan_for(ComputePrecision.BF16, runs, group, {"a1": SavedPrecision.FP8})
+    plan = plan_for(ComputePrecision.BF16, runs, group, {Dimension.SAVED: {"a1": SavedPrecision.FP8}})
     assert {s: p.value for s, p in plan["compute"].entries} == {"l1": "bf16", "a1": "bf16", "l2": "bf16"}
     assert plan.of("saved", "a1") is SavedPrecision.FP8 and plan.of("saved", "l2") is SavedPrecision.FP32
     alone = plan_for(ComputePrecision.BF16, runs, (Candidate("l1"),))
@@ -328,7 +330,7 @@ def test_candidates_are_typed_and_travel_as_plain_pairs() -> None:
 
 # ---------------------------------------------------------------------------------------------- trial verdicts
 def test_trial_verdicts_against_the_reference_nan_and_skipped_steps() -> None:
-    config = SearchConfig(max_skipped_fraction=0.5, verbose=False)
+    config = SearchConfig(measurement={"max_skipped_fraction": 0.5}, verbose=False)
     kwargs: dict[str, Any] = {"nonfinite_loss": False, "skipped_steps": 3, "steps": 8}
     assert judge_trial(config, 1.0, reference=None, **kwargs) == (TrialVerdict.PASS, "reference")  # 37.5% <= 50%
     kwargs["skipped_steps"] = 5
@@ -428,3 +430,31 @@ def test_a_dropped_saved_candidate_leaves_its_choice_and_its_benefit_and_nothing
     assert result.benefits == {Candidate.saved("b"): 1.0, Candidate("a"): 3.0}  # a's compute candidate stays
     with pytest.raises(KeyError):
         result.drop("a")
+
+
+# ------------------------------------------------------------------------------------ the batch stage's result
+def test_the_batch_stage_result_travels_through_a_checkpoint_typed() -> None:
+    measured = OperatorMeasurement(forward_ms=1.0, backward_ms=2.0, saved_bytes=64)
+    decision = OperatorDecision("Linear", OperatorKind.COMPUTE, 72, decision=Choice.CANDIDATE, fp32=measured,
+                                low=measured, time=_estimate(0.5))
+    decision.saved = judge_saved(policy_for(SearchConfig(objective="memory")), 1024,
+                                 {SavedPrecision.FP8: (256, _estimate(1.0))})
+    check = SavedStepCheck(pays=True, verdict="pays", description="", saved_bytes={ComparedPlan.SAVED: 1.0},
+                           step_ms={ComparedPlan.FP32: 2.0}, step_ratios={ComparedPlan.SAVED: _estimate(0.9)})
+    saved = SavedStageResult(choices={"l1": SavedPrecision.FP8}, benefits={Candidate.saved("l1"): 768.0},
+                             check=check)
+    result = BatchStageResult(
+        decisions={"l1": decision}, candidates=(Candidate("l1"), Candidate.saved("l1")),
+        benefits={Candidate("l1"): 1.5, Candidate.saved("l1"): 768.0}, runs=[CheapRun("l1", "l2", ("a",))],
+        saved=saved, order=["l1"], memory={ProfiledPlan.FP32: StepMemory(64, None)}, timing={"clock": "wall"},
+        steps={ComparedPlan.FP32: PlanStep(2.0, 2.1, None, 64.0),
+               ComparedPlan.CANDIDATES: PlanStep(1.0, 1.1, _estimate(0.5), 32.0)})
+    state = SearchState(phase=Phase.SEARCHING, low_precision=ComputePrecision.BF16, batch=result, num_operators=1)
+    plain = state.to_dict()
+    back = SearchState.from_dict(plain)
+    assert back.batch == result and back.choices == {Dimension.SAVED: {"l1": SavedPrecision.FP8},
+                                                     Dimension.STATE: {}, Dimension.MASTER: {}}
+    assert plain["batch"]["saved"]["choices"] == {"l1": "fp8"}  # plain types only (weights_only checkpoints)
+    assert build_record(back, SearchConfig())["step_ms"] == {"fp32": 2.0, "candidates": 1.0}
+    with pytest.raises(SearchConfigError, match=r"Missing keys \['batch'\]"):
+        SearchState.from_dict({k: v for k, v in plain.items() if k != "batch"})

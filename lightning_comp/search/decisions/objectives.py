@@ -25,9 +25,12 @@ from typing import ClassVar
 
 from lightning_comp.errors import UsageError
 from lightning_comp.numerics.precision import SavedPrecision
+from lightning_comp.plan.dimensions import Dimension
 from lightning_comp.search.config import Objective, SearchConfig
-from lightning_comp.search.decisions.whole_step import StepComparison
+from lightning_comp.search.decisions.whole_step import ComparedPlan, StepComparison
 from lightning_comp.search.measurement.estimates import RatioEstimate, Verdict, compare_to
+
+FP32, CANDIDATES, SAVED = ComparedPlan.FP32, ComparedPlan.CANDIDATES, ComparedPlan.SAVED
 
 __all__ = ["Judgement", "ObjectivePolicy", "balanced_score", "policy_for"]
 
@@ -72,17 +75,19 @@ class ObjectivePolicy(ABC):
 
     def __init__(self, config: SearchConfig) -> None:
         self.config = config
-        self.keep = 1 - config.speed_margin
+        self.keep = 1 - config.measurement.speed_margin
 
     @property
     def saved_options(self) -> tuple[SavedPrecision, ...]:
         """The saved precisions this objective tries for what operators save, smallest first (empty: none)."""
-        return self.config.saved_precision.options if self.weighs_memory else ()
+        if not self.weighs_memory:
+            return ()
+        return tuple(v for v in self.config.tried(Dimension.SAVED) if v is not SavedPrecision.RECOMPUTE)
 
     @property
     def recomputes(self) -> bool:
         """Whether this objective offers cheap operators recomputation instead of storage."""
-        return self.weighs_memory and self.config.saved_precision.recomputes
+        return self.weighs_memory and SavedPrecision.RECOMPUTE in self.config.tried(Dimension.SAVED)
 
     # ------------------------------------------------------------------------------------------------ per operator
     @abstractmethod
@@ -96,20 +101,20 @@ class ObjectivePolicy(ABC):
         """Whether the candidate plan as a whole is worth trialling against FP32."""
 
     @abstractmethod
-    def winner(self, steps: StepComparison, saved: dict[str, float], labels: list[str],
-               have_candidates: bool) -> str | None:
+    def winner(self, steps: StepComparison, saved: dict[ComparedPlan, float], labels: list[ComparedPlan],
+               have_candidates: bool) -> ComparedPlan | None:
         """The alternative plan (one of ``labels``) to trial instead of the candidates, if one wins beyond doubt.
 
         Args:
-            steps: whole-step times of ``"fp32"``, ``"candidates"`` (if any) and ``labels``.
+            steps: whole-step times of ``FP32``, ``CANDIDATES`` (if any) and ``labels``.
             saved: bytes saved for backward per configuration (for the objectives that weigh memory).
             labels: the alternatives.
             have_candidates: whether a per-operator candidate plan exists (else alternatives compete with FP32).
         """
 
     @abstractmethod
-    def undecided(self, steps: StepComparison, labels: list[str]) -> frozenset[str]:
-        """The plans (``"fp32"``, ``"candidates"`` and of ``labels``) of the whole-step comparisons this policy
+    def undecided(self, steps: StepComparison, labels: list[ComparedPlan]) -> frozenset[ComparedPlan]:
+        """The plans (``FP32``, ``CANDIDATES`` and of ``labels``) of the whole-step comparisons this policy
         decides from that could not tell their plans apart (empty: every one is decided)."""
 
     # ------------------------------------------------------------------------------------------ saved-for-backward
@@ -122,8 +127,8 @@ class ObjectivePolicy(ABC):
         raise UsageError(f"objective={self.objective.value!r} chooses no saved precision.")
 
     def saved_step(self, steps: StepComparison, memory_ratio: float) -> tuple[bool, str]:
-        """Whether the candidate plan with its saved lowerings (``"saved"``) pays as a whole step against the plan
-        without them (``"candidates"``), whose saved bytes it has ``memory_ratio`` of; and the bound, in words.
+        """Whether the candidate plan with its saved lowerings (``SAVED``) pays as a whole step against the plan
+        without them (``CANDIDATES``), whose saved bytes it has ``memory_ratio`` of; and the bound, in words.
 
         Raises:
             UsageError: for an objective that chooses no saved precision.
@@ -141,29 +146,29 @@ class ThroughputPolicy(ObjectivePolicy):
     def operator(self, time: RatioEstimate, t32: float, tlow: float, memory_ratio: float,
                  bytes_saved: float) -> Judgement:
         verdict = time.against(self.keep)
-        if verdict is Verdict.BELOW and t32 * (1 - time.ratio) < self.config.min_gain_ms:
+        if verdict is Verdict.BELOW and t32 * (1 - time.ratio) < self.config.measurement.min_gain_ms:
             verdict = Verdict.ABOVE  # faster, but by less than min_gain_ms: not worth a trial
-        elif verdict is Verdict.UNDECIDED and t32 * (1 - time.low) < self.config.min_gain_ms:
+        elif verdict is Verdict.UNDECIDED and t32 * (1 - time.low) < self.config.measurement.min_gain_ms:
             verdict = Verdict.ABOVE  # even at its best it would gain less than min_gain_ms
         return Judgement(verdict, _shown(time, t32, tlow), t32 - tlow)
 
     def candidates_pay(self, steps: StepComparison) -> Verdict:
-        return steps.faster("candidates", "fp32", self.config.speed_margin)
+        return steps.faster(CANDIDATES, FP32, self.config.measurement.speed_margin)
 
-    def winner(self, steps: StepComparison, saved: dict[str, float], labels: list[str],
-               have_candidates: bool) -> str | None:
+    def winner(self, steps: StepComparison, saved: dict[ComparedPlan, float], labels: list[ComparedPlan],
+               have_candidates: bool) -> ComparedPlan | None:
         """The tie rule: an alternative must beat FP32 by ``speed_margin`` and the candidates (if any) by
         ``switch_margin``, each beyond doubt; of those that do, the fastest."""
-        margin, switch = self.config.speed_margin, self.config.switch_margin
-        winners = [label for label in labels if steps.faster(label, "fp32", margin) is Verdict.BELOW
-                   and (not have_candidates or steps.faster(label, "candidates", switch) is Verdict.BELOW)]
-        return min(winners, key=lambda label: steps.ratio(label, "fp32").ratio) if winners else None
+        margin, switch = self.config.measurement.speed_margin, self.config.measurement.switch_margin
+        winners = [label for label in labels if steps.faster(label, FP32, margin) is Verdict.BELOW
+                   and (not have_candidates or steps.faster(label, CANDIDATES, switch) is Verdict.BELOW)]
+        return min(winners, key=lambda label: steps.ratio(label, FP32).ratio) if winners else None
 
-    def undecided(self, steps: StepComparison, labels: list[str]) -> frozenset[str]:
-        margin, switch = self.config.speed_margin, self.config.switch_margin
-        pairs = [(label, "fp32", margin) for label in labels]
-        if "candidates" in steps.ms:
-            pairs += [(label, "candidates", switch) for label in labels if label != "candidates"]
+    def undecided(self, steps: StepComparison, labels: list[ComparedPlan]) -> frozenset[ComparedPlan]:
+        margin, switch = self.config.measurement.speed_margin, self.config.measurement.switch_margin
+        pairs = [(label, FP32, margin) for label in labels]
+        if CANDIDATES in steps.ms:
+            pairs += [(label, CANDIDATES, switch) for label in labels if label != CANDIDATES]
         return _involved(steps, pairs)
 
 
@@ -181,15 +186,15 @@ class MemoryPolicy(ObjectivePolicy):
     def candidates_pay(self, steps: StepComparison) -> Verdict:
         return Verdict.BELOW  # each candidate saves memory within the slowdown: the per-operator checks suffice
 
-    def winner(self, steps: StepComparison, saved: dict[str, float], labels: list[str],
-               have_candidates: bool) -> str | None:
-        incumbent = "candidates" if have_candidates else "fp32"
+    def winner(self, steps: StepComparison, saved: dict[ComparedPlan, float], labels: list[ComparedPlan],
+               have_candidates: bool) -> ComparedPlan | None:
+        incumbent = CANDIDATES if have_candidates else FP32
         limit = self.config.max_memory_slowdown
         winners = [label for label in labels if saved[label] <= saved[incumbent] * self.keep
-                   and steps.ratio(label, "fp32").against(limit) is Verdict.BELOW]
+                   and steps.ratio(label, FP32).against(limit) is Verdict.BELOW]
         return min(winners, key=lambda label: saved[label]) if winners else None
 
-    def undecided(self, steps: StepComparison, labels: list[str]) -> frozenset[str]:
+    def undecided(self, steps: StepComparison, labels: list[ComparedPlan]) -> frozenset[ComparedPlan]:
         limit = self.config.max_memory_slowdown
         return _slowdown_involved(steps, labels, limit)
 
@@ -198,7 +203,7 @@ class MemoryPolicy(ObjectivePolicy):
 
     def saved_step(self, steps: StepComparison, memory_ratio: float) -> tuple[bool, str]:
         limit = self.config.max_memory_slowdown
-        ok = memory_ratio <= self.keep and steps.ratio("saved", "fp32").against(limit) is Verdict.BELOW
+        ok = memory_ratio <= self.keep and steps.ratio(SAVED, FP32).against(limit) is Verdict.BELOW
         return ok, f"leaner within x{limit:g} of fp32's time"
 
 
@@ -215,22 +220,22 @@ class BalancedPolicy(ObjectivePolicy):
         return Judgement(_balanced_verdict(time, memory_ratio, self.keep), why, 1.0 - score)
 
     def candidates_pay(self, steps: StepComparison) -> Verdict:
-        return steps.faster("candidates", "fp32", self.config.speed_margin)
+        return steps.faster(CANDIDATES, FP32, self.config.measurement.speed_margin)
 
-    def winner(self, steps: StepComparison, saved: dict[str, float], labels: list[str],
-               have_candidates: bool) -> str | None:
-        incumbent = "candidates" if have_candidates else "fp32"
+    def winner(self, steps: StepComparison, saved: dict[ComparedPlan, float], labels: list[ComparedPlan],
+               have_candidates: bool) -> ComparedPlan | None:
+        incumbent = CANDIDATES if have_candidates else FP32
 
-        def score(label: str, end: str = "ratio") -> float:
-            if label == "fp32":
+        def score(label: ComparedPlan, end: str = "ratio") -> float:
+            if label == FP32:
                 return 1.0
-            return balanced_score(getattr(steps.ratio(label, "fp32"), end), saved[label] / max(saved["fp32"], 1.0))
+            return balanced_score(getattr(steps.ratio(label, FP32), end), saved[label] / max(saved[FP32], 1.0))
 
         bar = score(incumbent, "low") * self.keep  # the incumbent at its best
         winners = [label for label in labels if score(label, "high") <= bar]
         return min(winners, key=score) if winners else None
 
-    def undecided(self, steps: StepComparison, labels: list[str]) -> frozenset[str]:
+    def undecided(self, steps: StepComparison, labels: list[ComparedPlan]) -> frozenset[ComparedPlan]:
         return _slowdown_involved(steps, labels, self.keep)
 
     def saved(self, time: RatioEstimate, memory_ratio: float, bytes_saved: float) -> Judgement:
@@ -238,7 +243,7 @@ class BalancedPolicy(ObjectivePolicy):
                          1.0 - balanced_score(time.ratio, memory_ratio))
 
     def saved_step(self, steps: StepComparison, memory_ratio: float) -> tuple[bool, str]:
-        versus = steps.ratio("saved", "candidates")
+        versus = steps.ratio(SAVED, CANDIDATES)
         ok = _balanced_verdict(versus, memory_ratio, self.keep) is Verdict.BELOW
         return ok, f"better in time x memory than the candidates (step time {versus.describe()} of theirs)"
 
@@ -252,16 +257,16 @@ def policy_for(config: SearchConfig) -> ObjectivePolicy:
     return _POLICIES[config.objective](config)
 
 
-def _involved(steps: StepComparison, pairs: list[tuple[str, str, float]]) -> frozenset[str]:
+def _involved(steps: StepComparison, pairs: list[tuple[ComparedPlan, ComparedPlan, float]]) -> frozenset[ComparedPlan]:
     """The plans of the pairs ``(a, b, margin)`` where ``a`` cannot be told faster or not than ``b`` by ``margin``."""
     return frozenset(label for a, b, margin in pairs if steps.faster(a, b, margin) is Verdict.UNDECIDED
                      for label in (a, b))
 
 
-def _slowdown_involved(steps: StepComparison, labels: list[str], limit: float) -> frozenset[str]:
+def _slowdown_involved(steps: StepComparison, labels: list[ComparedPlan], limit: float) -> frozenset[ComparedPlan]:
     """The plans whose step time against FP32's cannot be told below or above ``limit`` (and FP32 with them)."""
-    return frozenset(label for plan in labels if steps.ratio(plan, "fp32").against(limit) is Verdict.UNDECIDED
-                     for label in (plan, "fp32"))
+    return frozenset(label for plan in labels if steps.ratio(plan, FP32).against(limit) is Verdict.UNDECIDED
+                     for label in (plan, FP32))
 
 
 def _shown(time: RatioEstimate, t32: float, tlow: float) -> str:

@@ -17,10 +17,12 @@ from torch import nn
 
 from lightning_comp.numerics.precision import ComputePrecision
 from lightning_comp.operators.kinds import OperatorKind, classify
+from lightning_comp.plan.dimensions import Dimension
 from lightning_comp.search.config import SearchConfig
 from lightning_comp.search.decisions.objectives import ObjectivePolicy
 from lightning_comp.search.decisions.parameters import ParameterDecision
 from lightning_comp.search.decisions.saved import SavedDecision
+from lightning_comp.search.decisions.whole_step import ProfiledPlan
 from lightning_comp.search.measurement.estimates import RatioEstimate, Verdict, paired_ratio
 from lightning_comp.search.measurement.profiling import OperatorMeasurement, ProfileResult
 
@@ -179,7 +181,8 @@ def judge_operator(policy: ObjectivePolicy, fp32: OperatorMeasurement, low: Oper
     memory_ratio = low.saved_bytes / fp32.saved_bytes if fp32.saved_bytes > 0 else 1.0
     judged = policy.operator(time, t32, tlow, memory_ratio, float(fp32.saved_bytes - low.saved_bytes))
     if judged.verdict is Verdict.UNDECIDED:
-        reason = f"cannot be told apart from fp32 at a {policy.config.speed_margin:.0%} margin: {judged.why}"
+        margin = policy.config.measurement.speed_margin
+        reason = f"cannot be told apart from fp32 at a {margin:.0%} margin: {judged.why}"
     else:
         reason = ("pays: " if judged.verdict is Verdict.BELOW else "does not pay: ") + judged.why
     return OperatorVerdict(Choice.CANDIDATE if judged.verdict is Verdict.BELOW else Choice.FP32, reason,
@@ -193,15 +196,17 @@ def fills(config: SearchConfig, fp32: OperatorMeasurement, low: OperatorMeasurem
     its per-round ratios (from a single round: the ratio of the minima). Judged at the slow end so that an operator
     near the margin (a LayerNorm at 1.3x whose fastest rounds happen to meet) is not filled in one run and left out
     in the next."""
+    measurement = config.measurement
     if compute.rounds < 2 or not math.isfinite(compute.high):
-        return low.compute_ms <= fp32.compute_ms * (1 + config.speed_margin) + config.min_gain_ms
-    return compute.high <= 1 + config.speed_margin or (compute.high - 1) * fp32.compute_ms <= config.min_gain_ms
+        return low.compute_ms <= fp32.compute_ms * (1 + measurement.speed_margin) + measurement.min_gain_ms
+    slowest_gain_ms = (compute.high - 1) * fp32.compute_ms
+    return compute.high <= 1 + measurement.speed_margin or slowest_gain_ms <= measurement.min_gain_ms
 
 
 def decide_operators(config: SearchConfig, policy: ObjectivePolicy, low: ComputePrecision,
                      modules: dict[str, nn.Module],
-                     lowerable: list[str], results: dict[str, ProfileResult]) -> dict[str, OperatorDecision]:
-    """Each operator's decision from the per-operator profile (``results["fp32"]`` and ``results["low"]``).
+                     lowerable: list[str], results: dict[ProfiledPlan, ProfileResult]) -> dict[str, OperatorDecision]:
+    """Each operator's decision from the per-operator profile (``results[FP32]`` and ``results[LOW]``).
 
     Args:
         config: the search's settings (``include``/``exclude``, margin, smallest gain).
@@ -211,7 +216,7 @@ def decide_operators(config: SearchConfig, policy: ObjectivePolicy, low: Compute
         lowerable: the operators that can compute in ``low`` on the device.
         results: the profile of every operator in FP32 and in low precision.
     """
-    fp32, lowered = results["fp32"], results["low"]
+    fp32, lowered = results[ProfiledPlan.FP32], results[ProfiledPlan.LOW]
     decisions: dict[str, OperatorDecision] = {}
     for name, module in modules.items():
         kind = classify(module)
@@ -226,7 +231,7 @@ def decide_operators(config: SearchConfig, policy: ObjectivePolicy, low: Compute
             decision.reason = "shape-only" if kind is OperatorKind.SHAPE else f"no {low} kernel on this device"
         elif config.excluded.matches(name, module):
             decision.reason, decision.excluded = "excluded by CoMPSearch(exclude=...)", True
-        elif config.included.matches(name, module):
+        elif config.included(Dimension.COMPUTE).matches(name, module):
             decision.decision, decision.reason, decision.forced = (
                 Choice.CANDIDATE, "included by CoMPSearch(include=...)", True)
             if a is not None and b is not None:
@@ -245,19 +250,19 @@ def decide_operators(config: SearchConfig, policy: ObjectivePolicy, low: Compute
 
 
 def recheck_at_plan_boundaries(policy: ObjectivePolicy, decisions: dict[str, OperatorDecision],
-                               profile: dict[str, ProfileResult]) -> dict[str, str]:
+                               profile: dict[ProfiledPlan, ProfileResult]) -> dict[str, str]:
     """The candidates that stop paying at the candidate plan's own cast boundaries, with the reason for each.
 
     Operators are first judged with every lowerable operator lowered, so none is charged an output cast that
     training with its neighbours lowered does not pay. Where the candidate plan keeps a neighbour in FP32, the
-    operator pays that cast after all; ``profile`` (``"fp32"`` and ``"plan"``, paired rounds at the plan's
+    operator pays that cast after all; ``profile`` (``FP32`` and ``AT_PLAN``, paired rounds at the plan's
     boundaries) measures it, and a candidate judged there not to pay any more (beyond doubt) is named. Forced ones
     and fills are kept; every measured candidate's ``in_plan`` measurement is recorded.
 
     Returns:
         name -> why it is dropped (empty: every candidate still pays). The caller takes them out (``keep_fp32``).
     """
-    fp32, plan = profile["fp32"], profile["plan"]
+    fp32, plan = profile[ProfiledPlan.FP32], profile[ProfiledPlan.AT_PLAN]
     dropped: dict[str, str] = {}
     for name, decision in decisions.items():
         a, b = fp32.operators.get(name), plan.operators.get(name)

@@ -27,6 +27,7 @@ from typing import Any
 
 from lightning_comp.numerics.precision import MasterPrecision, StatePrecision
 from lightning_comp.search.config import Objective, SearchConfig
+from lightning_comp.search.decisions.whole_step import ComparedPlan
 from lightning_comp.search.measurement.estimates import RatioEstimate
 
 __all__ = ["ParameterDecision", "ParameterStepCheck", "StepBudget", "judge_lowering"]
@@ -63,7 +64,7 @@ class ParameterDecision:
         gain_bytes: the bytes the choices save.
         state_benefit: what the state choice gains in the objective's unit.
         master_benefit: what the master choice gains.
-        forced: ``CoMPSearch(include_state=...)`` named it.
+        forced: ``CoMPSearch(include_dimensions={"state": ...})`` (or ``"master"``) named it.
     """
 
     state: StatePrecision = StatePrecision.FP32
@@ -114,13 +115,8 @@ class ParameterStepCheck:
     pays: bool
     verdict: str
     description: str
-    step_bytes: dict[str, float]
-    step_ms: dict[str, float]
-
-    def to_dict(self) -> dict[str, Any]:
-        """The record's form."""
-        return {"verdict": self.verdict, "description": self.description, "step_bytes": dict(self.step_bytes),
-                "step_ms": dict(self.step_ms)}
+    step_bytes: dict[ComparedPlan, float]
+    step_ms: dict[ComparedPlan, float]
 
 
 def judge_lowering(config: SearchConfig, budget: StepBudget, own_bytes: int, lowered_bytes: int,
@@ -139,7 +135,7 @@ def judge_lowering(config: SearchConfig, budget: StepBudget, own_bytes: int, low
     extra_ms = max(fp32_ms * (time.high - 1.0), 0.0)  # the slow end of the interval
     shown = (f"{own_bytes / 2**20:.2f} -> {lowered_bytes / 2**20:.2f} MiB, update x{time.ratio:.2f}"
              f" [{time.low:.2f}, {time.high:.2f}] of {fp32_ms:.3f} ms")
-    if own_bytes <= 0 or lowered_bytes > own_bytes * (1 - config.speed_margin):
+    if own_bytes <= 0 or lowered_bytes > own_bytes * (1 - config.measurement.speed_margin):
         return False, f"{shown}: saves too little", 0.0
     if config.objective is Objective.MEMORY:
         slowdown = (budget.step_ms + extra_ms) / max(budget.fp32_step_ms, 1e-9)

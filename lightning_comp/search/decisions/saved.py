@@ -16,6 +16,7 @@ from typing import Any
 
 from lightning_comp.numerics.precision import SavedPrecision
 from lightning_comp.search.decisions.objectives import ObjectivePolicy
+from lightning_comp.search.decisions.whole_step import ComparedPlan
 from lightning_comp.search.measurement.estimates import RatioEstimate, Verdict
 
 __all__ = ["SavedDecision", "SavedStepCheck", "judge_saved", "sharing_groups", "unshared_choices"]
@@ -33,7 +34,7 @@ class SavedDecision:
         gain_bytes: the bytes the chosen precision saves per step (0 when saved as computed).
         benefit: what the chosen precision gains in the objective's unit (ranks fallback groups).
         group: the operators judged together with it (they save the same tensors), if any.
-        forced: ``CoMPSearch(include_saved=...)`` named it.
+        forced: ``CoMPSearch(include_dimensions={"saved": ...})`` named it.
     """
 
     decision: SavedPrecision = SavedPrecision.FP32
@@ -74,22 +75,17 @@ class SavedStepCheck:
         pays: whether the plan with them is better as a whole, by the objective.
         verdict: ``"pays"``, or why not.
         description: the bytes and times that decided, in words.
-        saved_bytes: bytes saved for backward per configuration (``fp32``, ``candidates``, ``saved``).
-        step_ms: the fastest round of each configuration.
-        step_ratios: each configuration's step time relative to FP32, with its interval.
+        saved_bytes: bytes saved for backward per plan (``FP32``, ``CANDIDATES``, ``SAVED``).
+        step_ms: the fastest round of each plan.
+        step_ratios: each plan's step time relative to FP32's, with its interval.
     """
 
     pays: bool
     verdict: str
     description: str
-    saved_bytes: dict[str, float]
-    step_ms: dict[str, float]
-    step_ratios: dict[str, dict[str, float | int]]
-
-    def to_dict(self) -> dict[str, Any]:
-        """The record's form."""
-        return {"verdict": self.verdict, "saved_bytes": dict(self.saved_bytes), "step_ms": dict(self.step_ms),
-                "step_ratios": dict(self.step_ratios), "description": self.description}
+    saved_bytes: dict[ComparedPlan, float]
+    step_ms: dict[ComparedPlan, float]
+    step_ratios: dict[ComparedPlan, RatioEstimate]
 
 
 def sharing_groups(names: Sequence[str], sharing: dict[str, set[str]]) -> list[tuple[str, ...]]:
@@ -123,7 +119,7 @@ def unshared_choices(choices: dict[str, SavedPrecision], sharing: dict[str, set[
     Args:
         choices: operator -> saved precision chosen from its own measurement.
         sharing: operator -> the other operators that save one of its tensors (``ProfileResult.sharing``).
-        forced: operators whose lowering ``include_saved`` forces (never dropped).
+        forced: operators whose lowering ``include_dimensions`` forces (never dropped).
 
     Returns:
         operator -> why its lowering is dropped.

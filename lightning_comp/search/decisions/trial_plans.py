@@ -9,19 +9,44 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any
 
 from torch import nn
 
 from lightning_comp.errors import SearchConfigError
-from lightning_comp.numerics.precision import ComputePrecision, MasterPrecision, SavedPrecision, StatePrecision
+from lightning_comp.numerics.precision import ComputePrecision
 from lightning_comp.operators.kinds import OperatorKind, classify
-from lightning_comp.plan.dimensions import Dimension
+from lightning_comp.plan.dimensions import Dimension, DimensionValue
 from lightning_comp.plan.plan import PrecisionPlan
 from lightning_comp.search.candidates import Candidate
 from lightning_comp.search.decisions.operators import Choice, OperatorDecision
 
-__all__ = ["CheapRun", "cheap_runs", "plan_for"]
+__all__ = ["PARAMETER_SIDE", "CheapRun", "Choices", "PlanRole", "cheap_runs", "plan_for"]
+
+PARAMETER_SIDE = (Dimension.SAVED, Dimension.STATE, Dimension.MASTER)  # the dimensions whose candidates carry a value
+Choices = dict[Dimension, dict[str, DimensionValue]]  # per dimension of PARAMETER_SIDE, operator -> its value
+
+
+class PlanRole(str, Enum):
+    """What a plan the search puts in force is to it: noted once, as ``provenance["role"]``, by :meth:`mark`.
+
+    The plugin is told only that the search tries the plan on purpose (``CoMPPrecision.try_plan``); what the plan is
+    to the search travels with the plan (saved with it, shown in the record).
+    """
+
+    TRIAL = "trial"  # a convergence trial's plan (the FP32 reference's too), or one the batch stage measures
+    CHOSEN = "chosen"  # the plan the search chose
+
+    def mark(self, plan: PrecisionPlan, **notes: Any) -> PrecisionPlan:
+        """``plan`` with this role (and ``notes``) in its provenance."""
+        return plan.with_provenance(role=self.value, **notes)
+
+    @classmethod
+    def of(cls, plan: PrecisionPlan) -> PlanRole | None:
+        """The role ``plan`` was marked with (``None``: not one the search made, e.g. the user's own)."""
+        role = plan.provenance.get("role")
+        return cls(role) if role in {member.value for member in cls} else None
 
 
 @dataclass(frozen=True)
@@ -71,16 +96,15 @@ def cheap_runs(order: Sequence[str], decisions: Mapping[str, OperatorDecision],
 
 
 def plan_for(low: ComputePrecision, runs: Iterable[CheapRun], group: Sequence[Candidate] | None,
-             saved: Mapping[str, SavedPrecision] | None = None, state: Mapping[str, StatePrecision] | None = None,
-             master: Mapping[str, MasterPrecision] | None = None) -> PrecisionPlan:
+             choices: Mapping[Dimension, Mapping[str, DimensionValue]] | None = None) -> PrecisionPlan:
     """The plan that lowers ``group``: its compute candidates to ``low`` with the fills of ``runs`` between two of
-    them; the operators of its saved candidates saving at ``saved[operator]``; those of its state candidates keeping
-    their parameters' optimizer state at ``state[operator]``; and those of its master candidates holding their
-    parameters at ``master[operator]``, computing in ``low`` with them (a bf16 master needs a bf16 operator).
+    them; and the operators of its candidates of the other dimensions at ``choices[dimension][operator]`` (its saved
+    candidates saving at that saved precision, its state candidates keeping their optimizer state at that precision,
+    its master candidates holding their parameters at that precision and computing in ``low`` with them: a bf16
+    master needs a bf16 operator).
 
     Raises:
-        SearchConfigError: if a candidate has no precision of its dimension in the mappings (an inconsistent
-            checkpoint).
+        SearchConfigError: if a candidate has no value of its dimension in ``choices`` (an inconsistent checkpoint).
     """
     if not group:
         return PrecisionPlan()
@@ -92,16 +116,13 @@ def plan_for(low: ComputePrecision, runs: Iterable[CheapRun], group: Sequence[Ca
     for run in runs:
         if run.before in compute and run.after in compute:
             entries.update({name: low.value for name in run.operators})
-    chosen: dict[str, dict[str, str]] = {}
-    for dimension, mapping, word in ((Dimension.SAVED, saved, "saved"), (Dimension.STATE, state, "optimizer-state"),
-                                     (Dimension.MASTER, master, "master-weight")):
-        names = by_dimension[dimension]
-        missing = [name for name in names if not mapping or name not in mapping]
-        if missing:
-            raise SearchConfigError(f"{word.capitalize()}-precision candidates {missing} have no {word} precision in"
-                                    f" the search state ({dict(mapping or {})!r}); the checkpoint is inconsistent.")
-        chosen[dimension.value] = {name: mapping[name].value for name in names} if mapping else {}
     plan = PrecisionPlan.from_dict(entries)
-    for dimension in (Dimension.SAVED, Dimension.STATE, Dimension.MASTER):
-        plan = plan.with_assignment(dimension, chosen[dimension.value])
+    for dimension in PARAMETER_SIDE:
+        names = by_dimension[dimension]
+        mapping = (choices or {}).get(dimension) or {}
+        missing = [name for name in names if name not in mapping]
+        if missing:
+            raise SearchConfigError(f"{dimension.what.capitalize()} candidates {missing} have no {dimension.what} in"
+                                    f" the search state ({dict(mapping)!r}); the checkpoint is inconsistent.")
+        plan = plan.with_assignment(dimension, {name: mapping[name].value for name in names})
     return plan

@@ -39,7 +39,7 @@ def judge_trial(config: SearchConfig, metric: float | None, *, nonfinite_loss: b
     if nonfinite_loss or not math.isfinite(value):
         return TrialVerdict.FAIL, "NaN/Inf loss or metric"
     skipped = skipped_steps / max(steps, 1)
-    if skipped > config.max_skipped_fraction:
+    if skipped > config.measurement.max_skipped_fraction:
         return TrialVerdict.FAIL, f"fp16 loss scaler skipped {skipped:.0%} of steps"
     if reference is None:
         return TrialVerdict.PASS, "reference"

@@ -4,20 +4,24 @@ The batch stage runs its configurations interleaved: each round times every conf
 time, so whatever else the machine was doing then weighs on both. The per-round ratios ``b_i / a_i`` are therefore
 the unit of evidence. Their median is the estimate, and a distribution-free confidence interval for that median from
 order statistics (no assumption about the noise's shape: rounds hit by preemption are simply outliers) is the
-spread. A comparison is decided only when the whole interval lies on one side of the threshold.
+spread. A comparison is decided only when the whole interval lies on one side of the threshold; while it is not,
+the batch stage measures more rounds, within the budget :class:`ExtraRounds` keeps.
 """
 
 from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Sequence
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from enum import Enum
 
 from lightning_comp.errors import UsageError
+from lightning_comp.search.config import SearchConfig
 
-__all__ = ["RatioEstimate", "Verdict", "compare_to", "paired_ratio"]
+__all__ = ["ExtraRounds", "RatioEstimate", "Verdict", "compare_to", "paired_ratio"]
 
 # Two-sided coverage of the interval; each decision uses one end, which holds with at least (1 + CONFIDENCE) / 2
 # = 87.5 %. At this level 6 rounds already give [r_(2), r_(5)]: one preempted round on either side cannot block a
@@ -105,3 +109,37 @@ def paired_ratio(a: Sequence[float], b: Sequence[float]) -> RatioEstimate:
         return RatioEstimate(math.inf, 0.0, math.inf, 0, 0.0)
     k, cover = _median_interval_rank(n)
     return RatioEstimate(statistics.median(ratios), ratios[k - 1], ratios[n - k], n, max(cover, 0.0))
+
+
+class ExtraRounds:
+    """Extra rounds worth a fraction (``extra_profile_time``) of the first rounds' time, at least half a second.
+
+    Args:
+        config: the search's settings.
+        first_seconds: how long the first rounds took (warm-up included).
+        first_rounds: how many rounds that was.
+    """
+
+    MAX_CHUNK = 16  # rounds added at a time (tiny models: many rounds fit the budget; re-check between chunks)
+    MIN_SECONDS = 0.5  # small models get at least this much: their rounds are short and noisy, and cheap
+
+    def __init__(self, config: SearchConfig, first_seconds: float, first_rounds: int) -> None:
+        self.per_round = first_seconds / max(first_rounds, 1)
+        fraction = config.measurement.extra_profile_time
+        self.left = max(first_seconds * fraction, self.MIN_SECONDS) if fraction > 0 else 0.0
+        self.chunk = max(config.measurement.profile_steps, 2)
+
+    def next_rounds(self) -> int:
+        """How many rounds to add now (0: the budget is spent)."""
+        affordable = int(self.left // self.per_round) if self.per_round > 0 else self.MAX_CHUNK
+        return max(0, min(self.chunk, affordable, self.MAX_CHUNK))
+
+    @contextmanager
+    def spending(self) -> Iterator[None]:
+        """Charge the block's time to the budget (and double the next chunk)."""
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.left -= time.perf_counter() - started
+            self.chunk = min(self.chunk * 2, self.MAX_CHUNK)

@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import statistics
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -37,6 +37,8 @@ from lightning_comp.search.measurement.clocks import Clock, ClockKind
 from lightning_comp.search.measurement.step_timing import clock_for, entered, new_storage_bytes
 
 __all__ = ["OperatorMeasurement", "OperatorProfiler", "ProfileResult"]
+
+L = TypeVar("L", bound=Hashable)  # what names a configuration (the search's profiled plans)
 
 
 @dataclass
@@ -265,9 +267,7 @@ class OperatorProfiler:
         self._cuda = self.clock.kind is ClockKind.CUDA
         self.on_round: Callable[[], None] | None = None  # called after each round (warm-up ones too)
 
-    def profile(
-        self, configs: dict[str, Callable[[], Any]], step: Callable[[], None]
-    ) -> dict[str, ProfileResult]:
+    def profile(self, configs: Mapping[L, Callable[[], Any]], step: Callable[[], None]) -> dict[L, ProfileResult]:
         """Time ``step`` under each configuration.
 
         Args:
@@ -282,15 +282,15 @@ class OperatorProfiler:
         self._run(results, configs, step, self.warmup, self.rounds)
         return results
 
-    def extend(self, results: dict[str, ProfileResult], configs: dict[str, Callable[[], Any]],
+    def extend(self, results: dict[L, ProfileResult], configs: Mapping[L, Callable[[], Any]],
                step: Callable[[], None], rounds: int) -> None:
         """Add ``rounds`` measured rounds (no warm-up) to ``results`` from :meth:`profile`, in place."""
         self._run(results, configs, step, 0, rounds)
 
-    def _run(self, results: dict[str, ProfileResult], configs: dict[str, Callable[[], Any]],
+    def _run(self, results: dict[L, ProfileResult], configs: Mapping[L, Callable[[], Any]],
              step: Callable[[], None], warmup: int, rounds: int) -> None:
-        steps: dict[str, list[float]] = {label: [] for label in configs}
-        peaks: dict[str, list[int]] = {label: [] for label in configs}
+        steps: dict[L, list[float]] = {label: [] for label in configs}
+        peaks: dict[L, list[int]] = {label: [] for label in configs}
         for round_index in range(warmup + rounds):
             for label, activate in configs.items():
                 context = activate()

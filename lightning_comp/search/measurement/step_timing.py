@@ -1,19 +1,66 @@
-"""Whole training steps timed side by side (no per-operator hooks), and the bytes a step saves for backward."""
+"""The user's training step on one batch, run again and again; whole steps of several plans timed side by side
+(no per-operator hooks), and the bytes a step saves for backward."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Hashable, Iterator, Mapping
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic, TypeVar
 
+import lightning.pytorch as pl
 import torch
 from torch import nn
 
 from lightning_comp.adapters.torch_internals import storage_key
+from lightning_comp.errors import SearchConfigError
 from lightning_comp.search.measurement.clocks import Clock, ClockKind, make_clock
 
-__all__ = ["StepTimer", "StepTimes", "clock_for", "entered", "new_storage_bytes"]
+__all__ = ["StepTimer", "StepTimes", "TrainingStepRunner", "clock_for", "entered", "new_storage_bytes"]
+
+L = TypeVar("L", bound=Hashable)  # what names a configuration (the search's compared plans)
+
+
+class TrainingStepRunner:
+    """Runs the user's ``training_step`` plus backward on one batch, without logging, stepping or gradient sync.
+
+    Args:
+        pl_module: the model.
+        batch: the batch.
+        batch_idx: its index, as ``training_step`` receives it.
+    """
+
+    def __init__(self, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        self.pl_module = pl_module
+        self.batch = batch
+        self.batch_idx = batch_idx
+
+    def __call__(self) -> None:
+        """One forward and backward (gradients are dropped at the end).
+
+        Raises:
+            SearchConfigError: if ``training_step`` returns no loss tensor under automatic optimization.
+        """
+        module = self.pl_module
+        module.log = _ignore  # type: ignore[method-assign]
+        module.log_dict = _ignore  # type: ignore[method-assign]
+        try:
+            output = module.training_step(self.batch, self.batch_idx)
+            loss = output.get("loss") if isinstance(output, Mapping) else output
+            if module.automatic_optimization:
+                if not isinstance(loss, torch.Tensor):
+                    raise SearchConfigError(
+                        "CoMPSearch profiles the training step, but training_step returned"
+                        f" {type(output).__name__} instead of a loss tensor (or a dict with 'loss')."
+                    )
+                loss.backward()
+        finally:
+            del module.log
+            del module.log_dict
+            for param in module.parameters():
+                param.grad = None
+
+
 
 
 def clock_for(clock: Clock | str) -> Clock:
@@ -26,7 +73,7 @@ def clock_for(clock: Clock | str) -> Clock:
 
 
 @dataclass
-class StepTimes:
+class StepTimes(Generic[L]):
     """Whole-step times of several configurations, per measured round (paired across configurations).
 
     Attributes:
@@ -34,8 +81,8 @@ class StepTimes:
         wall_ms: label -> the same steps' real time.
     """
 
-    ms: dict[str, list[float]] = field(default_factory=dict)
-    wall_ms: dict[str, list[float]] = field(default_factory=dict)
+    ms: dict[L, list[float]] = field(default_factory=dict)
+    wall_ms: dict[L, list[float]] = field(default_factory=dict)
 
 
 class StepTimer:
@@ -53,8 +100,8 @@ class StepTimer:
         self.warmup = warmup
         self.on_round: Callable[[], None] | None = None  # called after each round (warm-up ones too)
 
-    def time(self, configs: dict[str, Callable[[], Any]], step: Callable[[], None],
-             into: StepTimes | None = None, rounds: int | None = None, warmup: int | None = None) -> StepTimes:
+    def time(self, configs: Mapping[L, Callable[[], Any]], step: Callable[[], None],
+             into: StepTimes[L] | None = None, rounds: int | None = None, warmup: int | None = None) -> StepTimes[L]:
         """Run ``step`` under each configuration.
 
         Args:
@@ -64,7 +111,7 @@ class StepTimer:
             rounds: measured rounds (default: the timer's).
             warmup: unmeasured rounds first (default: the timer's).
         """
-        out = into if into is not None else StepTimes()
+        out: StepTimes[L] = into if into is not None else StepTimes()
         for label in configs:
             out.ms.setdefault(label, [])
             out.wall_ms.setdefault(label, [])
@@ -83,14 +130,14 @@ class StepTimer:
                 self.on_round()
         return out
 
-    def saved_bytes(self, model: nn.Module, configs: dict[str, Callable[[], Any]],
-                    step: Callable[[], None]) -> dict[str, int]:
+    def saved_bytes(self, model: nn.Module, configs: Mapping[L, Callable[[], Any]],
+                    step: Callable[[], None]) -> dict[L, int]:
         """Bytes autograd saves for backward in one step of each configuration (unique storages, parameters excluded).
 
         Run after :meth:`time`, so every configuration's cast boundaries are calibrated.
         """
         params = {storage_key(p) for p in model.parameters()}
-        out: dict[str, int] = {}
+        out: dict[L, int] = {}
         for label, activate in configs.items():
             seen: set[int] = set()
             sizes: list[int] = []
@@ -123,3 +170,7 @@ def entered(context: Any) -> Any:
 def _activated(activate: Callable[[], Any]) -> Iterator[None]:
     with entered(activate()):
         yield
+
+
+def _ignore(*args: Any, **kwargs: Any) -> None:
+    return None

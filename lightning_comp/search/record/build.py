@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -13,11 +14,15 @@ from lightning_comp.numerics.precision import ComputePrecision
 from lightning_comp.plan.dimensions import Dimension
 from lightning_comp.plan.plan import PrecisionPlan
 from lightning_comp.search.config import SearchConfig
+from lightning_comp.search.decisions.batch_result import BatchStageResult, ParameterStageResult
+from lightning_comp.search.decisions.saved import SavedStepCheck
+from lightning_comp.search.decisions.trial_plans import PARAMETER_SIDE
+from lightning_comp.search.decisions.whole_step import ComparedPlan
 from lightning_comp.search.record.loggers import log_record
 from lightning_comp.search.record.text import format_record
 from lightning_comp.search.state import STATE_VERSION, SearchState
 
-__all__ = ["build_record", "publish", "warmup_overhead_seconds"]
+__all__ = ["batch_record", "build_record", "publish", "warmup_overhead_seconds"]
 
 
 def build_record(state: SearchState, config: SearchConfig) -> dict[str, Any]:
@@ -43,7 +48,6 @@ def build_record(state: SearchState, config: SearchConfig) -> dict[str, Any]:
             "skipped_steps": trial.skipped_steps,
             "kept": kept,
         })
-    profile = state.profile or {}
     search_seconds = float(state.profiling_seconds) + rejected_seconds
     warmup_seconds = warmup_overhead_seconds(state)
     fit_seconds = float(state.fit_seconds)
@@ -60,20 +64,10 @@ def build_record(state: SearchState, config: SearchConfig) -> dict[str, Any]:
         "chosen_plan": chosen,
         "chosen_trial": state.chosen_label,
         "finish_reason": state.finish_reason,
-        "lowered_operators": [] if chosen is None else [s for s, p in chosen["entries"].items() if p != "fp32"],
-        "saved_lowered": _lowered(chosen, "saved"),
-        "state_lowered": _lowered(chosen, "state"),
-        "master_lowered": _lowered(chosen, "master"),
-        "num_operators": profile.get("num_operators", len(profile.get("operators", {}))),
-        "operators": profile.get("operators", {}),
-        "timing": profile.get("timing"),
-        "step_ms": profile.get("step_ms", {}),
-        "step_wall_ms": profile.get("step_wall_ms", {}),
-        "step_ratios": profile.get("step_ratios", {}),
-        "step_saved_bytes": profile.get("step_saved_bytes", {}),
-        "saved_step": profile.get("saved_step") or {},
-        "parameter_step": profile.get("parameter_step") or {},
-        "memory": profile.get("memory", {}),
+        "lowered_operators": list(_lowered(chosen, Dimension.COMPUTE)),
+        **{f"{dimension.value}_lowered": _lowered(chosen, dimension) for dimension in PARAMETER_SIDE},
+        "num_operators": state.num_operators,
+        **batch_record(state.batch),
         "trials": trials,
         "extension_epochs": state.extension_epochs,
         "cost": {
@@ -92,11 +86,55 @@ def build_record(state: SearchState, config: SearchConfig) -> dict[str, Any]:
     }
 
 
-def _lowered(chosen: dict[str, Any] | None, dimension: str) -> dict[str, str]:
-    """The chosen plan's entries of ``dimension`` (``saved``, ``state``, ``master``) that are not fp32."""
+def batch_record(batch: BatchStageResult | None) -> dict[str, Any]:
+    """The decision record's form of the batch stage's result (empty measurements before it ran, or without it)."""
+    if batch is None:
+        return {"operators": {}, "timing": None, "step_ms": {}, "step_wall_ms": {}, "step_ratios": {},
+                "step_saved_bytes": {}, "saved_step": {}, "parameter_step": {}, "memory": {}}
+    steps = batch.steps
+    return {
+        "operators": {name: decision.to_dict() for name, decision in batch.decisions.items()},
+        "timing": batch.timing,
+        "step_ms": {plan.value: step.ms for plan, step in steps.items()},
+        "step_wall_ms": {plan.value: step.wall_ms for plan, step in steps.items()},
+        "step_ratios": {plan.value: step.ratio.to_dict() for plan, step in steps.items() if step.ratio is not None},
+        "step_saved_bytes": {plan.value: step.saved_bytes for plan, step in steps.items()
+                             if step.saved_bytes is not None},
+        "saved_step": {} if batch.saved.check is None else _saved_check(batch.saved.check),
+        "parameter_step": _parameter_stage(batch.parameters),
+        "memory": {plan.value: {"saved_bytes": memory.saved_bytes, "peak_bytes": memory.peak_bytes}
+                   for plan, memory in batch.memory.items()},
+    }
+
+
+def _saved_check(check: SavedStepCheck) -> dict[str, Any]:
+    return {"verdict": check.verdict, "saved_bytes": _by_plan(check.saved_bytes), "step_ms": _by_plan(check.step_ms),
+            "step_ratios": {plan.value: ratio.to_dict() for plan, ratio in check.step_ratios.items()},
+            "description": check.description}
+
+
+def _parameter_stage(result: ParameterStageResult) -> dict[str, Any]:
+    out: dict[str, Any] = {"state": {n: s.value for n, s in result.state_choices.items()},
+                           "master": {n: m.value for n, m in result.master_choices.items()}}
+    if result.check is not None:
+        check = result.check
+        out["check"] = {"verdict": check.verdict, "description": check.description,
+                        "step_bytes": _by_plan(check.step_bytes), "step_ms": _by_plan(check.step_ms)}
+    if result.skipped is not None:
+        out["skipped"] = result.skipped
+    return out
+
+
+def _by_plan(values: Mapping[ComparedPlan, float]) -> dict[str, float]:
+    return {plan.value: value for plan, value in values.items()}
+
+
+def _lowered(chosen: dict[str, Any] | None, dimension: Dimension) -> dict[str, str]:
+    """The chosen plan's entries of ``dimension`` that change it from FP32."""
     if chosen is None:
         return {}
-    return {selector: value for selector, value in (chosen.get(dimension) or {}).items() if value != "fp32"}
+    plan = PrecisionPlan.from_dict(chosen)
+    return {selector: value.value for selector, value in plan[dimension].entries if value is not dimension.fp32}
 
 
 def warmup_overhead_seconds(state: SearchState) -> float | None:

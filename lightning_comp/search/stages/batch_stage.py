@@ -18,13 +18,12 @@ ends. With the memory and balanced objectives, the saved stage
 
 from __future__ import annotations
 
-import functools
 import time
 from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
-import torch
+from torch import nn
 
 from lightning_comp.devices.device_classes import model_device
 from lightning_comp.devices.lowering import Lowering, lowering_for
@@ -36,7 +35,12 @@ from lightning_comp.plan.plan import PrecisionPlan
 from lightning_comp.plugins.comp import CoMPPrecision
 from lightning_comp.search.candidates import Candidate
 from lightning_comp.search.config import SearchConfig, Timing
-from lightning_comp.search.decisions.objectives import policy_for
+from lightning_comp.search.decisions.batch_result import (
+    BatchStageResult,
+    ParameterStageResult,
+    SavedStageResult,
+    StepMemory,
+)
 from lightning_comp.search.decisions.operators import (
     HEAVY_KINDS,
     Choice,
@@ -44,34 +48,31 @@ from lightning_comp.search.decisions.operators import (
     decide_operators,
     recheck_at_plan_boundaries,
 )
-from lightning_comp.search.decisions.trial_plans import cheap_runs, plan_for
-from lightning_comp.search.decisions.whole_step import StepComparison
+from lightning_comp.search.decisions.trial_plans import PlanRole, cheap_runs, plan_for
+from lightning_comp.search.decisions.whole_step import (
+    ALTERNATIVES,
+    ComparedPlan,
+    PlanStep,
+    ProfiledPlan,
+    StepComparison,
+)
 from lightning_comp.search.measurement.autocast_lowering import lowered_under_autocast
 from lightning_comp.search.measurement.clock_choice import TimingChoice, choose_timing, cpu_clock, is_busy, sample_load
-from lightning_comp.search.measurement.clocks import Clock, ClockKind, single_intra_op_thread
-from lightning_comp.search.measurement.estimates import Verdict
-from lightning_comp.search.measurement.extra_rounds import ExtraRounds
+from lightning_comp.search.measurement.clocks import ClockKind, single_intra_op_thread
+from lightning_comp.search.measurement.estimates import ExtraRounds, Verdict
 from lightning_comp.search.measurement.machine_load import LoadMeter
 from lightning_comp.search.measurement.profiling import OperatorProfiler, ProfileResult
-from lightning_comp.search.measurement.step_runner import TrainingStepRunner
-from lightning_comp.search.measurement.step_timing import StepTimer, StepTimes
-from lightning_comp.search.ranks import agree, reduce_mean, reduce_profile
+from lightning_comp.search.measurement.step_timing import StepTimer, StepTimes, TrainingStepRunner
+from lightning_comp.search.ranks import agree, reduce_profile
 from lightning_comp.search.record.progress import SearchProgress
 from lightning_comp.search.rewind.snapshot import capture_rng, restore_rng
-from lightning_comp.search.stages.batch_result import BatchStageResult, ParameterStageResult, SavedStageResult
+from lightning_comp.search.stages.context import StageContext, Step
 from lightning_comp.search.stages.parameter_stage import ParameterStage
 from lightning_comp.search.stages.saved_stage import SavedStage
 
-__all__ = ["ALTERNATIVES", "BatchStage"]
+__all__ = ["BatchStage"]
 
-# The whole-step alternatives to the per-operator candidate plan, in words ("{low}": the searched precision)
-ALTERNATIVES = {
-    "amp": "AMP's plan (what one global {low} autocast region lowers)",
-    "all_low": "the all-{low} plan",
-    "compute": "the plan of compute operators only",
-}
-
-Step = Callable[[], None]
+FP32, CANDIDATES = ComparedPlan.FP32, ComparedPlan.CANDIDATES
 
 
 class BatchStage:
@@ -87,7 +88,6 @@ class BatchStage:
     def __init__(self, config: SearchConfig, low: ComputePrecision, plugin: CoMPPrecision,
                  progress: SearchProgress | None = None) -> None:
         self.config = config
-        self.policy = policy_for(config)
         self.low = low
         self.plugin = plugin
         self.progress = progress
@@ -106,12 +106,13 @@ class BatchStage:
         try:
             with plugin.measured_step(PrecisionPlan()):  # a model's first step traces the operators it computes in
                 step()
-            timing = agree(trainer, choose_timing(config.timing, device.type, lambda: sample_load(step)))
+            timing = agree(trainer, choose_timing(config.measurement.timing, device.type, lambda: sample_load(step)))
             meter = LoadMeter()
             meter.start()
             result = self.measure(trainer, pl_module, step, timing)
             load = meter.stop()
-            if config.timing is Timing.AUTO and timing.clock is ClockKind.WALL and agree(trainer, is_busy(load)):
+            auto = config.measurement.timing is Timing.AUTO
+            if auto and timing.clock is ClockKind.WALL and agree(trainer, is_busy(load)):
                 timing = cpu_clock("this process's CPU time with one intra-op thread: the machine became busy during"
                                    f" the wall-time measurement ({load.describe()}), which was repeated", load)
                 result = self.measure(trainer, pl_module, step, timing)
@@ -120,7 +121,7 @@ class BatchStage:
                 self.progress.close_stage()
             # fp32 first: a measured plan may hold bf16 masters, which must be fp32 again before the snapshot's
             # values are copied into them
-            plugin.try_plan(PrecisionPlan().with_provenance(role="trial", trial="fp32 reference"))
+            plugin.try_plan(PlanRole.TRIAL.mark(PrecisionPlan(), trial="fp32 reference"))
             restore()
             restore_rng(rng)
         result.timing = timing.to_dict()
@@ -131,26 +132,27 @@ class BatchStage:
         """Per-operator and whole-step measurements with ``timing``'s clock, and the decisions they give."""
         device = model_device(pl_module)
         modules = dict(iter_operators(pl_module))
+        ctx = StageContext(trainer, pl_module, self.plugin, self.config, self.low, step, timing.make_clock(),
+                           modules, self.progress)
+        policy = ctx.policy
         lowerable = [n for n, m in modules.items() if lowering_for(m, self.low, device) not in (None, Lowering.NONE)]
-        clock = timing.make_clock()
         with self.plugin.measured_step(PrecisionPlan(), calibrated=False):  # the model in fp32, under AMP's region
-            amp = agree(trainer, sorted(lowered_under_autocast(modules, step, device.type, self.low)))
+            amp = ctx.agree(sorted(lowered_under_autocast(modules, step, device.type, self.low)))
         if self.progress is not None:  # per-operator rounds, then whole-step rounds
-            self.progress.start_stage(len(lowerable), 2 * self._first_rounds)
+            self.progress.start_stage(len(lowerable), 2 * ctx.first_rounds)
         with single_intra_op_thread(timing.single_thread):
-            results = self._profile_operators(trainer, pl_module, step, clock, modules, lowerable)
+            results = self._profile_operators(ctx, lowerable)
             # every rank must time the same whole-step plans (each timing is a collective): rank 0's decisions
-            decisions = agree(trainer, decide_operators(self.config, self.policy, self.low, modules, lowerable,
-                                                        results))
-            order = results["fp32"].order
+            decisions = ctx.agree(decide_operators(self.config, policy, self.low, modules, lowerable, results))
+            order = results[ProfiledPlan.FP32].order
             runs = cheap_runs(order, decisions, modules)
             names = [n for n in order if decisions[n].is_candidate]
             candidate_plan = plan_for(self.low, runs, [Candidate(n) for n in names]) if names else None
             all_low = self._all_low(lowerable)[Dimension.COMPUTE]
             if candidate_plan is not None and candidate_plan[Dimension.COMPUTE] != all_low:
                 # its cast boundaries differ from the all-low plan's the operators were measured at
-                plan_profile = self._profile_at_boundaries(trainer, pl_module, step, clock, candidate_plan)
-                dropped = agree(trainer, recheck_at_plan_boundaries(self.policy, decisions, plan_profile))
+                plan_profile = self._profile_at_boundaries(ctx, candidate_plan)
+                dropped = ctx.agree(recheck_at_plan_boundaries(policy, decisions, plan_profile))
                 for name, why in dropped.items():
                     decisions[name].keep_fp32(why)
                 if dropped:
@@ -158,34 +160,36 @@ class BatchStage:
                     names = [n for n in order if decisions[n].is_candidate]
                     candidate_plan = plan_for(self.low, runs, [Candidate(n) for n in names]) if names else None
             alternatives = self._alternatives(modules, lowerable, order, decisions, candidate_plan, set(amp))
-            plans = {"candidates": candidate_plan} if candidate_plan is not None else {}
+            plans = {CANDIDATES: candidate_plan} if candidate_plan is not None else {}
             plans.update(alternatives)
-            times, step_saved = self._time_whole_steps(trainer, pl_module, step, clock, plans)
-        steps = StepComparison(times.ms)
-        step_ms = {k: reduce_mean(trainer, min(v)) for k, v in times.ms.items()}
-        winner = agree(trainer, self.policy.winner(steps, step_saved, list(alternatives), bool(names)))
+            times, step_saved = self._time_whole_steps(ctx, plans)
+        comparison = StepComparison(times.ms)
+        ratios = comparison.ratios()
+        steps = {plan: PlanStep(ms=ctx.reduce_mean(min(ms)), wall_ms=ctx.reduce_mean(min(times.wall_ms[plan])),
+                                ratio=ratios.get(plan), saved_bytes=step_saved.get(plan))
+                 for plan, ms in times.ms.items()}
+        winner = ctx.agree(policy.winner(comparison, step_saved, list(alternatives), bool(names)))
         if winner is not None:
-            names, runs = self._adopt(winner, alternatives[winner], order, decisions, step_ms, step_saved), []
+            names, runs = self._adopt(ctx, winner, alternatives[winner], order, decisions, steps), []
         elif names:
-            names = self._check_candidates(trainer, steps, names, decisions)
+            names = self._check_candidates(ctx, comparison, names, decisions)
         saved = SavedStageResult()
         parameters = ParameterStageResult()
         base = plan_for(self.low, runs, [Candidate(n) for n in names])
-        if (self.policy.saved_options or self.policy.recomputes) and not self.plugin.compiled:  # compiled: AOTAutograd
+        if (policy.saved_options or policy.recomputes) and not self.plugin.compiled:  # compiled: AOTAutograd
             # decides what is saved
             with single_intra_op_thread(timing.single_thread):
-                saved = SavedStage(self.config, self.plugin, self.progress).measure(
-                    trainer, pl_module, step, clock, base, modules, order, decisions)
-        if self.policy.weighs_memory:
+                saved = SavedStage(ctx).measure(base, order, decisions)
+        if policy.weighs_memory:
             with_saved = base.with_assignment(Dimension.SAVED, {n: s.value for n, s in saved.choices.items()})
-            chosen = winner or ("candidates" if names else "fp32")  # the plan the candidates now are
-            saved_bytes = step_saved.get(chosen, step_saved.get("fp32", 0.0))
-            chosen_ms = {"fp32": step_ms["fp32"], "candidates": step_ms.get(chosen, step_ms["fp32"])}
+            chosen = winner or (CANDIDATES if names else FP32)  # the plan the candidates now are
+            saved_bytes = step_saved.get(chosen, step_saved.get(FP32, 0.0))
+            chosen_ms = steps[chosen].ms if chosen in steps else steps[FP32].ms
             if saved.check is not None and saved.check.pays:
-                saved_bytes = saved.check.saved_bytes.get("saved", saved_bytes)
+                saved_bytes = saved.check.saved_bytes.get(ComparedPlan.SAVED, saved_bytes)
             with single_intra_op_thread(timing.single_thread):
-                parameters = ParameterStage(self.config, self.low, self.plugin, self.progress).measure(
-                    trainer, pl_module, step, clock, with_saved, decisions, chosen_ms, saved_bytes)
+                parameters = ParameterStage(ctx).measure(with_saved, decisions, steps[FP32].ms, chosen_ms,
+                                                         saved_bytes)
         compute = set(names)
         candidates: list[Candidate] = []
         for name in order:  # execution order, each operator's candidates together (compute, saved, state, master)
@@ -203,107 +207,94 @@ class BatchStage:
         benefits.update(parameters.benefits)
         return BatchStageResult(
             decisions=decisions, candidates=tuple(candidates), benefits=benefits, runs=runs, saved=saved,
-            parameters=parameters,
-            order=order, step_ms=step_ms,
-            step_wall_ms={k: reduce_mean(trainer, min(v)) for k, v in times.wall_ms.items()},
-            step_ratios=steps.ratios(), step_saved_bytes=step_saved,
-            memory={label: {"saved_bytes": r.saved_bytes, "peak_bytes": r.peak_bytes} for label, r in results.items()},
+            parameters=parameters, order=order, steps=steps,
+            memory={label: StepMemory(r.saved_bytes, r.peak_bytes) for label, r in results.items()},
         )
 
     # ---------------------------------------------------------------------------------------------- measuring
-    def _profile_operators(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: Step, clock: Clock,
-                           modules: dict[str, torch.nn.Module], lowerable: list[str]) -> dict[str, ProfileResult]:
+    def _profile_operators(self, ctx: StageContext, lowerable: list[str]) -> dict[ProfiledPlan, ProfileResult]:
         """Every operator's time and saved bytes in FP32 and with everything lowerable lowered, with extra rounds
         while an operator cannot be decided (within the budget); averaged over ranks."""
-        config, plugin = self.config, self.plugin
-        profiler = OperatorProfiler(pl_module, clock, config.profile_steps, config.profile_warmup)
-        if self.progress is not None:
-            profiler.on_round = functools.partial(self.progress.round_done, f"per operator, fp32/{self.low.value}")
+        config, plugin, step = ctx.config, ctx.plugin, ctx.step
+        measurement = config.measurement
+        profiler = OperatorProfiler(ctx.pl_module, ctx.clock, measurement.profile_steps, measurement.profile_warmup)
+        profiler.on_round = ctx.show_rounds(0, f"per operator, fp32/{self.low.value}")
         # Weight copies are saved as recipes, as in training (recast_weights_in_backward): not counted as saved bytes.
         # The all-low plan runs at its training cast boundaries (calibrated): an operator's output stays low where
         # its consumers compute low too, so no operator is charged an output cast that training with its
         # neighbours lowered does not pay. The candidate plan's own boundaries are checked afterwards
         # (_profile_at_boundaries).
         all_low = self._all_low(lowerable)
-        configs: dict[str, Callable[[], Any]] = {
-            "fp32": functools.partial(plugin.measured_step, PrecisionPlan(), calibrated=False),
-            "low": functools.partial(plugin.measured_step, all_low)}
-        if config.profile_warmup == 0:  # the calibrating step traces, slower than a step: never a measured one
+        configs: dict[ProfiledPlan, Callable[[], Any]] = {
+            ProfiledPlan.FP32: ctx.measured(PrecisionPlan(), calibrated=False),
+            ProfiledPlan.LOW: ctx.measured(all_low)}
+        if measurement.profile_warmup == 0:  # the calibrating step traces, slower than a step: never a measured one
             with plugin.measured_step(all_low):
                 step()
         started = time.perf_counter()
         results = profiler.profile(configs, step)
 
         def undecided() -> bool:
-            decided = decide_operators(config, self.policy, self.low, modules, lowerable, results)
+            decided = decide_operators(config, ctx.policy, self.low, ctx.modules, lowerable, results)
             return any(d.settled is False for d in decided.values())
 
-        self._extend_while(trainer, ExtraRounds(config, time.perf_counter() - started, self._first_rounds),
+        self._extend_while(ctx, ExtraRounds(config, time.perf_counter() - started, ctx.first_rounds),
                            undecided, lambda more: profiler.extend(results, configs, step, more))
-        reduce_profile(trainer, results)
+        reduce_profile(ctx.trainer, results)
         return results
 
     def _all_low(self, lowerable: list[str]) -> PrecisionPlan:
         """The plan lowering every operator that can compute in the searched precision on the device."""
         return PrecisionPlan.from_dict({n: self.low.value for n in lowerable})
 
-    def _profile_at_boundaries(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: Step, clock: Clock,
-                               plan: PrecisionPlan) -> dict[str, ProfileResult]:
+    def _profile_at_boundaries(self, ctx: StageContext, plan: PrecisionPlan) -> dict[ProfiledPlan, ProfileResult]:
         """Every operator's time under ``plan`` at its training cast boundaries (beside FP32, interleaved): where
         an operator next to one ``plan`` keeps in FP32 pays the casts it would pay in training; averaged over
         ranks."""
-        config, plugin = self.config, self.plugin
+        config = ctx.config
         # half the first profile's rounds: it only drops candidates that clearly stop paying (the whole step decides
         # the rest), and the calibrating round it needs is a warm-up one
-        rounds, warmup = max(2, (config.profile_steps + 1) // 2), max(config.profile_warmup, 1)
-        profiler = OperatorProfiler(pl_module, clock, rounds, warmup)
-        if self.progress is not None:
-            self.progress.extend_stage(rounds + warmup)
-            profiler.on_round = functools.partial(self.progress.round_done, "per operator, at the plan's casts")
+        rounds, warmup = max(2, (config.measurement.profile_steps + 1) // 2), max(config.measurement.profile_warmup, 1)
+        profiler = OperatorProfiler(ctx.pl_module, ctx.clock, rounds, warmup)
+        profiler.on_round = ctx.show_rounds(rounds + warmup, "per operator, at the plan's casts")
         results = profiler.profile({
-            "fp32": functools.partial(plugin.measured_step, PrecisionPlan(), calibrated=False),
-            "plan": functools.partial(plugin.measured_step, plan)}, step)
-        reduce_profile(trainer, results)
+            ProfiledPlan.FP32: ctx.measured(PrecisionPlan(), calibrated=False),
+            ProfiledPlan.AT_PLAN: ctx.measured(plan)}, ctx.step)
+        reduce_profile(ctx.trainer, results)
         return results
 
-    def _time_whole_steps(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: Step, clock: Clock,
-                          plans: dict[str, PrecisionPlan]) -> tuple[StepTimes, dict[str, float]]:
+    def _time_whole_steps(self, ctx: StageContext, plans: dict[ComparedPlan, PrecisionPlan],
+                          ) -> tuple[StepTimes[ComparedPlan], dict[ComparedPlan, float]]:
         """Whole steps of FP32 and of ``plans``, interleaved, with extra rounds while a comparison the policy
         decides from is undecided; and (objectives that weigh memory) the bytes each saves for backward."""
-        config = self.config
-        configs: dict[str, Callable[[], Any]] = {
-            label: functools.partial(self.plugin.measured_step, plan)
-            for label, plan in {"fp32": PrecisionPlan(), **plans}.items()}
-        timer = StepTimer(clock, config.profile_steps, config.profile_warmup)
-        if self.progress is not None:
-            timer.on_round = functools.partial(self.progress.round_done, f"whole steps, {len(configs)} plans")
+        config, step = ctx.config, ctx.step
+        configs: dict[ComparedPlan, Callable[[], Any]] = {
+            label: ctx.measured(plan) for label, plan in {FP32: PrecisionPlan(), **plans}.items()}
+        timer = StepTimer(ctx.clock, config.measurement.profile_steps, config.measurement.profile_warmup)
+        timer.on_round = ctx.show_rounds(0, f"whole steps, {len(configs)} plans")
         started = time.perf_counter()
         times = timer.time(configs, step)
         contenders = set(configs)  # extra rounds time only the plans of undecided comparisons; the set only shrinks
 
         def undecided() -> bool:  # (every rank times rank 0's contenders: each timing is a collective)
-            involved = agree(trainer, sorted(self.policy.undecided(StepComparison(times.ms), list(plans))))
+            involved = ctx.agree(sorted(ctx.policy.undecided(StepComparison(times.ms), list(plans))))
             contenders.intersection_update(involved)
             return bool(contenders)
 
-        self._extend_while(trainer, ExtraRounds(config, time.perf_counter() - started, self._first_rounds),
+        self._extend_while(ctx, ExtraRounds(config, time.perf_counter() - started, ctx.first_rounds),
                            undecided, lambda more: timer.time({k: v for k, v in configs.items() if k in contenders},
                                                               step, into=times, rounds=more, warmup=0))
-        saved: dict[str, float] = {}
-        if self.policy.weighs_memory:
-            saved = {k: reduce_mean(trainer, float(v)) for k, v in timer.saved_bytes(pl_module, configs, step).items()}
+        saved: dict[ComparedPlan, float] = {}
+        if ctx.policy.weighs_memory:
+            saved = {k: ctx.reduce_mean(float(v)) for k, v in timer.saved_bytes(ctx.pl_module, configs, step).items()}
         return times, saved
 
-    @property
-    def _first_rounds(self) -> int:
-        return self.config.profile_warmup + self.config.profile_steps
-
-    def _extend_while(self, trainer: pl.Trainer, budget: ExtraRounds, undecided: Callable[[], bool],
+    def _extend_while(self, ctx: StageContext, budget: ExtraRounds, undecided: Callable[[], bool],
                       add: Callable[[int], Any]) -> None:
         """Measure more rounds (``add(rounds)``) while something is ``undecided`` and the budget lasts; every rank
         measures as many rounds as rank 0 asks for."""
         while True:
-            more = agree(trainer, budget.next_rounds() if undecided() else 0)
+            more = ctx.agree(budget.next_rounds() if undecided() else 0)
             if not more:
                 return
             if self.progress is not None:
@@ -312,65 +303,63 @@ class BatchStage:
                 add(more)
 
     # ---------------------------------------------------------------------------------------------- deciding
-    def _alternatives(self, modules: dict[str, torch.nn.Module], lowerable: list[str], order: list[str],
+    def _alternatives(self, modules: dict[str, nn.Module], lowerable: list[str], order: list[str],
                       decisions: dict[str, OperatorDecision], candidate_plan: PrecisionPlan | None,
-                      amp: set[str]) -> dict[str, PrecisionPlan]:
+                      amp: set[str]) -> dict[ComparedPlan, PrecisionPlan]:
         """Whole-step alternatives to the per-operator candidate plan (``None``: no candidate), timed beside it.
 
         ``amp`` is the fixed policy a user would otherwise pick: the operators one global autocast region lowers
         (:mod:`lightning_comp.search.measurement.autocast_lowering`); FP32, the other fixed policy, is always timed.
         The others catch effects per-operator timings miss: casts vanish inside long low-precision runs
-        (``all_low``), and cheap operators lowered between lowered ones can cost more than the casts they save,
-        e.g. a bf16 LayerNorm on a CPU (``compute``: the compute operators alone). Only plans that differ from the
+        (``ALL_LOW``), and cheap operators lowered between lowered ones can cost more than the casts they save,
+        e.g. a bf16 LayerNorm on a CPU (``COMPUTE``: the compute operators alone). Only plans that differ from the
         candidate plan and from each other are timed; ``CoMPSearch(exclude=...)`` holds in each.
         """
         low = self.low.value
         allowed = [n for n in order if n in lowerable and not decisions[n].excluded]
         heavy = [n for n in allowed if classify(modules[n]) in HEAVY_KINDS]
-        options = {
-            "amp": PrecisionPlan.from_dict({n: low for n in allowed if n in amp}),
-            "all_low": PrecisionPlan.from_dict({n: low for n in allowed}),
-            "compute": PrecisionPlan.from_dict({n: low for n in heavy}),
-        }
+        lowered = {ComparedPlan.AMP: [n for n in allowed if n in amp], ComparedPlan.ALL_LOW: allowed,
+                   ComparedPlan.COMPUTE: heavy}
         seen = {PrecisionPlan()[Dimension.COMPUTE].entries}
         if candidate_plan is not None:
             seen.add(candidate_plan[Dimension.COMPUTE].entries)
-        out: dict[str, PrecisionPlan] = {}
-        for label, plan in options.items():
+        out: dict[ComparedPlan, PrecisionPlan] = {}
+        for label in ALTERNATIVES:
+            plan = PrecisionPlan.from_dict(dict.fromkeys(lowered[label], low))
             if plan[Dimension.COMPUTE].entries not in seen:
                 seen.add(plan[Dimension.COMPUTE].entries)
                 out[label] = plan
         return out
 
-    def _adopt(self, winner: str, plan: PrecisionPlan, order: list[str], decisions: dict[str, OperatorDecision],
-               step_ms: dict[str, float], saved: dict[str, float]) -> list[str]:
+    def _adopt(self, ctx: StageContext, winner: ComparedPlan, plan: PrecisionPlan, order: list[str],
+               decisions: dict[str, OperatorDecision], steps: dict[ComparedPlan, PlanStep]) -> list[str]:
         """Make the operators of the winning alternative ``plan`` the candidates (no cheap-operator fills: the plan
         was timed as it is); return them."""
         lowered = {selector for selector, precision in plan[Dimension.COMPUTE].entries
                    if precision is not ComputePrecision.FP32}
-        what = ALTERNATIVES[winner].format(low=self.low)
-        timing = f"({step_ms[winner]:.3f} vs {step_ms['fp32']:.3f} ms per step in fp32"
-        timing += f", {step_ms['candidates']:.3f} ms for the candidates)" if "candidates" in step_ms else ")"
-        if saved:
-            incumbent = "candidates" if "candidates" in saved else "fp32"
-            timing += (f"; {saved[winner] / 2**20:.1f} MiB saved for backward vs {saved[incumbent] / 2**20:.1f} MiB"
-                       f" for the {incumbent}")
+        what = winner.describe(self.low)
+        timing = f"({steps[winner].ms:.3f} vs {steps[FP32].ms:.3f} ms per step in fp32"
+        timing += f", {steps[CANDIDATES].ms:.3f} ms for the candidates)" if CANDIDATES in steps else ")"
+        if steps[FP32].saved_bytes is not None:
+            incumbent = CANDIDATES if CANDIDATES in steps else FP32
+            timing += (f"; {(steps[winner].saved_bytes or 0.0) / 2**20:.1f} MiB saved for backward vs"
+                       f" {(steps[incumbent].saved_bytes or 0.0) / 2**20:.1f} MiB for the {incumbent.value}")
         for name in order:
             decision = decisions[name]
             if name in lowered:
                 decision.decision = Choice.CANDIDATE
-                decision.reason = f"lowered as in {what}, {self.policy.better} {timing}"
+                decision.reason = f"lowered as in {what}, {ctx.policy.better} {timing}"
             elif decision.decision in (Choice.CANDIDATE, Choice.FILL):
-                decision.keep_fp32(f"left fp32: {what} is {self.policy.better} {timing}")
+                decision.keep_fp32(f"left fp32: {what} is {ctx.policy.better} {timing}")
         return [n for n in order if n in lowered or decisions[n].forced]
 
-    def _check_candidates(self, trainer: pl.Trainer, steps: StepComparison, names: list[str],
+    def _check_candidates(self, ctx: StageContext, steps: StepComparison, names: list[str],
                           decisions: dict[str, OperatorDecision]) -> list[str]:
         """The candidates, unless their plan as a whole does not pay (then only the forced ones stay)."""
-        verdict = agree(trainer, self.policy.candidates_pay(steps))
+        verdict = ctx.agree(ctx.policy.candidates_pay(steps))
         if verdict is Verdict.BELOW:
             return names
-        ratio = steps.ratio("candidates", "fp32").describe()
+        ratio = steps.ratio(CANDIDATES, FP32).describe()
         why = ("cannot be told apart from fp32 as a whole step" if verdict is Verdict.UNDECIDED
                else "candidate plan as a whole not better than fp32")
         for name in names:

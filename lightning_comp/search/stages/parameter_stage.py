@@ -15,7 +15,6 @@ optimizer's own state.
 
 from __future__ import annotations
 
-import functools
 import statistics
 from collections.abc import Callable
 from typing import Any
@@ -29,9 +28,9 @@ from lightning_comp.execution.parameter_groups import parameter_owners
 from lightning_comp.numerics.precision import ComputePrecision, MasterPrecision, StatePrecision
 from lightning_comp.plan.dimensions import Dimension
 from lightning_comp.plan.plan import PrecisionPlan
-from lightning_comp.plugins.comp import CoMPPrecision
 from lightning_comp.search.candidates import Candidate
-from lightning_comp.search.config import Objective, SearchConfig
+from lightning_comp.search.config import Objective
+from lightning_comp.search.decisions.batch_result import ParameterStageResult
 from lightning_comp.search.decisions.operators import OperatorDecision
 from lightning_comp.search.decisions.parameters import (
     ParameterDecision,
@@ -39,16 +38,15 @@ from lightning_comp.search.decisions.parameters import (
     StepBudget,
     judge_lowering,
 )
-from lightning_comp.search.measurement.clocks import Clock
+from lightning_comp.search.decisions.whole_step import ComparedPlan
 from lightning_comp.search.measurement.estimates import paired_ratio
 from lightning_comp.search.measurement.optimizer_timing import UpdateConfig, time_updates
 from lightning_comp.search.measurement.step_timing import StepTimer
-from lightning_comp.search.ranks import agree, reduce_mean
-from lightning_comp.search.record.progress import SearchProgress
-from lightning_comp.search.stages.batch_result import ParameterStageResult
+from lightning_comp.search.stages.context import StageContext
 
 __all__ = ["ParameterStage"]
 
+CANDIDATES, PARAMETERS = ComparedPlan.CANDIDATES, ComparedPlan.PARAMETERS
 MIN_GROUP_PARAMS = 4096  # smaller groups hold too few bytes to be worth a candidate (and are not quantised)
 
 
@@ -56,32 +54,26 @@ class ParameterStage:
     """Measures and decides the optimizer-state and master-weight precision of each operator (module docstring).
 
     Args:
-        config: the search's settings.
-        low: the 16-bit precision searched.
-        plugin: the plugin that puts each measured plan into effect.
-        progress: where measured rounds are shown.
+        ctx: the batch stage's run.
     """
 
-    def __init__(self, config: SearchConfig, low: ComputePrecision, plugin: CoMPPrecision,
-                 progress: SearchProgress | None = None) -> None:
-        self.config = config
-        self.low = low
-        self.plugin = plugin
-        self.progress = progress
+    def __init__(self, ctx: StageContext) -> None:
+        self.ctx = ctx
+        self.config = ctx.config
 
     def skip_reason(self, trainer: pl.Trainer, base: PrecisionPlan) -> str | None:
         """Why the stage does not run here (``None``: it runs)."""
         config = self.config
-        if not config.state_precision.options and not config.master_precision.options:
-            return "state_precision='off' and master_precision='off'"
+        if not config.tried(Dimension.STATE) and not config.tried(Dimension.MASTER):
+            return "precisions={'state': 'off', 'master': 'off'}"
         optimizers = trainer.optimizers
         if len(optimizers) != 1 or not isinstance(optimizers[0], (torch.optim.Adam, torch.optim.AdamW)):
             kinds = ", ".join(type(o).__qualname__ for o in optimizers) or "none"
             return (f"the run's optimizers ({kinds}) are not a single torch.optim.Adam/AdamW, whose state and master"
                     " precisions the plugin can step")
-        if base.uses(ComputePrecision.FP16) or self.low is ComputePrecision.FP16:
+        if base.uses(ComputePrecision.FP16) or self.ctx.low is ComputePrecision.FP16:
             return "fp16 plans are loss-scaled, which state and master precisions do not combine with yet"
-        if self.plugin.compiled:
+        if self.ctx.plugin.compiled:
             return "the model is compiled"
         if "FSDP" in type(trainer.strategy).__name__ or "ModelParallel" in type(trainer.strategy).__name__:
             return f"{type(trainer.strategy).__name__} shards the parameters and their optimizer state"
@@ -92,22 +84,20 @@ class ParameterStage:
         """bf16 masters change parameter dtypes, which DDP's gradient buckets (built once) do not follow."""
         return trainer.world_size == 1
 
-    def measure(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: Callable[[], None], clock: Clock,
-                base: PrecisionPlan, decisions: dict[str, OperatorDecision], step_ms: dict[str, float],
-                saved_bytes: float) -> ParameterStageResult:
+    def measure(self, base: PrecisionPlan, decisions: dict[str, OperatorDecision], fp32_ms: float,
+                candidates_ms: float, saved_bytes: float) -> ParameterStageResult:
         """Measure, decide per operator (into each ``decisions[name].parameters``), and check the plan as a whole.
 
         Args:
-            trainer: the Trainer.
-            pl_module: the model.
-            step: one forward and backward.
-            clock: the stage's clock.
             base: the candidate plan, with its saved lowerings.
             decisions: the operators' decisions so far.
-            step_ms: whole-step times of ``"fp32"`` and, if any, ``"candidates"`` (forward and backward).
+            fp32_ms: the FP32 plan's whole step (forward and backward).
+            candidates_ms: the candidate plan's whole step (the FP32 plan's when there are no candidates).
             saved_bytes: bytes the candidate plan saves for backward.
         """
-        why = agree(trainer, self.skip_reason(trainer, base))
+        ctx = self.ctx
+        trainer, pl_module = ctx.trainer, ctx.pl_module
+        why = ctx.agree(self.skip_reason(trainer, base))
         if why is not None:
             return ParameterStageResult(skipped=why)
         optimizer = trainer.optimizers[0]
@@ -115,17 +105,15 @@ class ParameterStage:
         if not groups:
             return ParameterStageResult(skipped=f"no operator owns {MIN_GROUP_PARAMS} trainable parameters or more")
         configs: dict[str, UpdateConfig] = {"fp32": UpdateConfig(None)}
-        configs.update({s.value: UpdateConfig(s) for s in self.config.state_precision.options})
-        if self.config.master_precision.options and self._masters_allowed(trainer):
-            configs["master"] = UpdateConfig(self.config.state_precision.options[-1] if
-                                             self.config.state_precision.options else StatePrecision.FP32, master=True)
-        rounds, warmup = self.config.profile_steps, self.config.profile_warmup
-        times = time_updates(optimizer, groups, configs, clock, rounds, warmup)
-        times = agree(trainer, {g: {k: [reduce_mean(trainer, v) for v in vs] for k, vs in s.items()}
-                                for g, s in times.items()})
+        configs.update({s.value: UpdateConfig(s) for s in self.config.tried(Dimension.STATE)})
+        if self.config.tried(Dimension.MASTER) and self._masters_allowed(trainer):
+            configs["master"] = UpdateConfig(self.config.tried(Dimension.STATE)[-1] if
+                                             self.config.tried(Dimension.STATE) else StatePrecision.FP32, master=True)
+        rounds, warmup = self.config.measurement.profile_steps, self.config.measurement.profile_warmup
+        times = time_updates(optimizer, groups, configs, ctx.clock, rounds, warmup)
+        times = ctx.agree({g: {k: [ctx.reduce_mean(v) for v in vs] for k, vs in s.items()} for g, s in times.items()})
         fp32_update = sum(statistics.median(s["fp32"]) for s in times.values())
-        candidates_ms = step_ms.get("candidates", step_ms["fp32"]) + fp32_update
-        budget = StepBudget(step_ms=candidates_ms, fp32_step_ms=step_ms["fp32"] + fp32_update,
+        budget = StepBudget(step_ms=candidates_ms + fp32_update, fp32_step_ms=fp32_ms + fp32_update,
                             step_bytes=_persistent_bytes(pl_module, optimizer) + saved_bytes)
         result = ParameterStageResult()
         types = {o.owner: o.owner_type for o in parameter_owners(pl_module)}
@@ -141,7 +129,7 @@ class ParameterStage:
                 result.master_choices[name] = decision.master
                 result.benefits[Candidate.master(name)] = decision.master_benefit
         if result.state_choices or result.master_choices:
-            result.check = self._whole_step(trainer, pl_module, step, clock, base, result, times, budget)
+            result.check = self._whole_step(base, result, times, budget)
             if not result.check.pays:
                 for name in set(result.state_choices) | set(result.master_choices):
                     parameters = decisions[name].parameters
@@ -174,7 +162,7 @@ class ParameterStage:
         own_state = sum(state_nbytes(p, StatePrecision.FP32, amsgrad) for p in params)
         decision.bytes["fp32"] = own_state
         reasons = []
-        for option in self.config.state_precision.options:  # smallest first
+        for option in self.config.tried(Dimension.STATE):  # smallest first
             lowered = sum(state_nbytes(p, option, amsgrad) for p in params)
             time = paired_ratio(times["fp32"], times[option.value])
             decision.bytes[option.value] = lowered
@@ -198,42 +186,41 @@ class ParameterStage:
                 reasons.append(f"master bf16: the operator computes in {compute.value} in the candidate plan")
             else:
                 ok, why, benefit = judge_lowering(self.config, budget, weights, lowered, fp32_ms, time)
-                if ok:
-                    decision.master, decision.master_benefit = MasterPrecision.BF16, benefit
+                forced = self.config.included(Dimension.MASTER).matches(name, module_type)
+                if ok or forced:
+                    decision.master, decision.master_benefit = MasterPrecision.BF16, benefit if ok else 0.0
                     decision.gain_bytes += weights - lowered
-                    reasons.append(f"master bf16 pays: {why}")
+                    decision.forced = decision.forced or (forced and not ok)
+                    reasons.append(f"master bf16 pays: {why}" if ok else
+                                   f"master bf16: included by CoMPSearch(include_dimensions={{'master': ...}}) ({why})")
                 else:
                     reasons.append(f"master bf16: {why}")
-        if self.config.included_state.matches(name, module_type) and self.config.state_precision.options:
+        if self.config.included(Dimension.STATE).matches(name, module_type) and self.config.tried(Dimension.STATE):
             decision.forced = True
             if not decision.state.managed:
-                smallest = self.config.state_precision.options[0]
+                smallest = self.config.tried(Dimension.STATE)[0]
                 decision.state = smallest
                 decision.gain_bytes += own_state - decision.bytes[smallest.value]
-                reasons.append(f"state {smallest.value}: included by CoMPSearch(include_state=...)")
+                reasons.append(f"state {smallest.value}: included by CoMPSearch(include_dimensions={{'state': ...}})")
         decision.reason = "; ".join(reasons)
         return decision
 
-    def _whole_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: Callable[[], None],
-                    clock: Clock, base: PrecisionPlan, result: ParameterStageResult,
+    def _whole_step(self, base: PrecisionPlan, result: ParameterStageResult,
                     times: dict[str, dict[str, list[float]]], budget: StepBudget) -> ParameterStepCheck:
         """The candidate plan with and without the lowerings as whole steps: forward and backward timed, updates
         added; judged by the objective."""
-        config, plugin = self.config, self.plugin
+        ctx = self.ctx
+        config, plugin = ctx.config, ctx.plugin
         lowered = base.with_assignment(Dimension.STATE, {n: s.value for n, s in result.state_choices.items()})
         lowered = lowered.with_assignment(Dimension.MASTER, {n: m.value for n, m in result.master_choices.items()})
-        configs: dict[str, Callable[[], Any]] = {
-            "candidates": functools.partial(plugin.measured_step, base),
-            "parameters": functools.partial(plugin.measured_step, lowered)}
-        timer = StepTimer(clock, config.profile_steps, config.profile_warmup)
-        if self.progress is not None:
-            self.progress.extend_stage(config.profile_warmup + config.profile_steps)
-            timer.on_round = functools.partial(self.progress.round_done, "optimizer state and masters, whole steps")
-        measured = timer.time(configs, step)
+        configs: dict[ComparedPlan, Callable[[], Any]] = {CANDIDATES: ctx.measured(base),
+                                                          PARAMETERS: ctx.measured(lowered)}
+        timer = StepTimer(ctx.clock, config.measurement.profile_steps, config.measurement.profile_warmup)
+        timer.on_round = ctx.show_rounds(ctx.first_rounds, "optimizer state and masters, whole steps")
+        measured = timer.time(configs, ctx.step)
         plugin.try_plan(base)  # the masters back in fp32 before anything else runs
-        forward = paired_ratio(measured.ms["candidates"], measured.ms["parameters"])
-        forward = agree(trainer, forward)
-        base_forward = reduce_mean(trainer, statistics.median(measured.ms["candidates"]))
+        forward = ctx.agree(paired_ratio(measured.ms[CANDIDATES], measured.ms[PARAMETERS]))
+        base_forward = ctx.reduce_mean(statistics.median(measured.ms[CANDIDATES]))
 
         def update(name: str) -> float:
             chosen = "master" if name in result.master_choices else (
@@ -250,7 +237,7 @@ class ParameterStage:
                  f" gradients, optimizer state, saved for backward), step time x{time_ratio:.2f} of the candidates'"
                  f" (forward and backward x{forward.ratio:.2f} [{forward.low:.2f}, {forward.high:.2f}], updates"
                  f" {old_updates:.2f} -> {new_updates:.2f} ms)")
-        keep = 1 - config.speed_margin
+        keep = 1 - config.measurement.speed_margin
         if config.objective is Objective.MEMORY:
             slowdown = new_ms / max(budget.fp32_step_ms, 1e-9)
             ok = memory_ratio <= keep and slowdown <= config.max_memory_slowdown
@@ -258,10 +245,10 @@ class ParameterStage:
         else:
             ok = (time_ratio * memory_ratio) ** 0.5 <= keep
             bound = "better in time x memory than the candidates"
-        verdict = agree(trainer, "pays" if ok else f"as a whole step not {bound}: {shown}")
+        verdict = ctx.agree("pays" if ok else f"as a whole step not {bound}: {shown}")
         return ParameterStepCheck(pays=verdict == "pays", verdict=verdict, description=shown,
-                                  step_bytes={"candidates": old_bytes, "parameters": new_bytes},
-                                  step_ms={"candidates": old_ms, "parameters": new_ms})
+                                  step_bytes={CANDIDATES: old_bytes, PARAMETERS: new_bytes},
+                                  step_ms={CANDIDATES: old_ms, PARAMETERS: new_ms})
 
 
 def _persistent_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> float:

@@ -14,23 +14,17 @@ layer whose gradients suffer is isolated like any other candidate.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
-
-import lightning.pytorch as pl
-import torch
 
 from lightning_comp.execution.recompute import recompute_unsuitable
 from lightning_comp.numerics.precision import SavedPrecision
 from lightning_comp.operators.kinds import OperatorKind, classify
 from lightning_comp.plan.dimensions import Dimension
 from lightning_comp.plan.plan import PrecisionPlan
-from lightning_comp.plugins.comp import CoMPPrecision
 from lightning_comp.search.candidates import Candidate
-from lightning_comp.search.config import SearchConfig
-from lightning_comp.search.decisions.objectives import policy_for
+from lightning_comp.search.decisions.batch_result import SavedStageResult
 from lightning_comp.search.decisions.operators import OperatorDecision
 from lightning_comp.search.decisions.saved import (
     SavedDecision,
@@ -39,61 +33,56 @@ from lightning_comp.search.decisions.saved import (
     sharing_groups,
     unshared_choices,
 )
-from lightning_comp.search.decisions.whole_step import StepComparison
-from lightning_comp.search.measurement.clocks import Clock
+from lightning_comp.search.decisions.whole_step import ComparedPlan, StepComparison
 from lightning_comp.search.measurement.estimates import RatioEstimate, paired_ratio
 from lightning_comp.search.measurement.profiling import OperatorProfiler, ProfileResult
 from lightning_comp.search.measurement.step_timing import StepTimer
-from lightning_comp.search.ranks import agree, reduce_mean, reduce_profile
-from lightning_comp.search.record.progress import SearchProgress
-from lightning_comp.search.stages.batch_result import SavedStageResult
+from lightning_comp.search.ranks import reduce_profile
+from lightning_comp.search.stages.context import StageContext
 
 __all__ = ["SavedStage"]
 
-_RECOMPUTE = SavedPrecision.RECOMPUTE.value  # the profiled configuration in which the cheap operators recompute
+FP32, CANDIDATES, SAVED = ComparedPlan.FP32, ComparedPlan.CANDIDATES, ComparedPlan.SAVED
 
 
 class SavedStage:
     """Measures and decides the saved precision of each operator (see the module docstring).
 
     Args:
-        config: the search's settings.
-        plugin: the plugin that puts each measured plan into effect.
-        progress: where measured rounds are shown.
+        ctx: the batch stage's run.
     """
 
-    def __init__(self, config: SearchConfig, plugin: CoMPPrecision, progress: SearchProgress | None = None) -> None:
-        self.config = config
-        self.policy = policy_for(config)
-        self.plugin = plugin
-        self.progress = progress
+    def __init__(self, ctx: StageContext) -> None:
+        self.ctx = ctx
+        self.policy = ctx.policy
 
-    def eligible(self, modules: dict[str, torch.nn.Module], order: list[str]) -> list[str]:
+    def eligible(self, order: list[str]) -> list[str]:
         """Operators whose saved precision may be lowered: all that ran, but shape-only and excluded ones."""
-        excluded = self.config.excluded
+        excluded, modules = self.ctx.config.excluded, self.ctx.modules
         return [n for n in order if classify(modules[n]) is not OperatorKind.SHAPE
                 and not excluded.matches(n, modules[n])]
 
-    def measure(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: Callable[[], None], clock: Clock,
-                base: PrecisionPlan, modules: dict[str, torch.nn.Module], order: list[str],
+    def measure(self, base: PrecisionPlan, order: list[str],
                 decisions: dict[str, OperatorDecision]) -> SavedStageResult:
-        """Measure, decide per operator (into each ``decisions[name].saved``), and check the plan as a whole step."""
-        eligible = self.eligible(modules, order)
+        """Measure on top of the candidate plan ``base``, decide per operator (into each ``decisions[name].saved``),
+        and check the plan as a whole step."""
+        modules = self.ctx.modules
+        eligible = self.eligible(order)
         # bf16 shrinks only what an operator computing in fp32 saves: not worth profiling when every one is lowered
         options = tuple(s for s in self.policy.saved_options if s is not SavedPrecision.BF16
                         or any(not base.of(Dimension.COMPUTE, n, type(modules[n])).is_low for n in eligible))
         recomputable = [n for n in eligible if self.policy.recomputes and recompute_unsuitable(modules[n]) is None]
-        if not options and not recomputable:  # e.g. saved_precision="bf16" with every operator computing in 16 bits
+        if not options and not recomputable:  # e.g. saved "bf16" with every operator computing in 16 bits
             return SavedStageResult()
-        results = self._profile(trainer, pl_module, step, clock, base, eligible, options, recomputable)
+        results = self._profile(base, eligible, options, recomputable)
         result = SavedStageResult()
         if recomputable:
-            self._decide_recompute(results, recomputable, modules, decisions, result)
+            self._decide_recompute(results, recomputable, decisions, result)
         codec = [n for n in eligible if n not in result.choices]
-        self._decide(results, codec, options, modules, decisions, result)
-        result.choices, result.benefits = agree(trainer, (result.choices, result.benefits))
+        self._decide(results, codec, options, decisions, result)
+        result.choices, result.benefits = self.ctx.agree((result.choices, result.benefits))
         if result.choices:
-            result.check = self._whole_step(trainer, pl_module, step, clock, base, result.choices)
+            result.check = self._whole_step(base, result.choices)
             if not result.check.pays:
                 for name in list(result.choices):
                     saved = decisions[name].saved
@@ -102,39 +91,37 @@ class SavedStage:
                         result.drop(name)
         return result
 
-    def _profile(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: Callable[[], None], clock: Clock,
-                 base: PrecisionPlan, eligible: list[str], options: tuple[SavedPrecision, ...],
-                 recomputable: list[str]) -> dict[str, ProfileResult]:
-        """The candidate plan profiled with every eligible operator saving as computed and at each option, and with
-        every recomputable one recomputing."""
-        config, plugin = self.config, self.plugin
-        plans = {"fp32": base, **{s.value: base.with_assignment(Dimension.SAVED, dict.fromkeys(eligible, s.value))
-                                  for s in options}}
+    def _profile(self, base: PrecisionPlan, eligible: list[str], options: tuple[SavedPrecision, ...],
+                 recomputable: list[str]) -> dict[SavedPrecision, ProfileResult]:
+        """The candidate plan profiled with every eligible operator saving as computed (``FP32``) and at each option,
+        and with every recomputable one recomputing (``RECOMPUTE``)."""
+        ctx = self.ctx
+        config = ctx.config
+        plans = {SavedPrecision.FP32: base}
+        plans.update({s: base.with_assignment(Dimension.SAVED, dict.fromkeys(eligible, s.value)) for s in options})
         if recomputable:
-            plans[_RECOMPUTE] = base.with_assignment(Dimension.SAVED,
-                                                     dict.fromkeys(recomputable, SavedPrecision.RECOMPUTE.value))
+            plans[SavedPrecision.RECOMPUTE] = base.with_assignment(
+                Dimension.SAVED, dict.fromkeys(recomputable, SavedPrecision.RECOMPUTE.value))
         # Profiled as training steps run (calibrated cast boundaries, so a lowered operator's output stays low where
         # training keeps it low, and the tensors operators share are the ones training shares). A saved precision
         # does not move a cast boundary: one calibrating step of the base plan serves every configuration.
-        with plugin.measured_step(base):
-            step()
-        configs: dict[str, Callable[[], Any]] = {
-            label: functools.partial(plugin.measured_step, plan) for label, plan in plans.items()}
-        profiler = OperatorProfiler(pl_module, clock, config.profile_steps, config.profile_warmup)
-        if self.progress is not None:  # the bar counts rounds (each measures every configuration)
-            self.progress.extend_stage(config.profile_warmup + config.profile_steps)
-            profiler.on_round = functools.partial(self.progress.round_done, "saved precision, per operator")
-        results = profiler.profile(configs, step)
-        reduce_profile(trainer, results)
+        with ctx.plugin.measured_step(base):
+            ctx.step()
+        configs: dict[SavedPrecision, Callable[[], Any]] = {label: ctx.measured(plan) for label, plan in plans.items()}
+        measurement = config.measurement
+        profiler = OperatorProfiler(ctx.pl_module, ctx.clock, measurement.profile_steps, measurement.profile_warmup)
+        # the bar counts rounds (each measures every configuration)
+        profiler.on_round = ctx.show_rounds(ctx.first_rounds, "saved precision, per operator")
+        results = profiler.profile(configs, ctx.step)
+        reduce_profile(ctx.trainer, results)
         return results
 
-    def _decide_recompute(self, results: dict[str, ProfileResult], recomputable: list[str],
-                          modules: dict[str, torch.nn.Module], decisions: dict[str, OperatorDecision],
-                          result: SavedStageResult) -> None:
+    def _decide_recompute(self, results: dict[SavedPrecision, ProfileResult], recomputable: list[str],
+                          decisions: dict[str, OperatorDecision], result: SavedStageResult) -> None:
         """The cheap operators' recomputation, judged as one group against the whole step: what recomputing an
         operator frees shows in its consumers' saved bytes (the next Linear no longer holds the GELU's output),
         and what it costs in the backward of every operator that unpacks it."""
-        base, recomputed = results["fp32"], results[_RECOMPUTE]
+        base, recomputed = results[SavedPrecision.FP32], results[SavedPrecision.RECOMPUTE]
         ran = [n for n in base.order if n in base.operators and n in recomputed.operators]
         if not ran:
             return
@@ -152,27 +139,28 @@ class SavedStage:
                 result.choices[name] = decision.decision
                 result.benefits[Candidate.saved(name)] = decision.benefit
 
-    def _decide(self, results: dict[str, ProfileResult], eligible: list[str], options: tuple[SavedPrecision, ...],
-                modules: dict[str, torch.nn.Module], decisions: dict[str, OperatorDecision],
+    def _decide(self, results: dict[SavedPrecision, ProfileResult], eligible: list[str],
+                options: tuple[SavedPrecision, ...], decisions: dict[str, OperatorDecision],
                 result: SavedStageResult) -> SavedStageResult:
         """Each group of operators that save the same tensors judged together; forced and unshared ones settled."""
-        included = self.config.included_saved
-        base = results["fp32"]
+        included, modules = self.ctx.config.included(Dimension.SAVED), self.ctx.modules
+        base = results[SavedPrecision.FP32]
         ran = [n for n in eligible if n in base.operators]
         for group in sharing_groups(ran, base.sharing) if options else []:
             measured: dict[SavedPrecision, tuple[int, RatioEstimate]] = {
-                s: (sum(results[s.value].operators[n].own_saved_bytes for n in group),
-                    paired_ratio(_summed(base, group), _summed(results[s.value], group)))
-                for s in options if all(n in results[s.value].operators for n in group)}
+                s: (sum(results[s].operators[n].own_saved_bytes for n in group),
+                    paired_ratio(_summed(base, group), _summed(results[s], group)))
+                for s in options if all(n in results[s].operators for n in group)}
             shared = judge_saved(self.policy, sum(base.operators[n].own_saved_bytes for n in group), measured)
             for name in group:
                 decision = _share_of(shared, group)
                 if included.matches(name, modules[name]):
                     decision.forced = True
                     if not decision.lowers:
-                        smallest = options[0]  # fp8 with saved_precision="auto"
+                        smallest = options[0]  # fp8 with precisions={"saved": "auto"}
                         decision.decision = smallest
-                        decision.reason = f"included by CoMPSearch(include_saved=...) at {smallest.value}"
+                        decision.reason = (f"included by CoMPSearch(include_dimensions={{'saved': ...}}) at"
+                                           f" {smallest.value}")
                 decisions[name].saved = decision
                 if decision.lowers:
                     result.choices[name] = decision.decision
@@ -187,27 +175,24 @@ class SavedStage:
             result.drop(name)
         return result
 
-    def _whole_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: Callable[[], None], clock: Clock,
-                    base: PrecisionPlan, choices: dict[str, SavedPrecision]) -> SavedStepCheck:
+    def _whole_step(self, base: PrecisionPlan, choices: dict[str, SavedPrecision]) -> SavedStepCheck:
         """Time the candidate plan with and without the saved lowerings as whole steps, and judge the difference."""
-        config, plugin = self.config, self.plugin
+        ctx = self.ctx
+        config = ctx.config
         with_saved = base.with_assignment(Dimension.SAVED, {name: saved.value for name, saved in choices.items()})
-        plans = {"fp32": PrecisionPlan(), "candidates": base, "saved": with_saved}
-        configs: dict[str, Callable[[], Any]] = {
-            label: functools.partial(plugin.measured_step, plan) for label, plan in plans.items()}
-        timer = StepTimer(clock, config.profile_steps, config.profile_warmup)
-        if self.progress is not None:
-            self.progress.extend_stage(config.profile_warmup + config.profile_steps)
-            timer.on_round = functools.partial(self.progress.round_done, "saved precision, whole steps")
-        times = timer.time(configs, step)
-        saved = {k: reduce_mean(trainer, float(v)) for k, v in timer.saved_bytes(pl_module, configs, step).items()}
+        plans = {FP32: PrecisionPlan(), CANDIDATES: base, SAVED: with_saved}
+        configs: dict[ComparedPlan, Callable[[], Any]] = {label: ctx.measured(plan) for label, plan in plans.items()}
+        timer = StepTimer(ctx.clock, config.measurement.profile_steps, config.measurement.profile_warmup)
+        timer.on_round = ctx.show_rounds(ctx.first_rounds, "saved precision, whole steps")
+        times = timer.time(configs, ctx.step)
+        saved = {k: ctx.reduce_mean(float(v)) for k, v in timer.saved_bytes(ctx.pl_module, configs, ctx.step).items()}
         steps = StepComparison(times.ms)
-        memory_ratio = saved["saved"] / saved["candidates"] if saved["candidates"] > 0 else 1.0
+        memory_ratio = saved[SAVED] / saved[CANDIDATES] if saved[CANDIDATES] > 0 else 1.0
         ok, bound = self.policy.saved_step(steps, memory_ratio)
-        shown = (f"saved bytes x{memory_ratio:.2f} of the candidates' ({saved['saved'] / 2**20:.1f} vs"
-                 f" {saved['candidates'] / 2**20:.1f} MiB), step time {steps.ratio('saved', 'fp32').describe()} of"
+        shown = (f"saved bytes x{memory_ratio:.2f} of the candidates' ({saved[SAVED] / 2**20:.1f} vs"
+                 f" {saved[CANDIDATES] / 2**20:.1f} MiB), step time {steps.ratio(SAVED, FP32).describe()} of"
                  " fp32")
-        verdict = agree(trainer, "pays" if ok else f"as a whole step not {bound}: {shown}")
+        verdict = ctx.agree("pays" if ok else f"as a whole step not {bound}: {shown}")
         return SavedStepCheck(pays=verdict == "pays", verdict=verdict, description=shown, saved_bytes=saved,
                               step_ms={k: min(v) for k, v in times.ms.items()}, step_ratios=steps.ratios())
 

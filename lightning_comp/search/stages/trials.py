@@ -28,13 +28,13 @@ from lightning_comp.plugins.comp import CoMPPrecision
 from lightning_comp.search.candidates import Candidate
 from lightning_comp.search.checks import no_validation_at_trial_end, nothing_to_search
 from lightning_comp.search.config import SearchConfig
+from lightning_comp.search.decisions.batch_result import BatchStageResult
 from lightning_comp.search.decisions.group_search import GroupSearch
-from lightning_comp.search.decisions.trial_plans import plan_for
+from lightning_comp.search.decisions.trial_plans import PlanRole, plan_for
 from lightning_comp.search.decisions.trials import TrialVerdict, judge_trial
 from lightning_comp.search.ranks import agree
 from lightning_comp.search.rewind.loop import LoopBudget, no_epoch_follows, rewind
 from lightning_comp.search.rewind.pause import CallbackPause
-from lightning_comp.search.stages.batch_result import BatchStageResult
 from lightning_comp.search.state import Phase, Restore, SearchState, TrialRecord
 
 __all__ = ["TrialDriver", "trial_batches", "warn_stopped_inside_the_search"]
@@ -88,8 +88,7 @@ class TrialDriver:
             return PrecisionPlan()
         low = self.state.low_precision
         assert low is not None
-        return plan_for(low, self.state.runs, group, self.state.saved_choices, self.state.state_choices,
-                        self.state.master_choices)
+        return plan_for(low, self.state.runs, group, self.state.choices)
 
     def due(self, trial: TrialRecord, epochs_finished: int) -> bool:
         """Whether ``trial`` has trained its epochs and been validated at the end of its last one."""
@@ -103,7 +102,7 @@ class TrialDriver:
         if rewind_first:
             assert state.snapshot is not None and state.search_start_epoch is not None
             rewind(trainer, pl_module, self.plugin, state.snapshot, epoch=state.search_start_epoch)
-        plan = self.plugin.try_plan(self.plan(group).with_provenance(role="trial", trial=label))
+        plan = self.plugin.try_plan(PlanRole.TRIAL.mark(self.plan(group), trial=label))
         state.trials.append(TrialRecord(
             label=label, group=group, plan=plan.to_dict(), start_epoch=trainer.current_epoch,
             start_step=trainer.global_step,
@@ -121,24 +120,24 @@ class TrialDriver:
         current = state.current_trial
         if state.phase is Phase.DONE and state.chosen is not None:
             self.plugin.try_plan(PrecisionPlan.from_dict(state.chosen))
-        elif state.phase is Phase.SEARCHING and current is not None:
+        elif state.searching and current is not None:
             self.plugin.try_plan(PrecisionPlan.from_dict(current.plan))
         elif state.phase is Phase.PENDING and state.low_precision is None:
             device = model_device(pl_module)
-            state.profile = {"num_operators": len(list(iter_operators(pl_module)))}
+            state.num_operators = len(list(iter_operators(pl_module)))
             self.finish(trainer, PrecisionPlan(), "fp32", reason=agree(trainer, why_nothing_pays(
                 device_class(device), device)))
         elif state.phase is Phase.PENDING and state.low_precision is not None:
             why = nothing_to_search(self.config, state.low_precision, pl_module)
             if why is not None:  # finish at once: no profiling, no trials, no extra epochs
                 rank_zero_warn(f"CoMPSearch: {why}. Training continues in fp32 without a search.")
-                state.profile = {"num_operators": len(list(iter_operators(pl_module)))}
+                state.num_operators = len(list(iter_operators(pl_module)))
                 self.finish(trainer, PrecisionPlan(), "fp32", reason=why)
 
     def begin_search(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Start the search at this epoch: snapshot the run, pause EarlyStopping, start the FP32 reference trial."""
         state = self.state
-        state.phase = Phase.SEARCHING
+        state.phase = Phase.MEASURING
         state.search_start_epoch = trainer.current_epoch
         state.warmup_batches = lightning.batches_done_in_total(trainer)
         state.snapshot = self.capture(trainer, pl_module)
@@ -149,11 +148,9 @@ class TrialDriver:
         """Take the batch stage's result: the candidates and the group testing over them, or the end of the search
         when nothing is worth a trial (the reference trial's epoch is then plain FP32 training, and kept)."""
         state = self.state
-        state.runs = result.runs
-        state.saved_choices = dict(result.saved.choices)
-        state.state_choices = dict(result.parameters.state_choices)
-        state.master_choices = dict(result.parameters.master_choices)
-        state.profile = result.profile()
+        state.batch = result
+        state.num_operators = len(result.decisions)
+        state.phase = Phase.SEARCHING
         state.group_search = GroupSearch(result.candidates, result.benefits, self.config.max_trials)
         state.profiling_seconds = seconds
         if state.group_search.done:
@@ -274,8 +271,8 @@ class TrialDriver:
             state.snapshot = None
         if restore is not Restore.REFERENCE_END:
             state.reference_end = None
-        chosen = plan.with_provenance(
-            role="chosen", made_by="CoMPSearch", trial=label, reason=reason, monitor=self.config.monitor,
+        chosen = PlanRole.CHOSEN.mark(
+            plan, made_by="CoMPSearch", trial=label, reason=reason, monitor=self.config.monitor,
             tolerance=self.config.tolerance, tolerance_mode=self.config.tolerance_mode.value,
         )
         state.chosen = self.plugin.try_plan(chosen).to_dict()

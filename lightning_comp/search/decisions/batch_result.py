@@ -1,4 +1,8 @@
-"""What the batch stage hands to the epoch stage, and what the decision record keeps of it."""
+"""What the batch stage decided and measured: handed to the epoch stage, kept in the search state, recorded.
+
+The result is typed while the search runs; :mod:`lightning_comp.search.state` writes it into a checkpoint in plain
+types and reads it back, and :mod:`lightning_comp.search.record.build` turns it into the decision record's form.
+"""
 
 from __future__ import annotations
 
@@ -6,13 +10,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lightning_comp.numerics.precision import MasterPrecision, SavedPrecision, StatePrecision
+from lightning_comp.plan.dimensions import Dimension
 from lightning_comp.search.candidates import Candidate
 from lightning_comp.search.decisions.operators import OperatorDecision
 from lightning_comp.search.decisions.parameters import ParameterStepCheck
 from lightning_comp.search.decisions.saved import SavedStepCheck
-from lightning_comp.search.decisions.trial_plans import CheapRun
+from lightning_comp.search.decisions.trial_plans import CheapRun, Choices
+from lightning_comp.search.decisions.whole_step import ComparedPlan, PlanStep, ProfiledPlan
 
-__all__ = ["BatchStageResult", "ParameterStageResult", "SavedStageResult"]
+__all__ = ["BatchStageResult", "ParameterStageResult", "SavedStageResult", "StepMemory"]
 
 
 @dataclass
@@ -63,15 +69,18 @@ class ParameterStageResult:
         self.benefits.pop(Candidate.master(operator), None)
         self.gains.pop(operator, None)
 
-    def to_dict(self) -> dict[str, Any]:
-        """The record's form."""
-        out: dict[str, Any] = {"state": {n: s.value for n, s in self.state_choices.items()},
-                               "master": {n: m.value for n, m in self.master_choices.items()}}
-        if self.check is not None:
-            out["check"] = self.check.to_dict()
-        if self.skipped is not None:
-            out["skipped"] = self.skipped
-        return out
+
+@dataclass(frozen=True)
+class StepMemory:
+    """What one profiled step held.
+
+    Attributes:
+        saved_bytes: bytes saved for backward.
+        peak_bytes: the step's peak (CUDA only; ``None`` elsewhere).
+    """
+
+    saved_bytes: int
+    peak_bytes: int | None = None
 
 
 @dataclass
@@ -84,14 +93,11 @@ class BatchStageResult:
         benefits: per candidate, what it gains in the objective's unit (ranks the fallback groups).
         runs: the runs of cheap operators lowered between two lowered candidates.
         saved: the saved-precision candidates (memory and balanced objectives).
-        parameters: the optimizer-state and master-weight candidates (memory and balanced objectives).
         order: the operators in the order they first ran.
-        step_ms: whole-step time per plan timed (fastest round, the clock's milliseconds).
-        step_wall_ms: the same steps' real time.
-        step_ratios: each plan's step time relative to FP32, with its interval.
-        step_saved_bytes: bytes each plan saves for backward in a step (objectives that weigh memory).
-        memory: per profiled configuration, bytes saved for backward and (CUDA) the step's peak.
-        timing: the clock it measured with, and why.
+        steps: per plan timed as a whole step, its timing.
+        memory: per profiled plan, what its step held.
+        timing: the clock it measured with, and why (the record's form).
+        parameters: the optimizer-state and master-weight candidates (memory and balanced objectives).
     """
 
     decisions: dict[str, OperatorDecision]
@@ -100,25 +106,13 @@ class BatchStageResult:
     runs: list[CheapRun]
     saved: SavedStageResult
     order: list[str]
-    step_ms: dict[str, float]
-    step_wall_ms: dict[str, float]
-    step_ratios: dict[str, dict[str, float | int]]
-    step_saved_bytes: dict[str, float]
-    memory: dict[str, dict[str, int | None]]
+    steps: dict[ComparedPlan, PlanStep]
+    memory: dict[ProfiledPlan, StepMemory]
     timing: dict[str, Any] | None = None
     parameters: ParameterStageResult = field(default_factory=ParameterStageResult)
 
-    def profile(self) -> dict[str, Any]:
-        """The decision record's form of the measurements (``operators``, ``step_ms``, ... ``saved_step``)."""
-        return {
-            "operators": {name: decision.to_dict() for name, decision in self.decisions.items()},
-            "step_ms": dict(self.step_ms),
-            "step_wall_ms": dict(self.step_wall_ms),
-            "step_ratios": dict(self.step_ratios),
-            "step_saved_bytes": dict(self.step_saved_bytes),
-            "order": list(self.order),
-            "memory": dict(self.memory),
-            "timing": self.timing,
-            "saved_step": {} if self.saved.check is None else self.saved.check.to_dict(),
-            "parameter_step": self.parameters.to_dict(),
-        }
+    @property
+    def choices(self) -> Choices:
+        """Per parameter-side dimension, operator -> the value of its candidate of that dimension."""
+        return {Dimension.SAVED: dict(self.saved.choices), Dimension.STATE: dict(self.parameters.state_choices),
+                Dimension.MASTER: dict(self.parameters.master_choices)}
