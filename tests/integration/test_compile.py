@@ -230,6 +230,7 @@ def test_a_new_plan_is_traced_anew_and_hooks_are_guarded_only_while_fitting(tmp_
         assert torch._dynamo.config.skip_nnmodule_hook_guards  # PyTorch's default is back after the fit
 
 
+@pytest.mark.slow
 def test_graph_breaks_counts_what_dynamo_splits() -> None:
     def split(x: torch.Tensor) -> torch.Tensor:
         y = x * 2
@@ -306,6 +307,7 @@ class _Recurrent(nn.Module):
         return self.head(h)
 
 
+@pytest.mark.slow
 def test_an_operator_dynamo_cannot_trace_still_computes_in_its_planned_dtype() -> None:
     """Dynamo breaks the graph at nn.LSTM: a region entered in the graph is not in force in the eager call after the
     break, so compiled steps ran the bf16-planned LSTM in fp32. It now runs outside the graph, hooks included."""

@@ -114,6 +114,7 @@ def _trainer(tmp_path: Path, plugin: CoMPPrecision, callbacks: list[Any], **kwar
                       default_root_dir=str(tmp_path), **kwargs)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("key", [_params(k) for k in MODELS])
 def test_an_all_bf16_plan_computes_every_matmul_and_attention_in_bf16(key: str, tmp_path: Path) -> None:
     torch.manual_seed(0)
@@ -133,6 +134,7 @@ def test_an_all_bf16_plan_computes_every_matmul_and_attention_in_bf16(key: str, 
     assert all(p.dtype == FP32 for p in model.parameters())  # master weights
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("key", [_params("litgpt"), _params("x_transformer")])
 def test_a_linear_only_plan_leaves_attention_in_fp32_and_warns_naming_it(key: str, tmp_path: Path) -> None:
     torch.manual_seed(0)
@@ -148,6 +150,7 @@ def test_a_linear_only_plan_leaves_attention_in_fp32_and_warns_naming_it(key: st
     assert attention and all(set(d) == {FP32} for _, d in attention)
 
 
+@pytest.mark.slow
 @_needs("litgpt", "litgpt")
 def test_a_search_on_litgpt_trials_attention_and_its_plan_round_trips_and_resumes(tmp_path: Path) -> None:
     """Candidates pinned (whether bf16 pays on this CPU is not what is tested): the attention operators are

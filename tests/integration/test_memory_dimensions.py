@@ -67,6 +67,7 @@ class Dtypes(pl.Callback):
         self.seen = {name: p.dtype for name, p in pl_module.named_parameters()}
 
 
+@pytest.mark.slow
 def test_every_dimension_trains_through_the_trainer(tmp_path: Path) -> None:
     dtypes = Dtypes()
     trainer, model = _fit(tmp_path / "comp", EVERY_DIMENSION, max_epochs=2, callbacks=[dtypes])
@@ -86,6 +87,7 @@ def test_every_dimension_trains_through_the_trainer(tmp_path: Path) -> None:
     assert ours == pytest.approx(fp32, rel=0.05)
 
 
+@pytest.mark.slow
 def test_resume_with_every_dimension_is_bit_exact(tmp_path: Path) -> None:
     """Four epochs straight, against two epochs, a checkpoint, and two more in a fresh Trainer and model: the same
     weights (bf16 masters included), optimizer states (8-bit codes and scales) and stochastic-rounding stream."""

@@ -7,6 +7,7 @@ import copy
 from typing import Any
 
 import lightning.pytorch as pl
+import pytest
 import torch
 from torch import nn
 
@@ -57,6 +58,7 @@ def test_a_recomputed_relu_trains_to_the_same_weights(fast_trainer_kwargs: dict[
     assert plain.keys() == recomputed.keys() and all(torch.equal(plain[k], recomputed[k]) for k in plain)
 
 
+@pytest.mark.slow
 def test_a_recomputed_norm_and_activation_in_bf16_train_to_the_same_weights(
         fast_trainer_kwargs: dict[str, Any]) -> None:
     torch.manual_seed(0)

@@ -275,6 +275,7 @@ def finished_search(tmp_path_factory: pytest.TempPathFactory) -> CoMPSearch:
     return search
 
 
+@pytest.mark.slow
 def test_the_search_state_round_trips_through_its_checkpoint_form(finished_search: CoMPSearch) -> None:
     saved = finished_search.state_dict()
     again = CoMPSearch(**asdict(finished_search.config))  # the record reports the settings beside the state
@@ -308,6 +309,7 @@ def test_unknown_keys_in_a_search_state_are_an_error_naming_them(finished_search
         CoMPSearch(verbose=False).load_state_dict(missing)
 
 
+@pytest.mark.slow
 def test_the_batch_stage_measures_operators_at_training_cast_boundaries_and_times_amps_plan(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from lightning_comp.search.stages import batch_stage

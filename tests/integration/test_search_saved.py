@@ -139,6 +139,7 @@ def test_a_nan_from_compression_is_caught_by_the_trials_nan_rejection(tmp_path: 
     assert all(torch.isfinite(p).all() for p in trainer.lightning_module.parameters())
 
 
+@pytest.mark.slow
 def test_batch_stage_decides_saved_precision_from_measured_bytes(tmp_path: Path) -> None:
     pl.seed_everything(0)
     search = CoMPSearch(objective="memory", low_precision="bf16", max_memory_slowdown=100.0, verbose=False,
