@@ -294,6 +294,7 @@ def _saved(state: dict[str, Any]) -> Any:
     return buffer
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", ["state", "trial"])
 def test_unknown_keys_in_a_search_state_are_an_error_naming_them(finished_search: CoMPSearch, where: str) -> None:
     state = finished_search.state_dict()
