@@ -24,7 +24,7 @@ from lightning_comp.execution.emulation import check_plan_device, decline_slow_f
 from lightning_comp.execution.hooks import precision_may_cause
 from lightning_comp.numerics import ComputePrecision
 from lightning_comp.plan import PLAN_VERSION
-from lightning_comp.plugins import comp as comp_plugin
+from lightning_comp.plugins import runtime as plan_runtime
 from tests.helpers.models import TinyMLP, regression_loader
 
 BF16, FP16, FP32 = ComputePrecision.BF16, ComputePrecision.FP16, ComputePrecision.FP32
@@ -255,7 +255,7 @@ def test_the_plugin_trains_a_declined_fp16_plan_with_its_saved_entries(
     """The Trainer path of the same defect: the saved entries reach the operators' hooks."""
     no_fast_fp16 = DeviceClass("cpu", name="test", capability="AVX512", native=frozenset({BF16}),
                                emulated=frozenset({FP16}))
-    monkeypatch.setattr(comp_plugin, "device_class", lambda device: no_fast_fp16)
+    monkeypatch.setattr(plan_runtime, "device_class", lambda device: no_fast_fp16)
     plugin = CoMPPrecision({"net.0": {"compute": "fp16", "saved": "fp8"}}, min_saved_bytes=0)
     with pytest.warns(UserWarning, match="no fast fp16"):
         pl.Trainer(max_steps=1, plugins=[plugin], **fast_trainer_kwargs).fit(TinyMLP(), regression_loader())
