@@ -8,14 +8,14 @@ in ``docs/architecture.md`` and ``tests/unit/test_layers.py`` checks it. Each mo
 from lightning_comp.search.callback import CoMPSearch
 from lightning_comp.search.config import (
     LowPrecision,
+    MeasurementConfig,
     Mode,
     Objective,
-    SavedPrecisions,
     SearchConfig,
     Timing,
     ToleranceMode,
 )
 from lightning_comp.search.state import Phase, SearchState, TrialRecord
 
-__all__ = ["CoMPSearch", "LowPrecision", "Mode", "Objective", "Phase", "SavedPrecisions", "SearchConfig",
+__all__ = ["CoMPSearch", "LowPrecision", "MeasurementConfig", "Mode", "Objective", "Phase", "SearchConfig",
            "SearchState", "Timing", "ToleranceMode", "TrialRecord"]
