@@ -34,6 +34,7 @@ from lightning_comp.search.decisions.trials import TrialVerdict, judge_trial
 from lightning_comp.search.decisions.whole_step import ComparedPlan, PlanStep, ProfiledPlan, StepComparison
 from lightning_comp.search.measurement.estimates import RatioEstimate, Verdict, paired_ratio
 from lightning_comp.search.measurement.profiling import OperatorMeasurement, ProfileResult
+from lightning_comp.search.record.batch import operator_record, saved_record
 from lightning_comp.search.record.build import build_record
 from lightning_comp.search.stages.batch_stage import BatchStage
 from lightning_comp.search.state import Phase, SearchState
@@ -94,7 +95,7 @@ def test_each_policy_ranks_in_its_own_unit_while_the_record_keeps_ms_and_bytes(o
     decision = OperatorDecision("Linear", OperatorKind.COMPUTE, 10, fp32=_measured(1.0, 1024),
                                 low=_measured(0.5, 512), gain_ms=0.5, gain_bytes=512)
     judged.apply_to(decision)
-    record = decision.to_dict()
+    record = operator_record(decision)
     assert record["gain_ms"] == 0.5 and record["gain_bytes"] == 512 and record["benefit"] == pytest.approx(benefit)
     assert record["decision"] == "candidate" and record["time_ratio"] == 0.5 and record["rounds"] == 6
 
@@ -152,7 +153,7 @@ def test_a_candidate_that_pays_only_with_its_neighbours_low_is_dropped_at_the_pl
     assert list(dropped) == ["fc1"]
     assert dropped["fc1"].startswith("pays with its neighbours low (time x0.70") and "x1.20" in dropped["fc1"]
     assert decisions["fc1"].in_plan_time is not None and decisions["fc1"].in_plan_time.ratio == pytest.approx(1.2)
-    assert decisions["fc1"].to_dict()["in_plan_time_ratio"] == pytest.approx(1.2)
+    assert operator_record(decisions["fc1"])["in_plan_time_ratio"] == pytest.approx(1.2)
     assert decisions["ln"].in_plan is None  # not a candidate: not rechecked, nothing recorded
     # undecided at the plan's boundaries (the interval straddles the margin): kept, the whole step decides
     noisy = _profile({"fc1": [0.8, 1.1, 0.9, 1.2, 0.85, 1.0], "fc2": [0.6] * 6, "act": [1.0] * 6,
@@ -279,7 +280,7 @@ def test_judge_saved_takes_the_smallest_precision_that_pays_for_the_objective() 
     entry = judge_saved(memory, 1024, slow)
     assert entry.decision is SavedPrecision.BF16 and entry.gain_bytes == 512 and entry.benefit == 512
     assert entry.bytes == {"fp32": 1024, "fp8": 256, "bf16": 512}
-    assert entry.to_dict()["decision"] == "bf16" and entry.to_dict()["gain_bytes"] == 512
+    assert saved_record(entry)["decision"] == "bf16" and saved_record(entry)["gain_bytes"] == 512
     nothing = judge_saved(memory, 0, options)
     assert nothing.decision is SavedPrecision.FP32 and "saves too little" in nothing.reason
     balanced = policy_for(SearchConfig(objective="balanced"))

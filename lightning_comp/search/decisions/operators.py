@@ -11,7 +11,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any
 
 from torch import nn
 
@@ -42,7 +41,7 @@ class Choice(str, Enum):
 
 @dataclass
 class OperatorDecision:
-    """One operator's measurements and decision (the record holds :meth:`to_dict`).
+    """One operator's measurements and decision (its record form: :mod:`lightning_comp.search.record.batch`).
 
     Attributes:
         type: the module's class name.
@@ -100,39 +99,6 @@ class OperatorDecision:
         """Take it out of the candidates (a whole-step check found against it), unless it is forced."""
         if not self.forced:
             self.decision, self.reason = Choice.FP32, reason
-
-    def to_dict(self) -> dict[str, Any]:
-        """The record's form (plain JSON types)."""
-        out: dict[str, Any] = {"type": self.type, "kind": self.kind.value, "params": self.params}
-        if self.fp32 is not None:
-            out["fp32"] = self.fp32.to_dict()
-        if self.low is not None:
-            out["low"] = self.low.to_dict()
-        if self.time is not None:
-            out.update(time_ratio=self.time.ratio, time_spread=[self.time.low, self.time.high],
-                       rounds=self.time.rounds)
-        if self.in_plan is not None:
-            out["in_plan"] = self.in_plan.to_dict()
-        if self.in_plan_time is not None:
-            out.update(in_plan_time_ratio=self.in_plan_time.ratio,
-                       in_plan_time_spread=[self.in_plan_time.low, self.in_plan_time.high])
-        out.update(gain_ms=float(self.gain_ms), gain_bytes=int(self.gain_bytes), benefit=float(self.benefit),
-                   decision=self.decision.value, reason=self.reason)
-        if self.memory_ratio is not None:
-            out["memory_ratio"] = self.memory_ratio
-        if self.settled is not None:
-            out["settled"] = self.settled
-        if self.own_decision is not None:
-            out["own_decision"] = self.own_decision.value
-        if self.excluded:
-            out["excluded"] = True
-        if self.forced:
-            out["forced"] = True
-        if self.saved is not None:
-            out["saved"] = self.saved.to_dict()
-        if self.parameters is not None:
-            out["parameters"] = self.parameters.to_dict()
-        return out
 
 
 @dataclass(frozen=True)

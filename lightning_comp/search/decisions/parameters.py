@@ -23,7 +23,6 @@ checked as a whole step (:class:`ParameterStepCheck`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 from lightning_comp.numerics.precision import MasterPrecision, StatePrecision
 from lightning_comp.search.config import Objective, SearchConfig
@@ -50,7 +49,7 @@ class StepBudget:
 
 @dataclass
 class ParameterDecision:
-    """One operator's decision on what its parameters hold (the record holds :meth:`to_dict`).
+    """One operator's decision on what its parameters hold (its record form: :mod:`lightning_comp.search.record.batch`).
 
     Attributes:
         state: the optimizer-state precision chosen.
@@ -91,13 +90,6 @@ class ParameterDecision:
             return
         self.state, self.master, self.reason = StatePrecision.FP32, MasterPrecision.FP32, reason
         self.gain_bytes, self.state_benefit, self.master_benefit = 0, 0.0, 0.0
-
-    def to_dict(self) -> dict[str, Any]:
-        """The record's form (plain JSON types)."""
-        return {"state": self.state.value, "master": self.master.value, "reason": self.reason, "params": self.params,
-                "bytes": dict(self.bytes), "update_ms": dict(self.update_ms), "time_ratio": dict(self.time_ratios),
-                "gain_bytes": int(self.gain_bytes), "state_benefit": float(self.state_benefit),
-                "master_benefit": float(self.master_benefit), **({"forced": True} if self.forced else {})}
 
 
 @dataclass(frozen=True)

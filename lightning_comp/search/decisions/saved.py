@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from lightning_comp.numerics.precision import SavedPrecision
 from lightning_comp.search.decisions.objectives import ObjectivePolicy
@@ -24,7 +23,8 @@ __all__ = ["SavedDecision", "SavedStepCheck", "judge_saved", "sharing_groups", "
 
 @dataclass
 class SavedDecision:
-    """One operator's decision on the precision of what it saves for backward (the record holds :meth:`to_dict`).
+    """One operator's decision on the precision of what it saves for backward (its record form:
+    :mod:`lightning_comp.search.record.batch`).
 
     Attributes:
         decision: the saved precision chosen (``FP32``: as computed).
@@ -54,17 +54,6 @@ class SavedDecision:
     def keep_as_computed(self, reason: str) -> None:
         """Save as computed after all (a whole-step check or a neighbour found against it)."""
         self.decision, self.reason, self.gain_bytes, self.benefit = SavedPrecision.FP32, reason, 0, 0.0
-
-    def to_dict(self) -> dict[str, Any]:
-        """The record's form (plain JSON types)."""
-        out: dict[str, Any] = {"bytes": dict(self.bytes), "time_ratio": dict(self.time_ratios),
-                               "decision": self.decision.value, "reason": self.reason,
-                               "gain_bytes": int(self.gain_bytes), "benefit": float(self.benefit)}
-        if self.group is not None:
-            out["group"] = list(self.group)
-        if self.forced:
-            out["forced"] = True
-        return out
 
 
 @dataclass(frozen=True)

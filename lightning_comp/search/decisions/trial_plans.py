@@ -63,15 +63,6 @@ class CheapRun:
     after: str
     operators: tuple[str, ...]
 
-    def to_dict(self) -> dict[str, Any]:
-        """Plain types (checkpoints and the record)."""
-        return {"before": self.before, "after": self.after, "operators": list(self.operators)}
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> CheapRun:
-        """Read :meth:`to_dict`'s form."""
-        return cls(str(data["before"]), str(data["after"]), tuple(data["operators"]))
-
 
 def cheap_runs(order: Sequence[str], decisions: Mapping[str, OperatorDecision],
                modules: Mapping[str, nn.Module]) -> list[CheapRun]:

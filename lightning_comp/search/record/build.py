@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -14,15 +13,13 @@ from lightning_comp.numerics.precision import ComputePrecision
 from lightning_comp.plan.dimensions import Dimension
 from lightning_comp.plan.plan import PrecisionPlan
 from lightning_comp.search.config import SearchConfig
-from lightning_comp.search.decisions.batch_result import BatchStageResult, ParameterStageResult
-from lightning_comp.search.decisions.saved import SavedStepCheck
 from lightning_comp.search.decisions.trial_plans import PARAMETER_SIDE
-from lightning_comp.search.decisions.whole_step import ComparedPlan
+from lightning_comp.search.record.batch import batch_record
 from lightning_comp.search.record.loggers import log_record
 from lightning_comp.search.record.text import format_record
 from lightning_comp.search.state import STATE_VERSION, SearchState
 
-__all__ = ["batch_record", "build_record", "publish", "warmup_overhead_seconds"]
+__all__ = ["build_record", "publish", "warmup_overhead_seconds"]
 
 
 def build_record(state: SearchState, config: SearchConfig) -> dict[str, Any]:
@@ -84,49 +81,6 @@ def build_record(state: SearchState, config: SearchConfig) -> dict[str, Any]:
             if fit_seconds else None,
         },
     }
-
-
-def batch_record(batch: BatchStageResult | None) -> dict[str, Any]:
-    """The decision record's form of the batch stage's result (empty measurements before it ran, or without it)."""
-    if batch is None:
-        return {"operators": {}, "timing": None, "step_ms": {}, "step_wall_ms": {}, "step_ratios": {},
-                "step_saved_bytes": {}, "saved_step": {}, "parameter_step": {}, "memory": {}}
-    steps = batch.steps
-    return {
-        "operators": {name: decision.to_dict() for name, decision in batch.decisions.items()},
-        "timing": batch.timing,
-        "step_ms": {plan.value: step.ms for plan, step in steps.items()},
-        "step_wall_ms": {plan.value: step.wall_ms for plan, step in steps.items()},
-        "step_ratios": {plan.value: step.ratio.to_dict() for plan, step in steps.items() if step.ratio is not None},
-        "step_saved_bytes": {plan.value: step.saved_bytes for plan, step in steps.items()
-                             if step.saved_bytes is not None},
-        "saved_step": {} if batch.saved.check is None else _saved_check(batch.saved.check),
-        "parameter_step": _parameter_stage(batch.parameters),
-        "memory": {plan.value: {"saved_bytes": memory.saved_bytes, "peak_bytes": memory.peak_bytes}
-                   for plan, memory in batch.memory.items()},
-    }
-
-
-def _saved_check(check: SavedStepCheck) -> dict[str, Any]:
-    return {"verdict": check.verdict, "saved_bytes": _by_plan(check.saved_bytes), "step_ms": _by_plan(check.step_ms),
-            "step_ratios": {plan.value: ratio.to_dict() for plan, ratio in check.step_ratios.items()},
-            "description": check.description}
-
-
-def _parameter_stage(result: ParameterStageResult) -> dict[str, Any]:
-    out: dict[str, Any] = {"state": {n: s.value for n, s in result.state_choices.items()},
-                           "master": {n: m.value for n, m in result.master_choices.items()}}
-    if result.check is not None:
-        check = result.check
-        out["check"] = {"verdict": check.verdict, "description": check.description,
-                        "step_bytes": _by_plan(check.step_bytes), "step_ms": _by_plan(check.step_ms)}
-    if result.skipped is not None:
-        out["skipped"] = result.skipped
-    return out
-
-
-def _by_plan(values: Mapping[ComparedPlan, float]) -> dict[str, float]:
-    return {plan.value: value for plan, value in values.items()}
 
 
 def _lowered(chosen: dict[str, Any] | None, dimension: Dimension) -> dict[str, str]:

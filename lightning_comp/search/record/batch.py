@@ -1,0 +1,117 @@
+"""The decision record's form of the batch stage's result: per operator, per whole step, per stage check.
+
+The batch stage's result is typed (:class:`~lightning_comp.search.decisions.batch_result.BatchStageResult`); this
+module is the one place that turns it into the record's plain JSON types (the record's keys are the values of the
+compared plans' enums).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from lightning_comp.search.decisions.batch_result import BatchStageResult, ParameterStageResult
+from lightning_comp.search.decisions.operators import OperatorDecision
+from lightning_comp.search.decisions.parameters import ParameterDecision
+from lightning_comp.search.decisions.saved import SavedDecision, SavedStepCheck
+from lightning_comp.search.decisions.whole_step import ComparedPlan
+
+__all__ = ["batch_record", "operator_record", "parameter_record", "saved_record"]
+
+
+def batch_record(batch: BatchStageResult | None) -> dict[str, Any]:
+    """The decision record's form of the batch stage's result (empty measurements before it ran, or without it)."""
+    if batch is None:
+        return {"operators": {}, "timing": None, "step_ms": {}, "step_wall_ms": {}, "step_ratios": {},
+                "step_saved_bytes": {}, "saved_step": {}, "parameter_step": {}, "memory": {}}
+    steps = batch.steps
+    return {
+        "operators": {name: operator_record(decision) for name, decision in batch.decisions.items()},
+        "timing": batch.timing,
+        "step_ms": {plan.value: step.ms for plan, step in steps.items()},
+        "step_wall_ms": {plan.value: step.wall_ms for plan, step in steps.items()},
+        "step_ratios": {plan.value: step.ratio.to_dict() for plan, step in steps.items() if step.ratio is not None},
+        "step_saved_bytes": {plan.value: step.saved_bytes for plan, step in steps.items()
+                             if step.saved_bytes is not None},
+        "saved_step": {} if batch.saved.check is None else _saved_check(batch.saved.check),
+        "parameter_step": _parameter_stage(batch.parameters),
+        "memory": {plan.value: {"saved_bytes": memory.saved_bytes, "peak_bytes": memory.peak_bytes}
+                   for plan, memory in batch.memory.items()},
+    }
+
+
+def _saved_check(check: SavedStepCheck) -> dict[str, Any]:
+    return {"verdict": check.verdict, "saved_bytes": _by_plan(check.saved_bytes), "step_ms": _by_plan(check.step_ms),
+            "step_ratios": {plan.value: ratio.to_dict() for plan, ratio in check.step_ratios.items()},
+            "description": check.description}
+
+
+def _parameter_stage(result: ParameterStageResult) -> dict[str, Any]:
+    out: dict[str, Any] = {"state": {n: s.value for n, s in result.state_choices.items()},
+                           "master": {n: m.value for n, m in result.master_choices.items()}}
+    if result.check is not None:
+        check = result.check
+        out["check"] = {"verdict": check.verdict, "description": check.description,
+                        "step_bytes": _by_plan(check.step_bytes), "step_ms": _by_plan(check.step_ms)}
+    if result.skipped is not None:
+        out["skipped"] = result.skipped
+    return out
+
+
+def _by_plan(values: Mapping[ComparedPlan, float]) -> dict[str, float]:
+    return {plan.value: value for plan, value in values.items()}
+
+
+def operator_record(decision: OperatorDecision) -> dict[str, Any]:
+    """One operator's measurements and decision, as the record holds them."""
+    out: dict[str, Any] = {"type": decision.type, "kind": decision.kind.value, "params": decision.params}
+    if decision.fp32 is not None:
+        out["fp32"] = decision.fp32.to_dict()
+    if decision.low is not None:
+        out["low"] = decision.low.to_dict()
+    if decision.time is not None:
+        out.update(time_ratio=decision.time.ratio, time_spread=[decision.time.low, decision.time.high],
+                   rounds=decision.time.rounds)
+    if decision.in_plan is not None:
+        out["in_plan"] = decision.in_plan.to_dict()
+    if decision.in_plan_time is not None:
+        out.update(in_plan_time_ratio=decision.in_plan_time.ratio,
+                   in_plan_time_spread=[decision.in_plan_time.low, decision.in_plan_time.high])
+    out.update(gain_ms=float(decision.gain_ms), gain_bytes=int(decision.gain_bytes), benefit=float(decision.benefit),
+               decision=decision.decision.value, reason=decision.reason)
+    if decision.memory_ratio is not None:
+        out["memory_ratio"] = decision.memory_ratio
+    if decision.settled is not None:
+        out["settled"] = decision.settled
+    if decision.own_decision is not None:
+        out["own_decision"] = decision.own_decision.value
+    if decision.excluded:
+        out["excluded"] = True
+    if decision.forced:
+        out["forced"] = True
+    if decision.saved is not None:
+        out["saved"] = saved_record(decision.saved)
+    if decision.parameters is not None:
+        out["parameters"] = parameter_record(decision.parameters)
+    return out
+
+
+def saved_record(decision: SavedDecision) -> dict[str, Any]:
+    """One operator's saved-precision decision, as the record holds it."""
+    out: dict[str, Any] = {"bytes": dict(decision.bytes), "time_ratio": dict(decision.time_ratios),
+                           "decision": decision.decision.value, "reason": decision.reason,
+                           "gain_bytes": int(decision.gain_bytes), "benefit": float(decision.benefit)}
+    if decision.group is not None:
+        out["group"] = list(decision.group)
+    if decision.forced:
+        out["forced"] = True
+    return out
+
+
+def parameter_record(decision: ParameterDecision) -> dict[str, Any]:
+    """One operator's optimizer-state and master-weight decision, as the record holds it."""
+    return {"state": decision.state.value, "master": decision.master.value, "reason": decision.reason,
+            "params": decision.params, "bytes": dict(decision.bytes), "update_ms": dict(decision.update_ms),
+            "time_ratio": dict(decision.time_ratios), "gain_bytes": int(decision.gain_bytes),
+            "state_benefit": float(decision.state_benefit), "master_benefit": float(decision.master_benefit),
+            **({"forced": True} if decision.forced else {})}
