@@ -48,6 +48,11 @@ class SpelledEnum(str, Enum, metaclass=_Spellings):
     def __str__(self) -> str:
         return str(self.value)
 
+    def __hash__(self) -> int:
+        # A member equals its value (``str`` equality); Enum hashes the member's *name*, so ``{Dimension.SAVED: x}``
+        # would not find ``"saved"``. Hashing the value keeps hash and equality consistent.
+        return hash(self.value)
+
     @classmethod
     def aliases(cls) -> Mapping[str, str]:
         """Other spellings: alias (lower case) -> a member's value."""

@@ -72,6 +72,13 @@ class Output:
     note: str
 
 
+def test_a_member_is_found_by_its_value_in_dicts_and_sets() -> None:
+    """Equal to its value (str equality), so hashed like it: a dict keyed by members answers the spelled value."""
+    keyed = {Objective.MEMORY: 1, ComputePrecision.BF16: 2}
+    assert keyed["memory"] == 1 and keyed["bf16"] == 2 and "memory" in set(keyed)
+    assert hash(SavedPrecision.FP8) == hash("fp8")
+
+
 def test_the_walker_reaches_tensors_in_every_structure_and_keeps_its_types() -> None:
     bf16 = torch.ones(2, dtype=torch.bfloat16)
     structure = (bf16, [torch.ones(1), 3], {"x": Pair(bf16, "s")}, OrderedDict(y=bf16), Output(bf16, "n"), None)
