@@ -309,6 +309,6 @@ def _from_plain(kind: Any, data: Any) -> Any:
         return kind(data)
     if kind in (int, float, str, bool):
         if not isinstance(data, (int, float, str, bool)):
-            raise TypeError(f"expected a {kind.__name__}")
+            raise SearchConfigError(f"expected a {kind.__name__}")
         return data  # as written (a count averaged over ranks may be a float)
-    raise TypeError(f"no plain form for {kind!r}")
+    raise SearchConfigError(f"no plain form for {kind!r}")
