@@ -42,12 +42,6 @@ class PlanRole(str, Enum):
         """``plan`` with this role (and ``notes``) in its provenance."""
         return plan.with_provenance(role=self.value, **notes)
 
-    @classmethod
-    def of(cls, plan: PrecisionPlan) -> PlanRole | None:
-        """The role ``plan`` was marked with (``None``: not one the search made, e.g. the user's own)."""
-        role = plan.provenance.get("role")
-        return cls(role) if role in {member.value for member in cls} else None
-
 
 @dataclass(frozen=True)
 class CheapRun:
