@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 from hydra import compose, initialize_config_dir, initialize_config_module
+from hydra.utils import instantiate
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from torch import nn
 
@@ -284,6 +285,21 @@ def test_precision_options_wire_the_trainer(precision: str) -> None:
     else:
         expected = {"fp32": "32-true"}.get(precision, precision)
         assert cfg.trainer.precision == expected and cfg.trainer.plugins is None and not cfg.precision.callbacks
+
+
+def test_the_search_node_instantiates_as_hydra_hands_it_over() -> None:
+    """A user's own app may instantiate the node without ``_convert_``: its lists and mappings arrive as OmegaConf
+    containers, its choices as enum members; the overrides a user writes on the command line reach the settings."""
+    node = "precision.callbacks.comp_search"
+    overrides = ["output_dir=/x", "precision=comp", f"{node}.objective=memory", f"{node}.include=[head]",
+                 f"{node}.measurement.timing=cpu", f"{node}.include_dimensions={{saved: [body.0]}}",
+                 f"{node}.precisions.state=off"]
+    with initialize_config_module(config_module="lightning_comp.conf", version_base="1.3"):
+        cfg = compose("train", overrides=overrides)
+    config = instantiate(cfg.precision.callbacks.comp_search).config
+    assert config.objective.value == "memory" and config.include == ("head",) and config.measurement.timing == "cpu"
+    assert config.include_dimensions == {"saved": ["body.0"]} and config.precisions["state"] == "off"
+    assert config.trial_batches == 0.25  # the app's one override
 
 
 def test_comp_accepts_a_fixed_plan_from_the_command_line() -> None:

@@ -9,7 +9,7 @@ these settings by name (so LightningCLI spells each one ``init_args.<name>``, th
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -195,7 +195,8 @@ class SearchConfig:
         return dimension  # type: ignore[return-value]
 
     def _selectors(self, name: str, value: object) -> Selectors:
-        if isinstance(value, str) or not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+        # any sequence of strings: a list, a tuple, or the ListConfig of a Hydra node instantiated without _convert_
+        if isinstance(value, str) or not isinstance(value, Sequence) or not all(isinstance(v, str) for v in value):
             raise SearchConfigError(f"CoMPSearch({name}={value!r}) is invalid: {_SELECTORS}.")
         try:
             return Selectors.of(tuple(value))
