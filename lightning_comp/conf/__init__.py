@@ -49,7 +49,11 @@ def _node(schema: type | object, target: str | None = None) -> DictConfig:
 def register(store: ConfigStore | None = None) -> None:
     """Store ``comp_search`` (``CoMPSearch``'s settings, Python's defaults) and the measurement presets."""
     store = ConfigStore.instance() if store is None else store
-    store.store(name="comp_search", node=_node(SearchConfig, SEARCH_TARGET))
+    search = _node(SearchConfig, SEARCH_TARGET)
+    # Empty by default, its keys are the user's: `include_dimensions={saved: [body.0]}` sets it without a `+`
+    # (SearchConfig names a key that is not a dimension).
+    OmegaConf.set_struct(search.include_dimensions, False)
+    store.store(name="comp_search", node=search)
     for name, preset in MEASUREMENT_PRESETS.items():
         store.store(group=MEASUREMENT_GROUP, name=name, node=_node(preset))
 
