@@ -28,6 +28,7 @@ from lightning_comp.numerics.precision import MasterPrecision, StatePrecision
 from lightning_comp.search.config import Objective, SearchConfig
 from lightning_comp.search.decisions.whole_step import ComparedPlan
 from lightning_comp.search.measurement.estimates import RatioEstimate
+from lightning_comp.search.measurement.optimizer_timing import UpdateVariant
 
 __all__ = ["ParameterDecision", "ParameterStepCheck", "StepBudget", "judge_lowering"]
 
@@ -56,10 +57,10 @@ class ParameterDecision:
         master: the master-weight precision chosen.
         reason: why, in words.
         params: parameter elements of the operator.
-        bytes: bytes per configuration (``"fp32"``: state and master as today; ``"8bit"``/``"bf16"``: the state at
-            that format; ``"master"``: the weights and gradients with a bf16 master).
-        update_ms: the median update time per configuration (``"fp32"``: the optimizer's own).
-        time_ratios: per configuration, its update time relative to the optimizer's own: ``[ratio, low, high]``.
+        bytes: bytes per update variant (``FP32``: state and master as today; ``INT8``/``BF16``: the state at that
+            format; ``MASTER``: the weights and gradients with a bf16 master).
+        update_ms: the median update time per variant (``FP32``: the optimizer's own).
+        time_ratios: per variant, its update time relative to the optimizer's own: ``[ratio, low, high]``.
         gain_bytes: the bytes the choices save.
         state_benefit: what the state choice gains in the objective's unit.
         master_benefit: what the master choice gains.
@@ -70,9 +71,9 @@ class ParameterDecision:
     master: MasterPrecision = MasterPrecision.FP32
     reason: str = ""
     params: int = 0
-    bytes: dict[str, int] = field(default_factory=dict)
-    update_ms: dict[str, float] = field(default_factory=dict)
-    time_ratios: dict[str, list[float]] = field(default_factory=dict)
+    bytes: dict[UpdateVariant, int] = field(default_factory=dict)
+    update_ms: dict[UpdateVariant, float] = field(default_factory=dict)
+    time_ratios: dict[UpdateVariant, list[float]] = field(default_factory=dict)
     gain_bytes: int = 0
     state_benefit: float = 0.0
     master_benefit: float = 0.0

@@ -2,13 +2,15 @@
 
 The batch stage profiles forward and backward only; the optimizer step is timed here, on copies, so the run's
 parameters and state are never touched. Per parameter group (an operator's parameters) and per configuration, one
-update of those parameters is timed in interleaved rounds, like every other comparison of the search:
+update of those parameters is timed in interleaved rounds, like every other comparison of the search, in each
+:class:`UpdateVariant`:
 
-- ``"fp32"``: the user's own optimizer algorithm (a throwaway optimizer of its class, with the hyper-parameters of
-  the group the parameters belong to, ``foreach`` included), on FP32 copies;
-- ``"<state>"`` (``"8bit"``, ``"bf16"``): :func:`~lightning_comp.execution.optimizer_states.adam_step` with the
-  moments in that format;
-- ``"master"``: the same with BF16 parameter copies and stochastic rounding (and the moments of ``master_state``).
+- ``FP32`` (``"fp32"``): the user's own optimizer algorithm (a throwaway optimizer of its class, with the
+  hyper-parameters of the group the parameters belong to, ``foreach`` included), on FP32 copies;
+- ``INT8``, ``BF16`` (``"8bit"``, ``"bf16"``, :meth:`UpdateVariant.of` a state format):
+  :func:`~lightning_comp.execution.optimizer_states.adam_step` with the moments in that format;
+- ``MASTER`` (``"master"``): the same with BF16 parameter copies and stochastic rounding (and the moments of the
+  configuration's ``state``).
 
 Moments start from the run's own state where it has one (after the warm-up, it does), so 8-bit codes see real
 magnitudes; gradients are the parameters' own from the profiled step when present, else small random ones.
@@ -26,11 +28,34 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from lightning_comp.common.spelled_enum import SpelledEnum
 from lightning_comp.execution.optimizer_states import AdamSettings, adam_step
 from lightning_comp.numerics.precision import StatePrecision
 from lightning_comp.search.measurement.clocks import Clock
 
-__all__ = ["UpdateConfig", "time_updates"]
+__all__ = ["UpdateConfig", "UpdateVariant", "time_updates"]
+
+
+class UpdateVariant(SpelledEnum):
+    """One of the optimizer updates the parameter stage times and compares (the keys of its times, bytes and ratios).
+
+    Its values are the state formats' (:class:`~lightning_comp.numerics.precision.StatePrecision`) and ``"master"``,
+    as the record and the search's checkpoint spell them.
+    """
+
+    FP32 = "fp32"  # the optimizer's own update, FP32 state and weights
+    BF16 = "bf16"  # the moments in bfloat16
+    INT8 = "8bit"  # the moments block-quantised
+    MASTER = "master"  # bf16 weights, stochastically rounded
+
+    @classmethod
+    def of(cls, state: StatePrecision) -> UpdateVariant:
+        """The update with the optimizer state in ``state`` (FP32 weights)."""
+        return cls(state.value)
+
+    @classmethod
+    def noun(cls) -> str:
+        return "optimizer-update configuration"
 
 
 @dataclass(frozen=True)
@@ -47,24 +72,24 @@ class UpdateConfig:
 
 
 def time_updates(optimizer: Optimizer, groups: Mapping[str, Sequence[nn.Parameter]],
-                 configs: Mapping[str, UpdateConfig], clock: Clock, rounds: int,
-                 warmup: int) -> dict[str, dict[str, list[float]]]:
-    """Per group and configuration label, the milliseconds of one update of the group's parameters per round.
+                 configs: Mapping[UpdateVariant, UpdateConfig], clock: Clock, rounds: int,
+                 warmup: int) -> dict[str, dict[UpdateVariant, list[float]]]:
+    """Per group and configuration, the milliseconds of one update of the group's parameters per round.
 
     Args:
         optimizer: the run's optimizer (Adam or AdamW): its class, hyper-parameters and current state are read.
         groups: group name -> its parameters (each in ``optimizer``).
-        configs: label -> configuration (``UpdateConfig(None)`` is the optimizer's own update).
+        configs: variant -> its configuration (``UpdateConfig(None)`` is the optimizer's own update).
         clock: the batch stage's clock.
         rounds: measured rounds.
         warmup: unmeasured rounds first.
     """
     hyper = {id(p): {k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups
              for p in group["params"]}
-    out: dict[str, dict[str, list[float]]] = {}
+    out: dict[str, dict[UpdateVariant, list[float]]] = {}
     for name, params in groups.items():
         runs = {label: _update(optimizer, params, hyper, config) for label, config in configs.items()}
-        series: dict[str, list[float]] = {label: [] for label in runs}
+        series: dict[UpdateVariant, list[float]] = {label: [] for label in runs}
         for index in range(warmup + rounds):
             for label, run in runs.items():
                 start = clock.now()

@@ -111,7 +111,8 @@ def saved_record(decision: SavedDecision) -> dict[str, Any]:
 def parameter_record(decision: ParameterDecision) -> dict[str, Any]:
     """One operator's optimizer-state and master-weight decision, as the record holds it."""
     return {"state": decision.state.value, "master": decision.master.value, "reason": decision.reason,
-            "params": decision.params, "bytes": dict(decision.bytes), "update_ms": dict(decision.update_ms),
-            "time_ratio": dict(decision.time_ratios), "gain_bytes": int(decision.gain_bytes),
+            "params": decision.params, "bytes": {k.value: v for k, v in decision.bytes.items()},
+            "update_ms": {k.value: v for k, v in decision.update_ms.items()},
+            "time_ratio": {k.value: v for k, v in decision.time_ratios.items()}, "gain_bytes": int(decision.gain_bytes),
             "state_benefit": float(decision.state_benefit), "master_benefit": float(decision.master_benefit),
             **({"forced": True} if decision.forced else {})}

@@ -40,13 +40,14 @@ from lightning_comp.search.decisions.parameters import (
 )
 from lightning_comp.search.decisions.whole_step import ComparedPlan
 from lightning_comp.search.measurement.estimates import paired_ratio
-from lightning_comp.search.measurement.optimizer_timing import UpdateConfig, time_updates
+from lightning_comp.search.measurement.optimizer_timing import UpdateConfig, UpdateVariant, time_updates
 from lightning_comp.search.measurement.step_timing import StepTimer
 from lightning_comp.search.stages.context import StageContext
 
 __all__ = ["ParameterStage"]
 
 CANDIDATES, PARAMETERS = ComparedPlan.CANDIDATES, ComparedPlan.PARAMETERS
+FP32, MASTER = UpdateVariant.FP32, UpdateVariant.MASTER
 MIN_GROUP_PARAMS = 4096  # smaller groups hold too few bytes to be worth a candidate (and are not quantised)
 
 
@@ -104,15 +105,15 @@ class ParameterStage:
         groups = self._groups(pl_module, decisions)
         if not groups:
             return ParameterStageResult(skipped=f"no operator owns {MIN_GROUP_PARAMS} trainable parameters or more")
-        configs: dict[str, UpdateConfig] = {"fp32": UpdateConfig(None)}
-        configs.update({s.value: UpdateConfig(s) for s in self.config.tried(Dimension.STATE)})
+        configs: dict[UpdateVariant, UpdateConfig] = {FP32: UpdateConfig(None)}
+        configs.update({UpdateVariant.of(s): UpdateConfig(s) for s in self.config.tried(Dimension.STATE)})
         if self.config.tried(Dimension.MASTER) and self._masters_allowed(trainer):
-            configs["master"] = UpdateConfig(self.config.tried(Dimension.STATE)[-1] if
+            configs[MASTER] = UpdateConfig(self.config.tried(Dimension.STATE)[-1] if
                                              self.config.tried(Dimension.STATE) else StatePrecision.FP32, master=True)
         rounds, warmup = self.config.measurement.profile_steps, self.config.measurement.profile_warmup
         times = time_updates(optimizer, groups, configs, ctx.clock, rounds, warmup)
         times = ctx.agree({g: {k: [ctx.reduce_mean(v) for v in vs] for k, vs in s.items()} for g, s in times.items()})
-        fp32_update = sum(statistics.median(s["fp32"]) for s in times.values())
+        fp32_update = sum(statistics.median(s[FP32]) for s in times.values())
         budget = StepBudget(step_ms=candidates_ms + fp32_update, fp32_step_ms=fp32_ms + fp32_update,
                             step_bytes=_persistent_bytes(pl_module, optimizer) + saved_bytes)
         result = ParameterStageResult()
@@ -152,21 +153,22 @@ class ParameterStage:
         return {name: params for name, params in groups.items() if sum(p.numel() for p in params) >= MIN_GROUP_PARAMS}
 
     def _decide(self, name: str, module_type: type | None, params: list[nn.Parameter],
-                optimizer: torch.optim.Optimizer, base: PrecisionPlan, times: dict[str, list[float]],
+                optimizer: torch.optim.Optimizer, base: PrecisionPlan, times: dict[UpdateVariant, list[float]],
                 budget: StepBudget) -> ParameterDecision:
         """One operator's state and master precision from its measurements."""
         amsgrad = any(group.get("amsgrad", False) for group in optimizer.param_groups)
         numel = sum(p.numel() for p in params)
-        fp32_ms = statistics.median(times["fp32"])
+        fp32_ms = statistics.median(times[FP32])
         decision = ParameterDecision(params=numel, update_ms={k: statistics.median(v) for k, v in times.items()})
         own_state = sum(state_nbytes(p, StatePrecision.FP32, amsgrad) for p in params)
-        decision.bytes["fp32"] = own_state
+        decision.bytes[FP32] = own_state
         reasons = []
         for option in self.config.tried(Dimension.STATE):  # smallest first
+            variant = UpdateVariant.of(option)
             lowered = sum(state_nbytes(p, option, amsgrad) for p in params)
-            time = paired_ratio(times["fp32"], times[option.value])
-            decision.bytes[option.value] = lowered
-            decision.time_ratios[option.value] = [time.ratio, time.low, time.high]
+            time = paired_ratio(times[FP32], times[variant])
+            decision.bytes[variant] = lowered
+            decision.time_ratios[variant] = [time.ratio, time.low, time.high]
             if decision.state.managed:
                 continue
             ok, why, benefit = judge_lowering(self.config, budget, own_state, lowered, fp32_ms, time)
@@ -175,12 +177,12 @@ class ParameterStage:
                 reasons.append(f"state {option.value} pays: {why}")
             else:
                 reasons.append(f"state {option.value}: {why}")
-        if "master" in times:
+        if MASTER in times:
             weights = 2 * sum(p.numel() * p.element_size() for p in params)  # the parameters and their gradients
             lowered = weights // 2
-            decision.bytes["master"] = lowered
-            time = paired_ratio(times["fp32"], times["master"])
-            decision.time_ratios["master"] = [time.ratio, time.low, time.high]
+            decision.bytes[MASTER] = lowered
+            time = paired_ratio(times[FP32], times[MASTER])
+            decision.time_ratios[MASTER] = [time.ratio, time.low, time.high]
             compute = base.of(Dimension.COMPUTE, name, module_type)
             if compute is not ComputePrecision.BF16:
                 reasons.append(f"master bf16: the operator computes in {compute.value} in the candidate plan")
@@ -200,13 +202,13 @@ class ParameterStage:
             if not decision.state.managed:
                 smallest = self.config.tried(Dimension.STATE)[0]
                 decision.state = smallest
-                decision.gain_bytes += own_state - decision.bytes[smallest.value]
+                decision.gain_bytes += own_state - decision.bytes[UpdateVariant.of(smallest)]
                 reasons.append(f"state {smallest.value}: included by CoMPSearch(include_dimensions={{'state': ...}})")
         decision.reason = "; ".join(reasons)
         return decision
 
     def _whole_step(self, base: PrecisionPlan, result: ParameterStageResult,
-                    times: dict[str, dict[str, list[float]]], budget: StepBudget) -> ParameterStepCheck:
+                    times: dict[str, dict[UpdateVariant, list[float]]], budget: StepBudget) -> ParameterStepCheck:
         """The candidate plan with and without the lowerings as whole steps: forward and backward timed, updates
         added; judged by the objective."""
         ctx = self.ctx
@@ -223,11 +225,11 @@ class ParameterStage:
         base_forward = ctx.reduce_mean(statistics.median(measured.ms[CANDIDATES]))
 
         def update(name: str) -> float:
-            chosen = "master" if name in result.master_choices else (
-                result.state_choices[name].value if name in result.state_choices else "fp32")
+            chosen = MASTER if name in result.master_choices else (
+                UpdateVariant.of(result.state_choices[name]) if name in result.state_choices else FP32)
             return statistics.median(times[name][chosen])
 
-        old_updates = sum(statistics.median(s["fp32"]) for s in times.values())
+        old_updates = sum(statistics.median(s[FP32]) for s in times.values())
         new_updates = sum(update(name) for name in times)
         old_ms = base_forward + old_updates
         new_ms = base_forward * forward.high + new_updates  # the slow end of the forward/backward interval
