@@ -24,9 +24,9 @@ hold any optimizer state, and it loads with ``torch.load(weights_only=True)``. T
   at its next step (an FP32 moment quantised, an 8-bit one decoded for the optimizer's own step), and master weights
   change dtype when the plan is applied (FP32 <-> BF16; a parameter returns to the dtype it had).
 
-At a step (:meth:`OptimizerStates.step`), the managed parameters are updated here with Adam(W)'s arithmetic in FP32
-(decoupled or L2 weight decay, AMSGrad, ``maximize``), each from its group's current hyper-parameters
-(:class:`AdamSettings`: an ``AdamW`` decouples weight decay by its class, an ``Adam`` where its group says so; LR
+At a step (:meth:`OptimizerStates.step`), the managed parameters are updated with Adam(W)'s arithmetic in FP32
+(:mod:`lightning_comp.execution.adam_step`: decoupled or L2 weight decay, AMSGrad, ``maximize``, each from its group's
+current hyper-parameters; an ``AdamW`` decouples weight decay by its class, an ``Adam`` where its group says so; LR
 schedulers work as they do), and their gradients are hidden from the optimizer's own ``step``, which updates the rest.
 ``tests/unit/test_optimizer_states.py`` checks the FP32 arithmetic against ``torch.optim.Adam``/``AdamW`` step by step.
 Optimizers other than ``torch.optim.Adam`` and ``AdamW`` are refused with an error naming them.
@@ -34,7 +34,6 @@ Optimizers other than ``torch.optim.Adam`` and ``AdamW`` are refused with an err
 
 from __future__ import annotations
 
-import math
 import weakref
 from dataclasses import dataclass
 from typing import Any
@@ -44,16 +43,14 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_comp.errors import PlanError, UnsupportedSetupError
+from lightning_comp.execution.adam_step import AdamSettings, adam_step, check_optimizer, to_own_format
 from lightning_comp.execution.parameter_groups import parameter_owners
-from lightning_comp.numerics import block_quant
 from lightning_comp.numerics.precision import MasterPrecision, StatePrecision
-from lightning_comp.numerics.stochastic_rounding import round_to_bf16
 from lightning_comp.plan.dimensions import Dimension
 from lightning_comp.plan.plan import PrecisionPlan
 
-__all__ = ["AdamSettings", "OptimizerStates", "ParameterTreatment", "adam_step", "state_bytes", "state_nbytes"]
+__all__ = ["OptimizerStates", "ParameterTreatment", "state_bytes"]
 
-_MOMENTS = (("exp_avg", True), ("exp_avg_sq", False), ("max_exp_avg_sq", False))  # key, signed
 _ROUNDING_SEED = 0x5EED
 
 
@@ -122,7 +119,7 @@ class OptimizerStates:
             for group in optimizer.param_groups:
                 for p in group["params"]:
                     if id(p) not in self._treatments and p in optimizer.state:
-                        _to_own_format(optimizer.state[p], p)
+                        to_own_format(optimizer.state[p], p)
 
     # ------------------------------------------------------------------------------------------------- the plan
     def assign(self, model: nn.Module, plan: PrecisionPlan) -> dict[str, ParameterTreatment]:
@@ -278,7 +275,7 @@ class OptimizerStates:
                             continue
                         if p.grad is None:
                             continue
-                        _check_optimizer(optimizer, group, self._names[id(p)])
+                        check_optimizer(optimizer, group, self._names[id(p)])
                         self._update(p, optimizer.state[p], AdamSettings.of(optimizer, group), treatment)
                         hidden.append((p, p.grad))
                         p.grad = None
@@ -296,162 +293,3 @@ class OptimizerStates:
                                         " precisions need dense gradients; keep them fp32 for it.")
         rounding = self._generator(p.device) if p.dtype == torch.bfloat16 and treatment.master.managed else None
         adam_step(p, grad, state, settings, treatment.state, rounding)
-
-
-@dataclass(frozen=True)
-class AdamSettings:
-    """The hyper-parameters of one Adam(W) step, read from a parameter group of ``torch.optim.Adam``/``AdamW``.
-
-    Attributes:
-        lr: the learning rate.
-        betas: the moments' decay rates.
-        eps: added to the denominator.
-        weight_decay: the weight-decay factor.
-        decoupled: whether weight decay is decoupled (AdamW's: the weights shrink) rather than L2 (Adam's: added to
-            the gradient).
-        amsgrad: whether the denominator uses the maximum second moment so far.
-        maximize: whether the objective is maximised.
-    """
-
-    lr: float
-    betas: tuple[float, float]
-    eps: float
-    weight_decay: float
-    decoupled: bool
-    amsgrad: bool = False
-    maximize: bool = False
-
-    @classmethod
-    def of(cls, optimizer: Optimizer, group: dict[str, Any]) -> AdamSettings:
-        """The settings ``group`` of ``optimizer`` steps with now (LR schedulers change them between steps).
-
-        Weight decay is decoupled for every ``AdamW`` (its own class before torch 2.6, a subclass of ``Adam`` since)
-        and for an ``Adam`` whose group says ``decoupled_weight_decay=True`` (torch 2.6 and later).
-        """
-        decoupled = isinstance(optimizer, torch.optim.AdamW) or bool(group.get("decoupled_weight_decay", False))
-        beta1, beta2 = (float(b) for b in group["betas"])
-        return cls(lr=float(group["lr"]), betas=(beta1, beta2), eps=float(group["eps"]),
-                   weight_decay=float(group["weight_decay"]), decoupled=decoupled,
-                   amsgrad=bool(group.get("amsgrad", False)), maximize=bool(group.get("maximize", False)))
-
-
-def adam_step(p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], settings: AdamSettings,
-              precision: StatePrecision, rounding: torch.Generator | None) -> None:
-    """One Adam(W) step of ``p`` in FP32 with ``settings``, its moments read and written in ``precision``'s format;
-    with ``rounding``, the new BF16 value of ``p`` is rounded stochastically from it."""
-    amsgrad = settings.amsgrad
-    if not state:
-        state["step"] = torch.tensor(0.0, dtype=torch.float32)
-    moments = [(k, signed) for k, signed in _MOMENTS if k != "max_exp_avg_sq" or amsgrad]
-    fmt = _format(precision, p)
-    values = {k: _read(state, k, signed, p) for k, signed in moments}
-    state["step"] += 1
-    step = float(state["step"])
-    lr = settings.lr
-    beta1, beta2 = settings.betas
-    eps, decay = settings.eps, settings.weight_decay
-    g = grad.float()
-    if settings.maximize:
-        g = -g
-    in_place = p.dtype == torch.float32
-    weights = p.detach() if in_place else p.detach().float()
-    if decay != 0:
-        if settings.decoupled:
-            weights.mul_(1 - lr * decay)
-        else:
-            g = g.add(weights, alpha=decay)
-    m, v = values["exp_avg"], values["exp_avg_sq"]
-    m.lerp_(g, 1 - beta1)
-    v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-    bias1, bias2_sqrt = 1 - beta1 ** step, math.sqrt(1 - beta2 ** step)
-    if amsgrad:
-        top = values["max_exp_avg_sq"]
-        torch.maximum(top, v, out=top)
-        denom = (top.sqrt() / bias2_sqrt).add_(eps)
-    else:
-        denom = (v.sqrt() / bias2_sqrt).add_(eps)
-    weights.addcdiv_(m, denom, value=-lr / bias1)
-    for key, signed in moments:
-        _write(state, key, values[key], fmt, signed)
-    if rounding is not None:
-        p.detach().copy_(round_to_bf16(weights, rounding))
-    elif not in_place:
-        p.detach().copy_(weights)  # a parameter that was BF16 of its own: rounded to nearest, as its optimizer would
-
-
-def state_nbytes(p: torch.Tensor, precision: StatePrecision, amsgrad: bool = False) -> int:
-    """Bytes Adam's state of ``p`` takes at ``precision`` (moments, 8-bit block scales and the step counter)."""
-    moments = 3 if amsgrad else 2
-    fmt = _format(precision, p)
-    if fmt == torch.uint8:
-        per_moment = block_quant.packed_size(p.numel())
-    else:
-        per_moment = p.numel() * (2 if fmt == torch.bfloat16 else 4)
-    return moments * per_moment + 4
-
-
-# ------------------------------------------------------------------------------------------------ state formats
-def _format(state: StatePrecision, p: torch.Tensor) -> torch.dtype:
-    """The dtype a moment of ``p`` is stored in under ``state`` (uint8: 8-bit codes)."""
-    if state is StatePrecision.INT8 and block_quant.quantisable(p):
-        return torch.uint8
-    return torch.bfloat16 if state is StatePrecision.BF16 else torch.float32
-
-
-def _read(state: dict[str, Any], key: str, signed: bool, p: torch.Tensor) -> torch.Tensor:
-    """The moment ``key`` in FP32 (the stored tensor itself when it is FP32: updated in place; zeros if absent)."""
-    stored = state.get(key)
-    if stored is None:
-        return torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
-    if _packed(stored, p):
-        return block_quant.unpack(stored, p.shape, signed).dequantise()
-    return stored if stored.dtype == torch.float32 else stored.float()
-
-
-def _packed(stored: torch.Tensor, p: torch.Tensor) -> bool:
-    """Whether ``stored`` is a packed 8-bit moment of ``p`` (bytes, or bytes a load cast to ``p``'s dtype)."""
-    return stored.dtype == torch.uint8 or (stored.dim() == 1 and stored.shape != p.shape
-                                           and stored.numel() == block_quant.packed_size(p.numel()))
-
-
-def _write(state: dict[str, Any], key: str, values: torch.Tensor, fmt: torch.dtype, signed: bool) -> None:
-    """Store FP32 ``values`` as the moment ``key`` in ``fmt``."""
-    stored = state.get(key)
-    if fmt == torch.uint8:
-        if stored is not None and stored.dtype == torch.uint8:
-            moment = block_quant.unpack(stored, values.shape, signed)  # views of ``stored``: quantised in place
-            block_quant.into(values, moment.codes, moment.scale, signed)
-        else:
-            state[key] = block_quant.pack(block_quant.QuantisedMoment.quantise(values, signed))
-        return
-    if stored is not None and stored.dtype == fmt and stored.shape == values.shape:
-        if stored is not values:
-            stored.copy_(values)
-    else:
-        state[key] = values if fmt == torch.float32 else values.to(fmt)
-
-
-def _to_own_format(state: dict[str, Any], p: torch.Tensor) -> None:
-    """Return an unmanaged parameter's state to the optimizer's own format (moments in ``p``'s dtype and shape)."""
-    for key, signed in _MOMENTS:
-        stored = state.get(key)
-        if stored is None:
-            continue
-        if _packed(stored, p):
-            state[key] = block_quant.unpack(stored, p.shape, signed).dequantise().to(p.dtype)
-        elif stored.dtype != p.dtype and stored.is_floating_point():
-            state[key] = stored.to(p.dtype)
-
-
-def _check_optimizer(optimizer: Optimizer, group: dict[str, Any], name: str) -> None:
-    if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
-        raise UnsupportedSetupError(
-            f"{type(optimizer).__qualname__} steps parameter {name!r}, whose plan entry sets state/master precision:"
-            " those apply to torch.optim.Adam and torch.optim.AdamW only. Use one of them, or keep state='fp32' and"
-            " master='fp32' for it.")
-    for flag in ("capturable", "differentiable", "fused"):
-        if group.get(flag):
-            raise UnsupportedSetupError(
-                f"{type(optimizer).__qualname__}({flag}=True) steps parameter {name!r}, whose plan entry sets"
-                " state/master precision: that step is not reproduced here. Drop the flag, or keep state='fp32' and"
-                " master='fp32' for it.")

@@ -12,7 +12,8 @@ from torch import nn
 
 from lightning_comp import PrecisionPlan
 from lightning_comp.errors import PlanError, UnsupportedSetupError
-from lightning_comp.execution.optimizer_states import AdamSettings, OptimizerStates, adam_step, state_bytes
+from lightning_comp.execution.adam_step import AdamSettings, adam_step
+from lightning_comp.execution.optimizer_states import OptimizerStates, state_bytes
 from lightning_comp.execution.parameter_groups import parameter_owners
 from lightning_comp.numerics import block_quant
 from lightning_comp.numerics.precision import StatePrecision

@@ -8,7 +8,7 @@ update of those parameters is timed in interleaved rounds, like every other comp
 - ``FP32`` (``"fp32"``): the user's own optimizer algorithm (a throwaway optimizer of its class, with the
   hyper-parameters of the group the parameters belong to, ``foreach`` included), on FP32 copies;
 - ``INT8``, ``BF16`` (``"8bit"``, ``"bf16"``, :meth:`UpdateVariant.of` a state format):
-  :func:`~lightning_comp.execution.optimizer_states.adam_step` with the moments in that format;
+  :func:`~lightning_comp.execution.adam_step.adam_step` with the moments in that format;
 - ``MASTER`` (``"master"``): the same with BF16 parameter copies and stochastic rounding (and the moments of the
   configuration's ``state``).
 
@@ -29,7 +29,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_comp.common.spelled_enum import SpelledEnum
-from lightning_comp.execution.optimizer_states import AdamSettings, adam_step
+from lightning_comp.execution.adam_step import AdamSettings, adam_step
 from lightning_comp.numerics.precision import StatePrecision
 from lightning_comp.search.measurement.clocks import Clock
 

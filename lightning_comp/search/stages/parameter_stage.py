@@ -23,7 +23,8 @@ import lightning.pytorch as pl
 import torch
 from torch import nn
 
-from lightning_comp.execution.optimizer_states import state_bytes, state_nbytes
+from lightning_comp.execution.adam_step import state_nbytes
+from lightning_comp.execution.optimizer_states import state_bytes
 from lightning_comp.execution.parameter_groups import parameter_owners
 from lightning_comp.numerics.precision import ComputePrecision, MasterPrecision, StatePrecision
 from lightning_comp.plan.dimensions import Dimension
