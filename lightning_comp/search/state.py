@@ -3,23 +3,21 @@
 :meth:`SearchState.to_dict` writes every field, in plain Python types and tensors, so checkpoints load with
 ``torch.load(weights_only=True)``; :meth:`SearchState.from_dict` reads exactly that form and refuses anything else,
 naming it. There is one format, :data:`STATE_VERSION`: a state of another version (or with other keys) is refused
-with the keys it lacks or has in excess, never read in part. The batch stage's result travels in the form
-:func:`to_plain` gives any of the search's dataclasses (fields by name, enums by value, a mapping with other than
-string or enum keys as ``[key, value]`` pairs) and :func:`from_plain` reads back from the dataclass's type hints.
+with the keys it lacks or has in excess, never read in part. The batch stage's result travels in the typed plain form
+of :mod:`lightning_comp.common.typed_plain`.
 The state is the one owner of what the search decided: the searched precision, the batch stage's measurements and
 candidates, their group testing, the trials, the chosen plan.
 """
 
 from __future__ import annotations
 
-import types
-import typing
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields, is_dataclass
+from dataclasses import dataclass, field, fields
 from enum import Enum
 from typing import Any
 
-from lightning_comp.errors import SearchConfigError
+from lightning_comp.common.typed_plain import from_plain, to_plain
+from lightning_comp.errors import ConfigError, SearchConfigError
 from lightning_comp.numerics.precision import ComputePrecision
 from lightning_comp.search.candidates import Candidate, candidates_from_plain, candidates_to_plain
 from lightning_comp.search.decisions.batch_result import BatchStageResult
@@ -27,7 +25,7 @@ from lightning_comp.search.decisions.group_search import GroupSearch
 from lightning_comp.search.decisions.trial_plans import CheapRun, Choices
 from lightning_comp.search.decisions.trials import TrialVerdict
 
-__all__ = ["STATE_VERSION", "Phase", "Restore", "SearchState", "TrialRecord", "from_plain", "to_plain"]
+__all__ = ["STATE_VERSION", "Phase", "Restore", "SearchState", "TrialRecord"]
 
 STATE_VERSION = 1  # the one checkpoint form of the search's state this version writes and reads
 
@@ -228,7 +226,7 @@ class SearchState:
         values["low_precision"] = None if low is None else ComputePrecision.parse(low)
         values["pending_restore"] = None if values["pending_restore"] is None else Restore(values["pending_restore"])
         values["num_operators"] = int(values["num_operators"])
-        values["batch"] = None if values["batch"] is None else from_plain(BatchStageResult, values["batch"])
+        values["batch"] = None if values["batch"] is None else _read_batch(values["batch"])
         values["group_search"] = None if values["group_search"] is None else GroupSearch.from_state(
             values["group_search"])
         values["trials"] = [TrialRecord.from_dict(t) for t in values["trials"]]
@@ -247,68 +245,13 @@ def _check_keys(data: Mapping[str, Any], kind: type, what: str, known: set[str] 
         )
 
 
-def to_plain(value: Any) -> Any:
-    """``value`` (a dataclass of the search, or anything inside one) in plain types, as a checkpoint holds it.
-
-    Dataclasses become dicts of their fields, enums their values, tuples lists; a mapping whose keys are all strings
-    or enums a dict keyed by those strings, any other mapping a list of ``[key, value]`` pairs.
-    """
-    if is_dataclass(value) and not isinstance(value, type):
-        return {f.name: to_plain(getattr(value, f.name)) for f in fields(value) if f.init}
-    if isinstance(value, Enum):
-        return value.value
-    if isinstance(value, Mapping):
-        if all(isinstance(key, (str, Enum)) for key in value):
-            return {to_plain(key): to_plain(item) for key, item in value.items()}
-        return [[to_plain(key), to_plain(item)] for key, item in value.items()]
-    if isinstance(value, (list, tuple)):
-        return [to_plain(item) for item in value]
-    return value
-
-
-def from_plain(kind: Any, data: Any) -> Any:
-    """Read :func:`to_plain`'s form of a value of type ``kind`` (a dataclass, enum, container or plain type).
+def _read_batch(data: Any) -> BatchStageResult:
+    """The batch stage's result from its checkpoint form.
 
     Raises:
-        SearchConfigError: where ``data`` does not have the form of ``kind`` (the checkpoint is inconsistent).
+        SearchConfigError: where ``data`` does not have the form of a :class:`BatchStageResult`.
     """
     try:
-        return _from_plain(kind, data)
-    except (KeyError, TypeError, ValueError, AttributeError) as err:
-        raise SearchConfigError(f"Malformed CoMPSearch checkpoint state: cannot read {data!r} as {kind!r}: {err}."
-                                ) from None
-
-
-def _from_plain(kind: Any, data: Any) -> Any:
-    origin, args = typing.get_origin(kind), typing.get_args(kind)
-    if kind is Any:
-        return data
-    if origin in (typing.Union, types.UnionType):
-        if data is None:
-            return None
-        options = [arg for arg in args if arg is not type(None)]
-        if any(isinstance(arg, type) and type(data) is arg for arg in options):
-            return data  # e.g. float | int: already the plain value
-        return _from_plain(options[0], data)
-    if origin in (dict, Mapping):
-        key_kind, item_kind = args
-        items = data.items() if isinstance(data, Mapping) else data
-        return {_from_plain(key_kind, key): _from_plain(item_kind, item) for key, item in items}
-    if origin is list:
-        return [_from_plain(args[0], item) for item in data]
-    if origin is tuple:
-        if len(args) == 2 and args[1] is Ellipsis:
-            return tuple(_from_plain(args[0], item) for item in data)
-        return tuple(_from_plain(arg, item) for arg, item in zip(args, data, strict=True))
-    if isinstance(kind, type) and is_dataclass(kind):
-        hints = typing.get_type_hints(kind)
-        known = {f.name for f in fields(kind) if f.init}
-        _check_keys(data, kind, kind.__name__, known)
-        return kind(**{name: _from_plain(hints[name], data[name]) for name in known})
-    if isinstance(kind, type) and issubclass(kind, Enum):
-        return kind(data)
-    if kind in (int, float, str, bool):
-        if not isinstance(data, (int, float, str, bool)):
-            raise SearchConfigError(f"expected a {kind.__name__}")
-        return data  # as written (a count averaged over ranks may be a float)
-    raise SearchConfigError(f"no plain form for {kind!r}")
+        return from_plain(BatchStageResult, data)  # type: ignore[no-any-return]
+    except ConfigError as err:
+        raise SearchConfigError(f"Malformed CoMPSearch checkpoint state (its batch stage's result): {err}") from None

@@ -459,3 +459,6 @@ def test_the_batch_stage_result_travels_through_a_checkpoint_typed() -> None:
     assert build_record(back, SearchConfig())["step_ms"] == {"fp32": 2.0, "candidates": 1.0}
     with pytest.raises(SearchConfigError, match=r"Missing keys \['batch'\]"):
         SearchState.from_dict({k: v for k, v in plain.items() if k != "batch"})
+    broken = {**plain, "batch": {k: v for k, v in plain["batch"].items() if k != "order"}}
+    with pytest.raises(SearchConfigError, match=r"batch stage's result.*missing keys \['order'\]"):
+        SearchState.from_dict(broken)
