@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Union
 
 from torch import nn
@@ -106,7 +106,6 @@ class Assignment:
     dimension: Dimension
     entries: tuple[tuple[str, Any], ...] = ()
     default: Any = None
-    _lookup: dict[str, Any] = field(init=False, repr=False, compare=False, hash=False)
 
     def __post_init__(self) -> None:
         dimension = Dimension.parse(self.dimension)
@@ -133,10 +132,13 @@ class Assignment:
         except PlanError as err:
             raise PlanError(f"Plan {dimension.value} default: {err}") from None
         object.__setattr__(self, "default", default)
-        object.__setattr__(self, "_lookup", dict(entries))
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), (self.dimension, self.entries, self.default))
+
+    @functools.cached_property
+    def _lookup(self) -> dict[str, Any]:
+        return dict(self.entries)
 
     @functools.cached_property
     def selectors(self) -> Selectors:
@@ -163,7 +165,7 @@ class Assignment:
         for _, value in self.entries:
             yield value
 
-    @property
+    @functools.cached_property
     def changes(self) -> bool:
         """Whether any operator gets a value other than the dimension's ``fp32``."""
         fp32 = self.dimension.fp32
