@@ -96,12 +96,12 @@ class CoMPPrecision(PlanShell, Precision):
         return torch.amp.GradScaler(device=device_type)
 
     # ------------------------------------------------------------------------------------ a search's entry points
-    def try_plan(self, plan: PlanLike) -> PrecisionPlan:
-        """Put in force a plan the caller tries on purpose (a search's trial, or the plan it chose).
+    def try_plan(self, plan: PlanLike, *, chosen: bool = False) -> PrecisionPlan:
+        """Put in force a plan the caller tries on purpose (a search's trial), or the plan it chose after trying.
 
         As :meth:`set_plan`, but the plan is not the user's own: no warning where its 16-bit precision is emulated
-        on this device or where it leaves work unplanned (the caller chose to try it there), and a checkpoint's plan
-        replaces it on resume.
+        on this device (the caller chose to try it there), and a checkpoint's plan replaces it on resume. A trial
+        gets no warning where it leaves work unplanned either; a chosen plan (``chosen=True``), which trains on, does.
 
         Returns:
             The plan now in force.
@@ -110,7 +110,7 @@ class CoMPPrecision(PlanShell, Precision):
             PlanMismatchError: if the plan does not fit the model.
             PlanError: if an operator has no kernel for its planned precision on the model's device.
         """
-        return self._runtime.request(plan, PlanOrigin.TRIAL)
+        return self._runtime.request(plan, PlanOrigin.CHOSEN if chosen else PlanOrigin.TRIAL)
 
     def measured_step(self, plan: PlanLike, *, calibrated: bool = True) -> AbstractContextManager[None]:
         """Put ``plan`` in force (as :meth:`try_plan`) and return the context in which to run one training step

@@ -47,13 +47,17 @@ class PlanOrigin(Enum):
     Attributes:
         DEFAULT: nobody (all-FP32 until a checkpoint's plan replaces it), or a checkpoint.
         USER: the user (a plugin's constructor or ``set_plan``): it wins over a checkpoint's plan, with a warning.
-        TRIAL: a caller trying it on purpose (``try_plan``: a search's trials, measurements and the plan it chose):
-            no warnings about emulated precisions or unplanned work; a checkpoint's plan replaces it, as a trial.
+        TRIAL: a caller trying it on purpose (``try_plan``: a search's trials and measurements): no warnings about
+            emulated precisions or unplanned work; a checkpoint's plan replaces it, as a trial.
+        CHOSEN: the plan a caller chose after trying (``try_plan(plan, chosen=True)``: a search's result), which trains
+            on: no warning about emulated precisions (the caller measured them there), but work it leaves
+            unplanned is reported, as for a checkpoint's plan; a checkpoint's plan replaces it.
     """
 
     DEFAULT = "default"
     USER = "user"
     TRIAL = "trial"
+    CHOSEN = "chosen"
 
 
 class PlanRuntime:
@@ -160,7 +164,7 @@ class PlanRuntime:
         plan = self.executor.apply(model, decline_slow_fp16(self.requested, target, self.allow_slow_fp16), device)
         self.optimizer_states.assign(model, plan)
         self._scaler.sync(plan.uses(ComputePrecision.FP16), device.type)
-        if self.origin is not PlanOrigin.TRIAL:
+        if self.origin not in (PlanOrigin.TRIAL, PlanOrigin.CHOSEN):
             accepted = frozenset({ComputePrecision.FP16}) if self.allow_slow_fp16 else frozenset()
             check_plan_device(plan, model, target, stacklevel=5, accepted=accepted)
         self.report_unplanned()

@@ -578,3 +578,34 @@ def test_the_plan_is_filed_under_one_key_whatever_the_plugin_class(tmp_path: Pat
     pl.Trainer(max_epochs=2, plugins=[resumed], **fast_trainer_kwargs).fit(make_mlp(), make_regression_loader(),
                                                                           ckpt_path=path)
     assert resumed.plan["compute"].entries == (("type:Linear", ComputePrecision.BF16),)  # through Lightning's restore
+
+
+def test_a_searchs_chosen_plan_is_checked_for_unplanned_work_and_its_trials_are_not(
+        monkeypatch: pytest.MonkeyPatch, make_regression_loader: Any, fast_trainer_kwargs: dict[str, Any]) -> None:
+    """A trial is tried on purpose (no report); the plan a caller chose trains on, so what it leaves unplanned is
+    reported, as for a checkpoint's plan (not as the user's own)."""
+    from lightning_comp.execution.unplanned_work import UnplannedWorkWarnings
+
+    checked: list[tuple[str | None, bool]] = []
+    real = UnplannedWorkWarnings.check
+
+    def spy(self: UnplannedWorkWarnings, executor: Any, users_own: bool, owner: str) -> Any:
+        checked.append((executor.plan.provenance.get("trial"), users_own))
+        return real(self, executor, users_own, owner)
+
+    monkeypatch.setattr(UnplannedWorkWarnings, "check", spy)
+
+    class Tries(pl.Callback):
+        def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                                 batch_idx: int) -> None:
+            plugin = trainer.precision_plugin
+            plan = PrecisionPlan.from_dict({"net.0": "bf16"})
+            if batch_idx == 0:
+                plugin.try_plan(plan.with_provenance(trial="a trial"))
+            elif batch_idx == 2:
+                plugin.try_plan(plan.with_provenance(trial="the choice"), chosen=True)
+
+    pl.Trainer(max_steps=4, plugins=[CoMPPrecision()], callbacks=[Tries()], **fast_trainer_kwargs).fit(
+        TinyMLP(), make_regression_loader())
+    trials = {trial for trial, _ in checked}  # None: the all-FP32 default the plugin starts with
+    assert "a trial" not in trials and "the choice" in trials and not any(own for _, own in checked)

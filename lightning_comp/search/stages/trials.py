@@ -119,7 +119,7 @@ class TrialDriver:
         state = self.state
         current = state.current_trial
         if state.phase is Phase.DONE and state.chosen is not None:
-            self.plugin.try_plan(PrecisionPlan.from_dict(state.chosen))
+            self.plugin.try_plan(PrecisionPlan.from_dict(state.chosen), chosen=True)
         elif state.searching and current is not None:
             self.plugin.try_plan(PrecisionPlan.from_dict(current.plan))
         elif state.phase is Phase.PENDING and state.low_precision is None:
@@ -275,7 +275,7 @@ class TrialDriver:
             plan, made_by="CoMPSearch", trial=label, reason=reason, monitor=self.config.monitor,
             tolerance=self.config.tolerance, tolerance_mode=self.config.tolerance_mode.value,
         )
-        state.chosen = self.plugin.try_plan(chosen).to_dict()
+        state.chosen = self.plugin.try_plan(chosen, chosen=True).to_dict()
         state.chosen_label = label
         state.finish_reason = reason
         state.phase = Phase.DONE
@@ -294,7 +294,7 @@ class TrialDriver:
         if snapshot is not None:
             chosen = self.plugin.plan
             rewind(trainer, pl_module, self.plugin, snapshot)
-            self.plugin.try_plan(chosen)  # a fresh loss scaler if the chosen plan has fp16
+            self.plugin.try_plan(chosen, chosen=True)  # a fresh loss scaler if the chosen plan has fp16
         state.pending_restore = None
         state.snapshot = None
         state.reference_end = None
