@@ -20,11 +20,10 @@ from torch import nn
 
 from lightning_comp.adapters.torch_internals import BATCH_NORM_BASE, CONV_BASE, NORM_BASE
 from lightning_comp.errors import ConfigError
-from lightning_comp.operators.owned_work import owns_planned_work
+from lightning_comp.operators.owned_work import owns_planned_work, runs_planned_work
 
-__all__ = ["OperatorKind", "autocast_like", "classify", "is_atomic", "is_functional", "is_recurrent",
-           "normalises_input_only",
-           "register_atomic", "weight_reading"]
+__all__ = ["OperatorKind", "autocast_like", "classify", "does_no_arithmetic", "is_atomic", "is_functional",
+           "is_recurrent", "judged_as_compute", "normalises_input_only", "register_atomic", "weight_reading"]
 
 
 class OperatorKind(str, Enum):
@@ -34,7 +33,7 @@ class OperatorKind(str, Enum):
     NORM = "norm"  # BatchNorm/LayerNorm/GroupNorm/...: low-precision input, FP32 statistics
     ELEMENTWISE = "elementwise"  # parameter-free activations, dropout, pooling, softmax, padding, ...
     EMBEDDING = "embedding"  # table look-ups
-    SHAPE = "shape"  # Flatten/Unflatten/Identity: no arithmetic, dtype passes through unchanged
+    SHAPE = "shape"  # Flatten/Unflatten/Identity, Dropout(p=0): no arithmetic, dtype passes through unchanged
     OTHER = "other"  # any other module with parameters (user-defined leaves)
     FUNCTIONAL = "functional"  # a module with children whose own forward computes (SDPA, einsum, matmul between them)
 
@@ -46,6 +45,8 @@ _KNOWN_COMPUTE = frozenset({
     "transformers.pytorch_utils.Conv1D",  # GPT-2's c_attn/c_proj/c_fc: transposed weight, torch.addmm
 })
 _SHAPE_TYPES: tuple[type[nn.Module], ...] = (nn.Flatten, nn.Unflatten, nn.Identity)
+_DROPOUT_TYPES: tuple[type[nn.Module], ...] = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout,
+                                               nn.FeatureAlphaDropout)
 _AUTOCAST_TYPES: tuple[type[nn.Module], ...] = (nn.Linear, nn.Bilinear, CONV_BASE, nn.MultiheadAttention)
 _WEIGHT_READING_TYPES: tuple[type[nn.Module], ...] = (nn.Linear, CONV_BASE)
 _COMPUTE_TYPES: tuple[type[nn.Module], ...] = (*_AUTOCAST_TYPES, nn.RNNBase)
@@ -125,6 +126,25 @@ def normalises_input_only(module: nn.Module) -> bool:
     return isinstance(module, _INPUT_ONLY_NORMS)
 
 
+def does_no_arithmetic(module: nn.Module) -> bool:
+    """Whether ``module`` computes nothing (shape-only modules, a dropout with ``p=0``): its output has its input's
+    dtype whatever the plan says, so it is never a decision of its own (it follows its neighbours)."""
+    return isinstance(module, _SHAPE_TYPES) or (isinstance(module, _DROPOUT_TYPES) and float(getattr(module, "p", 1))
+                                                == 0.0)
+
+
+def judged_as_compute(module: nn.Module) -> bool:
+    """Whether a search judges lowering ``module`` by what it costs itself (forward and backward), as a compute
+    operator: matmul, convolution, attention and recurrent modules, embeddings, other modules with weights, containers
+    computing between their children, and any leaf a trace found running matmul, convolution, attention or recurrent
+    kernels, whatever its class (a parameter-free leaf calling ``scaled_dot_product_attention``). The others (norms,
+    activations) are cheap operators, lowered between lowered neighbours where that pays."""
+    if classify(module) in (OperatorKind.COMPUTE, OperatorKind.EMBEDDING, OperatorKind.OTHER,
+                            OperatorKind.FUNCTIONAL):
+        return True
+    return runs_planned_work(module)
+
+
 def classify(module: nn.Module) -> OperatorKind:
     """The :class:`OperatorKind` of an operator module."""
     if is_functional(module):
@@ -135,7 +155,7 @@ def classify(module: nn.Module) -> OperatorKind:
         return OperatorKind.NORM
     if isinstance(module, _EMBEDDING_TYPES):
         return OperatorKind.EMBEDDING
-    if isinstance(module, _SHAPE_TYPES):
+    if does_no_arithmetic(module):
         return OperatorKind.SHAPE
     if any(True for _ in module.parameters()):
         return OperatorKind.OTHER

@@ -32,19 +32,21 @@ class MeasurementConfig:
         extra_profile_time: when the first ``profile_steps`` rounds cannot tell FP32 and low precision apart (the
             interval of the per-round ratios straddles the margin), the batch stage measures more rounds, for at
             most this fraction of the time the first rounds took (per-operator and whole-step measurements each).
-            An operator or plan still undecided then stays FP32, with the measured ratio and its spread in the
-            record. ``0`` disables the extra rounds.
+            An operator still undecided then stays FP32, with the measured ratio and its spread in the record; of
+            whole-step plans still too close to tell, the fastest by the median is taken. What the whole-step
+            budget leaves pays for the refinement (one group flipped at a time, see ``switch_margin``). ``0``
+            disables the extra rounds and the refinement.
         timing: what the batch stage's clock counts on a CPU. ``"auto"``: wall time with the user's threads while
             the machine is quiet; once other processes take half a CPU or more (measured from ``/proc/stat`` on
             Linux, before and during the measurements), the CPU time of the measuring thread with one intra-op
             thread, which does not count time other processes take. ``"wall"`` or ``"cpu"`` force one. On CUDA,
             CUDA events are used whatever this says.
         speed_margin: fraction by which lowering must beat FP32 before it is preferred (noise guard).
-        switch_margin: the tie rule of the whole-step comparison: a fixed policy (AMP's plan) or another
-            whole-step alternative is trialled instead of the per-operator candidates only when its step is faster
-            than theirs by this fraction beyond doubt (the whole interval of the per-round ratios below
-            ``1 - switch_margin``). Within it the candidates are kept, so near ties do not flip from run to run,
-            and the chosen plan is never slower than the best alternative by more than this, within measured noise.
+        switch_margin: how much faster a refinement must make the whole step to be kept (throughput objective). The
+            batch stage trials the fastest plan it measured (by the median of paired rounds), then flips one group
+            of operators at a time from it and keeps a flip only when the step with it is faster than without by
+            this fraction beyond doubt (the whole interval of the per-round ratios at or below
+            ``1 - switch_margin``; 0: faster beyond doubt).
         min_gain_ms: smallest per-step gain (ms) for an operator to be lowered (throughput objective).
         max_skipped_fraction: an FP16 trial whose loss scaler skips more than this fraction of its steps is rejected.
 
@@ -54,10 +56,10 @@ class MeasurementConfig:
 
     profile_steps: int = 4
     profile_warmup: int = 1
-    extra_profile_time: float = 0.5
+    extra_profile_time: float = 1.0
     timing: Timing = Timing.AUTO
     speed_margin: float = 0.05
-    switch_margin: float = 0.02
+    switch_margin: float = 0.0
     min_gain_ms: float = 0.005
     max_skipped_fraction: float = 0.05
 
@@ -74,8 +76,8 @@ class MeasurementConfig:
             self._fail("extra_profile_time", "it must be a number in [0, 100]: the extra measuring time allowed when"
                        " the first rounds cannot decide, as a fraction of the time they took")
         if not _number(self.switch_margin) or not 0 <= self.switch_margin < 1:
-            self._fail("switch_margin", "it must be a number in [0, 1): how much faster than the candidates an"
-                       " alternative plan's step must be to replace them")
+            self._fail("switch_margin", "it must be a number in [0, 1): how much faster a refinement flip must make"
+                       " the whole step to be kept")
         for name in ("speed_margin", "min_gain_ms", "max_skipped_fraction"):
             if not _number(getattr(self, name)) or not 0 <= getattr(self, name) < 1e6:
                 self._fail(name, "it must be a number >= 0")
@@ -133,8 +135,8 @@ def _number(value: object) -> bool:
 MEASUREMENT_PRESETS: dict[str, MeasurementConfig] = {
     # 2 timed steps and no extra rounds: tests, smoke runs and tiny models, where the search's cost dominates
     "quick": MeasurementConfig(profile_steps=2, profile_warmup=1, extra_profile_time=0.0),
-    # what every setting defaults to: 4 timed steps, up to half again as long when a call is close
+    # what every setting defaults to: 4 timed steps, up to as long again when a call is close or to refine
     "default": MeasurementConfig(),
-    # 8 timed steps after 2 unmeasured, up to as long again when close: a noisy machine, or gains near the margins
-    "thorough": MeasurementConfig(profile_steps=8, profile_warmup=2, extra_profile_time=1.0),
+    # 8 timed steps after 2 unmeasured, up to twice as long again: a noisy machine, or gains near the margins
+    "thorough": MeasurementConfig(profile_steps=8, profile_warmup=2, extra_profile_time=2.0),
 }

@@ -12,11 +12,13 @@ from typing import Any
 from lightning_comp.numerics.precision import MasterPrecision, SavedPrecision, StatePrecision
 from lightning_comp.plan.dimensions import Dimension
 from lightning_comp.search.candidates import Candidate
+from lightning_comp.search.decisions.groups import OperatorGroup
 from lightning_comp.search.decisions.operators import OperatorDecision
 from lightning_comp.search.decisions.parameters import ParameterStepCheck
+from lightning_comp.search.decisions.refinement import GroupFlip
 from lightning_comp.search.decisions.saved import SavedStepCheck
 from lightning_comp.search.decisions.trial_plans import CheapRun, Choices
-from lightning_comp.search.decisions.whole_step import ComparedPlan, PlanStep, ProfiledPlan
+from lightning_comp.search.decisions.whole_step import ComparedPlan, PlanStep, ProfiledPlan, TrialledPlan
 
 __all__ = ["BatchStageResult", "ParameterStageResult", "SavedStageResult", "StepMemory"]
 
@@ -98,6 +100,11 @@ class BatchStageResult:
         memory: per profiled plan, what its step held.
         timing: the clock it measured with, and why (the record's form).
         parameters: the optimizer-state and master-weight candidates (memory and balanced objectives).
+        groups: the groups of several operators decided as one (operators playing the same part in repeated
+            blocks).
+        flips: the refinement's flips, in the order tried (throughput objective).
+        trialled: the plan handed to the epoch stage and the batch stage's forecast of its step (``None``: not
+            decided).
     """
 
     decisions: dict[str, OperatorDecision]
@@ -110,6 +117,9 @@ class BatchStageResult:
     memory: dict[ProfiledPlan, StepMemory]
     timing: dict[str, Any] | None = None
     parameters: ParameterStageResult = field(default_factory=ParameterStageResult)
+    groups: list[OperatorGroup] = field(default_factory=list)
+    flips: list[GroupFlip] = field(default_factory=list)
+    trialled: TrialledPlan | None = None
 
     @property
     def choices(self) -> Choices:

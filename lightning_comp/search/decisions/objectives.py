@@ -72,6 +72,7 @@ class ObjectivePolicy(ABC):
     objective: ClassVar[Objective]
     better: ClassVar[str]  # how a plan that wins a whole-step comparison is better, e.g. "faster as a whole"
     weighs_memory: ClassVar[bool] = True  # whether whole steps' saved bytes decide anything
+    refines: ClassVar[bool] = False  # whether the trialled plan is refined one group at a time by whole steps
 
     def __init__(self, config: SearchConfig) -> None:
         self.config = config
@@ -142,6 +143,7 @@ class ThroughputPolicy(ObjectivePolicy):
     objective = Objective.THROUGHPUT
     better = "faster as a whole"
     weighs_memory = False
+    refines = True
 
     def operator(self, time: RatioEstimate, t32: float, tlow: float, memory_ratio: float,
                  bytes_saved: float) -> Judgement:
@@ -153,23 +155,22 @@ class ThroughputPolicy(ObjectivePolicy):
         return Judgement(verdict, _shown(time, t32, tlow), t32 - tlow)
 
     def candidates_pay(self, steps: StepComparison) -> Verdict:
-        return steps.faster(CANDIDATES, FP32, self.config.measurement.speed_margin)
+        """``BELOW`` when the candidates' median step-time ratio to FP32 beats the margin (the rounds' budget was
+        spent on telling it where it was close), else ``ABOVE``."""
+        keep = 1 - self.config.measurement.speed_margin
+        return Verdict.BELOW if steps.median_to_fp32(CANDIDATES) <= keep else Verdict.ABOVE
 
     def winner(self, steps: StepComparison, saved: dict[ComparedPlan, float], labels: list[ComparedPlan],
                have_candidates: bool) -> ComparedPlan | None:
-        """The tie rule: an alternative must beat FP32 by ``speed_margin`` and the candidates (if any) by
-        ``switch_margin``, each beyond doubt; of those that do, the fastest."""
-        margin, switch = self.config.measurement.speed_margin, self.config.measurement.switch_margin
-        winners = [label for label in labels if steps.faster(label, FP32, margin) is Verdict.BELOW
-                   and (not have_candidates or steps.faster(label, CANDIDATES, switch) is Verdict.BELOW)]
-        return min(winners, key=lambda label: steps.ratio(label, FP32).ratio) if winners else None
+        """The fastest measured plan, by the median of paired rounds: an alternative when it is the fastest and beats
+        FP32 by ``speed_margin`` (``None``: the candidates, or FP32, are the fastest). No plan is kept for its label:
+        where two are close, more rounds were taken first (:meth:`undecided`)."""
+        best = steps.fastest()
+        keep = 1 - self.config.measurement.speed_margin
+        return best if best in labels and steps.median_to_fp32(best) <= keep else None
 
     def undecided(self, steps: StepComparison, labels: list[ComparedPlan]) -> frozenset[ComparedPlan]:
-        margin, switch = self.config.measurement.speed_margin, self.config.measurement.switch_margin
-        pairs = [(label, FP32, margin) for label in labels]
-        if CANDIDATES in steps.ms:
-            pairs += [(label, CANDIDATES, switch) for label in labels if label != CANDIDATES]
-        return _involved(steps, pairs)
+        return steps.too_close_to_tell(self.config.measurement.speed_margin)
 
 
 class MemoryPolicy(ObjectivePolicy):
@@ -255,12 +256,6 @@ _POLICIES: dict[Objective, type[ObjectivePolicy]] = {
 def policy_for(config: SearchConfig) -> ObjectivePolicy:
     """The policy of ``config.objective``."""
     return _POLICIES[config.objective](config)
-
-
-def _involved(steps: StepComparison, pairs: list[tuple[ComparedPlan, ComparedPlan, float]]) -> frozenset[ComparedPlan]:
-    """The plans of the pairs ``(a, b, margin)`` where ``a`` cannot be told faster or not than ``b`` by ``margin``."""
-    return frozenset(label for a, b, margin in pairs if steps.faster(a, b, margin) is Verdict.UNDECIDED
-                     for label in (a, b))
 
 
 def _slowdown_involved(steps: StepComparison, labels: list[ComparedPlan], limit: float) -> frozenset[ComparedPlan]:

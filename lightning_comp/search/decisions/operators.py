@@ -1,9 +1,14 @@
 """Each operator's decision from the batch stage's per-operator measurements: a candidate, a fill, or FP32.
 
-Compute-heavy operators (matmul, convolution, recurrent, attention, embeddings, other modules with weights) are
-judged by the objective's policy (:mod:`lightning_comp.search.decisions.objectives`). Cheap operators (norms,
-activations) are *fills*: lowered only between two lowered operators, when that costs no time, so activations stay
-low across the run (:mod:`lightning_comp.search.decisions.trial_plans`).
+Operators that play the same part in repeated blocks are decided as one group
+(:mod:`lightning_comp.search.decisions.groups`): their rounds pooled, one verdict for every member. Compute operators
+(matmul, convolution, recurrent, attention, embeddings, other modules with weights, containers computing between
+their children, and any leaf a trace found running such kernels:
+:func:`~lightning_comp.operators.kinds.judged_as_compute`) are judged by the objective's policy
+(:mod:`lightning_comp.search.decisions.objectives`) on their forward and backward time. Cheap operators (norms,
+activations) are *fills*: lowered only between two lowered operators, when that costs no time forward and backward,
+so activations stay low across the run (:mod:`lightning_comp.search.decisions.trial_plans`). Operators that do no
+arithmetic (shape-only modules, ``Dropout(p=0)``) are not decisions: their output has their input's precision.
 """
 
 from __future__ import annotations
@@ -15,9 +20,10 @@ from enum import Enum
 from torch import nn
 
 from lightning_comp.numerics.precision import ComputePrecision
-from lightning_comp.operators.kinds import OperatorKind, classify
+from lightning_comp.operators.kinds import OperatorKind, classify, does_no_arithmetic, judged_as_compute
 from lightning_comp.plan.dimensions import Dimension
 from lightning_comp.search.config import SearchConfig
+from lightning_comp.search.decisions.groups import OperatorGroup, group_operators, pooled_series
 from lightning_comp.search.decisions.objectives import ObjectivePolicy
 from lightning_comp.search.decisions.parameters import ParameterDecision
 from lightning_comp.search.decisions.saved import SavedDecision
@@ -25,10 +31,11 @@ from lightning_comp.search.decisions.whole_step import ProfiledPlan
 from lightning_comp.search.measurement.estimates import RatioEstimate, Verdict, paired_ratio
 from lightning_comp.search.measurement.profiling import OperatorMeasurement, ProfileResult
 
-__all__ = ["HEAVY_KINDS", "Choice", "OperatorDecision", "OperatorVerdict", "decide_operators", "fills",
-           "judge_operator", "recheck_at_plan_boundaries"]
+__all__ = ["Choice", "OperatorDecision", "OperatorVerdict", "decide_operators", "fills", "judge_operator",
+           "recheck_at_plan_boundaries"]
 
-HEAVY_KINDS = (OperatorKind.COMPUTE, OperatorKind.EMBEDDING, OperatorKind.OTHER)
+
+_COMPUTE_KINDS = (OperatorKind.COMPUTE, OperatorKind.EMBEDDING, OperatorKind.OTHER, OperatorKind.FUNCTIONAL)
 
 
 class Choice(str, Enum):
@@ -64,6 +71,10 @@ class OperatorDecision:
         own_decision: the decision from its own measurement, before any whole-step check changed it.
         excluded: ``CoMPSearch(exclude=...)`` named it.
         forced: ``CoMPSearch(include=...)`` named it.
+        heavy: judged as a compute operator, on its own cost (else a cheap operator: a fill or FP32); always for the
+            compute kinds (a cheap-kind leaf is heavy where a trace found it running compute kernels).
+        group: the pattern of the group it was decided with (its own name for a group of one; empty: not judged).
+        group_size: how many operators that group holds.
         saved: the decision on the precision of what it saves for backward (memory and balanced objectives).
         parameters: the decision on its parameters' optimizer state and master precision (memory and balanced
             objectives, operators owning parameters).
@@ -87,8 +98,14 @@ class OperatorDecision:
     own_decision: Choice | None = None
     excluded: bool = False
     forced: bool = False
+    heavy: bool = False
+    group: str = ""
+    group_size: int = 1
     saved: SavedDecision | None = None
     parameters: ParameterDecision | None = None
+
+    def __post_init__(self) -> None:
+        self.heavy = self.heavy or self.kind in _COMPUTE_KINDS
 
     @property
     def is_candidate(self) -> bool:
@@ -156,23 +173,47 @@ def judge_operator(policy: ObjectivePolicy, fp32: OperatorMeasurement, low: Oper
                            benefit=judged.benefit)
 
 
-def fills(config: SearchConfig, fp32: OperatorMeasurement, low: OperatorMeasurement, compute: RatioEstimate) -> bool:
-    """Whether a cheap operator may be lowered between two lowered ones: its own computation (casts left out) is not
-    slower in low precision by more than the margin, or than ``min_gain_ms``, even at the slow end of the interval of
-    its per-round ratios (from a single round: the ratio of the minima). Judged at the slow end so that an operator
-    near the margin (a LayerNorm at 1.3x whose fastest rounds happen to meet) is not filled in one run and left out
-    in the next."""
+def fills(config: SearchConfig, fp32: OperatorMeasurement, low: OperatorMeasurement, time: RatioEstimate) -> bool:
+    """Whether a cheap operator (or group) may be lowered between two lowered ones: its forward and backward time
+    (at the all-low plan's cast boundaries, where a run stays low) is not slower in low precision by more than the
+    margin, or than ``min_gain_ms``, even at the slow end of the interval of its per-round ratios (from a single
+    round: the ratio of the minima). Judged at the slow end so that an operator near the margin (a LayerNorm at 1.3x
+    whose fastest rounds happen to meet) is not filled in one run and left out in the next."""
     measurement = config.measurement
-    if compute.rounds < 2 or not math.isfinite(compute.high):
-        return low.compute_ms <= fp32.compute_ms * (1 + measurement.speed_margin) + measurement.min_gain_ms
-    slowest_gain_ms = (compute.high - 1) * fp32.compute_ms
-    return compute.high <= 1 + measurement.speed_margin or slowest_gain_ms <= measurement.min_gain_ms
+    if time.rounds < 2 or not math.isfinite(time.high):
+        return low.total_ms <= fp32.total_ms * (1 + measurement.speed_margin) + measurement.min_gain_ms
+    slowest_gain_ms = (time.high - 1) * fp32.total_ms
+    return time.high <= 1 + measurement.speed_margin or slowest_gain_ms <= measurement.min_gain_ms
+
+
+def _pooled(measurements: list[OperatorMeasurement]) -> OperatorMeasurement:
+    """A group's measurement: its members' summed."""
+    if len(measurements) == 1:
+        return measurements[0]
+    return OperatorMeasurement(
+        forward_ms=sum(m.forward_ms for m in measurements), compute_ms=sum(m.compute_ms for m in measurements),
+        backward_ms=sum(m.backward_ms for m in measurements), saved_bytes=sum(m.saved_bytes for m in measurements),
+        calls=sum(m.calls for m in measurements), wall_ms=sum(m.wall_ms for m in measurements),
+        own_saved_bytes=sum(m.own_saved_bytes for m in measurements))
+
+
+def _group_measurements(group: OperatorGroup | tuple[str, ...], a: ProfileResult, b: ProfileResult,
+                        ) -> tuple[OperatorMeasurement, OperatorMeasurement, RatioEstimate]:
+    """The pooled measurements of a group's members in ``a`` and ``b``, and the ratio of their pooled rounds."""
+    members = group.members if isinstance(group, OperatorGroup) else group
+    time = paired_ratio(pooled_series(a.series(m) for m in members), pooled_series(b.series(m) for m in members))
+    return _pooled([a.operators[m] for m in members]), _pooled([b.operators[m] for m in members]), time
+
+
+def _in_group(group: OperatorGroup, reason: str) -> str:
+    return reason if group.size == 1 else f"decided with its group {group.pattern} (x{group.size}): {reason}"
 
 
 def decide_operators(config: SearchConfig, policy: ObjectivePolicy, low: ComputePrecision,
                      modules: dict[str, nn.Module],
                      lowerable: list[str], results: dict[ProfiledPlan, ProfileResult]) -> dict[str, OperatorDecision]:
-    """Each operator's decision from the per-operator profile (``results[FP32]`` and ``results[LOW]``).
+    """Each operator's decision from the per-operator profile (``results[FP32]`` and ``results[LOW]``), one per group
+    of operators playing the same part in repeated blocks.
 
     Args:
         config: the search's settings (``include``/``exclude``, margin, smallest gain).
@@ -184,17 +225,20 @@ def decide_operators(config: SearchConfig, policy: ObjectivePolicy, low: Compute
     """
     fp32, lowered = results[ProfiledPlan.FP32], results[ProfiledPlan.LOW]
     decisions: dict[str, OperatorDecision] = {}
+    judged: list[str] = []
     for name, module in modules.items():
         kind = classify(module)
         a, b = fp32.operators.get(name), lowered.operators.get(name)
         decision = OperatorDecision(type(module).__name__, kind, sum(p.numel() for p in module.parameters()),
-                                    fp32=a, low=b)
+                                    fp32=a, low=b, heavy=judged_as_compute(module))
         if a is not None and b is not None:
             decision.time = paired_ratio(fp32.series(name), lowered.series(name))
             decision.gain_ms = a.total_ms - b.total_ms
             decision.gain_bytes = a.saved_bytes - b.saved_bytes
         if name not in lowerable:
-            decision.reason = "shape-only" if kind is OperatorKind.SHAPE else f"no {low} kernel on this device"
+            decision.reason = ("no arithmetic: its output has its input's precision (follows its neighbours)"
+                               if does_no_arithmetic(module) or kind is OperatorKind.SHAPE
+                               else f"no {low} kernel on this device")
         elif config.excluded.matches(name, module):
             decision.reason, decision.excluded = "excluded by CoMPSearch(exclude=...)", True
         elif config.included(Dimension.COMPUTE).matches(name, module):
@@ -204,14 +248,32 @@ def decide_operators(config: SearchConfig, policy: ObjectivePolicy, low: Compute
                 decision.benefit = judge_operator(policy, a, b, decision.time).benefit
         elif a is None or b is None:
             decision.reason = "not run in the training step"
-        elif kind in HEAVY_KINDS:
-            judge_operator(policy, a, b, decision.time).apply_to(decision)
-            decision.own_decision = decision.decision  # from its own measurement, before whole-step checks
-        elif fills(config, a, b, paired_ratio(fp32.series(name, "compute_ms"), lowered.series(name, "compute_ms"))):
-            decision.decision, decision.reason = Choice.FILL, "lowered only between lowered operators"
         else:
-            decision.reason = f"slower in {low} ({b.compute_ms:.4f} vs {a.compute_ms:.4f} ms)"
+            judged.append(name)
         decisions[name] = decision
+    for group in group_operators(judged, modules):
+        a, b, time = _group_measurements(group, fp32, lowered)
+        members = [decisions[m] for m in group.members]
+        heavy = members[0].heavy
+        verdict = judge_operator(policy, a, b, time) if heavy else None
+        for decision in members:
+            decision.group, decision.group_size = group.pattern, group.size
+            if verdict is not None:
+                verdict.apply_to(decision)
+                decision.reason = _in_group(group, verdict.reason)
+                decision.benefit = verdict.benefit / group.size  # its share: a group's benefit is its members' sum
+                decision.own_decision = decision.decision  # from its group's measurement, before whole-step checks
+            elif fills(config, a, b, time):
+                decision.decision = Choice.FILL
+                decision.reason = _in_group(group, f"lowered only between lowered operators: time {time.describe()}"
+                                                   f" forward and backward ({a.total_ms:.4f} ms in fp32 ->"
+                                                   f" {b.total_ms:.4f} ms in {low})")
+                decision.time = time
+            else:
+                decision.time = time
+                decision.reason = _in_group(group, f"slower in {low} forward and backward: time {time.describe()}"
+                                                   f" ({a.total_ms:.4f} ms in fp32 -> {b.total_ms:.4f} ms in {low};"
+                                                   f" judged at the interval's slow end, x{time.high:.2f})")
     return decisions
 
 
@@ -222,25 +284,31 @@ def recheck_at_plan_boundaries(policy: ObjectivePolicy, decisions: dict[str, Ope
     Operators are first judged with every lowerable operator lowered, so none is charged an output cast that
     training with its neighbours lowered does not pay. Where the candidate plan keeps a neighbour in FP32, the
     operator pays that cast after all; ``profile`` (``FP32`` and ``AT_PLAN``, paired rounds at the plan's
-    boundaries) measures it, and a candidate judged there not to pay any more (beyond doubt) is named. Forced ones
-    and fills are kept; every measured candidate's ``in_plan`` measurement is recorded.
+    boundaries) measures it, and a candidate group judged there not to pay any more (beyond doubt) is named, every
+    member of it. Forced ones and fills are kept; every measured candidate's ``in_plan`` measurement is recorded.
 
     Returns:
         name -> why it is dropped (empty: every candidate still pays). The caller takes them out (``keep_fp32``).
     """
     fp32, plan = profile[ProfiledPlan.FP32], profile[ProfiledPlan.AT_PLAN]
-    dropped: dict[str, str] = {}
+    groups: dict[str, list[str]] = {}
     for name, decision in decisions.items():
-        a, b = fp32.operators.get(name), plan.operators.get(name)
-        if not decision.is_candidate or a is None or b is None:
+        if not decision.is_candidate or name not in fp32.operators or name not in plan.operators:
             continue
-        decision.in_plan = b
+        decision.in_plan = plan.operators[name]
         decision.in_plan_time = paired_ratio(fp32.series(name), plan.series(name))
-        if decision.forced or decision.kind not in HEAVY_KINDS:
-            continue
-        verdict = judge_operator(policy, a, b, decision.in_plan_time)
+        if not decision.forced and decision.heavy:
+            groups.setdefault(decision.group or name, []).append(name)
+    dropped: dict[str, str] = {}
+    for pattern, members in groups.items():
+        a, b, time = _group_measurements(tuple(members), fp32, plan)
+        verdict = judge_operator(policy, a, b, time)
         if verdict.decision is Choice.FP32 and verdict.settled:
-            before = decision.time.describe() if decision.time is not None else "?"
-            dropped[name] = (f"pays with its neighbours low (time {before}) but not at the candidate plan's cast"
-                             f" boundaries: {verdict.reason.removeprefix('does not pay: ')}")
+            first = decisions[members[0]]
+            before = first.time.describe() if first.time is not None else "?"
+            why = (f"pays with its neighbours low (time {before}) but not at the candidate plan's cast boundaries:"
+                   f" {verdict.reason.removeprefix('does not pay: ')}")
+            if len(members) > 1:
+                why = f"decided with its group {pattern} (x{len(members)}): {why}"
+            dropped.update(dict.fromkeys(members, why))
     return dropped

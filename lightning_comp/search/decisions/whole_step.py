@@ -8,7 +8,7 @@ from enum import Enum
 from lightning_comp.numerics.precision import ComputePrecision
 from lightning_comp.search.measurement.estimates import RatioEstimate, Verdict, paired_ratio
 
-__all__ = ["ALTERNATIVES", "ComparedPlan", "PlanStep", "ProfiledPlan", "StepComparison"]
+__all__ = ["ALTERNATIVES", "ComparedPlan", "PlanStep", "ProfiledPlan", "StepComparison", "TrialledPlan"]
 
 
 class ComparedPlan(str, Enum):
@@ -66,6 +66,28 @@ class PlanStep:
     saved_bytes: float | None = None
 
 
+@dataclass(frozen=True)
+class TrialledPlan:
+    """The plan the batch stage hands the epoch stage, and the batch stage's forecast of its step.
+
+    Attributes:
+        source: the whole-step plan it was measured as (the fastest measured, or FP32 when none beat it).
+        refined: whether refinement flips changed it.
+        step_ms: the forecast of its step (the fastest round of its last measurement, as the clock counts it).
+        ratio_to_fp32: the forecast of its step-time ratio to FP32 (``source``'s median ratio, times the kept flips'
+            median ratios).
+        fastest: the fastest plan measured as a whole step, by the median (before refinement).
+        fastest_ms: that plan's fastest round.
+    """
+
+    source: ComparedPlan
+    refined: bool
+    step_ms: float
+    ratio_to_fp32: float
+    fastest: ComparedPlan
+    fastest_ms: float
+
+
 @dataclass
 class StepComparison:
     """Whole-step times of several plans over paired rounds.
@@ -88,6 +110,30 @@ class StepComparison:
     def faster(self, a: ComparedPlan, b: ComparedPlan, margin: float) -> Verdict:
         """``BELOW`` when ``a`` is faster than ``b`` by ``margin`` beyond doubt, ``ABOVE`` when it is not."""
         return self.ratio(a, b).against(1 - margin)
+
+    def median_to_fp32(self, plan: ComparedPlan) -> float:
+        """``plan``'s median per-round step-time ratio to FP32 (1 for FP32 itself)."""
+        return 1.0 if plan is ComparedPlan.FP32 else self.ratio(plan, ComparedPlan.FP32).ratio
+
+    def fastest(self) -> ComparedPlan:
+        """The plan whose whole step is fastest by the median of its paired per-round ratios to FP32 (FP32 counts 1;
+        a tie goes to the plan timed first, FP32 first of all)."""
+        return min(self.ms, key=self.median_to_fp32)
+
+    def too_close_to_tell(self, margin: float) -> frozenset[ComparedPlan]:
+        """The plans whose comparison with the fastest cannot be decided yet, with the fastest (empty: decided).
+
+        A plan is too close when the interval of its per-round ratios to the fastest straddles 1; the fastest and
+        FP32 are also too close when the interval of the fastest's ratio to FP32 straddles ``1 - margin`` (whether it
+        beats FP32 by the margin at all).
+        """
+        best = self.fastest()
+        close = {plan for plan in self.ms
+                 if plan is not best and self.ratio(plan, best).against(1.0) is Verdict.UNDECIDED}
+        fp32 = ComparedPlan.FP32
+        if best is not fp32 and self.ratio(best, fp32).against(1 - margin) is Verdict.UNDECIDED:
+            close.add(fp32)
+        return frozenset(close | {best}) if close else frozenset()
 
     def ratios(self) -> dict[ComparedPlan, RatioEstimate]:
         """Each plan's step time relative to FP32."""

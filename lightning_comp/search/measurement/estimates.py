@@ -129,6 +129,10 @@ class ExtraRounds:
         self.left = max(first_seconds * fraction, self.MIN_SECONDS) if fraction > 0 else 0.0
         self.chunk = max(config.measurement.profile_steps, 2)
 
+    def affords(self, seconds: float) -> bool:
+        """Whether ``seconds`` more fit the budget."""
+        return seconds <= self.left
+
     def next_rounds(self) -> int:
         """How many rounds to add now (0: the budget is spent)."""
         affordable = int(self.left // self.per_round) if self.per_round > 0 else self.MAX_CHUNK

@@ -13,8 +13,9 @@ from typing import Any
 from lightning_comp.search.decisions.batch_result import BatchStageResult, ParameterStageResult
 from lightning_comp.search.decisions.operators import OperatorDecision
 from lightning_comp.search.decisions.parameters import ParameterDecision
+from lightning_comp.search.decisions.refinement import GroupFlip
 from lightning_comp.search.decisions.saved import SavedDecision, SavedStepCheck
-from lightning_comp.search.decisions.whole_step import ComparedPlan
+from lightning_comp.search.decisions.whole_step import ComparedPlan, TrialledPlan
 
 __all__ = ["batch_record", "operator_record", "parameter_record", "saved_record"]
 
@@ -22,22 +23,40 @@ __all__ = ["batch_record", "operator_record", "parameter_record", "saved_record"
 def batch_record(batch: BatchStageResult | None) -> dict[str, Any]:
     """The decision record's form of the batch stage's result (empty measurements before it ran, or without it)."""
     if batch is None:
-        return {"operators": {}, "timing": None, "step_ms": {}, "step_wall_ms": {}, "step_ratios": {},
-                "step_saved_bytes": {}, "saved_step": {}, "parameter_step": {}, "memory": {}}
+        return {"operators": {}, "groups": {}, "timing": None, "step_ms": {}, "step_wall_ms": {}, "step_ratios": {},
+                "step_saved_bytes": {}, "trialled_plan": None, "refinements": [], "saved_step": {},
+                "parameter_step": {}, "memory": {}}
     steps = batch.steps
     return {
         "operators": {name: operator_record(decision) for name, decision in batch.decisions.items()},
+        "groups": {group.pattern: {"members": list(group.members),
+                                   "selector": group.pattern if group.exact_glob else None}
+                   for group in batch.groups},
         "timing": batch.timing,
         "step_ms": {plan.value: step.ms for plan, step in steps.items()},
         "step_wall_ms": {plan.value: step.wall_ms for plan, step in steps.items()},
         "step_ratios": {plan.value: step.ratio.to_dict() for plan, step in steps.items() if step.ratio is not None},
         "step_saved_bytes": {plan.value: step.saved_bytes for plan, step in steps.items()
                              if step.saved_bytes is not None},
+        "trialled_plan": None if batch.trialled is None else _trialled(batch.trialled),
+        "refinements": [_flip(flip) for flip in batch.flips],
         "saved_step": {} if batch.saved.check is None else _saved_check(batch.saved.check),
         "parameter_step": _parameter_stage(batch.parameters),
         "memory": {plan.value: {"saved_bytes": memory.saved_bytes, "peak_bytes": memory.peak_bytes}
                    for plan, memory in batch.memory.items()},
     }
+
+
+def _trialled(trialled: TrialledPlan) -> dict[str, Any]:
+    return {"from": trialled.source.value, "refined": trialled.refined, "step_ms": trialled.step_ms,
+            "ratio_to_fp32": round(trialled.ratio_to_fp32, 4), "fastest_measured": trialled.fastest.value,
+            "fastest_ms": trialled.fastest_ms}
+
+
+def _flip(flip: GroupFlip) -> dict[str, Any]:
+    return {"group": flip.group, "members": list(flip.members), "to": "low" if flip.to_low else "fp32",
+            "expected_gain_ms": round(flip.expected_gain_ms, 5), "ratio": flip.ratio.to_dict(), "kept": flip.kept,
+            "step_ms": flip.step_ms}
 
 
 def _saved_check(check: SavedStepCheck) -> dict[str, Any]:
@@ -85,6 +104,8 @@ def operator_record(decision: OperatorDecision) -> dict[str, Any]:
         out["settled"] = decision.settled
     if decision.own_decision is not None:
         out["own_decision"] = decision.own_decision.value
+    if decision.group_size > 1:
+        out.update(group=decision.group, group_size=decision.group_size)
     if decision.excluded:
         out["excluded"] = True
     if decision.forced:

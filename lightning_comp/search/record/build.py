@@ -62,6 +62,7 @@ def build_record(state: SearchState, config: SearchConfig) -> dict[str, Any]:
         "chosen_trial": state.chosen_label,
         "finish_reason": state.finish_reason,
         "lowered_operators": list(_lowered(chosen, Dimension.COMPUTE)),
+        "lowered_operator_count": _lowered_count(chosen, state),
         **{f"{dimension.value}_lowered": _lowered(chosen, dimension) for dimension in PARAMETER_SIDE},
         "num_operators": state.num_operators,
         **batch_record(state.batch),
@@ -81,6 +82,17 @@ def build_record(state: SearchState, config: SearchConfig) -> dict[str, Any]:
             if fit_seconds else None,
         },
     }
+
+
+def _lowered_count(chosen: dict[str, Any] | None, state: SearchState) -> int:
+    """How many operators the chosen plan computes in low precision (a group's glob counts its members)."""
+    if chosen is None:
+        return 0
+    plan = PrecisionPlan.from_dict(chosen)
+    names = list(state.batch.decisions) if state.batch is not None else []
+    if not names:
+        return len(_lowered(chosen, Dimension.COMPUTE))
+    return sum(plan.of(Dimension.COMPUTE, name) is not ComputePrecision.FP32 for name in names)
 
 
 def _lowered(chosen: dict[str, Any] | None, dimension: Dimension) -> dict[str, str]:

@@ -18,7 +18,10 @@ def format_record(record: dict[str, Any]) -> str:
     low = record.get("low_precision") or "16 bits"
     out = [
         f"CoMPSearch: chose '{record.get('chosen_trial')}' ({record.get('finish_reason')}):"
-        f" {len(record.get('lowered_operators', []))} of {record.get('num_operators', 0)} operators in {low}"
+        f" {record.get('lowered_operator_count', len(record.get('lowered_operators', [])))} of"
+        f" {record.get('num_operators', 0)} operators in {low}"
+        + (f" ({len(record['lowered_operators'])} plan entries: {', '.join(record['lowered_operators'])})"
+           if record.get("lowered_operators") else "")
         + (f", {len(record['saved_lowered'])} save for backward in "
            f"{'/'.join(sorted(set(record['saved_lowered'].values())))}" if record.get("saved_lowered") else "")
         + (f", {len(record['state_lowered'])} keep optimizer state in "
@@ -45,18 +48,13 @@ def format_record(record: dict[str, Any]) -> str:
         out.append("No convergence trials: nothing was left to trial.")
     operators = record.get("operators") or {}
     if operators:
-        rows = []
-        for name, op in operators.items():
-            fp32, lowm = op.get("fp32", {}), op.get("low", {})
-            rows.append((name or "<root>", op["type"], _ms(fp32.get("total_ms")), _ms(lowm.get("total_ms")),
-                         _ratio(op), fp32.get("saved_bytes", ""), lowm.get("saved_bytes", ""), op["decision"],
-                         op["reason"]))
         timing = record.get("timing") or {}
         clock = f"; clock: {timing['reason']}" if timing.get("reason") else ""
         out += ["", f"Batch stage (fwd+bwd ms per step, {low}/fp32 ratio [75% interval] over paired rounds, bytes"
-                    f" saved for backward{clock}):",
+                    f" saved for backward; a group of operators playing the same part in repeated blocks is one row,"
+                    f" its members' times summed{clock}):",
                 format_table(("operator", "type", "fp32 ms", f"{low} ms", "ratio", "fp32 B", f"{low} B", "decision",
-                              "why"), rows)]
+                              "why"), _operator_rows(operators))]
     out += _saved_section(operators, record.get("saved_step") or {})
     out += _parameter_section(operators, record.get("parameter_step") or {})
     step_ms = record.get("step_ms") or {}
@@ -73,6 +71,7 @@ def format_record(record: dict[str, Any]) -> str:
                 text += f" x{r['ratio']:.2f} [{r['low']:.2f}, {r['high']:.2f}]"
             parts.append(text)
         out.append("Whole step (min ms over rounds; ratio to fp32 [75% interval]): " + ", ".join(parts))
+    out += _trialled_lines(record)
     step_saved = record.get("step_saved_bytes") or {}
     if step_saved:
         out.append("Whole step (MiB saved for backward): "
@@ -99,6 +98,54 @@ def format_record(record: dict[str, Any]) -> str:
         + f"; max_epochs extended by {record.get('extension_epochs', 0)}"
     )
     return "\n".join(out)
+
+
+def _operator_rows(operators: dict[str, Any]) -> list[tuple[Any, ...]]:
+    """One row per operator, or per group of several (its pattern with the member count, sums of its members)."""
+    rows: list[tuple[Any, ...]] = []
+    done: set[str] = set()
+    for name, op in operators.items():
+        group = op.get("group")
+        if group is None:
+            fp32, lowm = op.get("fp32", {}), op.get("low", {})
+            rows.append((name or "<root>", op["type"], _ms(fp32.get("total_ms")), _ms(lowm.get("total_ms")),
+                         _ratio(op), fp32.get("saved_bytes", ""), lowm.get("saved_bytes", ""), op["decision"],
+                         op["reason"]))
+            continue
+        if group in done:
+            continue
+        done.add(group)
+        members = [m for m in operators.values() if m.get("group") == group]
+
+        def total(which: str, key: str, members: list[dict[str, Any]] = members) -> float:
+            return sum(float((m.get(which) or {}).get(key, 0.0)) for m in members)
+
+        decisions = sorted({m["decision"] for m in members})
+        decision = decisions[0] if len(decisions) == 1 else "/".join(
+            f"{sum(m['decision'] == d for m in members)} {d}" for d in decisions)
+        rows.append((f"{group} (x{len(members)})", op["type"], _ms(total("fp32", "total_ms")),
+                     _ms(total("low", "total_ms")), _ratio(op), int(total("fp32", "saved_bytes")),
+                     int(total("low", "saved_bytes")), decision, op["reason"]))
+    return rows
+
+
+def _trialled_lines(record: dict[str, Any]) -> list[str]:
+    """The trialled plan's source and forecast, and each refinement flip with its evidence."""
+    trialled = record.get("trialled_plan")
+    if not trialled:
+        return []
+    out = [f"Trialled: the fastest measured plan, {trialled['from']}"
+           + (" refined" if trialled.get("refined") else "")
+           + f" (forecast {trialled['step_ms']:.3f} ms, x{trialled['ratio_to_fp32']:.2f} of fp32; fastest measured"
+             f" {trialled['fastest_measured']} {trialled['fastest_ms']:.3f} ms)"]
+    for flip in record.get("refinements") or []:
+        r = flip["ratio"]
+        count = len(flip["members"])
+        what = flip["group"] + (f" (x{count})" if count > 1 else "")
+        out.append(f"  refinement: {what} to {flip['to']}: expected -{flip['expected_gain_ms']:.3f} ms, step"
+                   f" x{r['ratio']:.3f} [{r['low']:.3f}, {r['high']:.3f}] of the plan without it over {r['rounds']}"
+                   f" rounds: {'kept' if flip['kept'] else 'not kept'}")
+    return out
 
 
 def _saved_section(operators: dict[str, Any], check: dict[str, Any]) -> list[str]:

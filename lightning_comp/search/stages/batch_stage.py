@@ -18,6 +18,7 @@ ends. With the memory and balanced objectives, the saved stage
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -29,7 +30,6 @@ from lightning_comp.devices.device_classes import model_device
 from lightning_comp.devices.lowering import Lowering, lowering_for
 from lightning_comp.numerics.precision import ComputePrecision
 from lightning_comp.operators.discovery import iter_operators
-from lightning_comp.operators.kinds import classify
 from lightning_comp.plan.dimensions import Dimension
 from lightning_comp.plan.plan import PrecisionPlan
 from lightning_comp.plugins.comp import CoMPPrecision
@@ -41,20 +41,28 @@ from lightning_comp.search.decisions.batch_result import (
     SavedStageResult,
     StepMemory,
 )
+from lightning_comp.search.decisions.groups import OperatorGroup, group_operators
 from lightning_comp.search.decisions.operators import (
-    HEAVY_KINDS,
     Choice,
     OperatorDecision,
     decide_operators,
     recheck_at_plan_boundaries,
 )
-from lightning_comp.search.decisions.trial_plans import PlanRole, cheap_runs, plan_for
+from lightning_comp.search.decisions.refinement import GroupFlip
+from lightning_comp.search.decisions.trial_plans import (
+    PlanRole,
+    cheap_runs,
+    compute_candidates,
+    plan_for,
+    settle_decisions,
+)
 from lightning_comp.search.decisions.whole_step import (
     ALTERNATIVES,
     ComparedPlan,
     PlanStep,
     ProfiledPlan,
     StepComparison,
+    TrialledPlan,
 )
 from lightning_comp.search.measurement.autocast_lowering import lowered_under_autocast
 from lightning_comp.search.measurement.clock_choice import TimingChoice, choose_timing, cpu_clock, is_busy, sample_load
@@ -68,6 +76,7 @@ from lightning_comp.search.record.progress import SearchProgress
 from lightning_comp.search.rewind.snapshot import capture_rng, restore_rng
 from lightning_comp.search.stages.context import StageContext, Step
 from lightning_comp.search.stages.parameter_stage import ParameterStage
+from lightning_comp.search.stages.refine_stage import Refiner
 from lightning_comp.search.stages.saved_stage import SavedStage
 
 __all__ = ["BatchStage"]
@@ -145,6 +154,7 @@ class BatchStage:
             # every rank must time the same whole-step plans (each timing is a collective): rank 0's decisions
             decisions = ctx.agree(decide_operators(self.config, policy, self.low, modules, lowerable, results))
             order = results[ProfiledPlan.FP32].order
+            groups = group_operators([n for n in order if decisions[n].group], modules)
             runs = cheap_runs(order, decisions, modules)
             names = [n for n in order if decisions[n].is_candidate]
             candidate_plan = plan_for(self.low, runs, [Candidate(n) for n in names]) if names else None
@@ -162,7 +172,7 @@ class BatchStage:
             alternatives = self._alternatives(modules, lowerable, order, decisions, candidate_plan, set(amp))
             plans = {CANDIDATES: candidate_plan} if candidate_plan is not None else {}
             plans.update(alternatives)
-            times, step_saved = self._time_whole_steps(ctx, plans)
+            times, step_saved, budget = self._time_whole_steps(ctx, plans)
         comparison = StepComparison(times.ms)
         ratios = comparison.ratios()
         steps = {plan: PlanStep(ms=ctx.reduce_mean(min(ms)), wall_ms=ctx.reduce_mean(min(times.wall_ms[plan])),
@@ -173,16 +183,28 @@ class BatchStage:
             names, runs = self._adopt(ctx, winner, alternatives[winner], order, decisions, steps), []
         elif names:
             names = self._check_candidates(ctx, comparison, names, decisions)
+        source = winner or (CANDIDATES if names else FP32)
+        lowered = self._lowered(plan_for(self.low, runs, [Candidate(n) for n in names]), modules)
+        flips: list[GroupFlip] = []
+        if policy.refines and self.config.measurement.extra_profile_time > 0:
+            with single_intra_op_thread(timing.single_thread):
+                refined, flips = Refiner(ctx, budget, steps[FP32].wall_ms).refine(lowered, groups, decisions)
+            lowered = self._accept_refinement(ctx, lowered, refined, flips, comparison.median_to_fp32(source))
+        trialled = self._trialled(comparison, steps, source, flips)
+        settle_decisions(decisions, order, lowered, flips, self.low)
+        compute = compute_candidates([n for n in order if n in lowered]
+                                     + sorted(n for n in lowered if n not in order), groups)
+        runs = []  # the trialled plan is written out whole: its fills are candidates of their own
         saved = SavedStageResult()
         parameters = ParameterStageResult()
-        base = plan_for(self.low, runs, [Candidate(n) for n in names])
+        base = plan_for(self.low, runs, compute)
         if (policy.saved_options or policy.recomputes) and not self.plugin.compiled:  # compiled: AOTAutograd
             # decides what is saved
             with single_intra_op_thread(timing.single_thread):
                 saved = SavedStage(ctx).measure(base, order, decisions)
         if policy.weighs_memory:
             with_saved = base.with_assignment(Dimension.SAVED, {n: s.value for n, s in saved.choices.items()})
-            chosen = winner or (CANDIDATES if names else FP32)  # the plan the candidates now are
+            chosen = source  # the plan the candidates now are
             saved_bytes = step_saved.get(chosen, step_saved.get(FP32, 0.0))
             chosen_ms = steps[chosen].ms if chosen in steps else steps[FP32].ms
             if saved.check is not None and saved.check.pays:
@@ -190,26 +212,40 @@ class BatchStage:
             with single_intra_op_thread(timing.single_thread):
                 parameters = ParameterStage(ctx).measure(with_saved, decisions, steps[FP32].ms, chosen_ms,
                                                          saved_bytes)
-        compute = set(names)
-        candidates: list[Candidate] = []
-        for name in order:  # execution order, each operator's candidates together (compute, saved, state, master)
-            if name in compute:
-                candidates.append(Candidate(name))
-            if name in saved.choices:
-                candidates.append(Candidate.saved(name))
-            if name in parameters.state_choices:
-                candidates.append(Candidate.state(name))
-            if name in parameters.master_choices:
-                candidates.append(Candidate.master(name))
-        candidates += [Candidate(n) for n in names if Candidate(n) not in candidates]  # forced ones that did not run
-        benefits = {Candidate(n): decisions[n].benefit for n in names}
+        candidates = _in_execution_order(order, compute, groups, saved, parameters)
+        benefits = {candidate: sum(decisions[m].benefit for m in _members(candidate, groups)) for candidate in compute}
         benefits.update(saved.benefits)
         benefits.update(parameters.benefits)
         return BatchStageResult(
             decisions=decisions, candidates=tuple(candidates), benefits=benefits, runs=runs, saved=saved,
             parameters=parameters, order=order, steps=steps,
             memory={label: StepMemory(r.saved_bytes, r.peak_bytes) for label, r in results.items()},
+            groups=[g for g in groups if g.size > 1], flips=flips, trialled=trialled,
         )
+
+    def _lowered(self, plan: PrecisionPlan, modules: dict[str, nn.Module]) -> set[str]:
+        """The operators ``plan`` computes in low precision."""
+        return {name for name, module in modules.items()
+                if plan.of(Dimension.COMPUTE, name, type(module)) is not ComputePrecision.FP32}
+
+    def _accept_refinement(self, ctx: StageContext, lowered: set[str], refined: set[str], flips: list[GroupFlip],
+                           source_ratio: float) -> set[str]:
+        """``refined`` when the refined plan still beats FP32 by the margin (the product of the kept flips' median
+        ratios and its start's), else ``lowered``."""
+        ratio = source_ratio * math.prod(f.ratio.ratio for f in flips if f.kept)
+        if refined == lowered or ratio <= 1 - ctx.config.measurement.speed_margin:
+            return refined
+        return lowered
+
+    def _trialled(self, comparison: StepComparison, steps: dict[ComparedPlan, PlanStep], source: ComparedPlan,
+                  flips: list[GroupFlip]) -> TrialledPlan:
+        """The trialled plan's forecast: its source's step, or the last kept flip's."""
+        kept = [f for f in flips if f.kept]
+        fastest = comparison.fastest()
+        ratio = comparison.median_to_fp32(source) * math.prod(f.ratio.ratio for f in kept)
+        step_ms = kept[-1].step_ms if kept else steps[source].ms
+        return TrialledPlan(source=source, refined=bool(kept), step_ms=step_ms, ratio_to_fp32=ratio,
+                            fastest=fastest, fastest_ms=steps[fastest].ms)
 
     # ---------------------------------------------------------------------------------------------- measuring
     def _profile_operators(self, ctx: StageContext, lowerable: list[str]) -> dict[ProfiledPlan, ProfileResult]:
@@ -264,9 +300,10 @@ class BatchStage:
         return results
 
     def _time_whole_steps(self, ctx: StageContext, plans: dict[ComparedPlan, PrecisionPlan],
-                          ) -> tuple[StepTimes[ComparedPlan], dict[ComparedPlan, float]]:
+                          ) -> tuple[StepTimes[ComparedPlan], dict[ComparedPlan, float], ExtraRounds]:
         """Whole steps of FP32 and of ``plans``, interleaved, with extra rounds while a comparison the policy
-        decides from is undecided; and (objectives that weigh memory) the bytes each saves for backward."""
+        decides from is undecided; (objectives that weigh memory) the bytes each saves for backward; and what is
+        left of the whole-step budget (the refinement's)."""
         config, step = ctx.config, ctx.step
         configs: dict[ComparedPlan, Callable[[], Any]] = {
             label: ctx.measured(plan) for label, plan in {FP32: PrecisionPlan(), **plans}.items()}
@@ -281,13 +318,14 @@ class BatchStage:
             contenders.intersection_update(involved)
             return bool(contenders)
 
-        self._extend_while(ctx, ExtraRounds(config, time.perf_counter() - started, ctx.first_rounds),
-                           undecided, lambda more: timer.time({k: v for k, v in configs.items() if k in contenders},
-                                                              step, into=times, rounds=more, warmup=0))
+        budget = ExtraRounds(config, time.perf_counter() - started, ctx.first_rounds)
+        self._extend_while(ctx, budget, undecided,
+                           lambda more: timer.time({k: v for k, v in configs.items() if k in contenders},
+                                                   step, into=times, rounds=more, warmup=0))
         saved: dict[ComparedPlan, float] = {}
         if ctx.policy.weighs_memory:
             saved = {k: ctx.reduce_mean(float(v)) for k, v in timer.saved_bytes(ctx.pl_module, configs, step).items()}
-        return times, saved
+        return times, saved, budget
 
     def _extend_while(self, ctx: StageContext, budget: ExtraRounds, undecided: Callable[[], bool],
                       add: Callable[[int], Any]) -> None:
@@ -317,7 +355,7 @@ class BatchStage:
         """
         low = self.low.value
         allowed = [n for n in order if n in lowerable and not decisions[n].excluded]
-        heavy = [n for n in allowed if classify(modules[n]) in HEAVY_KINDS]
+        heavy = [n for n in allowed if decisions[n].heavy]
         lowered = {ComparedPlan.AMP: [n for n in allowed if n in amp], ComparedPlan.ALL_LOW: allowed,
                    ComparedPlan.COMPUTE: heavy}
         seen = {PrecisionPlan()[Dimension.COMPUTE].entries}
@@ -365,3 +403,30 @@ class BatchStage:
         for name in names:
             decisions[name].keep_fp32(f"{why} (step time {ratio})")
         return [n for n in names if decisions[n].forced]
+
+
+def _members(candidate: Candidate, groups: list[OperatorGroup]) -> tuple[str, ...]:
+    """The operators a compute candidate lowers (its group's members where it names a group's glob)."""
+    for group in groups:
+        if group.exact_glob and group.pattern == candidate.operator:
+            return group.members
+    return (candidate.operator,)
+
+
+def _in_execution_order(order: list[str], compute: list[Candidate], groups: list[OperatorGroup],
+                        saved: SavedStageResult, parameters: ParameterStageResult) -> list[Candidate]:
+    """Every candidate in execution order, each operator's together: a compute candidate at its first operator,
+    then that operator's saved, state and master candidates."""
+    at: dict[str, list[Candidate]] = {}
+    for candidate in compute:
+        at.setdefault(_members(candidate, groups)[0], []).append(candidate)
+    out: list[Candidate] = []
+    for name in order:
+        out += at.pop(name, [])
+        if name in saved.choices:
+            out.append(Candidate.saved(name))
+        if name in parameters.state_choices:
+            out.append(Candidate.state(name))
+        if name in parameters.master_choices:
+            out.append(Candidate.master(name))
+    return out + [c for cs in at.values() for c in cs]  # forced ones that did not run
