@@ -8,7 +8,7 @@ from enum import Enum
 from lightning_comp.numerics.precision import ComputePrecision
 from lightning_comp.search.measurement.estimates import RatioEstimate, Verdict, paired_ratio
 
-__all__ = ["ALTERNATIVES", "ComparedPlan", "PlanStep", "ProfiledPlan", "StepComparison", "TrialledPlan"]
+__all__ = ["ALTERNATIVES", "REFERENCES", "ComparedPlan", "PlanStep", "ProfiledPlan", "StepComparison", "TrialledPlan"]
 
 
 class ComparedPlan(str, Enum):
@@ -21,6 +21,7 @@ class ComparedPlan(str, Enum):
     COMPUTE = "compute"  # the compute operators alone lowered
     SAVED = "saved"  # the candidate plan with its saved lowerings (saved stage)
     PARAMETERS = "parameters"  # the candidate plan with its optimizer-state and master lowerings (parameter stage)
+    AUTOCAST = "autocast"  # a reference, never trialled: one global autocast region and no plan (bf16-mixed)
 
     def describe(self, low: ComputePrecision) -> str:
         """The plan in words (``low``: the searched precision)."""
@@ -37,6 +38,8 @@ class ProfiledPlan(str, Enum):
 
 # The whole-step alternatives to the per-operator candidate plan, in the order they are timed
 ALTERNATIVES = (ComparedPlan.AMP, ComparedPlan.ALL_LOW, ComparedPlan.COMPUTE)
+# Steps timed beside the plans as references only: never trialled, never the fastest plan
+REFERENCES = (ComparedPlan.AUTOCAST,)
 
 _WORDS = {
     ComparedPlan.FP32: "fp32",
@@ -46,6 +49,7 @@ _WORDS = {
     ComparedPlan.COMPUTE: "the plan of compute operators only",
     ComparedPlan.SAVED: "the candidate plan with its saved lowerings",
     ComparedPlan.PARAMETERS: "the candidate plan with its optimizer-state and master lowerings",
+    ComparedPlan.AUTOCAST: "one global {low} autocast region without a plan (Lightning's {low}-mixed)",
 }
 
 
@@ -115,10 +119,15 @@ class StepComparison:
         """``plan``'s median per-round step-time ratio to FP32 (1 for FP32 itself)."""
         return 1.0 if plan is ComparedPlan.FP32 else self.ratio(plan, ComparedPlan.FP32).ratio
 
+    @property
+    def plans(self) -> list[ComparedPlan]:
+        """The plans compared (the references left out)."""
+        return [plan for plan in self.ms if plan not in REFERENCES]
+
     def fastest(self) -> ComparedPlan:
         """The plan whose whole step is fastest by the median of its paired per-round ratios to FP32 (FP32 counts 1;
-        a tie goes to the plan timed first, FP32 first of all)."""
-        return min(self.ms, key=self.median_to_fp32)
+        a tie goes to the plan timed first, FP32 first of all; references are not plans)."""
+        return min(self.plans, key=self.median_to_fp32)
 
     def too_close_to_tell(self, margin: float) -> frozenset[ComparedPlan]:
         """The plans whose comparison with the fastest cannot be decided yet, with the fastest (empty: decided).
@@ -128,7 +137,7 @@ class StepComparison:
         beats FP32 by the margin at all).
         """
         best = self.fastest()
-        close = {plan for plan in self.ms
+        close = {plan for plan in self.plans
                  if plan is not best and self.ratio(plan, best).against(1.0) is Verdict.UNDECIDED}
         fp32 = ComparedPlan.FP32
         if best is not fp32 and self.ratio(best, fp32).against(1 - margin) is Verdict.UNDECIDED:

@@ -15,6 +15,7 @@ from lightning_comp.plan.plan import PrecisionPlan
 from lightning_comp.search.config import SearchConfig
 from lightning_comp.search.decisions.trial_plans import PARAMETER_SIDE
 from lightning_comp.search.record.batch import batch_record
+from lightning_comp.search.record.forecast import forecast_check
 from lightning_comp.search.record.loggers import log_record
 from lightning_comp.search.record.text import format_record
 from lightning_comp.search.state import STATE_VERSION, SearchState
@@ -66,6 +67,7 @@ def build_record(state: SearchState, config: SearchConfig) -> dict[str, Any]:
         **{f"{dimension.value}_lowered": _lowered(chosen, dimension) for dimension in PARAMETER_SIDE},
         "num_operators": state.num_operators,
         **batch_record(state.batch),
+        "forecast_check": forecast_check(state.batch, state.trials),
         "trials": trials,
         "extension_epochs": state.extension_epochs,
         "cost": {

@@ -138,6 +138,16 @@ def _trialled_lines(record: dict[str, Any]) -> list[str]:
            + (" refined" if trialled.get("refined") else "")
            + f" (forecast {trialled['step_ms']:.3f} ms, x{trialled['ratio_to_fp32']:.2f} of fp32; fastest measured"
              f" {trialled['fastest_measured']} {trialled['fastest_ms']:.3f} ms)"]
+    check = record.get("forecast_check")
+    if check:
+        line = (f"Forecast vs training: x{check['forecast_ratio']:.3f} of the fp32 reference's training step"
+                f" forecast ({check['outside_ms']:.2f} ms of optimizer, loop and data taken from training), trained"
+                f" x{check['training_ratio']:.3f} ('{check['trial']}'): {check['gap']:+.1%}")
+        if check.get("autocast_forecast_speedup") is not None:
+            line += f"; forecast x{check['autocast_forecast_speedup']:.3f} the speed of one global autocast region"
+        if not check.get("comparable", True):
+            line += f" (not comparable: {check.get('note')})"
+        out.append(line)
     for flip in record.get("refinements") or []:
         r = flip["ratio"]
         count = len(flip["members"])

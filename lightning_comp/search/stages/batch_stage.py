@@ -20,14 +20,16 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 from torch import nn
 
 from lightning_comp.devices.device_classes import model_device
-from lightning_comp.devices.lowering import Lowering, lowering_for
+from lightning_comp.devices.lowering import Lowering, autocast_available, lowering_for
 from lightning_comp.numerics.precision import ComputePrecision
 from lightning_comp.operators.discovery import iter_operators
 from lightning_comp.plan.dimensions import Dimension
@@ -307,6 +309,9 @@ class BatchStage:
         config, step = ctx.config, ctx.step
         configs: dict[ComparedPlan, Callable[[], Any]] = {
             label: ctx.measured(plan) for label, plan in {FP32: PrecisionPlan(), **plans}.items()}
+        device_type = model_device(ctx.pl_module).type
+        if autocast_available(device_type) and not self.plugin.compiled:
+            configs[ComparedPlan.AUTOCAST] = self._autocast_region(device_type)
         timer = StepTimer(ctx.clock, config.measurement.profile_steps, config.measurement.profile_warmup)
         timer.on_round = ctx.show_rounds(0, f"whole steps, {len(configs)} plans")
         started = time.perf_counter()
@@ -326,6 +331,18 @@ class BatchStage:
         if ctx.policy.weighs_memory:
             saved = {k: ctx.reduce_mean(float(v)) for k, v in timer.saved_bytes(ctx.pl_module, configs, step).items()}
         return times, saved, budget
+
+    def _autocast_region(self, device_type: str) -> Callable[[], AbstractContextManager[None]]:
+        """What puts the reference step in force: no plan (FP32, no hooks at work) inside one global autocast region
+        of the searched precision, as Lightning's ``bf16-mixed``/``16-mixed`` train."""
+        plugin, dtype = self.plugin, self.low.dtype
+
+        @contextmanager
+        def region() -> Iterator[None]:
+            with plugin.measured_step(PrecisionPlan(), calibrated=False), torch.autocast(device_type, dtype=dtype):
+                yield
+
+        return region
 
     def _extend_while(self, ctx: StageContext, budget: ExtraRounds, undecided: Callable[[], bool],
                       add: Callable[[int], Any]) -> None:
