@@ -211,3 +211,27 @@ def test_the_batch_stage_table_shows_a_group_as_one_row_with_its_member_count() 
     assert "blocks.*.fc (x2)" in text and text.count("blocks.0.fc") == 0
     assert "2 of 3 operators" in text and "1 plan entries: blocks.*.fc" in text
     assert "refinement: blocks.*.act (x2) to low" in text and "kept" in text
+
+
+def test_a_group_that_fails_whole_is_split_into_its_members_by_the_epoch_stage() -> None:
+    from lightning_comp.search.decisions.group_search import GroupSearch
+
+    glob, head = Candidate("blocks.*.fc"), Candidate("head")
+    members = tuple(Candidate(f"blocks.{i}.fc") for i in range(4))
+    search = GroupSearch((glob, head), benefits={glob: 8.0, head: 1.0}, max_trials=16, members={glob: members})
+    unsafe = {"blocks.2.fc"}  # only one block is unsafe in low precision
+
+    def converges(group: tuple[Candidate, ...]) -> bool:
+        lowered = {m.operator for c in group for m in (search.members.get(c) or (c,))}
+        return not lowered & unsafe
+
+    tried = []
+    while not search.done:
+        group = search.next_group()
+        assert group is not None
+        tried.append(group)
+        search.report(group, converges(group))
+        search = GroupSearch.from_state(search.state_dict())  # the split survives a checkpoint
+    assert tried[0] == (glob, head)  # the group is trialled once, whole, with the rest
+    assert {c.operator for c in search.result or ()} == {"head", "blocks.0.fc", "blocks.1.fc", "blocks.3.fc"}
+    assert Candidate("blocks.2.fc") in search.unsafe and glob not in search.unsafe

@@ -122,6 +122,13 @@ class BatchStageResult:
     trialled: TrialledPlan | None = None
 
     @property
+    def members(self) -> dict[Candidate, tuple[Candidate, ...]]:
+        """Per compute candidate naming a group of operators (its glob), its members' candidates."""
+        named = {candidate.operator for candidate in self.candidates if candidate.dimension is Dimension.COMPUTE}
+        return {Candidate(group.pattern): tuple(Candidate(m) for m in group.members)
+                for group in self.groups if group.exact_glob and group.pattern in named}
+
+    @property
     def choices(self) -> Choices:
         """Per parameter-side dimension, operator -> the value of its candidate of that dimension."""
         return {Dimension.SAVED: dict(self.saved.choices), Dimension.STATE: dict(self.parameters.state_choices),

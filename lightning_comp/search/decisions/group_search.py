@@ -7,7 +7,9 @@ With ``u`` unsafe operators among ``n`` candidates this needs at most about ``1 
 with the number of unsafe operators, not with the number of operators. Operators that are safe one group at a
 time may still fail together, so when the safe set was never tried as a whole, a confirming trial tries it; if
 that fails (or the safe set is a group that already failed), the passing group with the largest estimated gain
-is used.
+is used. A candidate that names a group of operators playing the same part in repeated blocks (one glob,
+:mod:`lightning_comp.search.decisions.groups`) is tried whole first; when it fails alone, it is split into its
+members like any failing group, so one unsafe block does not keep the others in FP32.
 
 The class is a small explicit state machine with ``state_dict``/``load_state_dict`` so a search interrupted by a
 crash resumes where it was.
@@ -36,11 +38,14 @@ class GroupSearch:
         benefits: the estimated benefit of each lowering, in the objective's unit (ms per step, bytes saved for
             backward, or the balanced score's gain): ranks the fallback groups.
         max_trials: most trials to run; when reached the best passing group so far is taken.
+        members: per candidate naming a group of operators, the candidates of its members (split into when it
+            fails alone).
     """
 
     candidates: Group
     benefits: Mapping[Candidate, float] = field(default_factory=dict)
     max_trials: int = 16
+    members: Mapping[Candidate, Group] = field(default_factory=dict)
     queue: list[Group] = field(default_factory=list)
     safe: list[Candidate] = field(default_factory=list)
     unsafe: list[Candidate] = field(default_factory=list)
@@ -107,7 +112,8 @@ class GroupSearch:
             self.result = self._best_passed()
             return
         if not self.queue:
-            union = tuple(c for c in self.candidates if c in self.safe)
+            union = tuple(c for candidate in self.candidates for c in (candidate, *self.members.get(candidate, ()))
+                          if c in self.safe)
             if not union or union in self.passed:
                 self.result = union
             elif union in self.failed or self.trials >= self.max_trials:
@@ -117,6 +123,9 @@ class GroupSearch:
 
     def _fail(self, group: Group) -> None:
         self.failed.append(group)
+        if len(group) == 1 and len(self.members.get(group[0], ())) > 1:
+            self._fail(tuple(self.members[group[0]]))  # a group of operators that fails whole: try its members
+            return
         if len(group) == 1:
             self.unsafe.extend(group)
             return
@@ -128,7 +137,16 @@ class GroupSearch:
     def _best_passed(self) -> Group:
         if not self.passed:
             return ()
-        return max(self.passed, key=lambda g: (sum(self.benefits.get(c, 0.0) for c in g), len(g)))
+        return max(self.passed, key=lambda g: (sum(self._benefit(c) for c in g), len(g)))
+
+    def _benefit(self, candidate: Candidate) -> float:
+        """A candidate's benefit; a member of a split group's, its share of the group's."""
+        if candidate in self.benefits:
+            return self.benefits[candidate]
+        for group, members in self.members.items():
+            if candidate in members:
+                return self.benefits.get(group, 0.0) / len(members)
+        return 0.0
 
     def state_dict(self) -> dict[str, Any]:
         """Plain-typed state (candidates as ``[operator, dimension]`` pairs)."""
@@ -139,6 +157,7 @@ class GroupSearch:
             "candidates": candidates_to_plain(self.candidates),
             "benefits": [[c.to_plain(), float(v)] for c, v in self.benefits.items()],
             "max_trials": self.max_trials,
+            "members": [[c.to_plain(), candidates_to_plain(m)] for c, m in self.members.items()],
             "queue": groups(self.queue),
             "safe": candidates_to_plain(self.safe),
             "unsafe": candidates_to_plain(self.unsafe),
@@ -158,6 +177,7 @@ class GroupSearch:
             candidates=candidates_from_plain(state["candidates"]),
             benefits={Candidate.from_plain(c): float(v) for c, v in state["benefits"]},
             max_trials=int(state["max_trials"]),
+            members={Candidate.from_plain(c): candidates_from_plain(m) for c, m in state.get("members", [])},
             queue=[candidates_from_plain(g) for g in state["queue"]],
             safe=list(candidates_from_plain(state["safe"])),
             unsafe=list(candidates_from_plain(state["unsafe"])),

@@ -151,7 +151,8 @@ class TrialDriver:
         state.batch = result
         state.num_operators = len(result.decisions)
         state.phase = Phase.SEARCHING
-        state.group_search = GroupSearch(result.candidates, result.benefits, self.config.max_trials)
+        state.group_search = GroupSearch(result.candidates, result.benefits, self.config.max_trials,
+                                         members=result.members)
         state.profiling_seconds = seconds
         if state.group_search.done:
             reference = state.current_trial
