@@ -4,21 +4,23 @@ At the first batch of the search, the training step is run repeatedly on that ba
 operator lowered, to measure each operator's forward and backward time and the bytes it saves for backward
 (:mod:`lightning_comp.search.measurement`). The lowered steps run at the cast boundaries training with that plan has
 (a lowered output stays low into a lowered consumer), so no operator is charged a cast training would not pay; where
-the candidate plan keeps a neighbour in FP32, its candidates are measured again at that plan's own boundaries. Each
-operator's decision follows from its measurements (:mod:`lightning_comp.search.decisions.operators`): operators whose
-low-precision cost does not beat FP32 by the margin stay FP32 and are never trialled, cheap operators between two
-lowered operators are lowered with them. The candidate plan is then timed as a whole step beside the fixed policies
-(FP32, and AMP's plan: what one global autocast region lowers in this step) and the all-low and compute-only plans,
-and the objective's policy (:mod:`lightning_comp.search.decisions.objectives`) decides which of them the epoch stage
-trials, keeping the candidates unless an alternative wins by ``switch_margin``; if nothing beats FP32, the search
-ends. With the memory and balanced objectives, the saved stage
+the candidate plan keeps a neighbour in FP32, its candidates are measured again at that plan's own boundaries.
+Operators playing the same part in repeated blocks are decided as one group
+(:mod:`lightning_comp.search.decisions.groups`); each group's decision follows from its pooled measurements
+(:mod:`lightning_comp.search.decisions.operators`): groups whose low-precision cost does not beat FP32 by the margin
+stay FP32, cheap operators between two lowered operators are lowered with them. The candidate plan is then timed as
+a whole step beside FP32, AMP's plan (what one global autocast region lowers in this step), the all-low and
+compute-only plans, and one global autocast region as a reference; the objective's policy
+(:mod:`lightning_comp.search.decisions.objectives`) decides which of them the epoch stage trials (throughput: the
+fastest by the median, then refined one group at a time by whole steps,
+:mod:`lightning_comp.search.stages.refine_stage`); if nothing beats FP32, the search ends. The trialled plan is
+written whole (one glob per group it lowers whole). With the memory and balanced objectives, the saved stage
 (:mod:`lightning_comp.search.stages.saved_stage`) adds the saved-precision candidates, and the parameter stage
 (:mod:`lightning_comp.search.stages.parameter_stage`) the optimizer-state and master-weight ones.
 """
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
@@ -43,7 +45,7 @@ from lightning_comp.search.decisions.batch_result import (
     SavedStageResult,
     StepMemory,
 )
-from lightning_comp.search.decisions.groups import OperatorGroup, group_operators
+from lightning_comp.search.decisions.groups import group_operators
 from lightning_comp.search.decisions.operators import (
     Choice,
     OperatorDecision,
@@ -58,13 +60,19 @@ from lightning_comp.search.decisions.trial_plans import (
     plan_for,
     settle_decisions,
 )
+from lightning_comp.search.decisions.trialled import (
+    accept_refinement,
+    in_execution_order,
+    lowered_by,
+    members_of,
+    trialled_plan,
+)
 from lightning_comp.search.decisions.whole_step import (
     ALTERNATIVES,
     ComparedPlan,
     PlanStep,
     ProfiledPlan,
     StepComparison,
-    TrialledPlan,
 )
 from lightning_comp.search.measurement.autocast_lowering import lowered_under_autocast
 from lightning_comp.search.measurement.clock_choice import TimingChoice, choose_timing, cpu_clock, is_busy, sample_load
@@ -186,13 +194,14 @@ class BatchStage:
         elif names:
             names = self._check_candidates(ctx, comparison, names, decisions)
         source = winner or (CANDIDATES if names else FP32)
-        lowered = self._lowered(plan_for(self.low, runs, [Candidate(n) for n in names]), modules)
+        lowered = lowered_by(plan_for(self.low, runs, [Candidate(n) for n in names]), modules)
         flips: list[GroupFlip] = []
         if policy.refines and self.config.measurement.extra_profile_time > 0:
             with single_intra_op_thread(timing.single_thread):
                 refined, flips = Refiner(ctx, budget, steps[FP32].wall_ms).refine(lowered, groups, decisions)
-            lowered = self._accept_refinement(ctx, lowered, refined, flips, comparison.median_to_fp32(source))
-        trialled = self._trialled(comparison, steps, source, flips)
+            lowered = accept_refinement(lowered, refined, flips, comparison.median_to_fp32(source),
+                                        self.config.measurement.speed_margin)
+        trialled = trialled_plan(comparison, steps, source, flips)
         settle_decisions(decisions, order, lowered, flips, self.low)
         compute = compute_candidates([n for n in order if n in lowered]
                                      + sorted(n for n in lowered if n not in order), groups)
@@ -214,8 +223,9 @@ class BatchStage:
             with single_intra_op_thread(timing.single_thread):
                 parameters = ParameterStage(ctx).measure(with_saved, decisions, steps[FP32].ms, chosen_ms,
                                                          saved_bytes)
-        candidates = _in_execution_order(order, compute, groups, saved, parameters)
-        benefits = {candidate: sum(decisions[m].benefit for m in _members(candidate, groups)) for candidate in compute}
+        candidates = in_execution_order(order, compute, groups, saved, parameters)
+        benefits = {candidate: sum(decisions[m].benefit for m in members_of(candidate, groups))
+                    for candidate in compute}
         benefits.update(saved.benefits)
         benefits.update(parameters.benefits)
         return BatchStageResult(
@@ -224,30 +234,6 @@ class BatchStage:
             memory={label: StepMemory(r.saved_bytes, r.peak_bytes) for label, r in results.items()},
             groups=[g for g in groups if g.size > 1], flips=flips, trialled=trialled,
         )
-
-    def _lowered(self, plan: PrecisionPlan, modules: dict[str, nn.Module]) -> set[str]:
-        """The operators ``plan`` computes in low precision."""
-        return {name for name, module in modules.items()
-                if plan.of(Dimension.COMPUTE, name, type(module)) is not ComputePrecision.FP32}
-
-    def _accept_refinement(self, ctx: StageContext, lowered: set[str], refined: set[str], flips: list[GroupFlip],
-                           source_ratio: float) -> set[str]:
-        """``refined`` when the refined plan still beats FP32 by the margin (the product of the kept flips' median
-        ratios and its start's), else ``lowered``."""
-        ratio = source_ratio * math.prod(f.ratio.ratio for f in flips if f.kept)
-        if refined == lowered or ratio <= 1 - ctx.config.measurement.speed_margin:
-            return refined
-        return lowered
-
-    def _trialled(self, comparison: StepComparison, steps: dict[ComparedPlan, PlanStep], source: ComparedPlan,
-                  flips: list[GroupFlip]) -> TrialledPlan:
-        """The trialled plan's forecast: its source's step, or the last kept flip's."""
-        kept = [f for f in flips if f.kept]
-        fastest = comparison.fastest()
-        ratio = comparison.median_to_fp32(source) * math.prod(f.ratio.ratio for f in kept)
-        step_ms = kept[-1].step_ms if kept else steps[source].ms
-        return TrialledPlan(source=source, refined=bool(kept), step_ms=step_ms, ratio_to_fp32=ratio,
-                            fastest=fastest, fastest_ms=steps[fastest].ms)
 
     # ---------------------------------------------------------------------------------------------- measuring
     def _profile_operators(self, ctx: StageContext, lowerable: list[str]) -> dict[ProfiledPlan, ProfileResult]:
@@ -420,30 +406,3 @@ class BatchStage:
         for name in names:
             decisions[name].keep_fp32(f"{why} (step time {ratio})")
         return [n for n in names if decisions[n].forced]
-
-
-def _members(candidate: Candidate, groups: list[OperatorGroup]) -> tuple[str, ...]:
-    """The operators a compute candidate lowers (its group's members where it names a group's glob)."""
-    for group in groups:
-        if group.exact_glob and group.pattern == candidate.operator:
-            return group.members
-    return (candidate.operator,)
-
-
-def _in_execution_order(order: list[str], compute: list[Candidate], groups: list[OperatorGroup],
-                        saved: SavedStageResult, parameters: ParameterStageResult) -> list[Candidate]:
-    """Every candidate in execution order, each operator's together: a compute candidate at its first operator,
-    then that operator's saved, state and master candidates."""
-    at: dict[str, list[Candidate]] = {}
-    for candidate in compute:
-        at.setdefault(_members(candidate, groups)[0], []).append(candidate)
-    out: list[Candidate] = []
-    for name in order:
-        out += at.pop(name, [])
-        if name in saved.choices:
-            out.append(Candidate.saved(name))
-        if name in parameters.state_choices:
-            out.append(Candidate.state(name))
-        if name in parameters.master_choices:
-            out.append(Candidate.master(name))
-    return out + [c for cs in at.values() for c in cs]  # forced ones that did not run
