@@ -92,6 +92,7 @@ from lightning_comp.search.stages.saved_stage import SavedStage
 __all__ = ["BatchStage"]
 
 FP32, CANDIDATES = ComparedPlan.FP32, ComparedPlan.CANDIDATES
+CLEARLY_SLOWER = 2.0  # a whole step this many times the fastest one's in its first round is not timed again
 
 
 class BatchStage:
@@ -301,8 +302,16 @@ class BatchStage:
         timer = StepTimer(ctx.clock, config.measurement.profile_steps, config.measurement.profile_warmup)
         timer.on_round = ctx.show_rounds(0, f"whole steps, {len(configs)} plans")
         started = time.perf_counter()
-        times = timer.time(configs, step)
-        contenders = set(configs)  # extra rounds time only the plans of undecided comparisons; the set only shrinks
+        times = timer.time(configs, step, rounds=1)
+        # a plan whose first round took twice the fastest's cannot win (an emulated 16-bit type: 30-100x): it is not
+        # timed again, and every comparison with it is made over that round
+        first = {label: ms[0] for label, ms in times.ms.items()}
+        contenders = set(ctx.agree(sorted(label for label, ms in first.items()
+                                          if label is FP32 or ms <= CLEARLY_SLOWER * min(first.values()))))
+        if config.measurement.profile_steps > 1:
+            timer.time({k: v for k, v in configs.items() if k in contenders}, step, into=times,
+                       rounds=config.measurement.profile_steps - 1, warmup=0)
+        # extra rounds time only the plans of undecided comparisons; the set only shrinks
 
         def undecided() -> bool:  # (every rank times rank 0's contenders: each timing is a collective)
             involved = ctx.agree(sorted(ctx.policy.undecided(StepComparison(times.ms), list(plans))))
