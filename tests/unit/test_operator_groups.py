@@ -235,3 +235,52 @@ def test_a_group_that_fails_whole_is_split_into_its_members_by_the_epoch_stage()
     assert tried[0] == (glob, head)  # the group is trialled once, whole, with the rest
     assert {c.operator for c in search.result or ()} == {"head", "blocks.0.fc", "blocks.1.fc", "blocks.3.fc"}
     assert Candidate("blocks.2.fc") in search.unsafe and glob not in search.unsafe
+
+
+def test_refinement_tries_the_flips_expected_to_pay_largest_first_and_keeps_one_only_beyond_doubt() -> None:
+    from lightning_comp.search.decisions.operators import OperatorDecision
+    from lightning_comp.search.decisions.refinement import flip_order, keeps_flip
+
+    def decision(fp32_ms: float, low_ms: float, group: str, forced: bool = False) -> OperatorDecision:
+        return OperatorDecision("Linear", OperatorKind.COMPUTE, 0, fp32=_measured(fp32_ms / 2, fp32_ms / 2),
+                                low=_measured(low_ms / 2, low_ms / 2), group=group, forced=forced)
+
+    decisions = {"a.0": decision(1.0, 0.5, "a.*"), "a.1": decision(1.0, 0.5, "a.*"),  # fp32 now: -1 ms if lowered
+                 "b.0": decision(1.0, 1.6, "b.*"), "b.1": decision(1.0, 1.6, "b.*"),  # low now: -1.2 ms if fp32
+                 "c": decision(1.0, 0.2, "c"),  # low now, and faster so: nothing to gain
+                 "d": decision(1.0, 0.1, "d", forced=True),  # forced: never flipped
+                 "e.0": decision(1.0, 0.5, "e.*"), "e.1": decision(1.0, 0.5, "e.*")}  # split across the plan
+    groups = [OperatorGroup(("a.0", "a.1"), "a.*", True), OperatorGroup(("b.0", "b.1"), "b.*", True),
+              OperatorGroup(("c",), "c"), OperatorGroup(("d",), "d"), OperatorGroup(("e.0", "e.1"), "e.*", True)]
+    flips = flip_order(groups, decisions, lowered={"b.0", "b.1", "c", "e.0"})
+    assert [(f.group.pattern, f.to_low) for f in flips] == [("b.*", False), ("a.*", True)]
+    assert [f.expected_gain_ms for f in flips] == pytest.approx([1.2, 1.0])
+    assert keeps_flip(paired_ratio([10.0] * 6, [9.0, 9.1, 8.9, 9.0, 9.2, 8.8]), 0.0) is Verdict.BELOW
+    assert keeps_flip(paired_ratio([10.0] * 6, [9.0, 10.1, 8.9, 10.2, 9.2, 8.8]), 0.0) is Verdict.UNDECIDED
+    assert keeps_flip(paired_ratio([10.0] * 6, [9.0, 9.1, 8.9, 9.0, 9.2, 8.8]), 0.15) is Verdict.ABOVE
+
+
+def test_the_forecast_adds_the_optimizer_and_loop_time_training_measured_to_the_batch_stages_step() -> None:
+    from lightning_comp.search.decisions.batch_result import BatchStageResult, SavedStageResult
+    from lightning_comp.search.decisions.whole_step import ComparedPlan, PlanStep, TrialledPlan
+    from lightning_comp.search.record.forecast import forecast_check
+    from lightning_comp.search.state import TrialRecord
+
+    fp32, autocast, candidates = ComparedPlan.FP32, ComparedPlan.AUTOCAST, ComparedPlan.CANDIDATES
+    batch = BatchStageResult(
+        decisions={}, candidates=(Candidate("x"),), benefits={}, runs=[], saved=SavedStageResult(), order=[],
+        steps={fp32: PlanStep(ms=10.0, wall_ms=10.0), autocast: PlanStep(ms=8.0, wall_ms=8.0)}, memory={},
+        trialled=TrialledPlan(candidates, False, 5.0, 0.5, candidates, 5.0))
+    assert forecast_check(batch, []) is None  # no trial has measured anything yet
+    reference = TrialRecord("fp32 reference", None, {}, 0, 0, median_step_ms=14.0)
+    trial = TrialRecord("all candidates", (Candidate("x"),), {}, 0, 0, median_step_ms=9.5)
+    check = forecast_check(batch, [reference, trial])
+    assert check is not None and check["comparable"]
+    # 4 ms outside the measured step: forecast (5 + 4) / 14, trained 9.5 / 14
+    assert check["outside_ms"] == pytest.approx(4.0)
+    assert check["forecast_ratio"] == pytest.approx(9 / 14, abs=1e-4)
+    assert check["training_ratio"] == pytest.approx(9.5 / 14, abs=1e-4)
+    assert check["gap"] == pytest.approx(9.5 / 9 - 1, abs=1e-3)
+    assert check["autocast_forecast_speedup"] == pytest.approx(12 / 9, abs=1e-4)
+    saved = TrialRecord("all candidates", (Candidate("x"), Candidate.saved("x")), {}, 0, 0, median_step_ms=9.0)
+    assert not forecast_check(batch, [reference, saved])["comparable"]  # type: ignore[index]
