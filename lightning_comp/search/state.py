@@ -27,7 +27,8 @@ from lightning_comp.search.decisions.trials import TrialVerdict
 
 __all__ = ["STATE_VERSION", "Phase", "Restore", "SearchState", "TrialRecord"]
 
-STATE_VERSION = 1  # the one checkpoint form of the search's state this version writes and reads
+# the one checkpoint form of the search's state this version writes and reads (2: groups, flips, trialled plan)
+STATE_VERSION = 2
 
 
 class Phase(str, Enum):
