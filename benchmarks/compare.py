@@ -3,8 +3,11 @@
 One run of this script trains every model of a suite under every precision mode and writes a Markdown table, a JSON
 record (plus the raw measurements), a CSV and PNG plots. CoMP runs in three modes, each with the plan of its own
 search: ``comp`` (``objective="throughput"``, the shipped default), ``comp-balanced`` and ``comp-memory`` (which also
-lower the precision of saved-for-backward tensors; the report's "Memory axis" table). Reproduce ``docs/benchmark.md``
-with::
+lower the precision of saved-for-backward tensors; the report's "Memory axis" table). Beside them trains the one-line
+type rule a user would write, ``type-linear`` (``{"type:Linear": "bf16"}``, a fixed plan, no search); the report
+compares CoMP with the best fixed policy that converges like FP32 and the batch stage's trialled plan and forecast with
+what it measured and what training then ran (``## CoMP vs fixed policies and the batch stage's forecast``). Reproduce
+``docs/benchmark.md`` with::
 
     python benchmarks/compare.py                   # full suite: ~7 min on 2 quiet CPU cores before the two
                                                    # memory-axis modes (two more searches per model: longer now)

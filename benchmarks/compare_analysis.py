@@ -3,8 +3,12 @@
 Throughput = batch size / median batch time of a round (round 0, the warm-up, and the probed steps left out); summary
 = median over rounds (spread: min-max); ratios between modes are medians of per-round ratios. ``ratios`` holds the
 throughput-searched CoMP mode's ratios to every other mode; ``ratios_by_mode`` every CoMP mode's ratios to AMP
-(``bf16-mixed``) and whether it converges like FP32 (the memory axis). ``reanalyse`` rebuilds a whole report from a
-``compare_raw.json.gz`` without measuring again (older files, without the memory-axis modes, included).
+(``bf16-mixed``) and whether it converges like FP32 (the memory axis). ``ratios`` also holds CoMP against the best
+fixed policy that converges like FP32 (``best_fixed_policy``, ``throughput_vs_best_fixed``: FP32, AMP, bf16-true and
+the one-line type rules of ``FIXED_PLAN_MODES``), the batch stage's trialled plan against the fastest plan it measured
+(``trialled_vs_fastest_measured``) and its forecast against AMP next to training's (``forecast_vs_training_amp``).
+``reanalyse`` rebuilds a whole report from a ``compare_raw.json.gz`` without measuring again (older files, without the
+memory-axis modes, the type rules or the trialled plan's record, included: what they lack reads NaN, ``n/a``).
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from compare_searches import mode_searches, search_summary
-from compare_suite import COMP_MODES, MODES, ModelSpec
+from compare_suite import COMP_MODES, FIXED_PLAN_MODES, FIXED_POLICY_MODES, MODES, ModelSpec
 from harness import geomean, median, ratio_summary
 
 # Targets of the issue (ratios measured in one run).
@@ -29,6 +33,9 @@ TARGET_VS_BF16_TRUE = 0.95
 TARGET_MEMORY_VS_AMP = 0.8
 MEMORY_TARGET_MODELS = ("cnn", "gpt")
 TARGET_SEARCH_SHARE = 0.10
+TARGET_VS_BEST_FIXED = 0.98  # CoMP / the best fixed policy that converges like FP32, per model
+TARGET_TRIALLED_VS_FASTEST = 0.98  # the batch stage's trialled plan / the fastest whole-step plan it measured
+TARGET_FORECAST_GAP_PCT = 3.0  # |training CoMP/AMP over the batch stage's forecast CoMP/AMP - 1|, in %
 # The memory axis (MEMORY_TARGET_MODELS): per CoMP mode, the largest step peak tensor memory and the smallest
 # throughput relative to AMP, and whether its final val_loss must stay within the search's tolerance of FP32
 # (issue 26's targets, with optimizer state, master weights and recomputation as plan dimensions).
@@ -147,7 +154,7 @@ def analyse_model(spec: ModelSpec, search: dict[str, Any], runs: dict[str, Any],
     ratios: dict[str, Any] = {}
     if "comp" in ok:
         comp = modes["comp"]
-        for other in ("bf16-mixed", "fp32", "bf16-true", "16-mixed"):
+        for other in ("bf16-mixed", "fp32", "bf16-true", "16-mixed", *FIXED_PLAN_MODES):
             if other in ok:
                 ratios[f"throughput_vs_{other}"] = round_ratio(comp["throughput"], modes[other]["throughput"])
                 inc_o = modes[other]["memory"]["increment_bytes"]
@@ -164,11 +171,66 @@ def analyse_model(spec: ModelSpec, search: dict[str, Any], runs: dict[str, Any],
         ratios["amp_vs_fp32"] = round_ratio(modes["bf16-mixed"]["throughput"], modes["fp32"]["throughput"])
     if "bf16-true" in ok and "fp32" in ok:
         ratios["bf16_true_vs_fp32"] = round_ratio(modes["bf16-true"]["throughput"], modes["fp32"]["throughput"])
+    best = best_fixed_policy(modes)
+    ratios["best_fixed_policy"] = best
+    if "comp" in ok and best["mode"] is not None:
+        ratios["throughput_vs_best_fixed"] = round_ratio(modes["comp"]["throughput"], modes[best["mode"]]["throughput"])
     out["ratios"] = ratios
     out["ratios_by_mode"] = ratios_by_mode(modes, fp32_loss, tolerance_mode)
     out["search"] = search_summary(spec, search, modes)
+    trialled = out["search"].get("trialled_plan")
+    if trialled is not None:
+        ratios["trialled_vs_fastest_measured"] = trialled["vs_fastest_measured"]
+        ratios["forecast_vs_training_amp"] = forecast_vs_training(trialled, ratios.get("throughput_vs_bf16-mixed"))
     out["searches"] = {mode: search_summary(spec, result, modes, mode) for mode, result in (searches or {}).items()}
     return out
+
+
+def best_fixed_policy(modes: dict[str, Any]) -> dict[str, Any]:
+    """The fastest of the fixed policies (``FIXED_POLICY_MODES``) that ran and converge like FP32.
+
+    Args:
+        modes: The analysed modes (``converges_like_fp32`` already set; older reports may lack the type rules).
+
+    Returns:
+        ``mode`` (``None`` where no fixed policy ran and converged), ``label``, ``samples_per_s`` (median over
+        rounds), ``converging`` (each such policy's samples/s) and ``not_converging`` (those that ran but do not
+        converge like FP32: left out).
+    """
+    converging: dict[str, float] = {}
+    not_converging: list[str] = []
+    for mode in FIXED_POLICY_MODES:
+        entry = modes.get(mode) or {}
+        if "throughput" not in entry:
+            continue
+        value = entry["throughput"].get("samples_per_s", math.nan)
+        if not entry.get("converges_like_fp32"):
+            not_converging.append(mode)
+        elif isinstance(value, (int, float)) and math.isfinite(value):
+            converging[mode] = float(value)
+    best = max(converging, key=converging.__getitem__) if converging else None
+    return {"mode": best, "label": MODES[best].label if best else None,
+            "samples_per_s": converging[best] if best else math.nan,
+            "converging": converging, "not_converging": not_converging}
+
+
+def forecast_vs_training(trialled: dict[str, Any], training: dict[str, Any] | None) -> dict[str, float]:
+    """The batch stage's forecast of CoMP/AMP next to the CoMP/AMP throughput ratio measured in training.
+
+    Args:
+        trialled: The search's ``trialled_plan`` summary (``compare_searches.trialled_plan_summary``).
+        training: ``round_ratio`` of CoMP's training throughput over AMP's (``None`` where AMP did not run).
+
+    Returns:
+        ``forecast`` (AMP's plan's step over the trialled plan's, as the batch stage measured them), ``training``
+        (median of per-round ratios) and ``gap_pct`` (``100 * (training / forecast - 1)``: negative where training
+        falls short of the forecast); NaN where either is missing.
+    """
+    forecast = trialled.get("forecast_vs_amp", math.nan)
+    forecast = float(forecast) if isinstance(forecast, (int, float)) else math.nan
+    measured = float((training or {}).get("median", math.nan))
+    gap = 100.0 * (measured / forecast - 1.0) if math.isfinite(forecast) and forecast > 0 else math.nan
+    return {"forecast": forecast, "training": measured, "gap_pct": gap if math.isfinite(gap) else math.nan}
 
 
 def ratios_by_mode(modes: dict[str, Any], fp32_loss: float, tolerance_mode: str) -> dict[str, Any]:
@@ -228,16 +290,49 @@ def _axis_targets(key: str, model: dict[str, Any], tolerance: float, tolerance_m
 
 
 
-def evaluate_targets(models: dict[str, Any], tolerance: float, tolerance_mode: str = "relative") -> dict[str, Any]:
+def _number_text(value: Any, spec: str = ".3f") -> str:
+    """``value`` formatted, or ``n/a`` where it is missing or not finite."""
+    return format(value, spec) if isinstance(value, (int, float)) and math.isfinite(value) else "n/a"
+
+
+def _batch_stage_targets(key: str, model: dict[str, Any], add: Callable[..., None],
+                         checks: list[dict[str, Any]]) -> None:
+    """The targets on what the batch stage measured: the trialled plan against the fastest plan it measured, and its
+    forecast of CoMP/AMP against training's (``n/a`` where the search record or AMP's run lacks them)."""
+    r = model.get("ratios", {})
+    trialled = (model.get("search") or {}).get("trialled_plan") or {}
+    if "trialled_vs_fastest_measured" in r:
+        origin = str(trialled.get("from")) + (" refined" if trialled.get("refined") else "")
+        add("trialled plan/fastest measured plan (batch stage)", r["trialled_vs_fastest_measured"],
+            TARGET_TRIALLED_VS_FASTEST, ">=", key,
+            note=f"trialled ({origin}) {_number_text(trialled.get('step_ms'), '.1f')} ms, fastest measured"
+            f" ({trialled.get('fastest_measured')}) {_number_text(trialled.get('fastest_ms'), '.1f')} ms"
+            if trialled.get("recorded") else "the search record has no trialled_plan: not applicable")
+        if not math.isfinite(checks[-1]["value"]):
+            checks[-1]["met"] = None
+    forecast = r.get("forecast_vs_training_amp")
+    if forecast is not None:
+        add("|gap| training vs forecast CoMP/AMP (%)", abs(forecast["gap_pct"]),
+            TARGET_FORECAST_GAP_PCT, "<=", key,
+            note=f"forecast {_number_text(forecast['forecast'])}, training {_number_text(forecast['training'])},"
+            f" gap {_number_text(forecast['gap_pct'], '+.1f')}" + (" %" if math.isfinite(forecast["gap_pct"]) else ""))
+        if not math.isfinite(checks[-1]["value"]):
+            checks[-1]["met"] = None
+
+
+def evaluate_targets(models: dict[str, Any], tolerance: float, tolerance_mode: str = "relative",
+                     compiled: bool = False) -> dict[str, Any]:
     """Check every target of the issue against the analysed models.
 
     Args:
         models: The analysed models by key.
         tolerance: The search's val_loss tolerance.
         tolerance_mode: ``relative`` or absolute (for the memory axis's convergence target).
+        compiled: Whether the run compiled every mode (the geomean target over AMP is the eager runs'; ``n/a``).
 
     Returns:
-        ``checks`` (one per target and model; ``met`` is None where a target does not apply) and ``geomean_vs_amp``.
+        ``checks`` (one per target and model; ``met`` is None where a target does not apply), ``geomean_vs_amp`` and
+        ``geomean_vs_best_fixed`` (CoMP over the best fixed policy that converges, over the models that have one).
     """
     checks: list[dict[str, Any]] = []
 
@@ -247,6 +342,7 @@ def evaluate_targets(models: dict[str, Any], tolerance: float, tolerance_mode: s
                        "met": bool(ok), "note": note})
 
     vs_amp = []
+    vs_best: list[float] = []
     for key, m in models.items():
         r = m.get("ratios", {})
         if "throughput_vs_bf16-mixed" in r:
@@ -260,6 +356,14 @@ def evaluate_targets(models: dict[str, Any], tolerance: float, tolerance_mode: s
                 note="" if converges else "bf16-true does not converge like FP32 here: target not applicable")
             if not converges:
                 checks[-1]["met"] = None
+        if "throughput_vs_best_fixed" in r:
+            best = r.get("best_fixed_policy") or {}
+            left_out = ", ".join(MODES[x].label for x in best.get("not_converging", []) if x in MODES)
+            vs_best.append(r["throughput_vs_best_fixed"]["median"])
+            add("throughput CoMP/best fixed policy that converges", r["throughput_vs_best_fixed"]["median"],
+                TARGET_VS_BEST_FIXED, ">=", key,
+                note=f"best: {best.get('label')}" + (f"; not converging like FP32: {left_out}" if left_out else ""))
+        _batch_stage_targets(key, m, add, checks)
         if key in MEMORY_TARGET_MODELS and "memory_step_peak_vs_bf16-mixed" in r:
             add("peak tensor memory of a training step CoMP/AMP", r["memory_step_peak_vs_bf16-mixed"],
                 TARGET_MEMORY_VS_AMP, "<=", key,
@@ -289,8 +393,12 @@ def evaluate_targets(models: dict[str, Any], tolerance: float, tolerance_mode: s
                 note="search measured on full epochs; 20-epoch run = 20 x full epoch at the plan's measured step time"
                 if s["extrapolated"]["scale"] == 1 else "search cost extrapolated from shortened epochs")
     if vs_amp:
-        add("throughput CoMP/AMP geomean over the suite", geomean(vs_amp), TARGET_GEOMEAN_VS_AMP, ">=")
-    return {"checks": checks, "geomean_vs_amp": geomean(vs_amp) if vs_amp else math.nan}
+        add("throughput CoMP/AMP geomean over the suite", geomean(vs_amp), TARGET_GEOMEAN_VS_AMP, ">=",
+            note="the target is the eager runs': not applicable compiled" if compiled else "eager")
+        if compiled:
+            checks[-1]["met"] = None
+    return {"checks": checks, "geomean_vs_amp": geomean(vs_amp) if vs_amp else math.nan,
+            "geomean_vs_best_fixed": geomean(vs_best)}
 
 
 def analyse_raw(spec: ModelSpec, raw: dict[str, Any], tolerance: float, tolerance_mode: str) -> dict[str, Any]:
@@ -311,5 +419,6 @@ def reanalyse(path: Path) -> dict[str, Any]:
     for key, raw in report["raw"].items():
         spec = ModelSpec(**report["specs"][key])
         report["models"][key] = analyse_raw(spec, raw, report["tolerance"], report["tolerance_mode"])
-    report["targets"] = evaluate_targets(report["models"], report["tolerance"], report["tolerance_mode"])
+    report["targets"] = evaluate_targets(report["models"], report["tolerance"], report["tolerance_mode"],
+                                         bool(report.get("compile")))
     return report

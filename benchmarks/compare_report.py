@@ -1,8 +1,10 @@
 """The outputs of ``benchmarks/compare.py``: Markdown, CSV and JSON files and console lines.
 
-The Markdown report has the table per model and mode, the throughput search's cost (``## CoMP search``), the memory
-axis (``## Memory axis``: every mode's step peak and saved-for-backward bytes against AMP, and the saved lowerings each
-CoMP search chose), every CoMP search's cost by objective and the targets.
+The Markdown report has the table per model and mode, the throughput search's cost (``## CoMP search``), CoMP against
+the fixed policies and the batch stage's own evidence (``## CoMP vs fixed policies and the batch stage's forecast``:
+the best fixed policy that converges, the trialled plan against the fastest plan measured, the forecast against AMP
+next to training's), the memory axis (``## Memory axis``: every mode's step peak and saved-for-backward bytes against
+AMP, and the saved lowerings each CoMP search chose), every CoMP search's cost by objective and the targets.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from compare_analysis import _step_peak, round_ratio
-from compare_suite import AXIS_MODES, COMP_MODES, MODES
+from compare_suite import AXIS_MODES, COMP_MODES, FIXED_PLAN_MODES, MODES
 from harness import json_default
 
 
@@ -105,7 +107,7 @@ def markdown(report: dict[str, Any]) -> str:
                      f" | {_fmt(x['search_seconds_full_epochs'], '.1f')} | {_fmt(x['run_20_epochs_seconds'], '.0f')} |"
                      f" {_fmt(100 * x['share_of_20_epoch_run'], '.1f')} % | {_real_cell(s.get('real_run'))} |"
                      f" {trials} |")
-    lines += memory_axis_lines(report) + search_objective_lines(report)
+    lines += fixed_policy_lines(report) + memory_axis_lines(report) + search_objective_lines(report)
     lines += ["", "## Ratios and targets", "", "| target | model | value | threshold | met |", "|---|---|---|---|---|"]
     for c in report["targets"]["checks"]:
         met = "n/a" if c["met"] is None else "yes" if c["met"] else "**no**"
@@ -113,6 +115,66 @@ def markdown(report: dict[str, Any]) -> str:
         lines.append(f"| {c['target']}{note} | {c['model'] or 'suite'} | {_fmt(c['value'], '.3f')} |"
                      f" {c['op']} {c['threshold']} | {met} |")
     return "\n".join(lines) + "\n"
+
+
+def _ratio_cell(ratio: dict[str, Any] | None) -> str:
+    """A ``round_ratio``: its median with the min-max over rounds (``n/a`` where absent)."""
+    if not ratio:
+        return "n/a"
+    return f"{_fmt(ratio.get('median'), '.3f')} [{_fmt(ratio.get('min'))}-{_fmt(ratio.get('max'))}]"
+
+
+def _best_fixed_cell(best: dict[str, Any] | None) -> str:
+    """The best fixed policy that converges, its samples/s and the policies left out for not converging."""
+    if not best or best.get("mode") is None:
+        return "n/a"
+    left_out = [MODES[m].label for m in best.get("not_converging", []) if m in MODES]
+    return (f"{best['label']} ({_fmt(best.get('samples_per_s'), '.1f')}/s)"
+            + (f"; not converging like FP32: {', '.join(left_out)}" if left_out else ""))
+
+
+def _trialled_cells(trialled: dict[str, Any] | None) -> list[str]:
+    """The trialled plan's origin, its forecast step and the fastest measured plan's (``n/a`` in older records)."""
+    t = trialled or {}
+    if not t.get("recorded"):
+        return ["n/a", "n/a", "n/a"]
+    origin = f"{t.get('from') or 'n/a'}" + (" + refined" if t.get("refined") else "")
+    fastest = f"{t.get('fastest_measured') or 'n/a'} {_fmt(t.get('fastest_ms'), '.1f')}"
+    return [origin, _fmt(t.get("step_ms"), ".1f"), fastest]
+
+
+def fixed_policy_lines(report: dict[str, Any]) -> list[str]:
+    """The ``## CoMP vs fixed policies and the batch stage's forecast`` section, one row per model.
+
+    Columns: the best fixed policy that converges like FP32 (FP32, AMP, bf16-true, the type rules) and CoMP's
+    throughput over it and over each type rule; the batch stage's trialled plan (where it came from, its step), the
+    fastest plan it measured and their ratio; the batch stage's forecast of CoMP/AMP, training's and the gap.
+    """
+    rules = [m for m in FIXED_PLAN_MODES if any(m in model["modes"] for model in report["models"].values())]
+    lines = ["", "## CoMP vs fixed policies and the batch stage's forecast", "",
+             "Best fixed policy = the fastest of FP32, AMP, bf16-true and the type rules among those whose final"
+             " val_loss is within the search's tolerance of FP32's; CoMP / x = median of per-round throughput ratios"
+             " [min-max]."
+             " Trialled vs fastest = the fastest whole-step plan the batch stage measured over the plan it trialled"
+             " (> 1: refinement beat every measured plan). Forecast CoMP/AMP = AMP's plan's step over the trialled"
+             " plan's, both from the batch stage; gap = training / forecast - 1.", "",
+             "| model | best fixed policy that converges | CoMP / best fixed |"
+             + "".join(f" CoMP / {MODES[m].label} |" for m in rules)
+             + " trialled plan | trialled step (ms) | fastest measured (ms) | trialled vs fastest |"
+             " forecast CoMP/AMP | training CoMP/AMP | gap |",
+             "|" + "---|" * (10 + len(rules))]
+    for key, model in report["models"].items():
+        r = model.get("ratios", {})
+        forecast = r.get("forecast_vs_training_amp") or {}
+        trialled = (model.get("search") or {}).get("trialled_plan")
+        cells = [key, _best_fixed_cell(r.get("best_fixed_policy")), _ratio_cell(r.get("throughput_vs_best_fixed"))]
+        cells += [_ratio_cell(r.get(f"throughput_vs_{m}")) for m in rules]
+        cells += _trialled_cells(trialled)
+        gap = _fmt(forecast.get("gap_pct"), "+.1f")
+        cells += [_fmt(r.get("trialled_vs_fastest_measured"), ".3f"), _fmt(forecast.get("forecast"), ".3f"),
+                  _fmt(forecast.get("training"), ".3f"), gap if gap == "n/a" else f"{gap} %"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
 
 
 def compile_lines(report: dict[str, Any]) -> list[str]:
@@ -215,7 +277,11 @@ CSV_FIELDS = ("model", "mode", "samples_per_s", "samples_per_s_min", "samples_pe
               "median_step_ms", "vs_fp32", "vs_amp", "step_peak_tensor_mib", "rss_increment_mib", "rss_peak_mib",
               "rss_steady_increment_mib", "saved_activations_mib",
               "saved_parameters_mib", "val_loss", "val_metric_name", "val_metric", "steps", "converges_like_fp32",
-              "cast_ms_profiled_step", "forward_hooks", "saved_lowerings")
+              "cast_ms_profiled_step", "forward_hooks", "saved_lowerings",
+              # per model, on the ``comp`` row only:
+              "comp_vs_best_fixed", "best_fixed_mode", "trialled_from", "trialled_refined", "trialled_step_ms",
+              "fastest_measured", "fastest_measured_ms", "trialled_vs_fastest_measured", "forecast_comp_vs_amp",
+              "training_comp_vs_amp", "forecast_gap_pct")
 
 
 def csv_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
@@ -248,8 +314,26 @@ def csv_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
                 "cast_ms_profiled_step": (e.get("profile") or {}).get("cast_self_ms"),
                 "forward_hooks": e.get("forward_hooks"),
                 "saved_lowerings": len(e["plan_saved"]) if "plan_saved" in e else None,
+                **(_comp_columns(model) if mode == "comp" else {}),
             })
     return rows
+
+
+def _comp_columns(model: dict[str, Any]) -> dict[str, Any]:
+    """The per-model CSV columns of the ``comp`` row: CoMP vs the best fixed policy, the trialled plan, the forecast."""
+    r = model.get("ratios", {})
+    trialled = (model.get("search") or {}).get("trialled_plan") or {}
+    forecast = r.get("forecast_vs_training_amp") or {}
+    return {
+        "comp_vs_best_fixed": (r.get("throughput_vs_best_fixed") or {}).get("median"),
+        "best_fixed_mode": (r.get("best_fixed_policy") or {}).get("mode"),
+        "trialled_from": trialled.get("from"), "trialled_refined": trialled.get("refined"),
+        "trialled_step_ms": trialled.get("step_ms"), "fastest_measured": trialled.get("fastest_measured"),
+        "fastest_measured_ms": trialled.get("fastest_ms"),
+        "trialled_vs_fastest_measured": r.get("trialled_vs_fastest_measured"),
+        "forecast_comp_vs_amp": forecast.get("forecast"), "training_comp_vs_amp": forecast.get("training"),
+        "forecast_gap_pct": forecast.get("gap_pct"),
+    }
 
 
 def write_outputs(report: dict[str, Any], out_dir: Path, img_dir: Path, prefix: str, plots: bool) -> list[Path]:
@@ -287,11 +371,22 @@ def write_outputs(report: dict[str, Any], out_dir: Path, img_dir: Path, prefix: 
     md_path.write_text(markdown(report))
     paths += [json_path, csv_path, md_path]
     if plots:
+        import compare_plots
         from compare_plots import plot_all
 
+        for mode, (color, label) in _PLOT_FALLBACK.items():  # modes compare_plots has no colour or short label for
+            compare_plots.COLORS.setdefault(mode, color)
+            compare_plots.LABELS.setdefault(mode, label)
         img_dir.mkdir(parents=True, exist_ok=True)
         paths += plot_all(report, img_dir, prefix)
     return paths
+
+
+# The colour and short label of each mode in the plots, where ``compare_plots`` does not name one (the type rules).
+_PLOT_FALLBACK: dict[str, tuple[str, str]] = {
+    **{mode: ("#8c8c8c", MODES[mode].label) for mode in MODES},
+    "type-linear": ("#64b5cd", "type:Linear bf16"),
+}
 
 
 def _csv_value(value: Any) -> Any:
@@ -307,7 +402,8 @@ def print_ratios(report: dict[str, Any]) -> None:
         r = model["ratios"]
         parts = []
         for other, label in (("bf16-mixed", "CoMP/AMP"), ("fp32", "CoMP/FP32"), ("bf16-true", "CoMP/bf16-true"),
-                             ("16-mixed", "CoMP/16-mixed")):
+                             ("16-mixed", "CoMP/16-mixed"), *((m, f"CoMP/{m}") for m in FIXED_PLAN_MODES),
+                             ("best_fixed", "CoMP/best-fixed")):
             x = r.get(f"throughput_vs_{other}")
             if x:
                 parts.append(f"{label} {x['median']:.3f} [{x['min']:.2f}-{x['max']:.2f}]")
@@ -315,6 +411,13 @@ def print_ratios(report: dict[str, Any]) -> None:
         if mem is not None:
             parts.append(f"step-peak-mem CoMP/AMP {mem:.3f} (RSS increment {r['memory_increment_vs_bf16-mixed']:.3f})")
         print(f"  {key:<6} " + "  ".join(parts))
+        forecast = r.get("forecast_vs_training_amp")
+        if "trialled_vs_fastest_measured" in r or forecast:
+            f = forecast or {}
+            print(f"  {key:<6} best fixed policy that converges: {(r.get('best_fixed_policy') or {}).get('mode')}"
+                  f"  trialled vs fastest measured {_fmt(r.get('trialled_vs_fastest_measured'), '.3f')}"
+                  f"  CoMP/AMP forecast {_fmt(f.get('forecast'), '.3f')} vs training {_fmt(f.get('training'), '.3f')}"
+                  f" (gap {_fmt(f.get('gap_pct'), '+.1f')} %)")
         for mode, x in model.get("ratios_by_mode", {}).items():
             if mode not in AXIS_MODES or "throughput_vs_bf16-mixed" not in x:
                 continue
@@ -323,7 +426,8 @@ def print_ratios(report: dict[str, Any]) -> None:
             print(f"  {key:<6} {MODES[mode].label}/AMP: throughput {t['median']:.3f} [{t['min']:.2f}-{t['max']:.2f}]"
                   f"  step-peak-mem {x['memory_step_peak_vs_bf16-mixed']:.3f}"
                   f"  saved-for-bwd {x['saved_bytes_vs_bf16-mixed']:.3f}  val_loss within tolerance of FP32: {within}")
-    print(f"  geomean CoMP/AMP over the suite: {report['targets']['geomean_vs_amp']:.3f}")
+    print(f"  geomean CoMP/AMP over the suite: {report['targets']['geomean_vs_amp']:.3f}; CoMP/best fixed policy:"
+          f" {_fmt(report['targets'].get('geomean_vs_best_fixed'), '.3f')}")
     print("\nTargets:")
     for c in report["targets"]["checks"]:
         met = "n/a" if c["met"] is None else "met" if c["met"] else "MISSED"

@@ -11,8 +11,10 @@ How each number is measured (per model):
    The share of a 20-epoch run divides the search cost by 20 full epochs at the chosen plan's measured step time (a
    real 20-epoch run per model does not fit the time budget).
 2. **Interleaved training.** One fresh process per mode (``32-true``, ``bf16-mixed``, ``bf16-true``, ``16-mixed`` on
-   a CUDA device with fast FP16 (never on a CPU: ``fp16_amp_skipped``), and per CoMP mode ``CoMPPrecision(plan=<its own
-   search's chosen plan>)``), all from the same seed, initial weights and batches. A coordinator hands a baton to one
+   a CUDA device with fast FP16 (never on a CPU: ``fp16_amp_skipped``), the one-line type rule ``type-linear``
+   (``CoMPPrecision(plan=PrecisionPlan.from_dict({"type:Linear": "bf16"}))``, no search; not in ``--compile``'s
+   defaults), and per CoMP mode ``CoMPPrecision(plan=<its own search's chosen plan>)``), all from the same seed,
+   initial weights and batches. A coordinator hands a baton to one
    process at a time, which trains ``segment`` optimizer steps and hands it back; the order rotates every round, so all
    modes see the same machine conditions while each keeps a process (and a memory peak) of its own. Round 0 is warm-up.
    Each batch is timed from ``on_train_batch_start`` to ``on_train_batch_end`` (forward, backward, clipping, optimizer
@@ -45,7 +47,17 @@ from typing import Any
 
 from compare_analysis import analyse_raw, evaluate_targets
 from compare_report import short_lines
-from compare_suite import COMP_MODES, DEFAULT_MODELS, MODES, ROOT, SUITE, ModelSpec, smoke_spec, unavailable
+from compare_suite import (
+    COMP_MODES,
+    DEFAULT_MODELS,
+    FIXED_PLAN_MODES,
+    MODES,
+    ROOT,
+    SUITE,
+    ModelSpec,
+    smoke_spec,
+    unavailable,
+)
 from compare_workers import _search_kwargs, mp_context, run_interleaved, run_search
 from harness import load_average, machine_info
 
@@ -150,6 +162,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         modes.append("16-mixed")
     else:
         skipped["16-mixed"] = skip_fp16
+    modes += FIXED_PLAN_MODES  # the one-line type rules (eager runs' defaults)
     modes += COMP_MODES
     if getattr(args, "compile", False) and not args.modes:
         modes = ["fp32", "bf16-mixed", "comp"]  # compiled: the baselines and the shipped objective
@@ -190,6 +203,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         "skipped_modes": skipped,
         "search_settings": {k: v for k, v in search_kwargs.items() if k not in ("record_dir", "verbose")},
         "search_objectives": {m: MODES[m].objective for m in modes if m in COMP_MODES},
+        "fixed_plans": {m: MODES[m].fixed_plan for m in modes if m in FIXED_PLAN_MODES},
         "tolerance": tolerance, "tolerance_mode": tolerance_mode,
         "specs": {s.key: asdict(s) for s in specs},
         "models": {},
@@ -219,7 +233,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         print(f"[compare] {spec.key}: done in {analysed['seconds']:.0f} s; load {analysed['load_average_after']}",
               flush=True)
         print(short_lines(spec.key, analysed), flush=True)
-    report["targets"] = evaluate_targets(report["models"], tolerance, tolerance_mode)
+    report["targets"] = evaluate_targets(report["models"], tolerance, tolerance_mode, report["compile"])
     report["load_average_end"] = load_average()
     report["total_seconds"] = time.perf_counter() - started
     return report

@@ -2,6 +2,9 @@
 
 Every CoMP mode has a search of its own (``MODES[mode].objective``). A raw record keeps the throughput search
 (``comp``) under ``"search"``, as older raw files do, and the others under ``"searches"`` (absent in older files).
+``trialled_plan_summary`` reads what the batch stage measured of the plan it trialled (the record's
+``trialled_plan``, ``step_ms`` and ``step_ratios``): how it compares with the fastest whole-step plan measured and its
+forecast against AMP's plan. Records from before ``trialled_plan`` existed give NaN (``n/a``) there.
 """
 
 from __future__ import annotations
@@ -26,6 +29,61 @@ def mode_searches(raw: dict[str, Any]) -> dict[str, Any]:
     return {"comp": raw["search"], **(raw.get("searches") or {})}
 
 
+def _number(value: Any) -> float:
+    """``value`` as a finite float, or NaN (missing, not a number, infinite)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return math.nan
+    return float(value) if math.isfinite(value) else math.nan
+
+
+def _quotient(numerator: float, denominator: float) -> float:
+    """``numerator / denominator``, NaN unless both are finite and the denominator positive."""
+    if not (math.isfinite(numerator) and math.isfinite(denominator)) or denominator <= 0:
+        return math.nan
+    return numerator / denominator
+
+
+def trialled_plan_summary(record: dict[str, Any] | None) -> dict[str, Any]:
+    """What the batch stage measured of the plan it trialled, from a search record (older records: NaN, ``None``).
+
+    Args:
+        record: The search's ``search_record.json`` dict: ``trialled_plan`` (``from``, ``refined``, ``step_ms``,
+            ``ratio_to_fp32``, ``fastest_measured``, ``fastest_ms``), ``step_ms`` (ms of each whole-step plan
+            measured, by label) and ``step_ratios`` (each plan's ratio to FP32 with its interval). Any may be absent.
+
+    Returns:
+        ``recorded`` (whether the record has a ``trialled_plan``), ``from``, ``refined``, ``step_ms`` (the batch
+        stage's forecast of the trialled plan's step), ``ratio_to_fp32``, ``fastest_measured``, ``fastest_ms``,
+        ``vs_fastest_measured`` (``fastest_ms / step_ms``: 1 where the fastest measured plan was trialled, > 1 where
+        refinement found a faster one), ``amp_ms`` (AMP's plan's measured step), ``forecast_vs_amp``
+        (``amp_ms / step_ms``: the forecast speed-up over AMP), ``measured_step_ms`` and ``step_ratios``.
+    """
+    record = record if isinstance(record, dict) else {}
+    trialled = record.get("trialled_plan")
+    trialled = trialled if isinstance(trialled, dict) else {}
+    step_ms = record.get("step_ms")
+    step_ms = step_ms if isinstance(step_ms, dict) else {}
+    ratios = record.get("step_ratios")
+    trialled_ms = _number(trialled.get("step_ms"))
+    fastest_ms = _number(trialled.get("fastest_ms"))
+    amp_ms = _number(step_ms.get("amp"))
+    refined = trialled.get("refined")
+    return {
+        "recorded": bool(trialled),
+        "from": trialled.get("from"),
+        "refined": refined if isinstance(refined, bool) else None,
+        "step_ms": trialled_ms,
+        "ratio_to_fp32": _number(trialled.get("ratio_to_fp32")),
+        "fastest_measured": trialled.get("fastest_measured"),
+        "fastest_ms": fastest_ms,
+        "vs_fastest_measured": _quotient(fastest_ms, trialled_ms),
+        "amp_ms": amp_ms,
+        "forecast_vs_amp": _quotient(amp_ms, trialled_ms),
+        "measured_step_ms": {str(label): _number(ms) for label, ms in step_ms.items()},
+        "step_ratios": ratios if isinstance(ratios, dict) else {},
+    }
+
+
 def _saved_lowered(record: dict[str, Any]) -> dict[str, str]:
     """Operator -> saved precision of the chosen plan's saved-for-backward lowerings (older records: none)."""
     saved = record.get("saved_lowered")
@@ -45,7 +103,9 @@ def search_summary(spec: ModelSpec, search: dict[str, Any], modes: dict[str, Any
         mode: The CoMP mode whose search this is (its plan's step time prices the 20-epoch run).
 
     Returns:
-        The summary (with the search's ``objective`` and the chosen ``saved_lowered``), or ``{"error": ...}``.
+        The summary (with the search's ``objective``, the chosen ``saved_lowered`` and ``trialled_plan``: the
+        batch stage's trialled plan against the fastest measured and AMP's, ``trialled_plan_summary``), or
+        ``{"error": ...}``.
     """
     if "error" in search:
         return {"error": search["error"]}
@@ -92,6 +152,7 @@ def search_summary(spec: ModelSpec, search: dict[str, Any], modes: dict[str, Any
         "saved_step": record.get("saved_step") or {},
         "decision_counts": reasons,
         "profile_step_ms": record.get("step_ms", {}),
+        "trialled_plan": trialled_plan_summary(record),
         "trials": trials,
         "measured": {"profiling_seconds": profiling, "rejected_trial_seconds": rejected,
                      "search_seconds": search_seconds, "record_search_seconds": search_recorded,

@@ -2,8 +2,10 @@
 
 ``SUITE`` holds every model the benchmark knows (``DEFAULT_MODELS`` is what runs without ``--models``), ``smoke_spec``
 shrinks an entry to seconds for ``--smoke``, and ``MODES`` gives each precision mode its label and the ``Trainer``
-precision it runs under (``None``: the ``CoMPPrecision`` plugin with the plan of its own ``CoMPSearch``, run with the
-mode's ``objective``). ``COMP_MODES`` are those CoMP modes, in the order they are searched and trained.
+precision it runs under (``None``: the ``CoMPPrecision`` plugin, with the mode's ``fixed_plan`` where it has one, else
+with the plan of its own ``CoMPSearch``, run with the mode's ``objective``). ``COMP_MODES`` are the searched CoMP modes,
+in the order they are searched and trained; ``FIXED_PLAN_MODES`` the CoMP-plugin modes with a fixed plan (the one-line
+type rules a user would write: no search); ``FIXED_POLICY_MODES`` the fixed policies CoMP is compared with.
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ def _default_example() -> dict[str, dict[str, Any]]:
     for group in ("model", "data"):
         node = OmegaConf.to_container(cfg[group], resolve=True)
         assert isinstance(node, dict)
-        out[group] = {k: v for k, v in node.items() if not k.startswith("_")}
+        out[group] = {str(k): v for k, v in node.items() if not str(k).startswith("_")}
     return out
 
 
@@ -171,12 +173,18 @@ def smoke_spec(spec: ModelSpec) -> ModelSpec:
 
 @dataclass(frozen=True)
 class Mode:
-    """A precision mode of the comparison: its key, its label in tables and the Trainer precision it runs."""
+    """A precision mode of the comparison: its key, its label in tables and the Trainer precision it runs.
+
+    A mode with ``trainer_precision`` ``None`` trains under the ``CoMPPrecision`` plugin: with ``fixed_plan``
+    (``PrecisionPlan.from_dict(fixed_plan)``, no search) where given, else with the chosen plan of a ``CoMPSearch``
+    run with ``objective``.
+    """
 
     key: str
     label: str
     trainer_precision: str | None  # None: CoMPPrecision plugin
-    objective: str | None = None  # CoMP modes: the CoMPSearch objective whose chosen plan the mode trains
+    objective: str | None = None  # searched CoMP modes: the CoMPSearch objective whose chosen plan the mode trains
+    fixed_plan: dict[str, str] | None = None  # fixed-plan modes: the plan's {selector: precision} (no search)
 
 
 MODES: dict[str, Mode] = {
@@ -184,9 +192,15 @@ MODES: dict[str, Mode] = {
     "bf16-mixed": Mode("bf16-mixed", "AMP (bf16-mixed)", "bf16-mixed"),
     "bf16-true": Mode("bf16-true", "BF16 (bf16-true)", "bf16-true"),
     "16-mixed": Mode("16-mixed", "AMP FP16 (16-mixed)", "16-mixed"),
+    # The one-line type rule a user would write. Like bf16-true it runs wherever the device has BF16, native or
+    # emulated (CoMPPrecision warns where emulated); unlike bf16-mixed, nothing here needs autocast's LSTM kernel.
+    "type-linear": Mode("type-linear", 'Type rule {"type:Linear": "bf16"}', None, fixed_plan={"type:Linear": "bf16"}),
     "comp": Mode("comp", "CoMP (searched plan)", None, "throughput"),
     "comp-balanced": Mode("comp-balanced", "CoMP (balanced)", None, "balanced"),
     "comp-memory": Mode("comp-memory", "CoMP (memory)", None, "memory"),
 }
-COMP_MODES = tuple(key for key, mode in MODES.items() if mode.trainer_precision is None)
+COMP_MODES = tuple(key for key, mode in MODES.items() if mode.trainer_precision is None and mode.fixed_plan is None)
+FIXED_PLAN_MODES = tuple(key for key, mode in MODES.items() if mode.fixed_plan is not None)
+# The fixed policies a user could pick instead of a search ("CoMP vs the best fixed policy that converges").
+FIXED_POLICY_MODES = ("fp32", "bf16-mixed", "bf16-true", *FIXED_PLAN_MODES)
 AXIS_MODES = ("comp-balanced", "comp-memory")  # the CoMP modes that also lower saved-for-backward tensors

@@ -5,7 +5,8 @@ Lightning preloaded, else ``spawn``), so each keeps its own memory peak. The pro
 module (the child imports it by name, with ``benchmarks/`` on ``sys.path`` as in the parent); it reports over a pipe:
 ``("ready", ...)``, ``("yield", None)`` after each turn, then ``("done", result)`` or ``("error", traceback)``.
 ``run_search`` runs one ``CoMPSearch`` (with a CoMP mode's ``objective``); ``run_interleaved`` starts one process per
-mode, each CoMP mode with the plan of its own search, and hands out turns round-robin.
+mode, each searched CoMP mode with the plan of its own search, each fixed-plan mode (``Mode.fixed_plan``) with its
+fixed plan, and hands out turns round-robin.
 """
 
 from __future__ import annotations
@@ -142,19 +143,22 @@ def _reports_to_coordinator(body: _WorkerBody) -> Callable[[Any, dict[str, Any]]
 def train_worker(conn: Any, job: dict[str, Any]) -> dict[str, Any]:
     """One mode of one model: wait for turns, train, report (runs in a fresh process).
 
-    A CoMP mode (``trainer_precision`` None) trains ``CoMPPrecision(job["plan"])``: the plan its own search chose.
+    A CoMP mode (``trainer_precision`` None) trains ``CoMPPrecision(job["plan"])``: the plan its own search chose; a
+    fixed-plan mode trains ``CoMPPrecision(PrecisionPlan.from_dict(mode.fixed_plan))``, no search.
     """
     import lightning.pytorch as pl
     import torch
 
-    from lightning_comp import CoMPPrecision
+    from lightning_comp import CoMPPrecision, PrecisionPlan
 
     spec = job["spec"]
     mode = MODES[job["mode"]]
     model, datamodule = _build(spec, job["seed"], bool(job.get("compile")))
     sizes = _data_sizes(spec, datamodule)
     kwargs = _trainer_common()
-    if mode.trainer_precision is None:
+    if mode.fixed_plan is not None:
+        kwargs["plugins"] = [CoMPPrecision(plan=PrecisionPlan.from_dict(mode.fixed_plan))]
+    elif mode.trainer_precision is None:
         kwargs["plugins"] = [CoMPPrecision(plan=job["plan"])]
     else:
         kwargs["precision"] = mode.trainer_precision
@@ -172,7 +176,7 @@ def train_worker(conn: Any, job: dict[str, Any]) -> dict[str, Any]:
     assert baton.memory is not None
     last = baton.memory.peak()  # since the steady-state reset (round 1) where it worked, else since the baseline
     peak = max(last, baton.warmup_peak or 0)
-    plugin = trainer.precision_plugin
+    plugin: Any = trainer.precision_plugin  # CoMPPrecision in the CoMP modes (its plan and executor are read below)
     result = {
         "mode": mode.key,
         "device": _device_of(model),
@@ -217,7 +221,7 @@ def _search_kwargs(overrides: dict[str, Any], record_dir: str) -> dict[str, Any]
     node.update(overrides)
     node["record_dir"] = record_dir
     node["verbose"] = False
-    return node
+    return {str(k): v for k, v in node.items()}
 
 
 @_reports_to_coordinator
@@ -327,13 +331,15 @@ def run_interleaved(ctx: Any, spec: ModelSpec, modes: list[str], plans: dict[str
         ctx: The multiprocessing context (``mp_context()``).
         spec: The model.
         modes: The modes to train, in their first round's order.
-        plans: The plan (``PrecisionPlan.to_dict()``) of each CoMP mode in ``modes``, by mode.
+        plans: The plan (``PrecisionPlan.to_dict()``) of each searched CoMP mode in ``modes``, by mode (a fixed-plan
+            mode brings its own: ``Mode.fixed_plan``).
         args: The command-line options (``seed``, ``threads``, ``timeout``, ``no_profile``).
 
     Returns:
         Each mode's result (or ``{"error": ...}``) and the order of every round.
     """
-    missing = [m for m in modes if MODES[m].trainer_precision is None and m not in plans]
+    missing = [m for m in modes if MODES[m].trainer_precision is None and MODES[m].fixed_plan is None
+               and m not in plans]
     if missing:
         raise ValueError(f"run_interleaved: no plan for the CoMP mode(s) {missing}")
     workers: dict[str, tuple[Any, Any]] = {}
@@ -341,7 +347,8 @@ def run_interleaved(ctx: Any, spec: ModelSpec, modes: list[str], plans: dict[str
     for mode in modes:
         parent, child = ctx.Pipe()
         job = {"spec": asdict(spec), "mode": mode, "seed": args.seed, "threads": args.threads,
-               "plan": plans.get(mode), "profile": not args.no_profile, "compile": getattr(args, "compile", False)}
+               "plan": plans.get(mode, MODES[mode].fixed_plan), "profile": not args.no_profile,
+               "compile": getattr(args, "compile", False)}
         process = ctx.Process(target=train_worker, args=(child, job), name=f"{spec.key}-{mode}")
         process.start()
         child.close()

@@ -2,9 +2,10 @@
 
 It runs the script exactly as documented, with ``--smoke`` (tiny models, 4 steps per mode, one measured round) and
 checks that every model and mode produced results (the three CoMP modes, each with the plan of its own search:
-``comp`` for throughput, ``comp-balanced`` and ``comp-memory`` for the memory axis) and that every output file was
-written. It never asserts timings or ratios: those depend on the machine and are the benchmark's business, not the
-test's.
+``comp`` for throughput, ``comp-balanced`` and ``comp-memory`` for the memory axis; the one-line type rule
+``type-linear``, a fixed plan) and that every output file was written, with CoMP against the best fixed policy, the
+trialled plan against the fastest measured and the forecast against training in the ratios and the Markdown. It
+never asserts timings or ratios: those depend on the machine and are the benchmark's business, not the test's.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ def test_compare_smoke(tmp_path: Path) -> None:
     report = json.loads((out / "compare.json").read_text())
     assert report["smoke"] is True
     assert set(report["models"]) == set(MODELS)
-    expected_modes = {"fp32", "bf16-mixed", "bf16-true", "comp", *AXIS_MODES}
+    expected_modes = {"fp32", "bf16-mixed", "bf16-true", "type-linear", "comp", *AXIS_MODES}
     if "16-mixed" in report["modes"]:
         expected_modes.add("16-mixed")
     if report["device"] == "cpu":  # never on a CPU (Lightning runs bf16-mixed for it); why depends on the CPU class
@@ -69,6 +70,14 @@ def test_compare_smoke(tmp_path: Path) -> None:
         assert search["objective"] == "throughput"
         if "bf16-mixed" in model["modes"]:
             assert "throughput_vs_bf16-mixed" in model["ratios"]
+        assert model["modes"]["type-linear"]["plan_lowered"] == ["type:Linear"], key
+        ratios = model["ratios"]
+        assert "throughput_vs_type-linear" in ratios, key
+        assert ratios["best_fixed_policy"]["mode"] in {"fp32", "bf16-mixed", "bf16-true", "type-linear"}, key
+        assert "throughput_vs_best_fixed" in ratios, key
+        assert "trialled_vs_fastest_measured" in ratios, key  # NaN until the search record has trialled_plan
+        assert {"forecast", "training", "gap_pct"} <= set(ratios["forecast_vs_training_amp"]), key
+        assert "trialled_plan" in search, key
         assert set(model["searches"]) == set(AXIS_MODES), key
         for mode, (_, objective) in AXIS_MODES.items():
             axis_search = model["searches"][mode]
@@ -84,6 +93,10 @@ def test_compare_smoke(tmp_path: Path) -> None:
                         "saved_bytes_vs_bf16-mixed"} <= set(ratios), (key, mode)
     assert report["targets"]["checks"], "no target was evaluated"
     targets = {(c["target"], c["model"]) for c in report["targets"]["checks"]}
+    for key in MODELS:
+        for name in ("throughput CoMP/best fixed policy that converges",
+                     "trialled plan/fastest measured plan (batch stage)", "|gap| training vs forecast CoMP/AMP (%)"):
+            assert (name, key) in targets, (name, key)
     for key in MEMORY_TARGET_MODELS:
         for mode, (label, _) in AXIS_MODES.items():
             if mode in report["models"][key]["modes"] and "bf16-mixed" in report["models"][key]["modes"]:
@@ -96,6 +109,10 @@ def test_compare_smoke(tmp_path: Path) -> None:
     assert {(r["model"], r["mode"]) for r in rows} == {(k, m) for k in MODELS for m in expected_modes - skipped[k]}
     markdown = (out / "compare.md").read_text()
     assert "| model | mode |" in markdown and "Ratios and targets" in markdown
+    fixed = markdown.split("## CoMP vs fixed policies and the batch stage's forecast", 1)[1].split("\n## ", 1)[0]
+    assert 'CoMP / Type rule {"type:Linear": "bf16"}' in fixed and "trialled vs fastest" in fixed
+    for key in MODELS:
+        assert f"| {key} |" in fixed, key
     axis = markdown.split("## Memory axis", 1)[1].split("\n## ", 1)[0]
     for key in MODELS:
         for label, _ in AXIS_MODES.values():
