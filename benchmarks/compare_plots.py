@@ -9,9 +9,10 @@ from typing import Any
 from compare_suite import COMP_MODES
 
 COLORS = {"fp32": "#4c72b0", "bf16-mixed": "#dd8452", "bf16-true": "#55a868", "16-mixed": "#8172b3", "comp": "#c44e52",
-          "comp-balanced": "#937860", "comp-memory": "#da8bc3"}
+          "comp-balanced": "#937860", "comp-memory": "#da8bc3", "type-linear": "#64b5cd"}
 LABELS = {"fp32": "FP32", "bf16-mixed": "AMP bf16-mixed", "bf16-true": "bf16-true", "16-mixed": "16-mixed",
-          "comp": "CoMP", "comp-balanced": "CoMP balanced", "comp-memory": "CoMP memory"}
+          "comp": "CoMP", "comp-balanced": "CoMP balanced", "comp-memory": "CoMP memory",
+          "type-linear": "type:Linear bf16"}
 MARKERS = {"comp": "x", "comp-balanced": "+", "comp-memory": "d"}
 
 

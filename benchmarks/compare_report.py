@@ -371,22 +371,14 @@ def write_outputs(report: dict[str, Any], out_dir: Path, img_dir: Path, prefix: 
     md_path.write_text(markdown(report))
     paths += [json_path, csv_path, md_path]
     if plots:
-        import compare_plots
         from compare_plots import plot_all
 
-        for mode, (color, label) in _PLOT_FALLBACK.items():  # modes compare_plots has no colour or short label for
-            compare_plots.COLORS.setdefault(mode, color)
-            compare_plots.LABELS.setdefault(mode, label)
         img_dir.mkdir(parents=True, exist_ok=True)
         paths += plot_all(report, img_dir, prefix)
     return paths
 
 
 # The colour and short label of each mode in the plots, where ``compare_plots`` does not name one (the type rules).
-_PLOT_FALLBACK: dict[str, tuple[str, str]] = {
-    **{mode: ("#8c8c8c", MODES[mode].label) for mode in MODES},
-    "type-linear": ("#64b5cd", "type:Linear bf16"),
-}
 
 
 def _csv_value(value: Any) -> Any:

@@ -4,7 +4,8 @@ Every CoMP mode has a search of its own (``MODES[mode].objective``). A raw recor
 (``comp``) under ``"search"``, as older raw files do, and the others under ``"searches"`` (absent in older files).
 ``trialled_plan_summary`` reads what the batch stage measured of the plan it trialled (the record's
 ``trialled_plan``, ``step_ms`` and ``step_ratios``): how it compares with the fastest whole-step plan measured and its
-forecast against AMP's plan. Records from before ``trialled_plan`` existed give NaN (``n/a``) there.
+forecast against one global autocast region (``forecast_check``; older records: AMP's plan). Records from before
+``trialled_plan`` existed give NaN (``n/a``) there.
 """
 
 from __future__ import annotations
@@ -67,6 +68,13 @@ def trialled_plan_summary(record: dict[str, Any] | None) -> dict[str, Any]:
     trialled_ms = _number(trialled.get("step_ms"))
     fastest_ms = _number(trialled.get("fastest_ms"))
     amp_ms = _number(step_ms.get("amp"))
+    check = record.get("forecast_check")
+    check = check if isinstance(check, dict) else {}
+    # the forecast against one global autocast region (what bf16-mixed trains), with the optimizer and loop time
+    # training adds to both (forecast_check); older records: AMP's plan's batch-stage step over the trialled plan's
+    forecast = _number(check.get("autocast_forecast_speedup"))
+    if not math.isfinite(forecast):
+        forecast = _quotient(amp_ms, trialled_ms)
     refined = trialled.get("refined")
     return {
         "recorded": bool(trialled),
@@ -78,7 +86,8 @@ def trialled_plan_summary(record: dict[str, Any] | None) -> dict[str, Any]:
         "fastest_ms": fastest_ms,
         "vs_fastest_measured": _quotient(fastest_ms, trialled_ms),
         "amp_ms": amp_ms,
-        "forecast_vs_amp": _quotient(amp_ms, trialled_ms),
+        "forecast_vs_amp": forecast,
+        "forecast_check": check,
         "measured_step_ms": {str(label): _number(ms) for label, ms in step_ms.items()},
         "step_ratios": ratios if isinstance(ratios, dict) else {},
     }
