@@ -34,6 +34,7 @@ from lightning_comp.devices.device_classes import model_device
 from lightning_comp.devices.lowering import Lowering, autocast_available, lowering_for
 from lightning_comp.numerics.precision import ComputePrecision
 from lightning_comp.operators.discovery import iter_operators
+from lightning_comp.operators.kinds import OperatorKind, classify
 from lightning_comp.plan.dimensions import Dimension
 from lightning_comp.plan.plan import PrecisionPlan
 from lightning_comp.plugins.comp import CoMPPrecision
@@ -92,6 +93,7 @@ from lightning_comp.search.stages.saved_stage import SavedStage
 __all__ = ["BatchStage"]
 
 FP32, CANDIDATES = ComparedPlan.FP32, ComparedPlan.CANDIDATES
+_COMPUTE_CLASSES = (OperatorKind.COMPUTE, OperatorKind.EMBEDDING, OperatorKind.OTHER)
 CLEARLY_SLOWER = 2.0  # a whole step this many times the fastest one's in its first round is not timed again
 
 
@@ -362,12 +364,15 @@ class BatchStage:
         (:mod:`lightning_comp.search.measurement.autocast_lowering`); FP32, the other fixed policy, is always timed.
         The others catch effects per-operator timings miss: casts vanish inside long low-precision runs
         (``ALL_LOW``), and cheap operators lowered between lowered ones can cost more than the casts they save,
-        e.g. a bf16 LayerNorm on a CPU (``COMPUTE``: the compute operators alone). Only plans that differ from the
+        e.g. a bf16 LayerNorm on a CPU (``COMPUTE``: the compute operators alone, by class: matmul, convolution,
+        attention and recurrent modules, embeddings and other modules with weights). Only plans that differ from the
         candidate plan and from each other are timed; ``CoMPSearch(exclude=...)`` holds in each.
         """
         low = self.low.value
         allowed = [n for n in order if n in lowerable and not decisions[n].excluded]
-        heavy = [n for n in allowed if decisions[n].heavy]
+        # by class, as a user's type rule names them (a leaf judged as compute for the kernels it runs, such as a
+        # parameter-free attention, is lowered here only when it pays by itself: as a candidate)
+        heavy = [n for n in allowed if classify(modules[n]) in _COMPUTE_CLASSES]
         lowered = {ComparedPlan.AMP: [n for n in allowed if n in amp], ComparedPlan.ALL_LOW: allowed,
                    ComparedPlan.COMPUTE: heavy}
         seen = {PrecisionPlan()[Dimension.COMPUTE].entries}
