@@ -56,7 +56,7 @@ class MeasurementConfig:
 
     profile_steps: int = 4
     profile_warmup: int = 1
-    extra_profile_time: float = 1.0
+    extra_profile_time: float = 0.5
     timing: Timing = Timing.AUTO
     speed_margin: float = 0.05
     switch_margin: float = 0.0
@@ -135,8 +135,8 @@ def _number(value: object) -> bool:
 MEASUREMENT_PRESETS: dict[str, MeasurementConfig] = {
     # 2 timed steps and no extra rounds: tests, smoke runs and tiny models, where the search's cost dominates
     "quick": MeasurementConfig(profile_steps=2, profile_warmup=1, extra_profile_time=0.0),
-    # what every setting defaults to: 4 timed steps, up to as long again when a call is close or to refine
+    # what every setting defaults to: 4 timed steps, up to half again as long when a call is close or to refine
     "default": MeasurementConfig(),
-    # 8 timed steps after 2 unmeasured, up to twice as long again: a noisy machine, or gains near the margins
-    "thorough": MeasurementConfig(profile_steps=8, profile_warmup=2, extra_profile_time=2.0),
+    # 8 timed steps after 2 unmeasured, up to as long again: a noisy machine, or gains near the margins
+    "thorough": MeasurementConfig(profile_steps=8, profile_warmup=2, extra_profile_time=1.0),
 }
