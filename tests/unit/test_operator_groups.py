@@ -284,3 +284,15 @@ def test_the_forecast_adds_the_optimizer_and_loop_time_training_measured_to_the_
     assert check["autocast_forecast_speedup"] == pytest.approx(12 / 9, abs=1e-4)
     saved = TrialRecord("all candidates", (Candidate("x"), Candidate.saved("x")), {}, 0, 0, median_step_ms=9.0)
     assert not forecast_check(batch, [reference, saved])["comparable"]  # type: ignore[index]
+
+
+def test_a_refinement_from_fp32_that_gains_less_than_the_margin_is_not_trialled() -> None:
+    from lightning_comp.search.decisions.refinement import GroupFlip
+    from lightning_comp.search.decisions.trialled import accept_refinement
+
+    flip = GroupFlip("b.*.fc", ("b.0.fc", "b.1.fc"), True, 1.0, paired_ratio([10.0] * 4, [9.8, 9.7, 9.8, 9.7]),
+                     kept=True, step_ms=9.7)
+    lowered, flips = accept_refinement(set(), {"b.0.fc", "b.1.fc"}, [flip], 1.0, 0.05)  # x0.975: not by 5 %
+    assert lowered == set() and [f.kept for f in flips] == [False]
+    lowered, flips = accept_refinement(set(), {"b.0.fc", "b.1.fc"}, [flip], 1.0, 0.02)
+    assert lowered == {"b.0.fc", "b.1.fc"} and flips == [flip]

@@ -22,10 +22,8 @@ from lightning_comp.plan.plan import PrecisionPlan
 from lightning_comp.search.candidates import Candidate
 from lightning_comp.search.decisions.groups import OperatorGroup
 from lightning_comp.search.decisions.operators import Choice, OperatorDecision
-from lightning_comp.search.decisions.refinement import GroupFlip
 
-__all__ = ["PARAMETER_SIDE", "CheapRun", "Choices", "PlanRole", "cheap_runs", "compute_candidates", "plan_for",
-           "settle_decisions"]
+__all__ = ["PARAMETER_SIDE", "CheapRun", "Choices", "PlanRole", "cheap_runs", "compute_candidates", "plan_for"]
 
 PARAMETER_SIDE = (Dimension.SAVED, Dimension.STATE, Dimension.MASTER)  # the dimensions whose candidates carry a value
 Choices = dict[Dimension, dict[str, DimensionValue]]  # per dimension of PARAMETER_SIDE, operator -> its value
@@ -132,25 +130,3 @@ def compute_candidates(lowered: Sequence[str], groups: Iterable[OperatorGroup]) 
         else:
             out.append(Candidate(name))
     return out
-
-
-def settle_decisions(decisions: Mapping[str, OperatorDecision], order: Sequence[str], lowered: set[str],
-                     flips: Sequence[GroupFlip], low: ComputePrecision) -> None:
-    """Make every operator's decision say what the trialled plan (lowering exactly ``lowered``) does with it: the
-    operators it lowers are candidates (fills between lowered operators, and groups a refinement flip lowered, with
-    that reason), the others FP32 (a fill with a neighbour left FP32, a group a flip took back)."""
-    flipped = {member: flip for flip in flips if flip.kept for member in flip.members}
-    for name in order:
-        decision = decisions[name]
-        flip = flipped.get(name)
-        if name in lowered and decision.decision is not Choice.CANDIDATE:
-            why = (f"lowered by the refinement: {flip.describe(low.value)}" if flip is not None
-                   else f"a fill between lowered operators ({decision.reason})")
-            decision.decision, decision.reason = Choice.CANDIDATE, why
-        elif name not in lowered and decision.decision in (Choice.CANDIDATE, Choice.FILL):
-            if flip is not None:
-                decision.keep_fp32(f"taken back to fp32 by the refinement: {flip.describe(low.value)}")
-            elif decision.decision is Choice.FILL:
-                decision.keep_fp32(f"a fill, left fp32: a neighbour stays fp32 ({decision.reason})")
-            else:
-                decision.keep_fp32(decision.reason)

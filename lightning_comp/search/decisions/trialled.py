@@ -1,8 +1,11 @@
-"""The plan the batch stage hands the epoch stage: what it lowers, its forecast, and its candidates in order."""
+"""The plan the batch stage hands the epoch stage: what it lowers, its forecast, its candidates in order, and what
+each operator's decision says of it."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Mapping, Sequence
 
 from torch import nn
 
@@ -12,10 +15,11 @@ from lightning_comp.plan.plan import PrecisionPlan
 from lightning_comp.search.candidates import Candidate
 from lightning_comp.search.decisions.batch_result import ParameterStageResult, SavedStageResult
 from lightning_comp.search.decisions.groups import OperatorGroup
+from lightning_comp.search.decisions.operators import Choice, OperatorDecision
 from lightning_comp.search.decisions.refinement import GroupFlip
 from lightning_comp.search.decisions.whole_step import ComparedPlan, PlanStep, StepComparison, TrialledPlan
 
-__all__ = ["accept_refinement", "in_execution_order", "lowered_by", "members_of", "trialled_plan"]
+__all__ = ["accept_refinement", "in_execution_order", "lowered_by", "members_of", "settle_decisions", "trialled_plan"]
 
 
 def lowered_by(plan: PrecisionPlan, modules: dict[str, nn.Module]) -> set[str]:
@@ -25,13 +29,14 @@ def lowered_by(plan: PrecisionPlan, modules: dict[str, nn.Module]) -> set[str]:
 
 
 def accept_refinement(lowered: set[str], refined: set[str], flips: list[GroupFlip], source_ratio: float,
-                      margin: float) -> set[str]:
-    """``refined`` when the refined plan still beats FP32 by ``margin`` (its start's median ratio to FP32 times the
-    kept flips'), else ``lowered`` (a refinement from FP32 that gains less than the margin is not worth a trial)."""
+                      margin: float) -> tuple[set[str], list[GroupFlip]]:
+    """What the trialled plan lowers, and the flips as kept in it: ``refined`` and ``flips`` when the refined plan
+    beats FP32 by ``margin`` (its start's median ratio to FP32 times the kept flips'), else ``lowered`` with no flip
+    kept (a refinement from FP32 that gains less than the margin is not worth a trial)."""
     ratio = source_ratio * math.prod(f.ratio.ratio for f in flips if f.kept)
     if refined == lowered or ratio <= 1 - margin:
-        return refined
-    return lowered
+        return refined, flips
+    return lowered, [dataclasses.replace(f, kept=False) for f in flips]
 
 
 def trialled_plan(comparison: StepComparison, steps: dict[ComparedPlan, PlanStep], source: ComparedPlan,
@@ -70,3 +75,25 @@ def in_execution_order(order: list[str], compute: list[Candidate], groups: list[
         if name in parameters.master_choices:
             out.append(Candidate.master(name))
     return out + [c for cs in at.values() for c in cs]  # forced ones that did not run
+
+
+def settle_decisions(decisions: Mapping[str, OperatorDecision], order: Sequence[str], lowered: set[str],
+                     flips: Sequence[GroupFlip], low: ComputePrecision) -> None:
+    """Make every operator's decision say what the trialled plan (lowering exactly ``lowered``) does with it: the
+    operators it lowers are candidates (fills between lowered operators, and groups a refinement flip lowered, with
+    that reason), the others FP32 (a fill with a neighbour left FP32, a group a flip took back)."""
+    flipped = {member: flip for flip in flips if flip.kept for member in flip.members}
+    for name in order:
+        decision = decisions[name]
+        flip = flipped.get(name)
+        if name in lowered and decision.decision is not Choice.CANDIDATE:
+            why = (f"lowered by the refinement: {flip.describe(low.value)}" if flip is not None
+                   else f"a fill between lowered operators ({decision.reason})")
+            decision.decision, decision.reason = Choice.CANDIDATE, why
+        elif name not in lowered and decision.decision in (Choice.CANDIDATE, Choice.FILL):
+            if flip is not None:
+                decision.keep_fp32(f"taken back to fp32 by the refinement: {flip.describe(low.value)}")
+            elif decision.decision is Choice.FILL:
+                decision.keep_fp32(f"a fill, left fp32: a neighbour stays fp32 ({decision.reason})")
+            else:
+                decision.keep_fp32(decision.reason)

@@ -59,13 +59,13 @@ from lightning_comp.search.decisions.trial_plans import (
     cheap_runs,
     compute_candidates,
     plan_for,
-    settle_decisions,
 )
 from lightning_comp.search.decisions.trialled import (
     accept_refinement,
     in_execution_order,
     lowered_by,
     members_of,
+    settle_decisions,
     trialled_plan,
 )
 from lightning_comp.search.decisions.whole_step import (
@@ -202,8 +202,8 @@ class BatchStage:
         if policy.refines and self.config.measurement.extra_profile_time > 0:
             with single_intra_op_thread(timing.single_thread):
                 refined, flips = Refiner(ctx, budget, steps[FP32].wall_ms).refine(lowered, groups, decisions)
-            lowered = accept_refinement(lowered, refined, flips, comparison.median_to_fp32(source),
-                                        self.config.measurement.speed_margin)
+            lowered, flips = accept_refinement(lowered, refined, flips, comparison.median_to_fp32(source),
+                                               self.config.measurement.speed_margin)
         trialled = trialled_plan(comparison, steps, source, flips)
         settle_decisions(decisions, order, lowered, flips, self.low)
         compute = compute_candidates([n for n in order if n in lowered]
