@@ -22,8 +22,9 @@ from lightning_comp.adapters.torch_internals import BATCH_NORM_BASE, CONV_BASE, 
 from lightning_comp.errors import ConfigError
 from lightning_comp.operators.owned_work import owns_planned_work, runs_planned_work
 
-__all__ = ["OperatorKind", "autocast_like", "classify", "does_no_arithmetic", "is_atomic", "is_functional",
-           "is_recurrent", "judged_as_compute", "normalises_input_only", "register_atomic", "weight_reading"]
+__all__ = ["COMPUTE_CLASS_KINDS", "JUDGED_KINDS", "OperatorKind", "autocast_like", "classify", "does_no_arithmetic",
+           "is_atomic", "is_functional", "is_recurrent", "judged_as_compute", "normalises_input_only",
+           "register_atomic", "weight_reading"]
 
 
 class OperatorKind(str, Enum):
@@ -37,6 +38,12 @@ class OperatorKind(str, Enum):
     OTHER = "other"  # any other module with parameters (user-defined leaves)
     FUNCTIONAL = "functional"  # a module with children whose own forward computes (SDPA, einsum, matmul between them)
 
+
+#: The kinds that are compute operators by class (matmul, convolution, attention, recurrent, embeddings, other modules
+#: with weights): what a user's type rule names.
+COMPUTE_CLASS_KINDS = (OperatorKind.COMPUTE, OperatorKind.EMBEDDING, OperatorKind.OTHER)
+#: The kinds always judged by their own cost: those, and containers computing between their children.
+JUDGED_KINDS = (*COMPUTE_CLASS_KINDS, OperatorKind.FUNCTIONAL)
 
 _ATOMIC_TYPES: set[type[nn.Module]] = {nn.RNNBase, nn.MultiheadAttention}
 # Modules of libraries people train, known by qualified class name (nothing is imported), lowered as torch modules
@@ -139,10 +146,7 @@ def judged_as_compute(module: nn.Module) -> bool:
     computing between their children, and any leaf a trace found running matmul, convolution, attention or recurrent
     kernels, whatever its class (a parameter-free leaf calling ``scaled_dot_product_attention``). The others (norms,
     activations) are cheap operators, lowered between lowered neighbours where that pays."""
-    if classify(module) in (OperatorKind.COMPUTE, OperatorKind.EMBEDDING, OperatorKind.OTHER,
-                            OperatorKind.FUNCTIONAL):
-        return True
-    return runs_planned_work(module)
+    return classify(module) in JUDGED_KINDS or runs_planned_work(module)
 
 
 def classify(module: nn.Module) -> OperatorKind:

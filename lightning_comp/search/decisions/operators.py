@@ -20,7 +20,13 @@ from enum import Enum
 from torch import nn
 
 from lightning_comp.numerics.precision import ComputePrecision
-from lightning_comp.operators.kinds import OperatorKind, classify, does_no_arithmetic, judged_as_compute
+from lightning_comp.operators.kinds import (
+    JUDGED_KINDS,
+    OperatorKind,
+    classify,
+    does_no_arithmetic,
+    judged_as_compute,
+)
 from lightning_comp.plan.dimensions import Dimension
 from lightning_comp.search.config import SearchConfig
 from lightning_comp.search.decisions.groups import OperatorGroup, group_operators, pooled_series
@@ -33,9 +39,6 @@ from lightning_comp.search.measurement.profiling import OperatorMeasurement, Pro
 
 __all__ = ["Choice", "OperatorDecision", "OperatorVerdict", "decide_operators", "fills", "judge_operator",
            "recheck_at_plan_boundaries"]
-
-
-_COMPUTE_KINDS = (OperatorKind.COMPUTE, OperatorKind.EMBEDDING, OperatorKind.OTHER, OperatorKind.FUNCTIONAL)
 
 
 class Choice(str, Enum):
@@ -105,7 +108,7 @@ class OperatorDecision:
     parameters: ParameterDecision | None = None
 
     def __post_init__(self) -> None:
-        self.heavy = self.heavy or self.kind in _COMPUTE_KINDS
+        self.heavy = self.heavy or self.kind in JUDGED_KINDS
 
     @property
     def is_candidate(self) -> bool:

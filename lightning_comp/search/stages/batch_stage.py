@@ -34,7 +34,7 @@ from lightning_comp.devices.device_classes import model_device
 from lightning_comp.devices.lowering import Lowering, autocast_available, lowering_for
 from lightning_comp.numerics.precision import ComputePrecision
 from lightning_comp.operators.discovery import iter_operators
-from lightning_comp.operators.kinds import OperatorKind, classify
+from lightning_comp.operators.kinds import COMPUTE_CLASS_KINDS, classify
 from lightning_comp.plan.dimensions import Dimension
 from lightning_comp.plan.plan import PrecisionPlan
 from lightning_comp.plugins.comp import CoMPPrecision
@@ -93,7 +93,6 @@ from lightning_comp.search.stages.saved_stage import SavedStage
 __all__ = ["BatchStage"]
 
 FP32, CANDIDATES = ComparedPlan.FP32, ComparedPlan.CANDIDATES
-_COMPUTE_CLASSES = (OperatorKind.COMPUTE, OperatorKind.EMBEDDING, OperatorKind.OTHER)
 CLEARLY_SLOWER = 2.0  # a whole step this many times the fastest one's in its first round is not timed again
 
 
@@ -372,7 +371,7 @@ class BatchStage:
         allowed = [n for n in order if n in lowerable and not decisions[n].excluded]
         # by class, as a user's type rule names them (a leaf judged as compute for the kernels it runs, such as a
         # parameter-free attention, is lowered here only when it pays by itself: as a candidate)
-        heavy = [n for n in allowed if classify(modules[n]) in _COMPUTE_CLASSES]
+        heavy = [n for n in allowed if classify(modules[n]) in COMPUTE_CLASS_KINDS]
         lowered = {ComparedPlan.AMP: [n for n in allowed if n in amp], ComparedPlan.ALL_LOW: allowed,
                    ComparedPlan.COMPUTE: heavy}
         seen = {PrecisionPlan()[Dimension.COMPUTE].entries}
