@@ -65,7 +65,7 @@ class CoMPSearch(Callback):
     its fields. So every setting has one spelling, in Python, in LightningCLI's ``init_args`` and in the Hydra app::
 
         CoMPSearch(monitor="val_acc", mode="max")
-        CoMPSearch(objective="memory", precisions={"saved": "fp8", "master": "off"}, max_memory_slowdown=2.0)
+        CoMPSearch(objective="memory", precisions={"saved": "fp8", "master": "off"}, max_slowdown_vs_fastest=1.3)
         CoMPSearch(include=["blocks.*.mlp"], include_dimensions={"state": ["blocks.0.*"]})
         CoMPSearch(measurement="thorough")
         CoMPSearch(measurement={"profile_steps": 8, "timing": "cpu"})
@@ -87,7 +87,11 @@ class CoMPSearch(Callback):
         trial_epochs: epochs each convergence trial trains.
         trial_batches: batches (or a fraction of an epoch) each trial trains; ``None``: whole epochs.
         max_trials: most candidate trials.
-        max_memory_slowdown: the largest slowdown the memory objective accepts.
+        max_slowdown_vs_fastest: the largest step-time slowdown the memory and balanced objectives accept against
+            the fastest fixed policy the batch stage measures (FP32, AMP's plan, the compute-only plan, one global
+            autocast region); ``None``: 1.15 for memory, 1.05 for balanced.
+        max_memory_slowdown: removed (it bounded the slowdown against FP32): passing it raises
+            :class:`~lightning_comp.errors.SearchConfigError` naming ``max_slowdown_vs_fastest``.
         measurement: ``"quick"``, ``"default"`` or ``"thorough"``, a ``MeasurementConfig``, or a mapping of its
             fields (over ``"default"``, or over the preset its ``preset`` key names).
         record_dir: where the decision record and the chosen plan are written.
@@ -128,6 +132,7 @@ class CoMPSearch(Callback):
         trial_epochs: int | None = None,
         trial_batches: int | float | None = None,
         max_trials: int | None = None,
+        max_slowdown_vs_fastest: float | None = None,
         max_memory_slowdown: float | None = None,
         measurement: str | Mapping[str, Any] | MeasurementConfig | None = None,
         record_dir: str | None = None,

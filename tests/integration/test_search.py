@@ -247,7 +247,7 @@ def test_memory_objective_records_whole_step_saved_bytes_on_the_trainer_path(tmp
     pl.seed_everything(0)
     # any slowdown accepted: what is tested is the memory comparison, not whether bf16 is fast on this CPU
     search = fixed_search(objective="memory", include=["l2", "l4"], exclude=["l1", "l3", "head"],
-                          max_memory_slowdown=1e3)
+                          max_slowdown_vs_fastest=1e3)
     trainer = search_trainer(tmp_path, [search], max_epochs=3, plugin=CoMPPrecision())
     train, val = loaders()
     trainer.fit(WideMLP(), train, val)

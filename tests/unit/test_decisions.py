@@ -76,7 +76,7 @@ def test_an_operator_that_cannot_be_told_apart_stays_fp32_with_the_ratio_and_spr
 
 def test_memory_and_balanced_verdicts_use_the_interval() -> None:
     maybe_too_slow = paired_ratio([1.0] * 6, [1.2, 1.3, 1.6, 1.7, 1.4, 1.45])
-    memory = _judge(SearchConfig(objective="memory", max_memory_slowdown=1.5), 1, 1.4, 100, 50, maybe_too_slow)
+    memory = _judge(SearchConfig(objective="memory", max_slowdown_vs_fastest=1.5), 1, 1.4, 100, 50, maybe_too_slow)
     assert memory.settled is False and memory.decision is Choice.FP32
     balanced = _judge(SearchConfig(objective="balanced"), 1, 1.0, 100, 50, paired_ratio([1.0] * 6, [1.0] * 6))
     assert balanced.decision is Choice.CANDIDATE and balanced.settled  # sqrt(1 x 0.5) = 0.71
@@ -251,7 +251,8 @@ def test_memory_objective_adopts_the_leanest_whole_step_within_the_slowdown(
 )
 def test_balanced_objective_weighs_time_and_memory_of_whole_steps(
         saved: dict[str, float], step: dict[str, float], expected: str | None) -> None:
-    policy = policy_for(SearchConfig(objective="balanced"))
+    # the score alone decides here (the bound against the fastest fixed policy: tests/unit/test_pace.py)
+    policy = policy_for(SearchConfig(objective="balanced", max_slowdown_vs_fastest=10.0))
     labels = [k for k in saved if k not in ("fp32", "candidates")]
     assert policy.winner(StepComparison(_rounds(step)), saved, labels, True) == expected
 
@@ -282,7 +283,7 @@ def test_whole_step_alternatives_are_distinct_plans_without_excluded_operators()
 
 # ----------------------------------------------------------------------------------------- saved precisions
 def test_judge_saved_takes_the_smallest_precision_that_pays_for_the_objective() -> None:
-    memory = policy_for(SearchConfig(objective="memory", max_memory_slowdown=1.5))
+    memory = policy_for(SearchConfig(objective="memory", max_slowdown_vs_fastest=1.5))
     options = {SavedPrecision.FP8: (256, _estimate(1.3)), SavedPrecision.BF16: (512, _estimate(1.1))}
     assert judge_saved(memory, 1024, options).decision is SavedPrecision.FP8
     slow = {SavedPrecision.FP8: (256, _estimate(2.0)), SavedPrecision.BF16: (512, _estimate(1.1))}

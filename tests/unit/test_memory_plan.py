@@ -55,19 +55,19 @@ def _estimate(ratio: float, spread: float = 0.05) -> RatioEstimate:
 
 
 def test_memory_accepts_what_saves_bytes_within_the_slowdown() -> None:
-    config = SearchConfig(objective="memory", max_memory_slowdown=1.5)
-    budget = StepBudget(step_ms=100.0, fp32_step_ms=100.0, step_bytes=1e8)
+    config = SearchConfig(objective="memory", max_slowdown_vs_fastest=1.5)
+    budget = StepBudget(step_ms=100.0, pace_step_ms=100.0, step_bytes=1e8)
     ok, why, benefit = judge_lowering(config, budget, 8_000_000, 2_000_000, 2.0, _estimate(3.0))
-    assert ok and benefit == 6_000_000 and "x1.04 of fp32's" in why  # 4.1 ms more (slow end) per 100 ms
+    assert ok and benefit == 6_000_000 and "x1.04 of the fastest fixed policy's" in why  # 4.1 ms more (slow end) per 100 ms
     ok, why, _ = judge_lowering(config, budget, 8_000_000, 2_000_000, 30.0, _estimate(3.0))
-    assert not ok and "past max_memory_slowdown 1.5" in why  # 61.5 ms more
+    assert not ok and "past max_slowdown_vs_fastest 1.5" in why  # 61.5 ms more
     ok, why, _ = judge_lowering(config, budget, 8_000_000, 7_900_000, 2.0, _estimate(1.0))
     assert not ok and "saves too little" in why
 
 
 def test_balanced_accepts_what_improves_time_times_memory() -> None:
     config = SearchConfig(objective="balanced")
-    budget = StepBudget(step_ms=100.0, fp32_step_ms=100.0, step_bytes=1e8)
+    budget = StepBudget(step_ms=100.0, pace_step_ms=100.0, step_bytes=1e8)
     ok, _, benefit = judge_lowering(config, budget, 8_000_000, 2_000_000, 2.0, _estimate(2.0))
     assert ok and benefit == pytest.approx(1 - (1 + 2.1 / 100) * (1 - 0.06), rel=1e-6)
     ok, why, _ = judge_lowering(config, budget, 8_000_000, 2_000_000, 10.0, _estimate(2.0))

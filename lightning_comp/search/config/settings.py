@@ -33,7 +33,17 @@ from lightning_comp.search.config.choices import (
 )
 from lightning_comp.search.config.measurement import MeasurementConfig
 
-__all__ = ["SearchConfig"]
+__all__ = ["DEFAULT_SLOWDOWN_VS_FASTEST", "SearchConfig"]
+
+# The step-time slowdown against the fastest fixed policy each memory-weighing objective accepts by default: memory
+# keeps at least 0.87x the pace's throughput, balanced 0.95x
+DEFAULT_SLOWDOWN_VS_FASTEST: dict[Objective, float] = {Objective.MEMORY: 1.15, Objective.BALANCED: 1.05}
+
+# settings that no longer exist -> what replaced them (named in the error a user who passes one gets)
+RENAMED_SETTINGS: dict[str, str] = {
+    "max_memory_slowdown": "it was replaced by max_slowdown_vs_fastest, which bounds the step-time slowdown against"
+                           " the fastest fixed policy measured (AMP's plan, the compute-only plan, bf16-mixed, FP32),"
+                           " not against FP32; the defaults are 1.15 (memory) and 1.05 (balanced)."}
 
 # setting -> its enum (the advice of a bad value is generated from it)
 _CHOICES: dict[str, type[SpelledEnum]] = {"mode": Mode, "tolerance_mode": ToleranceMode, "objective": Objective,
@@ -58,8 +68,9 @@ class SearchConfig:
         tolerance_mode: ``"relative"`` (fraction of ``|reference|``) or ``"absolute"`` (metric units).
         objective: ``"throughput"``, ``"memory"`` (saved-for-backward bytes) or ``"balanced"``. Per operator first;
             then the candidate plan is compared as a whole step with AMP's plan, the all-low and the compute-only
-            plans: by time (``"throughput"``), by bytes saved for backward within ``max_memory_slowdown`` of FP32
-            (``"memory"``), or by the geometric mean of both ratios to FP32 (``"balanced"``). ``"memory"`` and
+            plans: by time (``"throughput"``), by bytes saved for backward within ``max_slowdown_vs_fastest`` of the
+            fastest fixed policy measured (``"memory"``), or by the geometric mean of both ratios within that bound
+            (``"balanced"``). ``"memory"`` and
             ``"balanced"`` also search the ``saved``, ``state`` and ``master`` dimensions (``precisions``) and trial
             those choices like compute precision.
         low_precision: the compute dimension's choice: ``"auto"`` (BF16 on CPUs with AVX512-BF16/AMX and on CUDA
@@ -93,8 +104,12 @@ class SearchConfig:
             reference trial to that many batches. Needs ``trial_epochs=1`` and validation at every epoch end
             (``Trainer(check_val_every_n_epoch=1)``), which is why ``None`` (whole epochs) is the default.
         max_trials: most candidate trials (the FP32 reference not counted); then the best passing group is taken.
-        max_memory_slowdown: the largest slowdown against FP32 the memory objective accepts (per operator, as a
-            whole step).
+        max_slowdown_vs_fastest: the largest step-time slowdown the memory and balanced objectives accept, against
+            the *pace*: the fastest of the fixed policies the batch stage times as whole steps (FP32, AMP's plan, the
+            compute-only plan and one global autocast region, what ``bf16-mixed`` trains). ``None``: the objective's
+            default (:data:`DEFAULT_SLOWDOWN_VS_FASTEST`: ``1.15`` for memory, i.e. at least 0.87x the pace's
+            throughput, ``1.05`` for balanced). Each operator's lowering is held to it against its own faster
+            precision; the plan with its saved, state and master lowerings is held to it as a whole step.
         measurement: how the batch stage measures and trials are judged (:class:`MeasurementConfig`): a preset's
             name (``"quick"``, ``"default"``, ``"thorough"``), a ``MeasurementConfig``, or a mapping of its fields.
         record_dir: where to write ``search_record.json`` and ``plan.json`` (default: the Trainer's log dir).
@@ -120,7 +135,7 @@ class SearchConfig:
     trial_epochs: int = 1
     trial_batches: int | float | None = None
     max_trials: int = 12
-    max_memory_slowdown: float = 1.5
+    max_slowdown_vs_fastest: float | None = None
     measurement: MeasurementConfig = field(default_factory=MeasurementConfig)
     record_dir: str | None = None
     snapshot_device: str | None = None
@@ -212,8 +227,10 @@ class SearchConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 self._fail(name, f"it must be an integer >= {low}")
-        if not _number(self.max_memory_slowdown) or not self.max_memory_slowdown >= 1:
-            self._fail("max_memory_slowdown", "it must be >= 1 (the slowdown accepted for memory)")
+        bound = self.max_slowdown_vs_fastest
+        if bound is not None and (not _number(bound) or not bound >= 1):
+            self._fail("max_slowdown_vs_fastest", "it must be None (the objective's default) or a number >= 1 (the"
+                       " step-time slowdown against the fastest fixed policy accepted for memory)")
         if not isinstance(self.verbose, bool):
             self._fail("verbose", "use True or False")
 
@@ -241,6 +258,9 @@ class SearchConfig:
         Raises:
             SearchConfigError: naming a setting that does not exist, and the ones that do; or an invalid value.
         """
+        for old, why in RENAMED_SETTINGS.items():
+            if old in settings:
+                raise SearchConfigError(f"CoMPSearch({old}={settings[old]!r}): {why}")
         unknown = sorted(set(settings) - set(cls.setting_names()))
         if unknown:
             measured = [name for name in unknown if name in {f.name for f in fields(MeasurementConfig)}]
@@ -258,6 +278,14 @@ class SearchConfig:
     def excluded(self) -> Selectors:
         """Operators never lowered."""
         return Selectors(self.exclude)
+
+    @property
+    def slowdown_vs_fastest(self) -> float:
+        """The step-time slowdown against the fastest fixed policy the objective accepts (``max_slowdown_vs_fastest``
+        or the objective's default; ``inf`` for throughput, which weighs no memory)."""
+        if self.max_slowdown_vs_fastest is not None:
+            return float(self.max_slowdown_vs_fastest)
+        return DEFAULT_SLOWDOWN_VS_FASTEST.get(self.objective, math.inf)
 
     def tried(self, dimension: Dimension) -> tuple[Any, ...]:
         """The values of ``dimension`` (saved, state or master) the search may try, smallest first; empty when

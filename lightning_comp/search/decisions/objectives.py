@@ -3,16 +3,24 @@ and a whole step, how it ranks what it keeps, and how the record words it.
 
 Every time comparison is a :class:`~lightning_comp.search.measurement.estimates.RatioEstimate` from paired rounds:
 the median per-round ratio and its confidence interval. A comparison is *settled* when the whole interval lies on
-one side of the threshold (``1 - speed_margin`` for a gain, ``max_memory_slowdown`` for the slowdown the memory
-objective accepts); otherwise it is *undecided*, the batch stage takes more rounds, and what is still undecided at
-the end of its budget stays FP32 with that reason.
+one side of the threshold (``1 - speed_margin`` for a gain, ``max_slowdown_vs_fastest`` for the slowdown the memory
+and balanced objectives accept); otherwise it is *undecided*, the batch stage takes more rounds, and what is still
+undecided at the end of its budget stays FP32 with that reason.
+
+The slowdown those two objectives accept is bounded against the *pace*
+(:class:`~lightning_comp.search.decisions.whole_step.Pace`): the fastest of the fixed policies the batch stage times
+as whole steps (FP32, AMP's plan, the compute-only plan, one global autocast region). Bounding it against FP32
+instead, where 16-bit compute pays, would accept plans at half the throughput a user has with ``bf16-mixed``. Until
+the whole steps are timed the pace is FP32. Per operator, the memory objective holds a lowering to the bound against
+that operator's own faster precision; the balanced objective judges operators by their score alone.
 
 =============  ===========================================================================================
 objective      a lowering pays when
 =============  ===========================================================================================
 throughput     the step gets faster by the margin (and by at least ``min_gain_ms``)
-memory         it saves the margin's share of the bytes kept for backward, within ``max_memory_slowdown``
-balanced       the geometric mean of its time and memory ratios to FP32 (the *balanced score*) beats the margin
+memory         it saves the margin's share of the bytes kept for backward, within ``max_slowdown_vs_fastest``
+balanced       the geometric mean of its time and memory ratios to FP32 (the *balanced score*) beats the margin,
+               within ``max_slowdown_vs_fastest``
 =============  ===========================================================================================
 """
 
@@ -27,7 +35,7 @@ from lightning_comp.errors import UsageError
 from lightning_comp.numerics.precision import SavedPrecision
 from lightning_comp.plan.dimensions import Dimension
 from lightning_comp.search.config import Objective, SearchConfig
-from lightning_comp.search.decisions.whole_step import ComparedPlan, StepComparison
+from lightning_comp.search.decisions.whole_step import ComparedPlan, Pace, StepComparison
 from lightning_comp.search.measurement.estimates import RatioEstimate, Verdict, compare_to
 
 FP32, CANDIDATES, SAVED = ComparedPlan.FP32, ComparedPlan.CANDIDATES, ComparedPlan.SAVED
@@ -77,6 +85,21 @@ class ObjectivePolicy(ABC):
     def __init__(self, config: SearchConfig) -> None:
         self.config = config
         self.keep = 1 - config.measurement.speed_margin
+        self.slowdown = config.slowdown_vs_fastest
+        self.pace = Pace()
+
+    def set_pace(self, pace: Pace) -> None:
+        """Bound later judgements by ``pace`` (the batch stage's fastest fixed policy, once whole steps are timed)."""
+        self.pace = pace
+
+    @property
+    def slowdown_vs_fp32(self) -> float:
+        """The slowdown accepted, as a ratio to FP32's step (for steps timed beside FP32 but not beside the pace)."""
+        return self.slowdown * self.pace.ratio_to_fp32
+
+    def bound_words(self) -> str:
+        """The slowdown bound in words, e.g. ``"within x1.15 of the fastest fixed policy (fp32)"``."""
+        return f"within x{self.slowdown:g} of the fastest fixed policy ({self.pace.plan.value})"
 
     @property
     def saved_options(self) -> tuple[SavedPrecision, ...]:
@@ -115,8 +138,9 @@ class ObjectivePolicy(ABC):
 
     @abstractmethod
     def undecided(self, steps: StepComparison, labels: list[ComparedPlan]) -> frozenset[ComparedPlan]:
-        """The plans (``FP32``, ``CANDIDATES`` and of ``labels``) of the whole-step comparisons this policy
-        decides from that could not tell their plans apart (empty: every one is decided)."""
+        """The plans (``FP32``, ``CANDIDATES`` and of ``labels``) of the whole-step comparisons this policy decides
+        from that could not tell their plans apart (empty: every one is decided). Asked while the whole steps are
+        timed: against the pace ``steps`` show so far."""
 
     # ------------------------------------------------------------------------------------------ saved-for-backward
     def saved(self, time: RatioEstimate, memory_ratio: float, bytes_saved: float) -> Judgement:
@@ -174,42 +198,55 @@ class ThroughputPolicy(ObjectivePolicy):
 
 
 class MemoryPolicy(ObjectivePolicy):
-    """Lower what saves memory for backward, within ``max_memory_slowdown`` of FP32's time."""
+    """Lower what saves memory for backward, within ``max_slowdown_vs_fastest`` of the fastest fixed policy."""
 
     objective = Objective.MEMORY
     better = "leaner as a whole"
 
     def operator(self, time: RatioEstimate, t32: float, tlow: float, memory_ratio: float,
                  bytes_saved: float) -> Judgement:
-        verdict = Verdict.ABOVE if memory_ratio > self.keep else time.against(self.config.max_memory_slowdown)
+        verdict = Verdict.ABOVE if memory_ratio > self.keep else time.against(self.slowdown)
         return Judgement(verdict, f"saved bytes x{memory_ratio:.2f}, {_shown(time, t32, tlow)}", bytes_saved)
 
     def candidates_pay(self, steps: StepComparison) -> Verdict:
-        return Verdict.BELOW  # each candidate saves memory within the slowdown: the per-operator checks suffice
+        """Each candidate saves memory within the slowdown (per operator); as a whole the plan must stay within it
+        of the pace."""
+        return steps.within(CANDIDATES, self.pace, self.slowdown)
 
     def winner(self, steps: StepComparison, saved: dict[ComparedPlan, float], labels: list[ComparedPlan],
                have_candidates: bool) -> ComparedPlan | None:
+        """The leanest plan within the slowdown of the pace: an alternative when it saves the margin's share of the
+        candidates' bytes (or the candidates are past the bound); when no plan is within it, the fastest
+        alternative that beats the candidates (so the plan is never both slower and fatter than AMP's)."""
+        within = [plan for plan in ([CANDIDATES] if have_candidates else []) + labels
+                  if steps.within(plan, self.pace, self.slowdown) is Verdict.BELOW]
+        if within:
+            best = min(within, key=lambda plan: saved[plan])
+            if best == CANDIDATES:
+                return None
+            if CANDIDATES in within and saved[best] > saved[CANDIDATES] * self.keep:
+                return None  # not leaner by the margin: the candidates stay
+            return best
+        if not labels:
+            return None
+        fastest = min(labels, key=steps.median_to_fp32)
         incumbent = CANDIDATES if have_candidates else FP32
-        limit = self.config.max_memory_slowdown
-        winners = [label for label in labels if saved[label] <= saved[incumbent] * self.keep
-                   and steps.ratio(label, FP32).against(limit) is Verdict.BELOW]
-        return min(winners, key=lambda label: saved[label]) if winners else None
+        return fastest if steps.median_to_fp32(fastest) < steps.median_to_fp32(incumbent) else None
 
     def undecided(self, steps: StepComparison, labels: list[ComparedPlan]) -> frozenset[ComparedPlan]:
-        limit = self.config.max_memory_slowdown
-        return _slowdown_involved(steps, labels, limit)
+        return _bound_involved(steps, [CANDIDATES, *labels], steps.pace(), self.slowdown)
 
     def saved(self, time: RatioEstimate, memory_ratio: float, bytes_saved: float) -> Judgement:
-        return Judgement(time.against(self.config.max_memory_slowdown), "", bytes_saved)
+        return Judgement(time.against(self.slowdown), "", bytes_saved)
 
     def saved_step(self, steps: StepComparison, memory_ratio: float) -> tuple[bool, str]:
-        limit = self.config.max_memory_slowdown
-        ok = memory_ratio <= self.keep and steps.ratio(SAVED, FP32).against(limit) is Verdict.BELOW
-        return ok, f"leaner within x{limit:g} of fp32's time"
+        ok = memory_ratio <= self.keep and steps.ratio(SAVED, FP32).against(self.slowdown_vs_fp32) is Verdict.BELOW
+        return ok, f"leaner {self.bound_words()}"
 
 
 class BalancedPolicy(ObjectivePolicy):
-    """Lower what improves the balanced score (time x memory)."""
+    """Lower what improves the balanced score (time x memory), within ``max_slowdown_vs_fastest`` of the fastest
+    fixed policy."""
 
     objective = Objective.BALANCED
     better = "better in time x memory as a whole"
@@ -218,10 +255,16 @@ class BalancedPolicy(ObjectivePolicy):
                  bytes_saved: float) -> Judgement:
         score = balanced_score(time.ratio, memory_ratio)
         why = f"{_shown(time, t32, tlow)}, saved bytes x{memory_ratio:.2f}, balanced x{score:.2f}"
+        # no bound per operator: an operator's own slowdown is a small share of the step; the whole steps hold it
         return Judgement(_balanced_verdict(time, memory_ratio, self.keep), why, 1.0 - score)
 
     def candidates_pay(self, steps: StepComparison) -> Verdict:
-        return steps.faster(CANDIDATES, FP32, self.config.measurement.speed_margin)
+        verdicts = {steps.faster(CANDIDATES, FP32, self.config.measurement.speed_margin),
+                    steps.within(CANDIDATES, self.pace, self.slowdown)}
+        for verdict in (Verdict.ABOVE, Verdict.UNDECIDED):
+            if verdict in verdicts:
+                return verdict
+        return Verdict.BELOW
 
     def winner(self, steps: StepComparison, saved: dict[ComparedPlan, float], labels: list[ComparedPlan],
                have_candidates: bool) -> ComparedPlan | None:
@@ -233,11 +276,15 @@ class BalancedPolicy(ObjectivePolicy):
             return balanced_score(getattr(steps.ratio(label, FP32), end), saved[label] / max(saved[FP32], 1.0))
 
         bar = score(incumbent, "low") * self.keep  # the incumbent at its best
-        winners = [label for label in labels if score(label, "high") <= bar]
+        if have_candidates and steps.within(CANDIDATES, self.pace, self.slowdown) is Verdict.ABOVE:
+            bar = math.inf  # the candidates are past the bound: any alternative within it is better
+        winners = [label for label in labels if score(label, "high") <= bar
+                   and steps.within(label, self.pace, self.slowdown) is Verdict.BELOW]
         return min(winners, key=score) if winners else None
 
     def undecided(self, steps: StepComparison, labels: list[ComparedPlan]) -> frozenset[ComparedPlan]:
-        return _slowdown_involved(steps, labels, self.keep)
+        return (_slowdown_involved(steps, labels, self.keep)
+                | _bound_involved(steps, [CANDIDATES, *labels], steps.pace(), self.slowdown))
 
     def saved(self, time: RatioEstimate, memory_ratio: float, bytes_saved: float) -> Judgement:
         return Judgement(_balanced_verdict(time, memory_ratio, self.keep), "",
@@ -245,8 +292,10 @@ class BalancedPolicy(ObjectivePolicy):
 
     def saved_step(self, steps: StepComparison, memory_ratio: float) -> tuple[bool, str]:
         versus = steps.ratio(SAVED, CANDIDATES)
-        ok = _balanced_verdict(versus, memory_ratio, self.keep) is Verdict.BELOW
-        return ok, f"better in time x memory than the candidates (step time {versus.describe()} of theirs)"
+        ok = (_balanced_verdict(versus, memory_ratio, self.keep) is Verdict.BELOW
+              and steps.ratio(SAVED, FP32).against(self.slowdown_vs_fp32) is Verdict.BELOW)
+        return ok, (f"better in time x memory than the candidates (step time {versus.describe()} of theirs),"
+                    f" {self.bound_words()}")
 
 
 _POLICIES: dict[Objective, type[ObjectivePolicy]] = {
@@ -262,6 +311,15 @@ def _slowdown_involved(steps: StepComparison, labels: list[ComparedPlan], limit:
     """The plans whose step time against FP32's cannot be told below or above ``limit`` (and FP32 with them)."""
     return frozenset(label for plan in labels if steps.ratio(plan, FP32).against(limit) is Verdict.UNDECIDED
                      for label in (plan, FP32))
+
+
+def _bound_involved(steps: StepComparison, plans: list[ComparedPlan], pace: Pace,
+                    slowdown: float) -> frozenset[ComparedPlan]:
+    """The plans (of ``plans`` that were timed) whose step against the pace's cannot be told within ``slowdown`` or
+    past it yet (and the pace with them, or FP32 where the pace was not timed beside them)."""
+    anchor = pace.plan if pace.plan in steps.ms else FP32
+    return frozenset(label for plan in plans if plan in steps.ms
+                     and steps.within(plan, pace, slowdown) is Verdict.UNDECIDED for label in (plan, anchor))
 
 
 def _shown(time: RatioEstimate, t32: float, tlow: float) -> str:

@@ -10,9 +10,9 @@ taken at the slow end of its interval.
 objective      an optimizer-state or master-weight lowering of one operator pays when
 =============  ==========================================================================================
 memory         it saves the margin's share of its own bytes, and the step, slowed by it, stays within
-               ``max_memory_slowdown`` of FP32's
+               ``max_slowdown_vs_fastest`` of the pace's (the fastest fixed policy measured)
 balanced       it improves the step's time x memory: ``(1 + extra time / step time) x (1 - bytes saved / step
-               bytes) < 1``
+               bytes) < 1``, and the step, slowed by it, stays within ``max_slowdown_vs_fastest`` of the pace's
 =============  ==========================================================================================
 
 Of the state formats that pay, the smallest wins. A bf16 master is offered only where the operator computes in bf16
@@ -39,12 +39,13 @@ class StepBudget:
 
     Attributes:
         step_ms: the candidate plan's step (forward, backward and the optimizer's own update).
-        fp32_step_ms: the FP32 plan's step, the same way.
+        pace_step_ms: the pace's step (the fastest fixed policy measured), the same way: every fixed policy
+            updates with the optimizer's own step.
         step_bytes: the candidate plan's weights, gradients, optimizer state and bytes saved for backward.
     """
 
     step_ms: float
-    fp32_step_ms: float
+    pace_step_ms: float
     step_bytes: float
 
 
@@ -130,14 +131,13 @@ def judge_lowering(config: SearchConfig, budget: StepBudget, own_bytes: int, low
              f" [{time.low:.2f}, {time.high:.2f}] of {fp32_ms:.3f} ms")
     if own_bytes <= 0 or lowered_bytes > own_bytes * (1 - config.measurement.speed_margin):
         return False, f"{shown}: saves too little", 0.0
+    slowdown = (budget.step_ms + extra_ms) / max(budget.pace_step_ms, 1e-9)
+    within = slowdown <= config.slowdown_vs_fastest
+    past = "" if within else f", past max_slowdown_vs_fastest {config.slowdown_vs_fastest:g}"
     if config.objective is Objective.MEMORY:
-        slowdown = (budget.step_ms + extra_ms) / max(budget.fp32_step_ms, 1e-9)
-        ok = slowdown <= config.max_memory_slowdown
-        why = f"{shown}; the step at x{slowdown:.2f} of fp32's"
-        if not ok:
-            why += f", past max_memory_slowdown {config.max_memory_slowdown:g}"
-        return ok, why, float(saved) if ok else 0.0
+        why = f"{shown}; the step at x{slowdown:.2f} of the fastest fixed policy's{past}"
+        return within, why, float(saved) if within else 0.0
     product = (1 + extra_ms / max(budget.step_ms, 1e-9)) * (1 - saved / max(budget.step_bytes, 1.0))
-    ok = product < 1.0
-    why = f"{shown}; step time x memory x{product:.4f}" + ("" if ok else ": no better")
+    ok = product < 1.0 and within
+    why = f"{shown}; step time x memory x{product:.4f}" + ("" if product < 1.0 else ": no better") + past
     return ok, why, 1.0 - product if ok else 0.0

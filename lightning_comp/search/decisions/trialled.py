@@ -47,7 +47,7 @@ def trialled_plan(comparison: StepComparison, steps: dict[ComparedPlan, PlanStep
     ratio = comparison.median_to_fp32(source) * math.prod(f.ratio.ratio for f in kept)
     step_ms = kept[-1].step_ms if kept else steps[source].ms
     return TrialledPlan(source=source, refined=bool(kept), step_ms=step_ms, ratio_to_fp32=ratio,
-                        fastest=fastest, fastest_ms=steps[fastest].ms)
+                        fastest=fastest, fastest_ms=steps[fastest].ms, pace=comparison.pace())
 
 
 def members_of(candidate: Candidate, groups: list[OperatorGroup]) -> tuple[str, ...]:

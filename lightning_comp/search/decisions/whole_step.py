@@ -8,7 +8,8 @@ from enum import Enum
 from lightning_comp.numerics.precision import ComputePrecision
 from lightning_comp.search.measurement.estimates import RatioEstimate, Verdict, paired_ratio
 
-__all__ = ["ALTERNATIVES", "REFERENCES", "ComparedPlan", "PlanStep", "ProfiledPlan", "StepComparison", "TrialledPlan"]
+__all__ = ["ALTERNATIVES", "PACE_PLANS", "REFERENCES", "ComparedPlan", "Pace", "PlanStep", "ProfiledPlan",
+           "StepComparison", "TrialledPlan"]
 
 
 class ComparedPlan(str, Enum):
@@ -40,6 +41,10 @@ class ProfiledPlan(str, Enum):
 ALTERNATIVES = (ComparedPlan.AMP, ComparedPlan.ALL_LOW, ComparedPlan.COMPUTE)
 # Steps timed beside the plans as references only: never trialled, never the fastest plan
 REFERENCES = (ComparedPlan.AUTOCAST,)
+# The fixed policies a user would train with instead of a searched plan: the fastest of them measured is the *pace*
+# the memory and balanced objectives bound their slowdown against (``max_slowdown_vs_fastest``). The candidate and
+# all-low plans are not among them: neither is a policy known to converge before its trial.
+PACE_PLANS = (ComparedPlan.FP32, ComparedPlan.AMP, ComparedPlan.COMPUTE, ComparedPlan.AUTOCAST)
 
 _WORDS = {
     ComparedPlan.FP32: "fp32",
@@ -71,6 +76,25 @@ class PlanStep:
 
 
 @dataclass(frozen=True)
+class Pace:
+    """The fastest fixed policy the batch stage measured as a whole step (of :data:`PACE_PLANS`).
+
+    Attributes:
+        plan: which one.
+        ratio_to_fp32: its median per-round step-time ratio to FP32 (1 for FP32 itself).
+    """
+
+    plan: ComparedPlan = ComparedPlan.FP32
+    ratio_to_fp32: float = 1.0
+
+    def describe(self, low: ComputePrecision) -> str:
+        """The pace in words, e.g. ``"AMP's plan (... ) at x0.52 of fp32's step"``."""
+        if self.plan is ComparedPlan.FP32:
+            return "fp32"
+        return f"{self.plan.describe(low)} at x{self.ratio_to_fp32:.2f} of fp32's step"
+
+
+@dataclass(frozen=True)
 class TrialledPlan:
     """The plan the batch stage hands the epoch stage, and the batch stage's forecast of its step.
 
@@ -82,6 +106,8 @@ class TrialledPlan:
             median ratios).
         fastest: the fastest plan measured as a whole step, by the median (before refinement).
         fastest_ms: that plan's fastest round.
+        pace: the fastest fixed policy measured, which the memory and balanced objectives bound their slowdown
+            against.
     """
 
     source: ComparedPlan
@@ -90,6 +116,7 @@ class TrialledPlan:
     ratio_to_fp32: float
     fastest: ComparedPlan
     fastest_ms: float
+    pace: Pace
 
 
 @dataclass
@@ -128,6 +155,23 @@ class StepComparison:
         """The plan whose whole step is fastest by the median of its paired per-round ratios to FP32 (FP32 counts 1;
         a tie goes to the plan timed first, FP32 first of all; references are not plans)."""
         return min(self.plans, key=self.median_to_fp32)
+
+    def pace(self) -> Pace:
+        """The fastest of the fixed policies timed (:data:`PACE_PLANS`), by the median of its paired per-round ratios
+        to FP32 (a tie goes to the policy first in :data:`PACE_PLANS`, FP32 first of all)."""
+        timed = [plan for plan in PACE_PLANS if plan in self.ms]
+        best = min(timed, key=self.median_to_fp32)
+        return Pace(best, self.median_to_fp32(best))
+
+    def within(self, plan: ComparedPlan, pace: Pace, slowdown: float) -> Verdict:
+        """Whether ``plan``'s step stays within ``slowdown`` of ``pace``'s: ``BELOW`` beyond doubt, ``ABOVE`` when
+        it is past it, ``UNDECIDED`` while the rounds cannot tell (the pace itself is always within). Compared over
+        paired rounds with the pace where the pace was timed here, else through both plans' ratios to FP32."""
+        if plan == pace.plan:
+            return Verdict.BELOW
+        if pace.plan in self.ms:
+            return self.ratio(plan, pace.plan).against(slowdown)
+        return self.ratio(plan, ComparedPlan.FP32).against(slowdown * pace.ratio_to_fp32)
 
     def too_close_to_tell(self, margin: float) -> frozenset[ComparedPlan]:
         """The plans whose comparison with the fastest cannot be decided yet, with the fastest (empty: decided).

@@ -186,6 +186,7 @@ class BatchStage:
             plans.update(alternatives)
             times, step_saved, budget = self._time_whole_steps(ctx, plans)
         comparison = StepComparison(times.ms)
+        policy.set_pace(ctx.agree(comparison.pace()))  # what the memory objectives' slowdown is bounded against
         ratios = comparison.ratios()
         steps = {plan: PlanStep(ms=ctx.reduce_mean(min(ms)), wall_ms=ctx.reduce_mean(min(times.wall_ms[plan])),
                                 ratio=ratios.get(plan), saved_bytes=step_saved.get(plan))

@@ -115,7 +115,8 @@ class ParameterStage:
         times = time_updates(optimizer, groups, configs, ctx.clock, rounds, warmup)
         times = ctx.agree({g: {k: [ctx.reduce_mean(v) for v in vs] for k, vs in s.items()} for g, s in times.items()})
         fp32_update = sum(statistics.median(s[FP32]) for s in times.values())
-        budget = StepBudget(step_ms=candidates_ms + fp32_update, fp32_step_ms=fp32_ms + fp32_update,
+        pace_ms = fp32_ms * ctx.policy.pace.ratio_to_fp32  # the fastest fixed policy's forward and backward
+        budget = StepBudget(step_ms=candidates_ms + fp32_update, pace_step_ms=pace_ms + fp32_update,
                             step_bytes=_persistent_bytes(pl_module, optimizer) + saved_bytes)
         result = ParameterStageResult()
         types = {o.owner: o.owner_type for o in parameter_owners(pl_module)}
@@ -241,13 +242,15 @@ class ParameterStage:
                  f" (forward and backward x{forward.ratio:.2f} [{forward.low:.2f}, {forward.high:.2f}], updates"
                  f" {old_updates:.2f} -> {new_updates:.2f} ms)")
         keep = 1 - config.measurement.speed_margin
+        slowdown = new_ms / max(budget.pace_step_ms, 1e-9)
+        within = slowdown <= config.slowdown_vs_fastest
+        bound = f"{ctx.policy.bound_words()} (x{slowdown:.2f})"
         if config.objective is Objective.MEMORY:
-            slowdown = new_ms / max(budget.fp32_step_ms, 1e-9)
-            ok = memory_ratio <= keep and slowdown <= config.max_memory_slowdown
-            bound = f"leaner within x{config.max_memory_slowdown:g} of fp32's time (x{slowdown:.2f})"
+            ok = memory_ratio <= keep and within
+            bound = f"leaner {bound}"
         else:
-            ok = (time_ratio * memory_ratio) ** 0.5 <= keep
-            bound = "better in time x memory than the candidates"
+            ok = (time_ratio * memory_ratio) ** 0.5 <= keep and within
+            bound = f"better in time x memory than the candidates, {bound}"
         verdict = ctx.agree("pays" if ok else f"as a whole step not {bound}: {shown}")
         return ParameterStepCheck(pays=verdict == "pays", verdict=verdict, description=shown,
                                   step_bytes={CANDIDATES: old_bytes, PARAMETERS: new_bytes},

@@ -1,0 +1,113 @@
+"""The memory and balanced objectives bound their slowdown against the fastest fixed policy measured (the pace),
+not against FP32: the numbers are the issue's (AMP's step about half FP32's where bf16 pays)."""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_comp import CoMPSearch
+from lightning_comp.errors import SearchConfigError
+from lightning_comp.search.config import SearchConfig
+from lightning_comp.search.decisions.objectives import policy_for
+from lightning_comp.search.decisions.parameters import StepBudget, judge_lowering
+from lightning_comp.search.decisions.whole_step import ComparedPlan, Pace, StepComparison
+from lightning_comp.search.measurement.estimates import RatioEstimate, Verdict
+
+FP32, CANDIDATES, AMP = ComparedPlan.FP32, ComparedPlan.CANDIDATES, ComparedPlan.AMP
+COMPUTE, ALL_LOW, AUTOCAST = ComparedPlan.COMPUTE, ComparedPlan.ALL_LOW, ComparedPlan.AUTOCAST
+
+
+def _steps(ms: dict[ComparedPlan, float], rounds: int = 6) -> StepComparison:
+    """Steady rounds (within 0.2 % of each other) around each plan's step."""
+    wiggle = [1.0, 1.002, 0.999, 1.001, 0.998, 1.0][:rounds]
+    return StepComparison({plan: [v * w for w in wiggle] for plan, v in ms.items()})
+
+
+def _policy(objective: str, **settings: float) -> object:
+    return policy_for(SearchConfig(objective=objective, **settings))  # type: ignore[arg-type]
+
+
+def test_the_pace_is_the_fastest_fixed_policy_never_the_candidates_or_all_low() -> None:
+    steps = _steps({FP32: 100, CANDIDATES: 40, AMP: 55, ALL_LOW: 30, COMPUTE: 52, AUTOCAST: 50})
+    assert steps.pace() == Pace(AUTOCAST, pytest.approx(0.5, rel=1e-3))
+    assert _steps({FP32: 100, CANDIDATES: 40, ALL_LOW: 30}).pace().plan is FP32  # emulated bf16: only fp32 timed
+    # a tie goes to the policy timed first of PACE_PLANS (fp32 before AMP's plan)
+    assert _steps({FP32: 100, AMP: 100}).pace().plan is FP32
+
+
+def test_memory_rejects_candidates_within_the_old_fp32_bound_but_past_the_fastest_policy() -> None:
+    # the issue's gpt: AMP at 0.5 of fp32; the lean candidates at 0.68 of fp32 (x1.36 of AMP), within 1.5x fp32
+    policy = _policy("memory")
+    steps = _steps({FP32: 100, CANDIDATES: 68, AMP: 50, AUTOCAST: 49})
+    policy.set_pace(steps.pace())  # type: ignore[attr-defined]
+    assert policy.candidates_pay(steps) is Verdict.ABOVE  # type: ignore[attr-defined]
+    saved = {FP32: 100.0, CANDIDATES: 40.0, AMP: 60.0, AUTOCAST: 60.0}
+    # AMP's plan is within the bound (x1.02 of autocast) and is chosen instead: never slower and fatter than AMP's
+    assert policy.winner(steps, saved, [AMP], True) is AMP  # type: ignore[attr-defined]
+    # the old bound, against fp32, would have kept the candidates
+    old = _policy("memory", max_slowdown_vs_fastest=1.5)
+    old.set_pace(Pace())  # type: ignore[attr-defined]
+    assert old.candidates_pay(steps) is Verdict.BELOW  # type: ignore[attr-defined]
+
+
+def test_memory_keeps_lean_candidates_within_the_bound_and_the_leanest_alternative_otherwise() -> None:
+    policy = _policy("memory")  # 1.15 by default
+    steps = _steps({FP32: 100, CANDIDATES: 56, AMP: 50, COMPUTE: 52, ALL_LOW: 70})
+    policy.set_pace(steps.pace())  # type: ignore[attr-defined]
+    assert policy.pace.plan is AMP  # type: ignore[attr-defined]
+    saved = {FP32: 100.0, CANDIDATES: 40.0, AMP: 60.0, COMPUTE: 62.0, ALL_LOW: 20.0}
+    assert policy.candidates_pay(steps) is Verdict.BELOW  # type: ignore[attr-defined]  # x1.12 of AMP's
+    # all-low is leaner but x1.4 of AMP's step: past the bound
+    assert policy.winner(steps, saved, [AMP, COMPUTE, ALL_LOW], True) is None  # type: ignore[attr-defined]
+    # nothing within the bound but the pace: the fastest alternative beats slow candidates
+    slow = _steps({FP32: 100, CANDIDATES: 90, AMP: 50, ALL_LOW: 70})
+    policy.set_pace(slow.pace())  # type: ignore[attr-defined]
+    assert policy.winner(slow, saved, [AMP, ALL_LOW], True) is AMP  # type: ignore[attr-defined]
+
+
+def test_balanced_holds_its_score_to_the_bound_too() -> None:
+    policy = _policy("balanced")  # 1.05
+    steps = _steps({FP32: 100, CANDIDATES: 50, COMPUTE: 55, ALL_LOW: 60})
+    policy.set_pace(steps.pace())  # type: ignore[attr-defined]
+    saved = {FP32: 100.0, CANDIDATES: 90.0, COMPUTE: 100.0, ALL_LOW: 50.0}
+    # all_low has the best score (0.55 vs 0.67) but is x1.09 of the compute-only plan's step: past 1.05
+    assert policy.winner(steps, saved, [COMPUTE, ALL_LOW], True) is None  # type: ignore[attr-defined]
+    loose = _policy("balanced", max_slowdown_vs_fastest=1.2)
+    loose.set_pace(steps.pace())  # type: ignore[attr-defined]
+    assert loose.winner(steps, saved, [COMPUTE, ALL_LOW], True) is ALL_LOW  # type: ignore[attr-defined]
+
+
+def test_undecided_names_the_plans_that_straddle_the_bound_with_the_pace() -> None:
+    policy = _policy("memory")
+    noisy = StepComparison({FP32: [100.0] * 6, AMP: [50.0] * 6,
+                            CANDIDATES: [54.0, 62.0, 55.0, 61.0, 56.0, 60.0]})  # x1.08-1.24 of AMP's
+    assert policy.undecided(noisy, [AMP]) == {CANDIDATES, AMP}  # type: ignore[attr-defined]
+    clear = _steps({FP32: 100, AMP: 50, CANDIDATES: 52})
+    assert policy.undecided(clear, [AMP]) == frozenset()  # type: ignore[attr-defined]
+
+
+def test_saved_and_parameter_steps_timed_beside_fp32_are_bounded_through_the_pace() -> None:
+    policy = _policy("memory")
+    policy.set_pace(Pace(AMP, 0.5))  # type: ignore[attr-defined]
+    assert policy.slowdown_vs_fp32 == pytest.approx(0.575)  # type: ignore[attr-defined]
+    steps = _steps({FP32: 100, CANDIDATES: 52, ComparedPlan.SAVED: 70})
+    ok, bound = policy.saved_step(steps, 0.5)  # type: ignore[attr-defined]
+    assert not ok and "fastest fixed policy (amp)" in bound  # x0.70 of fp32 is x1.4 of AMP's
+    config = SearchConfig(objective="memory")
+    # the update of 8-bit state adds 6 ms (slow end) to a 55 ms step whose pace is 50 ms: x1.22 > 1.15
+    budget = StepBudget(step_ms=55.0, pace_step_ms=50.0, step_bytes=1e8)
+    estimate = RatioEstimate(2.0, 1.9, 3.0, 6, 0.9)
+    ok, why, _ = judge_lowering(config, budget, 8_000_000, 2_000_000, 3.0, estimate)
+    assert not ok and "past max_slowdown_vs_fastest 1.15" in why
+    ok, _, _ = judge_lowering(config, budget, 8_000_000, 2_000_000, 1.0, estimate)  # +2 ms: x1.14
+    assert ok
+
+
+def test_the_old_setting_names_its_replacement() -> None:
+    with pytest.raises(SearchConfigError, match=r"max_memory_slowdown=1.5.*max_slowdown_vs_fastest.*not against FP32"):
+        CoMPSearch(objective="memory", max_memory_slowdown=1.5)
+    with pytest.raises(SearchConfigError, match=r"max_slowdown_vs_fastest.*0.9.*>= 1"):
+        CoMPSearch(objective="memory", max_slowdown_vs_fastest=0.9)
+    assert SearchConfig(objective="memory").slowdown_vs_fastest == 1.15
+    assert SearchConfig(objective="balanced").slowdown_vs_fastest == 1.05
+    assert SearchConfig(objective="memory", max_slowdown_vs_fastest=2).slowdown_vs_fastest == 2.0
