@@ -90,6 +90,8 @@ class CoMPSearch(Callback):
         max_slowdown_vs_fastest: the largest step-time slowdown the memory and balanced objectives accept against
             the fastest fixed policy the batch stage measures (FP32, AMP's plan, the compute-only plan, one global
             autocast region); ``None``: 1.15 for memory, 1.05 for balanced.
+        memory_budget: (``objective="memory"``) the step peak to reach: a float is a fraction of AMP's step peak,
+            an int bytes; the cheapest bytes per millisecond are taken until it is met.
         max_memory_slowdown: removed (it bounded the slowdown against FP32): passing it raises
             :class:`~lightning_comp.errors.SearchConfigError` naming ``max_slowdown_vs_fastest``.
         measurement: ``"quick"``, ``"default"`` or ``"thorough"``, a ``MeasurementConfig``, or a mapping of its
@@ -133,6 +135,7 @@ class CoMPSearch(Callback):
         trial_batches: int | float | None = None,
         max_trials: int | None = None,
         max_slowdown_vs_fastest: float | None = None,
+        memory_budget: float | int | None = None,
         max_memory_slowdown: float | None = None,
         measurement: str | Mapping[str, Any] | MeasurementConfig | None = None,
         record_dir: str | None = None,

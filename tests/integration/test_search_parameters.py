@@ -132,4 +132,10 @@ def test_the_batch_stage_judges_state_and_master_from_measurements(tmp_path: Pat
         assert entry["master"] == ("bf16" if computes_low else "fp32"), entry["reason"]
         if not computes_low:
             assert "computes in fp32 in the candidate plan" in entry["reason"]
-    assert record["parameter_step"]["check"]["verdict"] == "pays"
+    # the memory objective takes its levers cheapest bytes first, then times the plan whole once
+    spending = record["memory_spending"]
+    assert {f"state:{name}" for name in decided} <= set(spending["taken"])
+    assert spending["stopped"].startswith("every lever that frees bytes is taken")
+    frontier = spending["frontier"]
+    assert all(b["step_mib"] < a["step_mib"] and b["step_ms"] >= a["step_ms"] for a, b in zip(frontier, frontier[1:]))
+    assert spending["measured_ms"] is not None and spending["given_back"] == []

@@ -142,7 +142,7 @@ def test_a_nan_from_compression_is_caught_by_the_trials_nan_rejection(tmp_path: 
 @pytest.mark.slow
 def test_batch_stage_decides_saved_precision_from_measured_bytes(tmp_path: Path) -> None:
     pl.seed_everything(0)
-    search = CoMPSearch(objective="memory", low_precision="bf16", max_memory_slowdown=100.0, verbose=False,
+    search = CoMPSearch(objective="memory", low_precision="bf16", max_slowdown_vs_fastest=100.0, verbose=False,
                         measurement={"profile_steps": 3}, tolerance=0.05, precisions={"state": "off", "master": "off"})
     trainer = search_trainer(tmp_path, [search], max_epochs=3, plugin=CoMPPrecision())
     trainer.fit(WideMLP(offset=False), *loaders())
@@ -168,7 +168,7 @@ def test_cheap_operators_recompute_as_a_group_when_the_step_pays(tmp_path: Path)
     backward instead of stored; judged together against the whole step's saved bytes and time, trialled, kept."""
     pl.seed_everything(0)
     search = CoMPSearch(objective="memory", low_precision="bf16", measurement={"speed_margin": 0.9, "profile_steps": 3},
-                        precisions={"saved": "recompute", "state": "off", "master": "off"}, max_memory_slowdown=1e6,
+                        precisions={"saved": "recompute", "state": "off", "master": "off"}, max_slowdown_vs_fastest=1e6,
                         verbose=False)
     plugin = CoMPPrecision()
     trainer = search_trainer(tmp_path, [search], max_epochs=3, plugin=plugin)

@@ -110,6 +110,16 @@ class SearchConfig:
             default (:data:`DEFAULT_SLOWDOWN_VS_FASTEST`: ``1.15`` for memory, i.e. at least 0.87x the pace's
             throughput, ``1.05`` for balanced). Each operator's lowering is held to it against its own faster
             precision; the plan with its saved, state and master lowerings is held to it as a whole step.
+        memory_budget: (``objective="memory"``) the step peak to reach: a float is a fraction of AMP's step peak
+            (``0.5``: half of it), an int a number of bytes. The search ranks every memory lever it measured (saved
+            precision and recompute per operator or unit, optimizer state and master weights per operator) by bytes
+            freed per millisecond added and takes the cheapest until the budget is met, then stops. Where the levers
+            within ``max_slowdown_vs_fastest`` do not meet it, it goes on past that bound, still cheapest first,
+            unless ``max_slowdown_vs_fastest`` is set explicitly (then the bound holds and the record says the
+            budget is not met). ``None``: every lever that fits within ``max_slowdown_vs_fastest`` is taken,
+            cheapest first. The frontier it saw (step bytes against step time)
+            is in the record. Peak here is the search's accounting: weights, gradients, optimizer state and bytes
+            saved for backward.
         measurement: how the batch stage measures and trials are judged (:class:`MeasurementConfig`): a preset's
             name (``"quick"``, ``"default"``, ``"thorough"``), a ``MeasurementConfig``, or a mapping of its fields.
         record_dir: where to write ``search_record.json`` and ``plan.json`` (default: the Trainer's log dir).
@@ -136,6 +146,7 @@ class SearchConfig:
     trial_batches: int | float | None = None
     max_trials: int = 12
     max_slowdown_vs_fastest: float | None = None
+    memory_budget: float | int | None = None
     measurement: MeasurementConfig = field(default_factory=MeasurementConfig)
     record_dir: str | None = None
     snapshot_device: str | None = None
@@ -231,6 +242,14 @@ class SearchConfig:
         if bound is not None and (not _number(bound) or not bound >= 1):
             self._fail("max_slowdown_vs_fastest", "it must be None (the objective's default) or a number >= 1 (the"
                        " step-time slowdown against the fastest fixed policy accepted for memory)")
+        budget = self.memory_budget
+        if budget is not None:
+            if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not math.isfinite(budget) \
+                    or budget <= 0:
+                self._fail("memory_budget", "it must be None, a fraction of AMP's step peak (a float > 0, e.g. 0.5)"
+                           " or a number of bytes (an int > 0)")
+            if self.objective is not Objective.MEMORY:
+                self._fail("memory_budget", f"it needs objective='memory', not {self.objective.value!r}")
         if not isinstance(self.verbose, bool):
             self._fail("verbose", "use True or False")
 
@@ -278,6 +297,13 @@ class SearchConfig:
     def excluded(self) -> Selectors:
         """Operators never lowered."""
         return Selectors(self.exclude)
+
+    def budget_bytes(self, amp_step_bytes: float) -> float | None:
+        """The step bytes ``memory_budget`` asks for, given AMP's step bytes (``None``: no budget)."""
+        budget = self.memory_budget
+        if budget is None:
+            return None
+        return float(budget) if isinstance(budget, int) else float(budget) * amp_step_bytes
 
     @property
     def slowdown_vs_fastest(self) -> float:

@@ -12,6 +12,7 @@ from typing import Any
 from lightning_comp.numerics.precision import MasterPrecision, SavedPrecision, StatePrecision
 from lightning_comp.plan.dimensions import Dimension
 from lightning_comp.search.candidates import Candidate
+from lightning_comp.search.decisions.cheapest_bytes import MemorySpending
 from lightning_comp.search.decisions.groups import OperatorGroup
 from lightning_comp.search.decisions.operators import OperatorDecision
 from lightning_comp.search.decisions.parameters import ParameterStepCheck
@@ -105,6 +106,8 @@ class BatchStageResult:
         flips: the refinement's flips, in the order tried (throughput objective).
         trialled: the plan handed to the epoch stage and the batch stage's forecast of its step (``None``: not
             decided).
+        memory_spending: (memory objective) the memory levers ranked by bytes per millisecond, what was taken and
+            the frontier (``None``: not run).
     """
 
     decisions: dict[str, OperatorDecision]
@@ -120,6 +123,7 @@ class BatchStageResult:
     groups: list[OperatorGroup] = field(default_factory=list)
     flips: list[GroupFlip] = field(default_factory=list)
     trialled: TrialledPlan | None = None
+    memory_spending: MemorySpending | None = None
 
     @property
     def members(self) -> dict[Candidate, tuple[Candidate, ...]]:

@@ -17,6 +17,7 @@ from lightning_comp.search.decisions.trial_plans import PARAMETER_SIDE
 from lightning_comp.search.record.batch import batch_record
 from lightning_comp.search.record.forecast import forecast_check
 from lightning_comp.search.record.loggers import log_record
+from lightning_comp.search.record.spending import spending_record, write_frontier_figure
 from lightning_comp.search.record.text import format_record
 from lightning_comp.search.state import STATE_VERSION, SearchState
 
@@ -68,6 +69,7 @@ def build_record(state: SearchState, config: SearchConfig) -> dict[str, Any]:
         "num_operators": state.num_operators,
         **batch_record(state.batch),
         "forecast_check": forecast_check(state.batch, state.trials),
+        "memory_spending": spending_record(state.batch),
         "trials": trials,
         "extension_epochs": state.extension_epochs,
         "cost": {
@@ -136,6 +138,7 @@ def publish(trainer: pl.Trainer, state: SearchState, config: SearchConfig, final
         (directory / "search_record.json").write_text(json.dumps(record, indent=2, default=str) + "\n")
         if record["chosen_plan"] is not None:
             PrecisionPlan.from_dict(record["chosen_plan"]).save(directory / "plan.json")
+        write_frontier_figure(record, directory)
     if final:
         return
     log_record(trainer, record)

@@ -39,7 +39,7 @@ from lightning_comp.plan.dimensions import Dimension
 from lightning_comp.plan.plan import PrecisionPlan
 from lightning_comp.plugins.comp import CoMPPrecision
 from lightning_comp.search.candidates import Candidate
-from lightning_comp.search.config import SearchConfig, Timing
+from lightning_comp.search.config import Objective, SearchConfig, Timing
 from lightning_comp.search.decisions.batch_result import (
     BatchStageResult,
     ParameterStageResult,
@@ -86,6 +86,7 @@ from lightning_comp.search.ranks import agree, reduce_profile
 from lightning_comp.search.record.progress import SearchProgress
 from lightning_comp.search.rewind.snapshot import capture_rng, restore_rng
 from lightning_comp.search.stages.context import StageContext, Step
+from lightning_comp.search.stages.memory_stage import CheapestBytesStage
 from lightning_comp.search.stages.parameter_stage import ParameterStage
 from lightning_comp.search.stages.refine_stage import Refiner
 from lightning_comp.search.stages.saved_stage import SavedStage
@@ -216,16 +217,21 @@ class BatchStage:
             # decides what is saved
             with single_intra_op_thread(timing.single_thread):
                 saved = SavedStage(ctx).measure(base, order, decisions)
+        spending = None
         if policy.weighs_memory:
             with_saved = base.with_assignment(Dimension.SAVED, {n: s.value for n, s in saved.choices.items()})
             chosen = source  # the plan the candidates now are
-            saved_bytes = step_saved.get(chosen, step_saved.get(FP32, 0.0))
+            candidates_saved = saved_bytes = step_saved.get(chosen, step_saved.get(FP32, 0.0))
             chosen_ms = steps[chosen].ms if chosen in steps else steps[FP32].ms
             if saved.check is not None and saved.check.pays:
                 saved_bytes = saved.check.saved_bytes.get(ComparedPlan.SAVED, saved_bytes)
+            spends = self.config.objective is Objective.MEMORY  # its levers are then taken cheapest first
             with single_intra_op_thread(timing.single_thread):
                 parameters = ParameterStage(ctx).measure(with_saved, decisions, steps[FP32].ms, chosen_ms,
-                                                         saved_bytes)
+                                                         saved_bytes, check=not spends)
+                if spends:
+                    spending = CheapestBytesStage(ctx).run(base, decisions, saved, parameters, steps[FP32].ms,
+                                                           chosen_ms, step_saved, candidates_saved)
         candidates = in_execution_order(order, compute, groups, saved, parameters)
         benefits = {candidate: sum(decisions[m].benefit for m in members_of(candidate, groups))
                     for candidate in compute}
@@ -235,7 +241,7 @@ class BatchStage:
             decisions=decisions, candidates=tuple(candidates), benefits=benefits, runs=runs, saved=saved,
             parameters=parameters, order=order, steps=steps,
             memory={label: StepMemory(r.saved_bytes, r.peak_bytes) for label, r in results.items()},
-            groups=[g for g in groups if g.size > 1], flips=flips, trialled=trialled,
+            groups=[g for g in groups if g.size > 1], flips=flips, trialled=trialled, memory_spending=spending,
         )
 
     # ---------------------------------------------------------------------------------------------- measuring

@@ -87,7 +87,7 @@ class ParameterStage:
         return trainer.world_size == 1
 
     def measure(self, base: PrecisionPlan, decisions: dict[str, OperatorDecision], fp32_ms: float,
-                candidates_ms: float, saved_bytes: float) -> ParameterStageResult:
+                candidates_ms: float, saved_bytes: float, check: bool = True) -> ParameterStageResult:
         """Measure, decide per operator (into each ``decisions[name].parameters``), and check the plan as a whole.
 
         Args:
@@ -96,6 +96,8 @@ class ParameterStage:
             fp32_ms: the FP32 plan's whole step (forward and backward).
             candidates_ms: the candidate plan's whole step (the FP32 plan's when there are no candidates).
             saved_bytes: bytes the candidate plan saves for backward.
+            check: time the plan with every lowering that pays as a whole step (``False``: what is taken is decided
+                later, with the other memory levers, by :mod:`lightning_comp.search.stages.memory_stage`).
         """
         ctx = self.ctx
         trainer, pl_module = ctx.trainer, ctx.pl_module
@@ -131,7 +133,7 @@ class ParameterStage:
             if decision.master.managed:
                 result.master_choices[name] = decision.master
                 result.benefits[Candidate.master(name)] = decision.master_benefit
-        if result.state_choices or result.master_choices:
+        if check and (result.state_choices or result.master_choices):
             result.check = self._whole_step(base, result, times, budget)
             if not result.check.pays:
                 for name in set(result.state_choices) | set(result.master_choices):

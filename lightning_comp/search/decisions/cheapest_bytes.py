@@ -1,0 +1,215 @@
+"""Spending a step-time allowance on the cheapest bytes first (the memory objective, with or without a budget).
+
+Every memory lever the batch stage measured (an operator's saved precision, a recompute unit, an operator's
+optimizer state and master weights) is a :class:`Lever`: a few mutually exclusive :class:`LeverOption` values, each
+with the bytes it frees from the step's peak and the time it adds per step (the slow end of its measured
+interval). :func:`take_cheapest` ranks the options of all levers together by bytes freed per millisecond added and
+takes them, cheapest bytes first, while the step stays within the time allowed, until the bytes wanted are freed.
+
+The options of one lever are climbed as increments along their lower convex hull (bytes against time): a larger
+option is reached through the smaller ones when that is the cheaper way to its bytes, and an option that frees fewer
+bytes per millisecond than a larger one is skipped, so the increments of one lever come in falling order of value and
+the ranking over all levers stays consistent (the greedy rule of the multiple-choice knapsack). Options that free
+bytes at no measured cost come first. Each step taken is a point of the *frontier* (bytes against step time) the
+record keeps and the figure draws.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass, field
+
+from lightning_comp.search.candidates import Candidate
+
+__all__ = ["FrontierPoint", "Lever", "LeverOption", "MemorySpending", "Selection", "take_cheapest"]
+
+
+@dataclass(frozen=True)
+class LeverOption:
+    """One value a lever may take.
+
+    Attributes:
+        value: the value in the plan's words (``"fp8"``, ``"recompute"``, ``"8bit"``, ``"8bit+bf16 master"``).
+        bytes_saved: bytes it frees from the step's peak.
+        extra_ms: time it adds per step (ms; 0 or less: free).
+    """
+
+    value: str
+    bytes_saved: float
+    extra_ms: float
+
+
+@dataclass(frozen=True)
+class Lever:
+    """One memory lever: what the search may change in one dimension of one operator (or unit of operators).
+
+    Attributes:
+        label: its name in the record, e.g. ``"saved:blocks.*.mlp.fc1"`` or ``"state:head"``.
+        options: its values, mutually exclusive.
+        forced: ``CoMPSearch(include_dimensions=...)`` named it: its largest option is taken first, whatever it costs.
+    """
+
+    label: str
+    options: tuple[LeverOption, ...]
+    forced: bool = False
+
+    def increments(self) -> list[tuple[LeverOption, float, float]]:
+        """The options climbed along the lower convex hull: ``(option, bytes added, ms added)``, best value first."""
+        options = sorted((o for o in self.options if o.bytes_saved > 0), key=lambda o: (o.bytes_saved, o.extra_ms))
+        steps: list[tuple[LeverOption, float, float]] = []
+        at_bytes, at_ms = 0.0, 0.0
+        while True:
+            ahead = [o for o in options if o.bytes_saved > at_bytes]
+            if not ahead:
+                return steps
+            best = max(ahead, key=lambda o: (_value(o.bytes_saved - at_bytes, o.extra_ms - at_ms), o.bytes_saved))
+            steps.append((best, best.bytes_saved - at_bytes, best.extra_ms - at_ms))
+            at_bytes, at_ms = best.bytes_saved, best.extra_ms
+
+
+@dataclass(frozen=True)
+class FrontierPoint:
+    """The step after one more increment is taken.
+
+    Attributes:
+        lever: the lever it changed.
+        value: the value that lever now takes.
+        step_bytes: the step's bytes (peak accounting) after it.
+        step_ms: the step's time after it.
+        bytes_per_ms: what the increment freed per millisecond it added (``inf``: free; ``nan``: forced).
+        past_bound: taken past the time allowed, for a budget not met within it.
+    """
+
+    lever: str
+    value: str
+    step_bytes: float
+    step_ms: float
+    bytes_per_ms: float
+    past_bound: bool = False
+
+
+@dataclass
+class Selection:
+    """What :func:`take_cheapest` took.
+
+    Attributes:
+        chosen: lever label -> the option it takes (levers left out keep their own value).
+        frontier: the step before anything was taken, then after each increment taken, in order.
+        skipped: lever label -> why its next increment was not taken.
+        stopped: why the selection ended, in words.
+        met: whether the bytes wanted were freed (``True`` with no target).
+    """
+
+    chosen: dict[str, LeverOption] = field(default_factory=dict)
+    frontier: list[FrontierPoint] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)
+    stopped: str = ""
+    met: bool = True
+
+
+@dataclass
+class MemorySpending:
+    """What the memory objective spent its step time on (the record's ``memory_spending``).
+
+    Attributes:
+        start_bytes: the candidate plan's step bytes (weights, gradients, optimizer state, saved for backward).
+        start_ms: its step time (forward, backward and the optimizer's own update), ms.
+        max_ms: the slowest step allowed (``inf``: no bound).
+        target_bytes: the step bytes ``memory_budget`` asks for (``None``: no budget).
+        amp_step_bytes: AMP's step bytes, the same accounting (what a fractional budget is a fraction of).
+        selection: what was taken, the frontier, and why it stopped.
+        forecast_ms: the chosen plan's step as the levers' measurements add up.
+        measured_ms: the same step timed whole (forward and backward measured, updates added; ``None``: not timed).
+        given_back: levers the whole-step check gave back (the forecast was too kind), in the order they were taken.
+        levers: lever label -> the candidates (dimension and operator) it changes.
+    """
+
+    start_bytes: float
+    start_ms: float
+    max_ms: float
+    target_bytes: float | None
+    amp_step_bytes: float | None
+    selection: Selection
+    forecast_ms: float = 0.0
+    measured_ms: float | None = None
+    given_back: list[str] = field(default_factory=list)
+    levers: dict[str, list[Candidate]] = field(default_factory=dict)
+
+
+def take_cheapest(levers: list[Lever], step_bytes: float, step_ms: float, max_ms: float,
+                  target_bytes: float | None = None, past_bound: bool = False) -> Selection:
+    """Take the levers' options, most bytes per millisecond first, within ``max_ms`` and until ``target_bytes``.
+
+    Args:
+        levers: what may be taken.
+        step_bytes: the step's bytes before anything is taken.
+        step_ms: the step's time before anything is taken.
+        max_ms: the slowest step allowed (``inf``: no bound).
+        target_bytes: stop once the step's bytes are at most this (``None``: take every lever that fits).
+        past_bound: where ``target_bytes`` is not met within ``max_ms``, go on past it, still cheapest first (a
+            budget the job needs to fit at all); the frontier marks those points.
+
+    Returns:
+        The options taken, the frontier, and why it stopped.
+    """
+    selection = Selection(frontier=[FrontierPoint("", "", step_bytes, step_ms, math.inf)])
+    queue: list[tuple[float, int, int]] = []  # (-value, lever index, increment index)
+    steps = [lever.increments() for lever in levers]
+    for index, lever in enumerate(levers):
+        if lever.forced and steps[index]:  # forced: its largest option at once
+            largest = steps[index][-1][0]  # the hull ends at the option freeing the most bytes
+            step_bytes -= largest.bytes_saved
+            step_ms += max(largest.extra_ms, 0.0)
+            selection.chosen[lever.label] = largest
+            selection.frontier.append(FrontierPoint(lever.label, largest.value, step_bytes, step_ms, math.nan))
+        elif steps[index]:
+            heapq.heappush(queue, (-_value(steps[index][0][1], steps[index][0][2]), index, 0))
+    bound = max_ms
+    deferred: list[tuple[float, int, int]] = []
+    while queue or deferred:
+        if not queue:  # what the bound deferred: taken past it only for a budget not met
+            if not (past_bound and target_bytes is not None and step_bytes > target_bytes):
+                break
+            bound, queue, deferred = math.inf, deferred, []
+            heapq.heapify(queue)
+            for label in [levers[i].label for _, i, _ in queue]:
+                selection.skipped.pop(label, None)
+        if target_bytes is not None and step_bytes <= target_bytes:
+            break
+        negative, index, at = heapq.heappop(queue)
+        lever = levers[index]
+        option, added_bytes, added_ms = steps[index][at]
+        if step_ms + max(added_ms, 0.0) > bound:
+            selection.skipped[lever.label] = (f"{option.value} would add {added_ms:.3f} ms, past the"
+                                              f" {max_ms:.3f} ms allowed (the step at {step_ms:.3f} ms)")
+            deferred.append((negative, index, at))  # its larger options cost more still: the lever stays there
+            continue
+        step_bytes -= added_bytes
+        step_ms += added_ms
+        selection.chosen[lever.label] = option
+        selection.frontier.append(FrontierPoint(lever.label, option.value, step_bytes, step_ms, -negative,
+                                                past_bound=step_ms > max_ms))
+        if at + 1 < len(steps[index]):
+            _, more_bytes, more_ms = steps[index][at + 1]
+            heapq.heappush(queue, (-_value(more_bytes, more_ms), index, at + 1))
+    selection.met = target_bytes is None or step_bytes <= target_bytes
+    mib = f"{step_bytes / 2**20:.1f} {'<=' if selection.met else '>'} {(target_bytes or 0) / 2**20:.1f} MiB"
+    beyond = any(point.past_bound for point in selection.frontier)
+    if target_bytes is not None and selection.met:
+        selection.stopped = f"the budget is met ({mib})" + (
+            f", past the {max_ms:.3f} ms allowed (the step at {step_ms:.3f} ms)" if beyond else "")
+    elif selection.skipped:
+        selection.stopped = (f"the time allowed is spent ({step_ms:.3f} of {max_ms:.3f} ms)" +
+                             ("" if target_bytes is None else f"; the budget is not met ({mib})"))
+    else:
+        selection.stopped = "every lever that frees bytes is taken" + (
+            "" if selection.met else f"; the budget is not met ({mib})")
+    return selection
+
+
+def _value(added_bytes: float, added_ms: float) -> float:
+    """Bytes freed per millisecond added (``inf`` where it adds no time)."""
+    if added_ms <= 0:
+        return math.inf
+    return added_bytes / added_ms

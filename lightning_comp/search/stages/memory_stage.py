@@ -1,0 +1,336 @@
+"""The memory objective's last batch-stage step: every memory lever measured, cheapest bytes first.
+
+The saved stage (:mod:`lightning_comp.search.stages.saved_stage`) and the parameter stage
+(:mod:`lightning_comp.search.stages.parameter_stage`) measure, per operator (or unit), what each saved precision,
+recompute, optimizer-state format and bf16 master frees and what it costs. Judged one by one, or kept or dropped all
+together by one whole step, they spend the step time badly: an 8-bit state that costs more per byte than a cheap
+recompute is kept with it, or a recompute too slow as a whole drops the cheap part. Here they are ranked together by
+bytes freed per millisecond added (:mod:`lightning_comp.search.decisions.cheapest_bytes`) and taken cheapest first
+while the step stays within ``max_slowdown_vs_fastest`` of the pace (the fastest fixed policy measured), until
+``memory_budget`` is met when one is set.
+
+The step's bytes are the search's accounting of its peak: the weights, their gradients, the optimizer state and what
+the step saves for backward. The step's time is the candidate plan's forward and backward plus the optimizer's own
+update; each lever adds its measured time at the slow end of its interval. The chosen plan is then timed as a whole
+step beside the candidate plan (forward and backward measured, updates added): if it runs slower than allowed, the
+allowance is shrunk by the forecast's error and the levers past it are given back, so a forecast that was too kind
+does not carry the plan past the bound.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from lightning_comp.execution.optimizer_states import state_bytes
+from lightning_comp.numerics.precision import ComputePrecision, MasterPrecision, SavedPrecision, StatePrecision
+from lightning_comp.plan.dimensions import Dimension
+from lightning_comp.plan.plan import PrecisionPlan
+from lightning_comp.search.candidates import Candidate
+from lightning_comp.search.decisions.batch_result import ParameterStageResult, SavedStageResult
+from lightning_comp.search.decisions.cheapest_bytes import (
+    Lever,
+    LeverOption,
+    MemorySpending,
+    Selection,
+    take_cheapest,
+)
+from lightning_comp.search.decisions.operators import OperatorDecision
+from lightning_comp.search.decisions.whole_step import ComparedPlan
+from lightning_comp.search.measurement.estimates import paired_ratio
+from lightning_comp.search.measurement.optimizer_timing import UpdateVariant
+from lightning_comp.search.measurement.step_timing import StepTimer
+from lightning_comp.search.stages.context import StageContext
+
+__all__ = ["CheapestBytesStage"]
+
+CANDIDATES, PARAMETERS = ComparedPlan.CANDIDATES, ComparedPlan.PARAMETERS
+
+
+@dataclass(frozen=True)
+class _Change:
+    """What taking one option of a lever writes: per operator, the value of each dimension it sets."""
+
+    values: dict[str, dict[Dimension, str]]
+
+
+class CheapestBytesStage:
+    """Ranks and takes the memory levers (see the module docstring).
+
+    Args:
+        ctx: the batch stage's run.
+    """
+
+    def __init__(self, ctx: StageContext) -> None:
+        self.ctx = ctx
+        self.config = ctx.config
+
+    def run(self, base: PrecisionPlan, decisions: dict[str, OperatorDecision], saved: SavedStageResult,
+            parameters: ParameterStageResult, fp32_ms: float, candidates_ms: float,
+            step_saved: dict[ComparedPlan, float], candidates_saved: float) -> MemorySpending:
+        """Take levers into ``saved`` and ``parameters`` (whose choices are rewritten), decisions updated.
+
+        Args:
+            base: the candidate plan (compute precisions only).
+            decisions: the operators' decisions, with the saved and parameter stages' measurements.
+            saved: the saved stage's result (its choices are replaced by what is taken).
+            parameters: the parameter stage's result (likewise).
+            fp32_ms: the FP32 plan's forward and backward.
+            candidates_ms: the candidate plan's forward and backward.
+            step_saved: bytes saved for backward per whole-step plan timed.
+            candidates_saved: bytes the candidate plan saves for backward.
+        """
+        ctx = self.ctx
+        model = ctx.pl_module
+        optimizers = ctx.trainer.optimizers
+        persistent = float(2 * sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad))
+        persistent += float(state_bytes(optimizers[0])) if len(optimizers) == 1 else 0.0
+        update_ms = sum(d.parameters.update_ms.get(UpdateVariant.FP32, 0.0) for d in decisions.values()
+                        if d.parameters is not None)
+        amp_saved = next((step_saved[p] for p in (ComparedPlan.AMP, ComparedPlan.AUTOCAST) if p in step_saved), None)
+        amp_bytes = None if amp_saved is None else persistent + amp_saved
+        target = self.config.budget_bytes(amp_bytes if amp_bytes is not None else persistent + candidates_saved)
+        pace_ms = fp32_ms * ctx.policy.pace.ratio_to_fp32 + update_ms
+        max_ms = self.config.slowdown_vs_fastest * pace_ms
+        start_bytes, start_ms = persistent + candidates_saved, candidates_ms + update_ms
+        levers, changes = self._levers(base, decisions)
+        # a budget the job needs goes past the default bound, not past one the user set
+        past = self.config.max_slowdown_vs_fastest is None
+        selection = ctx.agree(take_cheapest(levers, start_bytes, start_ms, max_ms, target, past_bound=past))
+        spending = MemorySpending(start_bytes=start_bytes, start_ms=start_ms, max_ms=max_ms, target_bytes=target,
+                                  amp_step_bytes=amp_bytes, selection=selection,
+                                  levers={label: _candidates(change) for label, change in changes.items()})
+        spending.forecast_ms = selection.frontier[-1].step_ms
+        self._apply(selection, changes, decisions, saved, parameters)
+        if selection.chosen and math.isfinite(max_ms):
+            self._check(base, spending, changes, decisions, saved, parameters, update_ms)
+        return spending
+
+    # ------------------------------------------------------------------------------------------------ levers
+    def _levers(self, base: PrecisionPlan, decisions: dict[str, OperatorDecision],
+                ) -> tuple[list[Lever], dict[str, dict[str, _Change]]]:
+        """Every lever measured: its options, and per option what it writes into the plan."""
+        keep = 1 - self.config.measurement.speed_margin
+        levers: list[Lever] = []
+        changes: dict[str, dict[str, _Change]] = {}
+        seen: set[tuple[str, ...]] = set()
+        for name, decision in decisions.items():
+            entry = decision.saved
+            if entry is not None and entry.time_ratios:
+                members = entry.group or (name,)
+                if members not in seen:
+                    seen.add(members)
+                    base_ms = sum(_compute_ms(m, decisions[m], base, self.ctx) for m in members if m in decisions)
+                    own = float(entry.bytes.get("fp32", 0))
+                    options, writes = [], {}
+                    for value, (_, _, high) in entry.time_ratios.items():
+                        nbytes = float(entry.bytes.get(value, own))
+                        if own <= 0 or nbytes > own * keep:
+                            continue  # saves too little
+                        options.append(LeverOption(value, own - nbytes, base_ms * max(high - 1.0, 0.0)))
+                        writes[value] = _Change({m: {Dimension.SAVED: value} for m in members})
+                    if options:
+                        label = f"saved:{_shown(members)}"
+                        levers.append(Lever(label, tuple(options), forced=entry.forced))
+                        changes[label] = writes
+            params = decision.parameters
+            if params is not None and params.update_ms:
+                lever, writes = self._parameter_lever(name, params, base)
+                if lever is not None:
+                    levers.append(lever)
+                    changes[lever.label] = writes
+        return levers, changes
+
+    def _parameter_lever(self, name: str, params: Any, base: PrecisionPlan) -> tuple[Lever | None, dict[str, _Change]]:
+        """One operator's optimizer-state formats (and bf16 master, where it computes in bf16) as one lever."""
+        keep = 1 - self.config.measurement.speed_margin
+        fp32_ms = params.update_ms.get(UpdateVariant.FP32, 0.0)
+        own = float(params.bytes.get(UpdateVariant.FP32, 0))
+        options, writes = [], {}
+
+        def extra(variant: UpdateVariant) -> float:
+            return fp32_ms * max(params.time_ratios[variant][2] - 1.0, 0.0)
+
+        for variant in params.time_ratios:
+            if variant in (UpdateVariant.FP32, UpdateVariant.MASTER):
+                continue
+            nbytes = float(params.bytes[variant])
+            if own > 0 and nbytes <= own * keep:
+                options.append(LeverOption(variant.value, own - nbytes, extra(variant)))
+                writes[variant.value] = _Change({name: {Dimension.STATE: variant.value}})
+        module = self.ctx.modules.get(name)
+        computes = base.of(Dimension.COMPUTE, name, None if module is None else type(module))
+        if UpdateVariant.MASTER in params.time_ratios and computes is ComputePrecision.BF16:
+            tried = self.config.tried(Dimension.STATE)
+            timed = tried[-1] if tried else StatePrecision.FP32  # the state the master update was timed with
+            master_saved = float(params.bytes[UpdateVariant.MASTER])  # half of the weights and gradients
+            master_ms = extra(UpdateVariant.MASTER) - (extra(UpdateVariant.of(timed)) if timed.managed else 0.0)
+            for state in tried or (StatePrecision.FP32,):
+                # each state format with a bf16 master: the master's own cost added to that format's
+                state_saved = own - float(params.bytes.get(UpdateVariant.of(state), own))
+                state_ms = extra(UpdateVariant.of(state)) if state.managed else 0.0
+                value = f"{state.value}+master bf16"
+                options.append(LeverOption(value, state_saved + master_saved, max(state_ms + master_ms, 0.0)))
+                write = {Dimension.MASTER: MasterPrecision.BF16.value}
+                if state.managed:
+                    write[Dimension.STATE] = state.value
+                writes[value] = _Change({name: write})
+        if not options:
+            return None, {}
+        return Lever(f"state:{name}", tuple(options), forced=bool(params.forced)), writes
+
+    # ------------------------------------------------------------------------------------------------ applying
+    def _apply(self, selection: Selection, changes: dict[str, dict[str, _Change]],
+               decisions: dict[str, OperatorDecision], saved: SavedStageResult,
+               parameters: ParameterStageResult) -> None:
+        """Rewrite the stages' choices to what is taken; each operator's decision says why."""
+        # the levers' operators start from nothing taken (a forced choice stays: its lever is taken first anyway)
+        for name in _saved_lever_operators(changes):
+            entry = decisions[name].saved
+            if name in saved.choices and not (entry is not None and entry.forced):
+                saved.drop(name)
+        for name in _parameter_lever_operators(changes):
+            params = decisions[name].parameters
+            if not (params is not None and params.forced):
+                parameters.drop(name)
+        value_of = {point.lever: point for point in selection.frontier if point.lever}
+        for label, writes in changes.items():
+            option = selection.chosen.get(label)
+            if option is None:
+                why = selection.skipped.get(label, selection.stopped if selection.stopped else "not needed")
+                for name in _candidates_of(writes):
+                    self._keep(name, decisions, f"not taken: {why}", label)
+                continue
+            point = value_of.get(label)
+            per_ms = "free" if point is None or math.isinf(point.bytes_per_ms) else (
+                f"{point.bytes_per_ms / 2**20:.2f} MiB per ms" if not math.isnan(point.bytes_per_ms) else "included")
+            why = (f"taken, cheapest bytes first: {option.value} frees {option.bytes_saved / 2**20:.2f} MiB for"
+                   f" {option.extra_ms:.3f} ms ({per_ms})")
+            for name, values in writes[option.value].values.items():
+                self._take(name, values, option, len(writes[option.value].values), decisions, saved, parameters, why)
+
+    def _take(self, name: str, values: dict[Dimension, str], option: LeverOption, members: int,
+              decisions: dict[str, OperatorDecision], saved: SavedStageResult, parameters: ParameterStageResult,
+              why: str) -> None:
+        decision = decisions[name]
+        share = option.bytes_saved / max(members, 1)
+        if Dimension.SAVED in values and decision.saved is not None:
+            precision = SavedPrecision(values[Dimension.SAVED])
+            decision.saved.decision, decision.saved.reason = precision, why
+            decision.saved.gain_bytes, decision.saved.benefit = int(share), share
+            saved.choices[name] = precision
+            saved.benefits[Candidate.saved(name)] = share
+        if decision.parameters is not None and (Dimension.STATE in values or Dimension.MASTER in values):
+            params = decision.parameters
+            params.state = StatePrecision(values.get(Dimension.STATE, StatePrecision.FP32.value))
+            params.master = MasterPrecision(values.get(Dimension.MASTER, MasterPrecision.FP32.value))
+            params.reason, params.gain_bytes = why, int(option.bytes_saved)
+            parameters.gains[name] = int(option.bytes_saved)
+            if params.state.managed:
+                parameters.state_choices[name] = params.state
+                parameters.benefits[Candidate.state(name)] = option.bytes_saved
+            if params.master.managed:
+                parameters.master_choices[name] = params.master
+                parameters.benefits[Candidate.master(name)] = option.bytes_saved
+
+    @staticmethod
+    def _keep(name: str, decisions: dict[str, OperatorDecision], why: str, label: str) -> None:
+        """``name`` keeps what it had in the dimension of the lever ``label`` (unless forced), with ``why``."""
+        decision = decisions[name]
+        if label.startswith("saved:"):
+            if decision.saved is not None and not decision.saved.forced:
+                decision.saved.keep_as_computed(f"saves as computed: {why}")
+        elif decision.parameters is not None and not decision.parameters.forced:
+            decision.parameters.keep_fp32(f"optimizer's own state, fp32 master: {why}")
+
+    # ------------------------------------------------------------------------------------------------ checking
+    def _check(self, base: PrecisionPlan, spending: MemorySpending, changes: dict[str, dict[str, _Change]],
+               decisions: dict[str, OperatorDecision], saved: SavedStageResult, parameters: ParameterStageResult,
+               update_ms: float) -> None:
+        """Time the chosen plan whole beside the candidate plan; give back the levers past the bound if it is
+        slower than forecast."""
+        ctx = self.ctx
+        config = ctx.config
+        chosen = _with_choices(base, saved, parameters)
+        configs: dict[ComparedPlan, Callable[[], Any]] = {CANDIDATES: ctx.measured(base),
+                                                          PARAMETERS: ctx.measured(chosen)}
+        timer = StepTimer(ctx.clock, config.measurement.profile_steps, config.measurement.profile_warmup)
+        timer.on_round = ctx.show_rounds(ctx.first_rounds, "memory levers, whole steps")
+        measured = timer.time(configs, ctx.step)
+        ctx.plugin.try_plan(base)  # the masters back in fp32 before anything else runs
+        forward = ctx.agree(paired_ratio(measured.ms[CANDIDATES], measured.ms[PARAMETERS]))
+        updates = sum(option.extra_ms for label, option in spending.selection.chosen.items()
+                      if label.startswith("state:"))
+        # forward and backward as measured (the slow end of the interval), the updates as the levers measured them
+        spending.measured_ms = (spending.start_ms - update_ms) * forward.high + update_ms + updates
+        if spending.measured_ms <= spending.max_ms or any(p.past_bound for p in spending.selection.frontier):
+            return  # within the bound (a budget taken past it keeps its levers: the record shows the step)
+        # slower than forecast: the forecast's error shrinks the allowance, and the levers past it are given back
+        error = max((spending.measured_ms - spending.start_ms) / max(spending.forecast_ms - spending.start_ms, 1e-9),
+                    1.0)
+        allowance = (spending.max_ms - spending.start_ms) / error
+        forced = {lever for lever, points in _forced(spending.selection).items() if points}
+        for point in spending.selection.frontier[1:]:
+            if point.lever in forced or point.lever in spending.given_back:
+                continue
+            if point.step_ms - spending.start_ms > allowance:
+                spending.given_back.append(point.lever)
+        why = (f"given back: the plan timed whole ran at {spending.measured_ms:.2f} ms, past the"
+               f" {spending.max_ms:.2f} ms allowed (forecast {spending.forecast_ms:.2f} ms)")
+        for label in spending.given_back:
+            spending.selection.chosen.pop(label, None)
+            for name in _candidates_of(changes[label]):
+                if label.startswith("saved:"):
+                    if name in saved.choices:
+                        saved.drop(name)
+                else:
+                    parameters.drop(name)
+                self._keep(name, decisions, why, label)
+
+
+def _forced(selection: Selection) -> dict[str, bool]:
+    """Lever label -> whether it was taken as forced (its frontier point has no bytes-per-ms value)."""
+    return {point.lever: math.isnan(point.bytes_per_ms) for point in selection.frontier if point.lever}
+
+
+def _compute_ms(name: str, decision: OperatorDecision, base: PrecisionPlan, ctx: StageContext) -> float:
+    """The operator's forward and backward (ms) at the precision it computes in under ``base``."""
+    module = ctx.modules.get(name)
+    low = base.of(Dimension.COMPUTE, name, None if module is None else type(module)).is_low
+    measured = decision.low if low and decision.low is not None else decision.fp32
+    return measured.total_ms if measured is not None else 0.0
+
+
+def _with_choices(base: PrecisionPlan, saved: SavedStageResult, parameters: ParameterStageResult) -> PrecisionPlan:
+    plan = base.with_assignment(Dimension.SAVED, {n: s.value for n, s in saved.choices.items()})
+    plan = plan.with_assignment(Dimension.STATE, {n: s.value for n, s in parameters.state_choices.items()})
+    return plan.with_assignment(Dimension.MASTER, {n: m.value for n, m in parameters.master_choices.items()})
+
+
+def _candidates(writes: dict[str, _Change]) -> list[Candidate]:
+    out: list[Candidate] = []
+    for change in writes.values():
+        for name, values in change.values.items():
+            for dimension in values:
+                candidate = Candidate(name, dimension)
+                if candidate not in out:
+                    out.append(candidate)
+    return out
+
+
+def _saved_lever_operators(changes: dict[str, dict[str, _Change]]) -> set[str]:
+    return {n for label, writes in changes.items() if label.startswith("saved:") for n in _candidates_of(writes)}
+
+
+def _parameter_lever_operators(changes: dict[str, dict[str, _Change]]) -> set[str]:
+    return {n for label, writes in changes.items() if label.startswith("state:") for n in _candidates_of(writes)}
+
+
+def _candidates_of(writes: dict[str, _Change]) -> list[str]:
+    return sorted({name for change in writes.values() for name in change.values})
+
+
+def _shown(members: tuple[str, ...]) -> str:
+    return members[0] if len(members) == 1 else f"{members[0]} (+{len(members) - 1} judged with it)"

@@ -1,0 +1,98 @@
+"""``CoMPSearch(objective="memory", memory_budget=...)`` on the Trainer path: the levers are taken cheapest bytes
+first until the budget is met, then no more; the frontier is in the record and drawn beside ``plan.json``.
+
+Only the optimizer-state levers are searched (``precisions={"saved": "off"}``), so what is tested does not depend on
+how fast bf16 is on this CPU: the budget is met by the state formats alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from lightning_comp import CoMPPrecision, CoMPSearch
+from lightning_comp.errors import SearchConfigError
+from lightning_comp.search.measurement.clocks import single_intra_op_thread
+from lightning_comp.search.record.spending import FRONTIER_FIGURE
+from tests.helpers.search_models import WideMLP, loaders, search_trainer
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> Iterator[None]:
+    with single_intra_op_thread():
+        yield
+
+
+class AdamWMLP(WideMLP):
+    def __init__(self) -> None:
+        super().__init__(offset=False)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+def _fit(tmp_path: Path, **settings: Any) -> dict[str, Any]:
+    pl.seed_everything(0)
+    search = CoMPSearch(objective="memory", low_precision="bf16", precisions={"saved": "off", "master": "off"},
+                        verbose=False, measurement={"profile_steps": 3}, max_trials=3, record_dir=str(tmp_path),
+                        **settings)
+    trainer = search_trainer(tmp_path, [search], max_epochs=3, plugin=CoMPPrecision())
+    trainer.fit(AdamWMLP(), *loaders())
+    assert search.record is not None
+    return search.record
+
+
+def test_a_budget_is_met_with_the_cheapest_levers_and_no_more(tmp_path: Path) -> None:
+    # out of reach (5 % of AMP's step): every lever is taken, past the time allowed, and the record says so
+    far = _fit(tmp_path / "far", memory_budget=0.05)["memory_spending"]
+    assert far["amp_step_mib"] is not None
+    assert far["target_mib"] == pytest.approx(0.05 * far["amp_step_mib"], abs=0.01)
+    assert not far["met"] and "the budget is not met" in far["stopped"]
+    start, end = far["frontier"][0]["step_mib"], far["frontier"][-1]["step_mib"]
+    # half of what the levers can free, in bytes: met partway
+    budget = int((start - (start - end) / 2) * 2**20)
+    record = _fit(tmp_path / "half", memory_budget=budget)
+    spending = record["memory_spending"]
+    assert spending["target_mib"] == pytest.approx(budget / 2**20, abs=1e-3)
+    assert spending["met"] and spending["stopped"].startswith("the budget is met")
+    frontier = spending["frontier"]
+    assert frontier[-1]["step_mib"] <= spending["target_mib"] < frontier[-2]["step_mib"]  # stopped once met
+    # cheapest bytes first: what each increment freed per ms falls along the frontier, within the time allowed and
+    # then past it (where the budget needed more)
+    for past in (False, True):
+        rates = [p["mib_per_ms"] for p in frontier[1:] if p["mib_per_ms"] is not None and p["past_bound"] is past]
+        assert rates == sorted(rates, reverse=True)
+    assert all(op["decision"] != "candidate" for op in record["operators"].values())  # emulated bf16: too slow
+    searched = {n for n, op in record["operators"].items() if "parameters" in op}
+    taken = {label.removeprefix("state:") for label in spending["taken"]}
+    assert taken <= searched and 1 < len(frontier) < len(far["frontier"])  # some of the increments, not all
+    assert any(entry["value"] != far["taken"][label]["value"] or label not in far["taken"]
+               for label, entry in spending["taken"].items()) or taken < searched
+    for name in searched - taken:
+        assert record["operators"][name]["parameters"]["reason"].startswith("optimizer's own state, fp32 master:"
+                                                                            " not taken")
+    assert set(record["chosen_plan"].get("state", {})) <= taken
+    assert (tmp_path / "half" / FRONTIER_FIGURE).stat().st_size > 0
+
+
+def test_without_a_budget_every_lever_within_the_bound_is_taken(tmp_path: Path) -> None:
+    record = _fit(tmp_path, max_slowdown_vs_fastest=1e6)
+    spending = record["memory_spending"]
+    assert spending["target_mib"] is None and spending["met"]
+    searched = {f"state:{n}" for n, op in record["operators"].items() if "parameters" in op}
+    assert set(spending["taken"]) == searched
+    assert all(entry["value"] == "8bit" for entry in spending["taken"].values())  # the most bytes, at any cost
+
+
+def test_a_budget_needs_the_memory_objective_and_a_positive_size() -> None:
+    with pytest.raises(SearchConfigError, match=r"memory_budget.*objective='memory', not 'throughput'"):
+        CoMPSearch(memory_budget=0.5)
+    with pytest.raises(SearchConfigError, match=r"memory_budget.*-1.*fraction of AMP's step peak"):
+        CoMPSearch(objective="memory", memory_budget=-1)
+    with pytest.raises(SearchConfigError, match=r"memory_budget"):
+        CoMPSearch(objective="memory", memory_budget=True)

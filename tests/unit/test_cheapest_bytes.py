@@ -1,0 +1,77 @@
+"""Memory levers taken cheapest bytes first, within the time allowed, until the budget is met."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from lightning_comp.search.decisions.cheapest_bytes import Lever, LeverOption, take_cheapest
+
+MiB = 2**20
+
+
+def _lever(label: str, *options: tuple[str, float, float], forced: bool = False) -> Lever:
+    return Lever(label, tuple(LeverOption(v, b * MiB, ms) for v, b, ms in options), forced=forced)
+
+
+def test_the_cheapest_bytes_per_ms_come_first_and_the_bound_stops_the_dear_ones() -> None:
+    levers = [
+        _lever("state:fc1", ("8bit", 30, 3.0)),  # 10 MiB/ms
+        _lever("saved:act", ("recompute", 20, 0.5)),  # 40 MiB/ms
+        _lever("saved:fc2", ("fp8", 40, 20.0)),  # 2 MiB/ms
+    ]
+    picked = take_cheapest(levers, step_bytes=200 * MiB, step_ms=100.0, max_ms=105.0)
+    assert list(picked.chosen) == ["saved:act", "state:fc1"]
+    assert "saved:fc2" in picked.skipped and "past the 105.000 ms allowed" in picked.skipped["saved:fc2"]
+    steps = [(p.step_bytes / MiB, p.step_ms) for p in picked.frontier]
+    assert steps == [(200, 100.0), (180, 100.5), (150, 103.5)]
+    assert "time allowed is spent" in picked.stopped
+
+
+def test_a_budget_stops_as_soon_as_it_is_met_and_says_when_it_cannot_be() -> None:
+    levers = [_lever("a", ("x", 10, 1.0)), _lever("b", ("x", 10, 2.0)), _lever("c", ("x", 10, 4.0))]
+    met = take_cheapest(levers, 100 * MiB, 10.0, math.inf, target_bytes=85 * MiB)
+    assert list(met.chosen) == ["a", "b"] and met.met and "budget is met" in met.stopped
+    short = take_cheapest(levers, 100 * MiB, 10.0, math.inf, target_bytes=50 * MiB)
+    assert list(short.chosen) == ["a", "b", "c"] and not short.met and "not met" in short.stopped
+
+
+def test_options_of_one_lever_are_climbed_along_their_hull() -> None:
+    # bf16 state: 16 MiB for 1 ms (16/ms); 8bit: 24 MiB for 1.8 ms -> the step bf16 -> 8bit is 8 MiB for 0.8 ms
+    state = _lever("state:w", ("bf16", 16, 1.0), ("8bit", 24, 1.8))
+    other = _lever("saved:y", ("fp8", 10, 0.8))  # 12.5 MiB/ms: between the two state steps (16/ms, 10/ms)
+    picked = take_cheapest([state, other], 100 * MiB, 10.0, math.inf)
+    assert [(p.lever, p.value) for p in picked.frontier[1:]] == [("state:w", "bf16"), ("saved:y", "fp8"),
+                                                                  ("state:w", "8bit")]
+    assert picked.chosen["state:w"].value == "8bit"
+    # an option freeing fewer bytes per ms than a larger one is skipped: straight to the larger
+    skip = _lever("state:v", ("bf16", 4, 1.0), ("8bit", 24, 1.5))
+    assert [o.value for o, _, _ in skip.increments()] == ["8bit"]
+
+
+def test_free_levers_come_first_and_a_forced_lever_is_taken_whatever_it_costs() -> None:
+    levers = [_lever("slow", ("fp8", 50, 30.0), forced=True), _lever("free", ("recompute", 5, -0.1)),
+              _lever("dear", ("8bit", 10, 5.0))]
+    picked = take_cheapest(levers, 100 * MiB, 10.0, max_ms=42.0)
+    assert picked.frontier[1].lever == "slow" and math.isnan(picked.frontier[1].bytes_per_ms)
+    assert picked.frontier[2].lever == "free" and math.isinf(picked.frontier[2].bytes_per_ms)
+    assert "dear" in picked.skipped  # 40 ms + 5 ms is past 42
+    assert picked.frontier[-1].step_ms == pytest.approx(39.9)
+
+
+def test_nothing_to_take_keeps_the_step_as_it_is() -> None:
+    picked = take_cheapest([_lever("none", ("fp8", 0, 1.0))], 100 * MiB, 10.0, 20.0)
+    assert picked.chosen == {} and len(picked.frontier) == 1 and "every lever" in picked.stopped
+
+
+def test_a_budget_goes_past_the_bound_only_when_asked_and_marks_those_points() -> None:
+    levers = [_lever("a", ("x", 10, 1.0)), _lever("b", ("x", 10, 2.0)), _lever("c", ("x", 10, 4.0))]
+    held = take_cheapest(levers, 100 * MiB, 10.0, max_ms=13.5, target_bytes=75 * MiB)
+    assert list(held.chosen) == ["a", "b"] and not held.met and "time allowed is spent" in held.stopped
+    past = take_cheapest(levers, 100 * MiB, 10.0, max_ms=13.5, target_bytes=75 * MiB, past_bound=True)
+    assert list(past.chosen) == ["a", "b", "c"] and past.met and past.skipped == {}
+    assert [p.past_bound for p in past.frontier] == [False, False, False, True]
+    assert "past the 13.500 ms allowed" in past.stopped
+    # met within the bound: nothing past it
+    assert take_cheapest(levers, 100 * MiB, 10.0, 13.5, 85 * MiB, past_bound=True).frontier[-1].past_bound is False
