@@ -218,7 +218,8 @@ class CheapestBytesStage:
         share = option.bytes_saved / max(members, 1)
         if Dimension.SAVED in values and decision.saved is not None:
             precision = SavedPrecision(values[Dimension.SAVED])
-            decision.saved.decision, decision.saved.reason = precision, why
+            measured = decision.saved.reason
+            decision.saved.decision, decision.saved.reason = precision, f"{why}; measured: {measured}"
             decision.saved.gain_bytes, decision.saved.benefit = int(share), share
             saved.choices[name] = precision
             saved.benefits[Candidate.saved(name)] = share
@@ -226,7 +227,7 @@ class CheapestBytesStage:
             params = decision.parameters
             params.state = StatePrecision(values.get(Dimension.STATE, StatePrecision.FP32.value))
             params.master = MasterPrecision(values.get(Dimension.MASTER, MasterPrecision.FP32.value))
-            params.reason, params.gain_bytes = why, int(option.bytes_saved)
+            params.reason, params.gain_bytes = f"{why}; measured: {params.reason}", int(option.bytes_saved)
             parameters.gains[name] = int(option.bytes_saved)
             if params.state.managed:
                 parameters.state_choices[name] = params.state
@@ -240,10 +241,12 @@ class CheapestBytesStage:
         """``name`` keeps what it had in the dimension of the lever ``label`` (unless forced), with ``why``."""
         decision = decisions[name]
         if label.startswith("saved:"):
-            if decision.saved is not None and not decision.saved.forced:
-                decision.saved.keep_as_computed(f"saves as computed: {why}")
+            entry = decision.saved
+            if entry is not None and not entry.forced:
+                entry.keep_as_computed(f"saves as computed: {why}; measured: {entry.reason}")
         elif decision.parameters is not None and not decision.parameters.forced:
-            decision.parameters.keep_fp32(f"optimizer's own state, fp32 master: {why}")
+            params = decision.parameters
+            params.keep_fp32(f"optimizer's own state, fp32 master: {why}; measured: {params.reason}")
 
     # ------------------------------------------------------------------------------------------------ checking
     def _check(self, base: PrecisionPlan, spending: MemorySpending, changes: dict[str, dict[str, _Change]],
