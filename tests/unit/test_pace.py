@@ -111,3 +111,13 @@ def test_the_old_setting_names_its_replacement() -> None:
     assert SearchConfig(objective="memory").slowdown_vs_fastest == 1.15
     assert SearchConfig(objective="balanced").slowdown_vs_fastest == 1.05
     assert SearchConfig(objective="memory", max_slowdown_vs_fastest=2).slowdown_vs_fastest == 2.0
+
+
+def test_memory_never_keeps_candidates_that_amp_beats_on_both_speed_and_bytes() -> None:
+    policy = _policy("memory")
+    steps = _steps({FP32: 100, CANDIDATES: 55, AMP: 50})
+    policy.set_pace(steps.pace())  # type: ignore[attr-defined]
+    # AMP's plan saves as little as the candidates (not leaner by the margin) and is faster: it wins
+    assert policy.winner(steps, {FP32: 100.0, CANDIDATES: 60.0, AMP: 59.0}, [AMP], True) is AMP  # type: ignore[attr-defined]
+    # the candidates are leaner by more than the margin: they stay, though slower (within the bound)
+    assert policy.winner(steps, {FP32: 100.0, CANDIDATES: 40.0, AMP: 59.0}, [AMP], True) is None  # type: ignore[attr-defined]

@@ -216,16 +216,21 @@ class MemoryPolicy(ObjectivePolicy):
     def winner(self, steps: StepComparison, saved: dict[ComparedPlan, float], labels: list[ComparedPlan],
                have_candidates: bool) -> ComparedPlan | None:
         """The leanest plan within the slowdown of the pace: an alternative when it saves the margin's share of the
-        candidates' bytes (or the candidates are past the bound); when no plan is within it, the fastest
-        alternative that beats the candidates (so the plan is never both slower and fatter than AMP's)."""
+        candidates' bytes (or the candidates are past the bound), or when it saves as much as they do and is faster
+        beyond doubt; when no plan is within the bound, the fastest alternative that beats the candidates. So the
+        plan is never both slower and fatter than AMP's."""
         within = [plan for plan in ([CANDIDATES] if have_candidates else []) + labels
                   if steps.within(plan, self.pace, self.slowdown) is Verdict.BELOW]
         if within:
             best = min(within, key=lambda plan: saved[plan])
+            if best != CANDIDATES and CANDIDATES in within and saved[best] > saved[CANDIDATES] * self.keep:
+                best = CANDIDATES  # not leaner by the margin: the candidates stay, unless dominated (below)
             if best == CANDIDATES:
-                return None
-            if CANDIDATES in within and saved[best] > saved[CANDIDATES] * self.keep:
-                return None  # not leaner by the margin: the candidates stay
+                # never slower and no leaner than a fixed policy: one that saves as little and is faster wins
+                dominating = [plan for plan in labels if saved[plan] <= saved[CANDIDATES]
+                              and steps.faster(plan, CANDIDATES, self.config.measurement.speed_margin)
+                              is Verdict.BELOW and plan in within]
+                return min(dominating, key=lambda plan: saved[plan]) if dominating else None
             return best
         if not labels:
             return None
