@@ -75,3 +75,20 @@ def test_a_budget_goes_past_the_bound_only_when_asked_and_marks_those_points() -
     assert "past the 13.500 ms allowed" in past.stopped
     # met within the bound: nothing past it
     assert take_cheapest(levers, 100 * MiB, 10.0, 13.5, 85 * MiB, past_bound=True).frontier[-1].past_bound is False
+
+
+def test_a_forecast_too_kind_gives_back_the_increments_past_the_shrunk_allowance() -> None:
+    from lightning_comp.search.decisions.cheapest_bytes import levers_past
+
+    state = _lever("state:w", ("bf16", 16, 1.0), ("8bit", 24, 1.8))
+    saved = _lever("saved:y", ("fp8", 10, 0.8))
+    forced = _lever("saved:z", ("fp8", 5, 3.0), forced=True)
+    picked = take_cheapest([state, saved, forced], 100 * MiB, 10.0, max_ms=16.0)
+    # forced 3.0, then w=bf16 (+1.0), y (+0.8), w=8bit (+0.8): forecast 15.6 ms
+    assert picked.frontier[-1].step_ms == pytest.approx(15.6)
+    assert levers_past(picked, 10.0, 16.0, measured_ms=15.9) == {}  # within as measured
+    # measured 17.0: the levers added 7.0 ms against 5.6 forecast (x1.25), so 6 ms allowed shrink to 4.8: the
+    # increments past 4.8 ms go back: w's 8bit step (5.6 ms) falls back to bf16; y (4.8 ms) just stays
+    assert levers_past(picked, 10.0, 16.0, measured_ms=17.0) == {"state:w": "bf16"}
+    # far slower: everything but the forced lever goes back
+    assert levers_past(picked, 10.0, 16.0, measured_ms=40.0) == {"state:w": None, "saved:y": None}

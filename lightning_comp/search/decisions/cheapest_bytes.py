@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from lightning_comp.search.candidates import Candidate
 
-__all__ = ["FrontierPoint", "Lever", "LeverOption", "MemorySpending", "Selection", "take_cheapest"]
+__all__ = ["FrontierPoint", "Lever", "LeverOption", "MemorySpending", "Selection", "levers_past", "take_cheapest"]
 
 
 @dataclass(frozen=True)
@@ -123,6 +123,7 @@ class MemorySpending:
         measured_ms: the same step timed whole (forward and backward measured, updates added; ``None``: not timed).
         given_back: levers the whole-step check gave back (the forecast was too kind), in the order they were taken.
         levers: lever label -> the candidates (dimension and operator) it changes.
+        options: lever label -> its options, as measured.
     """
 
     start_bytes: float
@@ -135,6 +136,7 @@ class MemorySpending:
     measured_ms: float | None = None
     given_back: list[str] = field(default_factory=list)
     levers: dict[str, list[Candidate]] = field(default_factory=dict)
+    options: dict[str, list[LeverOption]] = field(default_factory=dict)
 
 
 def take_cheapest(levers: list[Lever], step_bytes: float, step_ms: float, max_ms: float,
@@ -206,6 +208,32 @@ def take_cheapest(levers: list[Lever], step_bytes: float, step_ms: float, max_ms
         selection.stopped = "every lever that frees bytes is taken" + (
             "" if selection.met else f"; the budget is not met ({mib})")
     return selection
+
+
+def levers_past(selection: Selection, start_ms: float, max_ms: float, measured_ms: float) -> dict[str, str | None]:
+    """The levers to step back when the plan, timed whole, ran at ``measured_ms`` rather than the frontier's
+    forecast: the forecast's error (the time the levers added, measured over forecast) shrinks the time allowance in
+    proportion, and every increment taken past the shrunk allowance is given back (forced levers stay).
+
+    Returns:
+        lever label -> the value it falls back to (its last increment within the allowance), or ``None`` where it
+        gives back everything; empty when the plan is within ``max_ms`` as measured.
+    """
+    if measured_ms <= max_ms:
+        return {}
+    forecast_ms = selection.frontier[-1].step_ms
+    error = max((measured_ms - start_ms) / max(forecast_ms - start_ms, 1e-9), 1.0)
+    allowance = (max_ms - start_ms) / error
+    within: dict[str, str] = {}
+    past: dict[str, str | None] = {}
+    for point in selection.frontier[1:]:
+        if math.isnan(point.bytes_per_ms):
+            continue  # forced
+        if point.step_ms - start_ms <= allowance:
+            within[point.lever] = point.value
+        else:
+            past[point.lever] = within.get(point.lever)
+    return past
 
 
 def _value(added_bytes: float, added_ms: float) -> float:

@@ -35,6 +35,7 @@ from lightning_comp.search.decisions.cheapest_bytes import (
     LeverOption,
     MemorySpending,
     Selection,
+    levers_past,
     take_cheapest,
 )
 from lightning_comp.search.decisions.operators import OperatorDecision
@@ -101,7 +102,8 @@ class CheapestBytesStage:
         selection = ctx.agree(take_cheapest(levers, start_bytes, start_ms, max_ms, target, past_bound=past))
         spending = MemorySpending(start_bytes=start_bytes, start_ms=start_ms, max_ms=max_ms, target_bytes=target,
                                   amp_step_bytes=amp_bytes, selection=selection,
-                                  levers={label: _candidates(change) for label, change in changes.items()})
+                                  levers={label: _candidates(change) for label, change in changes.items()},
+                                  options={lever.label: list(lever.options) for lever in levers})
         spending.forecast_ms = selection.frontier[-1].step_ms
         self._apply(selection, changes, decisions, saved, parameters)
         if selection.chosen and math.isfinite(max_ms):
@@ -270,20 +272,11 @@ class CheapestBytesStage:
         spending.measured_ms = (spending.start_ms - update_ms) * forward.high + update_ms + updates
         if spending.measured_ms <= spending.max_ms or any(p.past_bound for p in spending.selection.frontier):
             return  # within the bound (a budget taken past it keeps its levers: the record shows the step)
-        # slower than forecast: the forecast's error shrinks the allowance, and the levers past it are given back
-        error = max((spending.measured_ms - spending.start_ms) / max(spending.forecast_ms - spending.start_ms, 1e-9),
-                    1.0)
-        allowance = (spending.max_ms - spending.start_ms) / error
-        forced = {lever for lever, points in _forced(spending.selection).items() if points}
-        for point in spending.selection.frontier[1:]:
-            if point.lever in forced or point.lever in spending.given_back:
-                continue
-            if point.step_ms - spending.start_ms > allowance:
-                spending.given_back.append(point.lever)
+        back = levers_past(spending.selection, spending.start_ms, spending.max_ms, spending.measured_ms)
+        spending.given_back = list(back)
         why = (f"given back: the plan timed whole ran at {spending.measured_ms:.2f} ms, past the"
                f" {spending.max_ms:.2f} ms allowed (forecast {spending.forecast_ms:.2f} ms)")
-        for label in spending.given_back:
-            spending.selection.chosen.pop(label, None)
+        for label, fallback in back.items():
             for name in _candidates_of(changes[label]):
                 if label.startswith("saved:"):
                     if name in saved.choices:
@@ -291,11 +284,20 @@ class CheapestBytesStage:
                 else:
                     parameters.drop(name)
                 self._keep(name, decisions, why, label)
+            if fallback is None:
+                spending.selection.chosen.pop(label, None)
+                continue
+            option = _options(spending, label, fallback)[0]
+            spending.selection.chosen[label] = option
+            for name, values in changes[label][fallback].values.items():
+                self._take(name, values, option, len(changes[label][fallback].values), decisions, saved, parameters,
+                           f"{why}: back to {fallback}")
 
 
-def _forced(selection: Selection) -> dict[str, bool]:
-    """Lever label -> whether it was taken as forced (its frontier point has no bytes-per-ms value)."""
-    return {point.lever: math.isnan(point.bytes_per_ms) for point in selection.frontier if point.lever}
+def _options(spending: MemorySpending, label: str, value: str) -> list[LeverOption]:
+    """The option ``value`` of lever ``label`` as the frontier reached it."""
+    levers = spending.options.get(label, [])
+    return [o for o in levers if o.value == value]
 
 
 def _compute_ms(name: str, decision: OperatorDecision, base: PrecisionPlan, ctx: StageContext) -> float:
