@@ -119,6 +119,7 @@ class MemorySpending:
         target_bytes: the step bytes ``memory_budget`` asks for (``None``: no budget).
         amp_step_bytes: AMP's step bytes, the same accounting (what a fractional budget is a fraction of).
         selection: what was taken, the frontier, and why it stopped.
+        final_bytes: the chosen plan's step bytes, after anything given back.
         forecast_ms: the chosen plan's step as the levers' measurements add up.
         measured_ms: the same step timed whole (forward and backward measured, updates added; ``None``: not timed).
         given_back: levers the whole-step check gave back (the forecast was too kind), in the order they were taken.
@@ -132,6 +133,7 @@ class MemorySpending:
     target_bytes: float | None
     amp_step_bytes: float | None
     selection: Selection
+    final_bytes: float = 0.0
     forecast_ms: float = 0.0
     measured_ms: float | None = None
     given_back: list[str] = field(default_factory=list)

@@ -17,6 +17,7 @@ from lightning_comp.search.decisions.batch_result import BatchStageResult
 __all__ = ["FRONTIER_FIGURE", "spending_record", "write_frontier_figure"]
 
 FRONTIER_FIGURE = "memory_frontier.png"
+LABELLED = 8  # levers named in the figure: those that freed most
 MiB = 2**20
 
 
@@ -37,6 +38,9 @@ def spending_record(batch: BatchStageResult | None) -> dict[str, Any] | None:
         "skipped": dict(selection.skipped),
         "stopped": selection.stopped,
         "met": selection.met,
+        "final_mib": _mib(spending.final_bytes),
+        "final_vs_amp": (None if not spending.amp_step_bytes
+                         else round(spending.final_bytes / spending.amp_step_bytes, 4)),
         "forecast_ms": round(spending.forecast_ms, 4),
         "measured_ms": None if spending.measured_ms is None else round(spending.measured_ms, 4),
         "given_back": list(spending.given_back),
@@ -69,9 +73,18 @@ def write_frontier_figure(record: dict[str, Any], directory: Path) -> Path | Non
     colours = ["tab:grey"] + ["tab:red" if p["lever"] in given_back else "tab:orange" if p["past_bound"]
                               else "tab:blue" for p in frontier[1:]]
     ax.scatter(ms, mib, c=colours, zorder=2)
-    for point in frontier[1:]:
-        ax.annotate(f"{point['lever']}={point['value']}", (point["step_ms"], point["step_mib"]), fontsize=6,
-                    xytext=(3, 3), textcoords="offset points")
+    for colour, what in (("tab:red", "given back (timed whole: slower than forecast)"),
+                         ("tab:orange", "past the time allowed, for the budget")):
+        if colour in colours:
+            ax.scatter([], [], c=colour, label=what)
+    # the levers that freed most are named (at most LABELLED); the others are points on the line
+    freed = [(previous["step_mib"] - point["step_mib"], index)
+             for index, (previous, point) in enumerate(zip(frontier, frontier[1:]), start=1)]
+    named = {index for _, index in sorted(freed, reverse=True)[:LABELLED]}
+    for index in sorted(named):
+        point = frontier[index]
+        ax.annotate(f"{point['lever'].split(' (')[0]}={point['value']}", (point["step_ms"], point["step_mib"]),
+                    fontsize=6, xytext=(4, 2), textcoords="offset points")
     if spending["max_ms"] is not None:
         ax.axvline(spending["max_ms"], color="tab:orange", linestyle="--", label="slowest step allowed")
     if spending["target_mib"] is not None:

@@ -105,9 +105,11 @@ class CheapestBytesStage:
                                   levers={label: _candidates(change) for label, change in changes.items()},
                                   options={lever.label: list(lever.options) for lever in levers})
         spending.forecast_ms = selection.frontier[-1].step_ms
+        spending.final_bytes = selection.frontier[-1].step_bytes
         self._apply(selection, changes, decisions, saved, parameters)
         if selection.chosen and math.isfinite(max_ms):
             self._check(base, spending, changes, decisions, saved, parameters, update_ms)
+            spending.final_bytes = start_bytes - sum(o.bytes_saved for o in spending.selection.chosen.values())
         return spending
 
     # ------------------------------------------------------------------------------------------------ levers
