@@ -38,6 +38,7 @@ from lightning_comp.search.decisions.cheapest_bytes import (
     levers_past,
     take_cheapest,
 )
+from lightning_comp.search.decisions.groups import group_operators
 from lightning_comp.search.decisions.operators import OperatorDecision
 from lightning_comp.search.decisions.whole_step import ComparedPlan
 from lightning_comp.search.measurement.estimates import paired_ratio
@@ -119,6 +120,7 @@ class CheapestBytesStage:
         keep = 1 - self.config.measurement.speed_margin
         levers: list[Lever] = []
         changes: dict[str, dict[str, _Change]] = {}
+        firsts: dict[str, str] = {}  # lever label -> the first operator it changes
         seen: set[tuple[str, ...]] = set()
         for name, decision in decisions.items():
             entry = decision.saved
@@ -139,13 +141,45 @@ class CheapestBytesStage:
                         label = f"saved:{_shown(members)}"
                         levers.append(Lever(label, tuple(options), forced=entry.forced))
                         changes[label] = writes
+                        firsts[label] = members[0]
             params = decision.parameters
             if params is not None and params.update_ms:
                 lever, writes = self._parameter_lever(name, params, base)
                 if lever is not None:
                     levers.append(lever)
                     changes[lever.label] = writes
-        return levers, changes
+                    firsts[lever.label] = name
+        return self._pooled(levers, changes, firsts)
+
+    def _pooled(self, levers: list[Lever], changes: dict[str, dict[str, _Change]], firsts: dict[str, str],
+                ) -> tuple[list[Lever], dict[str, dict[str, _Change]]]:
+        """The levers of operators playing the same part in repeated blocks
+        (:mod:`lightning_comp.search.decisions.groups`) as one: their bytes and times summed, one decision for
+        every block, as their compute precision is decided. Levers of one group that were measured with other
+        options (or one forced) stay apart."""
+        by_first = {firsts[lever.label]: lever for lever in levers}
+        pooled: list[Lever] = []
+        merged: set[str] = set()
+        for dimension in ("saved:", "state:"):
+            names = [firsts[lever.label] for lever in levers if lever.label.startswith(dimension)]
+            for group in group_operators(names, self.ctx.modules):
+                members = [by_first[n] for n in group.members]
+                values = {tuple(sorted(o.value for o in lever.options)) for lever in members}
+                if group.size < 2 or len(values) != 1 or any(lever.forced for lever in members):
+                    continue
+                options = tuple(
+                    LeverOption(value, sum(_option(lever, value).bytes_saved for lever in members),
+                                sum(_option(lever, value).extra_ms for lever in members))
+                    for value in next(iter(values)))
+                label = f"{dimension}{group.label}"
+                pooled.append(Lever(label, options))
+                changes[label] = {value: _Change({n: v for lever in members
+                                                  for n, v in changes[lever.label][value].values.items()})
+                                  for value in next(iter(values))}
+                merged.update(lever.label for lever in members)
+        for label in merged:
+            del changes[label]
+        return [lever for lever in levers if lever.label not in merged] + pooled, changes
 
     def _parameter_lever(self, name: str, params: Any, base: PrecisionPlan) -> tuple[Lever | None, dict[str, _Change]]:
         """One operator's optimizer-state formats (and bf16 master, where it computes in bf16) as one lever."""
@@ -300,6 +334,10 @@ def _options(spending: MemorySpending, label: str, value: str) -> list[LeverOpti
     """The option ``value`` of lever ``label`` as the frontier reached it."""
     levers = spending.options.get(label, [])
     return [o for o in levers if o.value == value]
+
+
+def _option(lever: Lever, value: str) -> LeverOption:
+    return next(option for option in lever.options if option.value == value)
 
 
 def _compute_ms(name: str, decision: OperatorDecision, base: PrecisionPlan, ctx: StageContext) -> float:
