@@ -92,3 +92,32 @@ def test_a_forecast_too_kind_gives_back_the_increments_past_the_shrunk_allowance
     assert levers_past(picked, 10.0, 16.0, measured_ms=17.0) == {"state:w": "bf16"}
     # far slower: everything but the forced lever goes back
     assert levers_past(picked, 10.0, 16.0, measured_ms=40.0) == {"state:w": None, "saved:y": None}
+
+
+def test_levers_of_repeated_blocks_pool_per_dimension_and_keep_other_dimensions_apart() -> None:
+    from types import SimpleNamespace
+
+    from torch import nn
+
+    from lightning_comp.plan.dimensions import Dimension
+    from lightning_comp.search.stages.memory_stage import CheapestBytesStage, _Change
+
+    modules = {f"blocks.{i}.fc": nn.Linear(4, 4) for i in range(3)} | {"head": nn.Linear(4, 2)}
+    stage = CheapestBytesStage.__new__(CheapestBytesStage)
+    stage.ctx = SimpleNamespace(modules=modules)  # type: ignore[assignment]
+    levers, changes, firsts = [], {}, {}
+    for name in modules:
+        for dimension, value, nbytes, ms in (("saved", "bf16", 10, 1.0), ("state", "8bit", 30, 2.0)):
+            label = f"{dimension}:{name}"
+            levers.append(_lever(label, (value, nbytes, ms)))
+            changes[label] = {value: _Change({name: {Dimension(dimension): value}})}
+            firsts[label] = name
+    pooled, writes = stage._pooled(levers, changes, firsts)
+    by_label = {lever.label: lever for lever in pooled}
+    assert set(by_label) == {"saved:blocks.*.fc (x3)", "state:blocks.*.fc (x3)", "saved:head", "state:head"}
+    saved, state = by_label["saved:blocks.*.fc (x3)"], by_label["state:blocks.*.fc (x3)"]
+    assert [(o.value, o.bytes_saved / MiB, o.extra_ms) for o in saved.options] == [("bf16", 30, 3.0)]
+    assert [(o.value, o.bytes_saved / MiB, o.extra_ms) for o in state.options] == [("8bit", 90, 6.0)]
+    assert writes["saved:blocks.*.fc (x3)"]["bf16"].values == {
+        f"blocks.{i}.fc": {Dimension.SAVED: "bf16"} for i in range(3)}
+    assert set(writes) == set(by_label)

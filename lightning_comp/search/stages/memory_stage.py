@@ -157,12 +157,11 @@ class CheapestBytesStage:
         (:mod:`lightning_comp.search.decisions.groups`) as one: their bytes and times summed, one decision for
         every block, as their compute precision is decided. Levers of one group that were measured with other
         options (or one forced) stay apart."""
-        by_first = {firsts[lever.label]: lever for lever in levers}
         pooled: list[Lever] = []
         merged: set[str] = set()
         for dimension in ("saved:", "state:"):
-            names = [firsts[lever.label] for lever in levers if lever.label.startswith(dimension)]
-            for group in group_operators(names, self.ctx.modules):
+            by_first = {firsts[lever.label]: lever for lever in levers if lever.label.startswith(dimension)}
+            for group in group_operators(list(by_first), self.ctx.modules):
                 members = [by_first[n] for n in group.members]
                 values = {tuple(sorted(o.value for o in lever.options)) for lever in members}
                 if group.size < 2 or len(values) != 1 or any(lever.forced for lever in members):
