@@ -19,6 +19,7 @@ from lightning_comp import CoMPPrecision, CoMPSearch
 from lightning_comp.errors import SearchConfigError
 from lightning_comp.search.measurement.clocks import single_intra_op_thread
 from lightning_comp.search.record.spending import FRONTIER_FIGURE
+from lightning_comp.search.record.text import format_record
 from tests.helpers.search_models import WideMLP, loaders, search_trainer
 
 
@@ -87,6 +88,9 @@ def test_without_a_budget_every_lever_within_the_bound_is_taken(tmp_path: Path) 
     searched = {f"state:{n}" for n, op in record["operators"].items() if "parameters" in op}
     assert set(spending["taken"]) == searched
     assert all(entry["value"] == "8bit" for entry in spending["taken"].values())  # the most bytes, at any cost
+    text = format_record(record)
+    assert "Memory levers, cheapest bytes first" in text and f"Stopped: {spending['stopped']}." in text
+    assert all(label in text for label in spending["taken"])
 
 
 def test_a_budget_needs_the_memory_objective_and_a_positive_size() -> None:

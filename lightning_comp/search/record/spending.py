@@ -46,7 +46,7 @@ def spending_record(batch: BatchStageResult | None) -> dict[str, Any] | None:
         "given_back": list(spending.given_back),
         "frontier": [{"lever": p.lever or None, "value": p.value or None, "step_mib": _mib(p.step_bytes),
                       "step_ms": round(p.step_ms, 4), "mib_per_ms": _finite(p.bytes_per_ms / MiB),
-                      "past_bound": p.past_bound}
+                      "forced": math.isnan(p.bytes_per_ms), "past_bound": p.past_bound}
                      for p in selection.frontier],
     }
 

@@ -57,6 +57,7 @@ def format_record(record: dict[str, Any]) -> str:
                               "why"), _operator_rows(operators))]
     out += _saved_section(operators, record.get("saved_step") or {})
     out += _parameter_section(operators, record.get("parameter_step") or {})
+    out += _spending_section(record.get("memory_spending"))
     step_ms = record.get("step_ms") or {}
     if step_ms:
         ratios = record.get("step_ratios") or {}
@@ -205,6 +206,29 @@ def _parameter_section(operators: dict[str, Any], step: dict[str, Any]) -> list[
     check = step.get("check")
     if check:
         lines.append(f"Parameter lowerings as a whole step: {check['verdict']} ({check.get('description', '')})")
+    return lines
+
+
+def _spending_section(spending: dict[str, Any] | None) -> list[str]:
+    """The memory objective's levers, cheapest bytes first: what was taken, in the order taken, and why it stopped."""
+    if not spending:
+        return []
+    rows = [(point["lever"], point["value"], f"{point['step_mib']:.1f}", f"{point['step_ms']:.2f}",
+             "forced" if point.get("forced") else
+             ("free" if point["mib_per_ms"] is None else f"{point['mib_per_ms']:.3f}"),
+             "given back" if point["lever"] in spending["given_back"] else
+             ("past the bound" if point.get("past_bound") else ""))
+            for point in spending["frontier"][1:]]
+    bound = "no bound" if spending["max_ms"] is None else f"at most {spending['max_ms']:.2f} ms"
+    budget = "" if spending["target_mib"] is None else f", budget {spending['target_mib']:.1f} MiB"
+    amp = "" if spending.get("final_vs_amp") is None else f" (x{spending['final_vs_amp']:.2f} AMP's step)"
+    lines = ["", f"Memory levers, cheapest bytes first (step {spending['start_mib']:.1f} MiB,"
+                 f" {spending['start_ms']:.2f} ms; {bound}{budget}):"]
+    if rows:
+        lines.append(format_table(("lever", "value", "step MiB", "step ms", "MiB per ms", ""), rows))
+    measured = "" if spending["measured_ms"] is None else f", timed whole {spending['measured_ms']:.2f} ms"
+    lines.append(f"Stopped: {spending['stopped']}. The plan's step: {spending.get('final_mib', 0):.1f} MiB{amp},"
+                 f" forecast {spending['forecast_ms']:.2f} ms{measured}.")
     return lines
 
 
