@@ -2,8 +2,8 @@
 
 Every memory lever the batch stage measured (an operator's saved precision, a recompute unit, an operator's
 optimizer state and master weights) is a :class:`Lever`: a few mutually exclusive :class:`LeverOption` values, each
-with the bytes it frees from the step's peak and the time it adds per step (the slow end of its measured
-interval). :func:`take_cheapest` ranks the options of all levers together by bytes freed per millisecond added and
+with the bytes it frees from the step's peak and the time it adds per step (the median of its paired
+rounds). :func:`take_cheapest` ranks the options of all levers together by bytes freed per millisecond added and
 takes them, cheapest bytes first, while the step stays within the time allowed, until the bytes wanted are freed.
 
 The options of one lever are climbed as increments along their lower convex hull (bytes against time): a larger

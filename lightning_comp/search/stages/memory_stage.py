@@ -11,7 +11,9 @@ while the step stays within ``max_slowdown_vs_fastest`` of the pace (the fastest
 
 The step's bytes are the search's accounting of its peak: the weights, their gradients, the optimizer state and what
 the step saves for backward. The step's time is the candidate plan's forward and backward plus the optimizer's own
-update; each lever adds its measured time at the slow end of its interval. The chosen plan is then timed as a whole
+update; each lever adds its measured time by the median of its paired rounds (the slow end of a few rounds' interval
+is where one load spike lands: it priced a bf16 store at 12x its median in one run), and the whole-step check below
+catches a forecast the medians made too kind. The chosen plan is then timed as a whole
 step beside the candidate plan (forward and backward measured, updates added): if it runs slower than allowed, the
 allowance is shrunk by the forecast's error and the levers past it are given back, so a forecast that was too kind
 does not carry the plan past the bound.
@@ -131,11 +133,11 @@ class CheapestBytesStage:
                     base_ms = sum(_compute_ms(m, decisions[m], base, self.ctx) for m in members if m in decisions)
                     own = float(entry.bytes.get("fp32", 0))
                     options, writes = [], {}
-                    for value, (_, _, high) in entry.time_ratios.items():
+                    for value, (median, _, _) in entry.time_ratios.items():
                         nbytes = float(entry.bytes.get(value, own))
                         if own <= 0 or nbytes > own * keep:
                             continue  # saves too little
-                        options.append(LeverOption(value, own - nbytes, base_ms * max(high - 1.0, 0.0)))
+                        options.append(LeverOption(value, own - nbytes, base_ms * max(median - 1.0, 0.0)))
                         writes[value] = _Change({m: {Dimension.SAVED: value} for m in members})
                     if options:
                         label = f"saved:{_shown(members)}"
@@ -188,7 +190,7 @@ class CheapestBytesStage:
         options, writes = [], {}
 
         def extra(variant: UpdateVariant) -> float:
-            return fp32_ms * max(params.time_ratios[variant][2] - 1.0, 0.0)
+            return fp32_ms * max(params.time_ratios[variant][0] - 1.0, 0.0)
 
         for variant in params.time_ratios:
             if variant in (UpdateVariant.FP32, UpdateVariant.MASTER):
@@ -303,8 +305,8 @@ class CheapestBytesStage:
         forward = ctx.agree(paired_ratio(measured.ms[CANDIDATES], measured.ms[PARAMETERS]))
         updates = sum(option.extra_ms for label, option in spending.selection.chosen.items()
                       if label.startswith("state:"))
-        # forward and backward as measured (the slow end of the interval), the updates as the levers measured them
-        spending.measured_ms = (spending.start_ms - update_ms) * forward.high + update_ms + updates
+        # forward and backward as measured (the median of paired rounds), the updates as the levers measured them
+        spending.measured_ms = (spending.start_ms - update_ms) * forward.ratio + update_ms + updates
         if spending.measured_ms <= spending.max_ms or any(p.past_bound for p in spending.selection.frontier):
             return  # within the bound (a budget taken past it keeps its levers: the record shows the step)
         back = levers_past(spending.selection, spending.start_ms, spending.max_ms, spending.measured_ms)
