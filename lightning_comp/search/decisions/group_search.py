@@ -1,18 +1,36 @@
-"""Finding the operators that are unsafe in low precision with few convergence trials (adaptive group testing).
+"""Finding the lowerings that are unsafe with few convergence trials (adaptive group testing).
 
 The search starts with every candidate lowered at once. A group that converges is safe as a whole; a group that
-does not is split in two and each half is tried alone, down to single operators, which are then marked unsafe. When
-the first half of a failing group passes, the second half is known to fail without a trial and is split at once.
-With ``u`` unsafe operators among ``n`` candidates this needs at most about ``1 + 2u log2(n)`` trials: the cost grows
-with the number of unsafe operators, not with the number of operators. Operators that are safe one group at a
-time may still fail together, so when the safe set was never tried as a whole, a confirming trial tries it; if
-that fails (or the safe set is a group that already failed), the passing group with the largest estimated gain
-is used. A candidate that names a group of operators playing the same part in repeated blocks (one glob,
-:mod:`lightning_comp.search.decisions.groups`) is tried whole first; when it fails alone, it is split into its
-members like any failing group, so one unsafe block does not keep the others in FP32.
+does not is split in two and each part is tried alone, down to single candidates, which are then marked unsafe. When
+the first part of a failing group passes, the second is known to fail without a trial and is split at once.
 
-The class is a small explicit state machine with ``state_dict``/``load_state_dict`` so a search interrupted by a
-crash resumes where it was.
+A failing group that mixes dimensions is split by dimension before it is halved: the candidates of its first
+dimension (in :class:`~lightning_comp.plan.dimensions.Dimension` order: compute, saved, state, master) apart from the
+rest. So the compute lowerings are tried apart from the memory levers, then the saved levers apart from the state and
+master ones, then state apart from master; only a group of one dimension is halved. A lever that breaks convergence
+(an 8-bit state, say) is then isolated among the levers of its own dimension and dropped alone, without the operator's
+compute lowering and without the other dimensions' levers, which passed as a whole; and when the trial budget runs out
+the passing groups the fallback chooses among are whole dimensions rather than mixed halves. (A master candidate
+computes in low precision with its bf16 parameters, so an operator unsafe in low precision fails its master candidate
+too.) A split by dimension is two parts like a halving, so the inference above holds for it unchanged.
+
+With ``u`` unsafe candidates among candidates of ``D`` dimensions, at most ``n`` of any one dimension, this needs at
+most ``1 + 2u(D - 1 + ceil(log2 n))`` trials, plus one confirming trial: every failing group is split into two parts
+(at most two trials), the groups one level down the splits are disjoint, so at most ``u`` of them fail, and there are
+at most ``D - 1`` levels of splits by dimension above ``ceil(log2 n)`` levels of halving. With one dimension that is
+``1 + 2u ceil(log2 n)``, as for plain halving; each further dimension adds at most one level, and ``n`` counts one
+dimension's candidates, not all. The cost grows with the number of unsafe candidates, not with the number of
+operators. Operators that are safe one group at a time may still fail together, so when the safe set was never tried
+as a whole, a confirming trial tries it; if that fails (or the safe set is a group that already failed), the passing
+group with the largest estimated gain is used. A candidate that names a group of
+operators playing the same part in repeated blocks (one glob, :mod:`lightning_comp.search.decisions.groups`) is
+tried whole first; when it fails alone, it is split into its members like any failing group (``ceil(log2 m)`` more
+levels for ``m`` members), so one unsafe block does not keep the others in FP32.
+
+The class is a small explicit state machine with ``state_dict``/``from_state`` so a search interrupted by a crash
+resumes where it was. The split rule decides only which groups are queued, so a state written before splits by
+dimension (the same keys) resumes too: its queued halves are tried as they are, and the groups that fail from then
+on are split by dimension.
 """
 
 from __future__ import annotations
@@ -22,11 +40,40 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lightning_comp.errors import UsageError
+from lightning_comp.plan.dimensions import Dimension
 from lightning_comp.search.candidates import Candidate, candidates_from_plain, candidates_to_plain
 
-__all__ = ["Group", "GroupSearch"]
+__all__ = ["Group", "GroupSearch", "dimensions_of", "split"]
 
 Group = tuple[Candidate, ...]
+
+
+def dimensions_of(group: Sequence[Candidate]) -> tuple[Dimension, ...]:
+    """The dimensions ``group``'s candidates lower, in :class:`Dimension` order."""
+    present = {candidate.dimension for candidate in group}
+    return tuple(dimension for dimension in Dimension if dimension in present)
+
+
+def _named(group: Sequence[Candidate]) -> str:
+    return "+".join(dimension.value for dimension in dimensions_of(group))
+
+
+def split(group: Sequence[Candidate]) -> tuple[Group, Group]:
+    """The two parts a failing group of two or more candidates is tried in: by dimension where it mixes them (its
+    first dimension's candidates apart from the others'), else in halves; each part in the group's order.
+
+    Raises:
+        UsageError: if ``group`` has fewer than two candidates (a single failing candidate is unsafe, not split).
+    """
+    group = tuple(group)
+    if len(group) < 2:
+        raise UsageError(f"Only a group of two or more candidates is split, got {group!r}.")
+    dimensions = dimensions_of(group)
+    if len(dimensions) > 1:
+        return (tuple(c for c in group if c.dimension is dimensions[0]),
+                tuple(c for c in group if c.dimension is not dimensions[0]))
+    half = len(group) // 2
+    return group[:half], group[half:]
 
 
 @dataclass
@@ -129,10 +176,27 @@ class GroupSearch:
         if len(group) == 1:
             self.unsafe.extend(group)
             return
-        half = len(group) // 2
-        first, second = group[:half], group[half:]
+        first, second = split(group)
         self.siblings[first] = second
         self.queue[0:0] = [first, second]
+
+    def describe(self, group: Sequence[Candidate]) -> str:
+        """How a trial of ``group`` is named in the record: ``"group of 4"``, or, for a part of a split by
+        dimension, its dimensions and the failing group it was split from, e.g. ``"state of 20, split by dimension
+        from a failing saved+state group of 40"`` (the failing group mixed dimensions, so its levers are tried apart
+        from each other and from the compute lowerings)."""
+        group = tuple(group)
+        parent = self._parent(group)
+        if parent is None or len(dimensions_of(parent)) < 2 or group not in split(parent):  # halved
+            return f"group of {len(group)}"
+        return (f"{_named(group)} of {len(group)}, split by dimension from a failing {_named(parent)} group of"
+                f" {len(parent)}")
+
+    def _parent(self, group: Group) -> Group | None:
+        """The failing group ``group`` was split from: the smallest failed group holding all of it, and more."""
+        wanted = set(group)
+        holders = [g for g in self.failed if len(g) > len(group) and wanted.issubset(g)]
+        return min(holders, key=len) if holders else None
 
     def _best_passed(self) -> Group:
         if not self.passed:

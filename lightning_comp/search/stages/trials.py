@@ -3,7 +3,9 @@
 An FP32 reference trial and candidate trials train for ``trial_epochs`` each (or ``trial_batches`` of one epoch) on
 the same batches, and are judged on the monitored validation metric against the reference (``tolerance``; see
 :mod:`lightning_comp.search.decisions.trials`). NaN/Inf losses and too many FP16 skipped steps reject a trial. Unsafe
-operators are isolated by adaptive group testing (:mod:`lightning_comp.search.decisions.group_search`). Rejected
+operators are isolated by adaptive group testing (:mod:`lightning_comp.search.decisions.group_search`); a failing
+group that mixes dimensions is split by dimension first, and the label of each of its parts' trials says so
+(``"compute of 20, split by dimension from a failing compute+saved+state group of 60 (trial 2)"``). Rejected
 trials are rewound; the chosen trial's progress is kept.
 """
 
@@ -175,7 +177,7 @@ class TrialDriver:
             raise UsageError("CoMPSearch has no trial to run although the search is not finished.")
         number = len(self.state.trials)  # labels are unique: the chosen trial is found by its label
         label = f"confirm safe set (trial {number})" if search.confirming is not None else (
-            "all candidates" if group == search.candidates else f"group of {len(group)} (trial {number})")
+            "all candidates" if group == search.candidates else f"{search.describe(group)} (trial {number})")
         self.start(trainer, pl_module, label=label, group=group, rewind_first=True)
 
     def close(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
