@@ -44,3 +44,42 @@ def test_cuda_reserved_is_at_least_allocated() -> None:
     peak = measure_step_peak(lambda: torch.ones(SIZE // 4, device="cuda") * 2, "cuda")
     assert peak.allocated_bytes is not None and peak.reserved_bytes is not None
     assert peak.reserved_bytes >= peak.allocated_bytes >= SIZE
+
+
+def test_step_timer_measures_each_configs_peak_under_that_config() -> None:
+    from contextlib import contextmanager
+
+    from lightning_comp.search.measurement.step_timing import StepTimer
+
+    active: list[str] = []
+
+    @contextmanager
+    def config(name: str):  # type: ignore[no-untyped-def]
+        active.append(name)
+        yield
+        active.pop()
+
+    def step() -> None:
+        (_big if active == ["big"] else _small)()
+
+    peaks = StepTimer("cpu").step_peaks({"small": lambda: config("small"), "big": lambda: config("big")}, step)
+    assert set(peaks) == {"small", "big"}
+    if heap_in_use() is not None:
+        assert peaks["big"].live_bytes is not None and peaks["small"].live_bytes is not None
+        assert peaks["big"].live_bytes - peaks["small"].live_bytes >= 2 * SIZE * 0.9
+
+
+def test_step_memory_round_trips_and_the_record_text_prints_the_process_peaks() -> None:
+    from lightning_comp.common.typed_plain import from_plain, to_plain
+    from lightning_comp.search.decisions.batch_result import StepMemory
+    from lightning_comp.search.record.text import format_record
+
+    memory = StepMemory(64, 3 * 2**20, reserved_bytes=4 * 2**20, live_bytes=10 * 2**20, os_bytes=12 * 2**20,
+                        how="live: x; os: y")
+    assert from_plain(StepMemory, to_plain(memory)) == memory
+    text = format_record({"memory": {"fp32": {"saved_bytes": 64, "peak_bytes": memory.peak_bytes,
+                                              "reserved_bytes": memory.reserved_bytes,
+                                              "live_bytes": memory.live_bytes, "os_bytes": memory.os_bytes,
+                                              "how": memory.how}}})
+    assert "reserved 4.0 MiB" in text and "live peak 10.0 MiB" in text
+    assert "OS peak 12.0 MiB (allocator adds 2.0 MiB)" in text

@@ -80,10 +80,18 @@ class StepMemory:
     Attributes:
         saved_bytes: bytes saved for backward.
         peak_bytes: the step's peak (CUDA only; ``None`` elsewhere).
+        reserved_bytes: the CUDA allocator's reserved peak of one step (``None`` off CUDA or not measured).
+        live_bytes: the bytes live at the step's high point, measured on the process (``None``: not measured).
+        os_bytes: the OS-level peak of the process over the step (``None``: not measured).
+        how: how the process peaks were measured, or why one is missing (empty: not measured).
     """
 
     saved_bytes: int
     peak_bytes: int | None = None
+    reserved_bytes: int | None = None
+    live_bytes: int | None = None
+    os_bytes: int | None = None
+    how: str = ""
 
 
 @dataclass

@@ -80,7 +80,8 @@ class ProfileResult:
         operators: per operator, the minimum over the rounds.
         order: operators in the order they first ran.
         step_ms: the fastest round's step time (with the per-operator hooks in place).
-        peak_bytes: peak device memory of a step (CUDA only).
+        peak_bytes: peak device memory of a step (CUDA only): the caching allocator's allocated peak.
+        reserved_bytes: the caching allocator's reserved peak of a step (CUDA only): what the process holds.
         rounds: every measured round's per-operator measurements, in order (paired across configurations).
         sharing: per operator, the other operators that save a tensor it saves too (first measured round).
     """
@@ -89,6 +90,7 @@ class ProfileResult:
     order: list[str] = field(default_factory=list)
     step_ms: float = 0.0
     peak_bytes: int | None = None
+    reserved_bytes: int | None = None
     rounds: list[dict[str, OperatorMeasurement]] = field(default_factory=list)
     sharing: dict[str, set[str]] = field(default_factory=dict)  # operator -> others that save one of its tensors
 
@@ -291,6 +293,7 @@ class OperatorProfiler:
              step: Callable[[], None], warmup: int, rounds: int) -> None:
         steps: dict[L, list[float]] = {label: [] for label in configs}
         peaks: dict[L, list[int]] = {label: [] for label in configs}
+        reserved: dict[L, list[int]] = {label: [] for label in configs}
         for round_index in range(warmup + rounds):
             for label, activate in configs.items():
                 context = activate()
@@ -315,6 +318,7 @@ class OperatorProfiler:
                     steps[label].append(self.clock.elapsed_ms(start, end))
                     if self._cuda:
                         peaks[label].append(int(torch.cuda.max_memory_allocated()))
+                        reserved[label].append(int(torch.cuda.max_memory_reserved()))
             if self.on_round is not None:
                 self.on_round()
         for label, result in results.items():
@@ -323,3 +327,6 @@ class OperatorProfiler:
             result.step_ms = min(result.step_ms, fastest) if result.step_ms else fastest
             if peaks[label]:
                 result.peak_bytes = max(peaks[label] + ([result.peak_bytes] if result.peak_bytes else []))
+            if reserved[label]:
+                result.reserved_bytes = max(reserved[label]
+                                            + ([result.reserved_bytes] if result.reserved_bytes else []))

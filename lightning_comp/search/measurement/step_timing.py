@@ -15,6 +15,7 @@ from torch import nn
 from lightning_comp.adapters.torch_internals import storage_key
 from lightning_comp.errors import SearchConfigError
 from lightning_comp.search.measurement.clocks import Clock, ClockKind, make_clock
+from lightning_comp.search.measurement.process_memory import StepPeak, measure_step_peak
 
 __all__ = ["StepTimer", "StepTimes", "TrainingStepRunner", "clock_for", "entered", "new_storage_bytes"]
 
@@ -149,6 +150,23 @@ class StepTimer:
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _activated(activate):
                 step()
             out[label] = sum(sizes)
+        return out
+
+    def step_peaks(self, configs: Mapping[L, Callable[[], Any]], step: Callable[[], None],
+                   device: torch.device | str | None = None) -> dict[L, StepPeak]:
+        """The peak the process needs for one step of each configuration (one extra step each).
+
+        Run after :meth:`time`, so every configuration is warm and its peak is a steady step's.
+
+        Args:
+            configs: label -> a function that puts the configuration into effect.
+            step: one training step.
+            device: where the step runs (a CUDA device also reads the allocator's peaks).
+        """
+        out: dict[L, StepPeak] = {}
+        for label, activate in configs.items():
+            with _activated(activate):
+                out[label] = measure_step_peak(step, device)
         return out
 
 

@@ -42,7 +42,9 @@ def batch_record(batch: BatchStageResult | None) -> dict[str, Any]:
         "refinements": [_flip(flip) for flip in batch.flips],
         "saved_step": {} if batch.saved.check is None else _saved_check(batch.saved.check),
         "parameter_step": _parameter_stage(batch.parameters),
-        "memory": {plan.value: {"saved_bytes": memory.saved_bytes, "peak_bytes": memory.peak_bytes}
+        "memory": {plan.value: {"saved_bytes": memory.saved_bytes, "peak_bytes": memory.peak_bytes,
+                                "reserved_bytes": memory.reserved_bytes, "live_bytes": memory.live_bytes,
+                                "os_bytes": memory.os_bytes, "how": memory.how}
                    for plan, memory in batch.memory.items()},
     }
 

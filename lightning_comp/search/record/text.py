@@ -84,6 +84,14 @@ def format_record(record: dict[str, Any]) -> str:
             text = f"{label} {m.get('saved_bytes', 0) / 2**20:.2f} MiB saved for backward"
             if m.get("peak_bytes"):
                 text += f", peak {m['peak_bytes'] / 2**20:.1f} MiB"
+            if m.get("reserved_bytes"):
+                text += f", reserved {m['reserved_bytes'] / 2**20:.1f} MiB"
+            if m.get("live_bytes") is not None:
+                text += f", live peak {m['live_bytes'] / 2**20:.1f} MiB"
+            if m.get("os_bytes") is not None:
+                text += f", OS peak {m['os_bytes'] / 2**20:.1f} MiB"
+                if m.get("live_bytes") is not None:
+                    text += f" (allocator adds {(m['os_bytes'] - m['live_bytes']) / 2**20:.1f} MiB)"
             parts.append(text)
         out.append("Memory per step: " + "; ".join(parts))
     cost = record.get("cost") or {}
