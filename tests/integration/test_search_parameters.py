@@ -118,7 +118,8 @@ def test_the_batch_stage_judges_state_and_master_from_measurements(tmp_path: Pat
     """Unpinned, with any slowdown accepted: every operator owning 4096+ parameters gets a decision with bytes and
     update times, the smallest state format, and a bf16 master exactly where it computes in bf16."""
     pl.seed_everything(0)
-    search = CoMPSearch(objective="memory", low_precision="bf16", precisions={"saved": "off"}, max_slowdown_vs_fastest=1e6,
+    search = CoMPSearch(objective="memory", low_precision="bf16", precisions={"saved": "off"},
+                        max_slowdown_vs_fastest=1e6,
                         verbose=False, measurement={"profile_steps": 3}, max_trials=2)
     trainer = search_trainer(tmp_path, [search], max_epochs=3, plugin=CoMPPrecision())
     trainer.fit(ScheduledAdamW(), *loaders())

@@ -58,7 +58,8 @@ def test_memory_accepts_what_saves_bytes_within_the_slowdown() -> None:
     config = SearchConfig(objective="memory", max_slowdown_vs_fastest=1.5)
     budget = StepBudget(step_ms=100.0, pace_step_ms=100.0, step_bytes=1e8)
     ok, why, benefit = judge_lowering(config, budget, 8_000_000, 2_000_000, 2.0, _estimate(3.0))
-    assert ok and benefit == 6_000_000 and "x1.04 of the fastest fixed policy's" in why  # 4.1 ms more (slow end) per 100 ms
+    # 4.1 ms more (slow end) per 100 ms
+    assert ok and benefit == 6_000_000 and "x1.04 of the fastest fixed policy's" in why
     ok, why, _ = judge_lowering(config, budget, 8_000_000, 2_000_000, 30.0, _estimate(3.0))
     assert not ok and "past max_slowdown_vs_fastest 1.5" in why  # 61.5 ms more
     ok, why, _ = judge_lowering(config, budget, 8_000_000, 7_900_000, 2.0, _estimate(1.0))
