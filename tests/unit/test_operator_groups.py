@@ -262,7 +262,7 @@ def test_refinement_tries_the_flips_expected_to_pay_largest_first_and_keeps_one_
 
 def test_the_forecast_adds_the_optimizer_and_loop_time_training_measured_to_the_batch_stages_step() -> None:
     from lightning_comp.search.decisions.batch_result import BatchStageResult, SavedStageResult
-    from lightning_comp.search.decisions.whole_step import ComparedPlan, PlanStep, TrialledPlan
+    from lightning_comp.search.decisions.whole_step import ComparedPlan, Pace, PlanStep, TrialledPlan
     from lightning_comp.search.record.forecast import forecast_check
     from lightning_comp.search.state import TrialRecord
 
@@ -270,7 +270,7 @@ def test_the_forecast_adds_the_optimizer_and_loop_time_training_measured_to_the_
     batch = BatchStageResult(
         decisions={}, candidates=(Candidate("x"),), benefits={}, runs=[], saved=SavedStageResult(), order=[],
         steps={fp32: PlanStep(ms=10.0, wall_ms=10.0), autocast: PlanStep(ms=8.0, wall_ms=8.0)}, memory={},
-        trialled=TrialledPlan(candidates, False, 5.0, 0.5, candidates, 5.0))
+        trialled=TrialledPlan(candidates, False, 5.0, 0.5, candidates, 5.0, Pace()))
     assert forecast_check(batch, []) is None  # no trial has measured anything yet
     reference = TrialRecord("fp32 reference", None, {}, 0, 0, median_step_ms=14.0)
     trial = TrialRecord("all candidates", (Candidate("x"),), {}, 0, 0, median_step_ms=9.5)
