@@ -26,7 +26,7 @@ from lightning_comp.search.config import SearchConfig
 from lightning_comp.search.decisions.objectives import policy_for
 from lightning_comp.search.measurement.clocks import single_intra_op_thread
 from lightning_comp.search.measurement.estimates import RatioEstimate
-from tests.helpers.search_models import WideMLP, loaders, search_trainer
+from tests.helpers.search_models import Classifier, WideMLP, loaders, search_trainer
 
 
 @pytest.fixture(autouse=True)
@@ -163,9 +163,10 @@ def test_batch_stage_decides_saved_precision_from_measured_bytes(tmp_path: Path)
     assert set(record["saved_lowered"]) <= {n for n in record["operators"]}
 
 
-def test_cheap_operators_recompute_as_a_group_when_the_step_pays(tmp_path: Path) -> None:
-    """``precisions={"saved": "recompute"}``: the ReLUs' outputs (each the next Linear's saved input) are recomputed in
-    backward instead of stored; judged together against the whole step's saved bytes and time, trialled, kept."""
+def test_cheap_operators_recompute_unit_by_unit_when_the_step_pays(tmp_path: Path) -> None:
+    """``precisions={"saved": "recompute"}``: each ReLU's output (the next Linear's saved input) is recomputed in
+    backward instead of stored; each ReLU is a unit of its own (a Linear between two of them), judged on its own and
+    its consumer's saved bytes and time, trialled, kept."""
     pl.seed_everything(0)
     search = CoMPSearch(objective="memory", low_precision="bf16", measurement={"speed_margin": 0.9, "profile_steps": 3},
                         precisions={"saved": "recompute", "state": "off", "master": "off"}, max_slowdown_vs_fastest=1e6,
@@ -176,10 +177,65 @@ def test_cheap_operators_recompute_as_a_group_when_the_step_pays(tmp_path: Path)
     record = search.record
     assert record is not None
     relus = ("a1", "a2", "a3", "a4")
+    consumers = {"a1": "l2", "a2": "l3", "a3": "l4", "a4": "head"}
     for name in relus:
         entry = record["operators"][name]["saved"]
         assert entry["decision"] == "recompute", entry["reason"]
-        assert tuple(entry["group"]) == relus and "recompute together" in entry["reason"]
-        assert entry["bytes"]["recompute"] < entry["bytes"]["fp32"]
+        assert "group" not in entry and f"judged in recompute unit {name}: " in entry["reason"], entry["reason"]
+        assert f"its own and its consumers' ({consumers[name]})" in entry["reason"]
+        # the ReLU saves its output, the Linear after it saves it too: one storage, freed whole
+        assert entry["bytes"]["recompute"] == 0 < entry["bytes"]["fp32"], entry
     assert {n: plugin.plan.of("saved", n).value for n in relus} == dict.fromkeys(relus, "recompute")
     assert record["saved_lowered"] == dict.fromkeys(relus, "recompute")
+
+
+class RepeatedBlocks(Classifier):
+    """``blocks.{0,1,2}``, each ``ln -> fc -> act -> proj`` (LayerNorm, Linear, GELU, Linear) with a residual, then
+    ``head``: the LayerNorms and the GELUs are cheap operators that play the same part in every block."""
+
+    def __init__(self, width: int = 128, depth: int = 3) -> None:
+        super().__init__()
+        self.inp = torch.nn.Linear(64, width)
+        self.blocks = torch.nn.ModuleList(torch.nn.ModuleDict(
+            {"ln": torch.nn.LayerNorm(width), "fc": torch.nn.Linear(width, 2 * width), "act": torch.nn.GELU(),
+             "proj": torch.nn.Linear(2 * width, width)}) for _ in range(depth))
+        self.head = torch.nn.Linear(width, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for block in self.blocks:
+            h = h + block["proj"](block["act"](block["fc"](block["ln"](h))))
+        return self.head(h)
+
+
+def test_recompute_units_of_repeated_blocks_are_pooled_and_the_record_names_them(tmp_path: Path) -> None:
+    """Trainer path: the LayerNorms of the three blocks are one unit pooled (``blocks.*.ln``), the GELUs another;
+    each unit's bytes are its own and its consumers' (the Linear after it), and every decision's reason names the
+    unit, those bytes and that time."""
+    pl.seed_everything(0)
+    # a unit must keep at most 60 % of its bytes (each keeps about half); x3 of the step is allowed, which no emulated
+    # bf16 compute lowering meets (30-100x slower) and recomputing these cheap operators does
+    search = CoMPSearch(objective="memory", low_precision="bf16", measurement={"speed_margin": 0.4, "profile_steps": 3},
+                        precisions={"saved": "recompute", "state": "off", "master": "off"}, max_slowdown_vs_fastest=3.0,
+                        verbose=False)
+    plugin = CoMPPrecision()
+    trainer = search_trainer(tmp_path, [search], max_epochs=3, plugin=plugin)
+    trainer.fit(RepeatedBlocks(), *loaders())
+    record = search.record
+    assert record is not None
+    batch, width = 256, 128
+    for part, consumer, freed in (("ln", "fc", batch * width * 4), ("act", "proj", batch * 2 * width * 4)):
+        members = [f"blocks.{i}.{part}" for i in range(3)]
+        for name in members:
+            entry = record["operators"][name]["saved"]
+            assert entry["decision"] == "recompute", entry["reason"]
+            assert entry["group"] == members, entry
+            reason = entry["reason"]
+            assert f"judged in recompute unit blocks.*.{part} (x3): " in reason, reason
+            assert "pooled over 3 units playing the same part in repeated blocks" in reason
+            assert f"this operator's unit {name}: saved bytes, its own and its consumers'" in reason
+            assert f"{name.rsplit('.', 1)[0]}.{consumer}" in reason and "their forward and backward x" in reason
+            # what the unit frees is its consumer's saved input, one per block
+            assert entry["bytes"]["fp32"] - entry["bytes"]["recompute"] == 3 * freed, entry
+    assert {n for n, v in record["saved_lowered"].items() if v == "recompute"} == {
+        f"blocks.{i}.{p}" for i in range(3) for p in ("ln", "act")}

@@ -3,9 +3,10 @@
 Operators that save the same tensor (a ReLU's output is the next Linear's saved input) are judged as one group
 (:func:`sharing_groups`): only together do they free it. A saved lowering qualifies when it saves at least
 ``speed_margin`` of the bytes and the objective's policy accepts its time (:func:`judge_saved`); of two that qualify
-the smaller wins. A lowering another operator would still hold as computed is dropped (:func:`unshared_choices`:
-both forms would be held). The plan with every remaining lowering is then checked as a whole step
-(:class:`SavedStepCheck`).
+the smaller wins. Recomputation is judged by the same rule, per unit of cheap operators
+(:mod:`lightning_comp.search.decisions.recompute_units`). A lowering another operator would still hold as computed is
+dropped (:func:`unshared_choices`: both forms would be held). The plan with every remaining lowering is then checked
+as a whole step (:class:`SavedStepCheck`).
 """
 
 from __future__ import annotations
@@ -33,8 +34,14 @@ class SavedDecision:
         time_ratios: per precision measured, its time relative to saving as computed: ``[ratio, low, high]``.
         gain_bytes: the bytes the chosen precision saves per step (0 when saved as computed).
         benefit: what the chosen precision gains in the objective's unit (ranks fallback groups).
-        group: the operators judged together with it (they save the same tensors), if any.
+        group: the operators judged together with it (they save the same tensors, or they recompute as one unit), if
+            any.
         forced: ``CoMPSearch(include_dimensions={"saved": ...})`` named it.
+        unit: for a recompute decision, the label of the recompute unit it was judged in
+            (:mod:`lightning_comp.search.decisions.recompute_units`).
+        timed: for a recompute decision, the operators whose forward and backward ``time_ratios`` are of: the unit's
+            members and its consumers, whose backward runs the recomputation (``None``: those in ``group``, or the
+            operator alone).
     """
 
     decision: SavedPrecision = SavedPrecision.FP32
@@ -45,6 +52,8 @@ class SavedDecision:
     benefit: float = 0.0
     group: tuple[str, ...] | None = None
     forced: bool = False
+    unit: str | None = None
+    timed: tuple[str, ...] | None = None
 
     @property
     def lowers(self) -> bool:

@@ -2,10 +2,14 @@
 
 Runs for ``objective="memory"`` and ``objective="balanced"`` once the compute candidates are known. On top of the
 candidate plan, the training step is profiled with every eligible operator saving as computed, ``bf16`` and
-``fp8`` (interleaved rounds, as for compute precision): per operator, the bytes it saves and its time, pack and
-unpack included. The decisions follow from them (:mod:`lightning_comp.search.decisions.saved`); the plan with every
-saved lowering is then timed as a whole step beside the candidate plan, and kept only if the objective's policy
-finds it better as a whole.
+``fp8`` (interleaved rounds, as for compute precision), and with every cheap operator recomputing: per operator, the
+bytes it saves and its time, pack and unpack included. The decisions follow from them
+(:mod:`lightning_comp.search.decisions.saved`). Recomputation is decided first, unit by unit
+(:mod:`lightning_comp.search.decisions.recompute_units`: a run of cheap operators between compute operators, pooled
+with the runs playing the same part in repeated blocks, judged on its own and its consumers' bytes and time, both
+read from the same two profiles), so the cheap part of a model's recomputation is kept when the whole would be too
+slow; the operators not recomputed are judged for ``bf16``/``fp8``. The plan with every saved lowering is then timed
+as a whole step beside the candidate plan, and kept only if the objective's policy finds it better as a whole.
 
 Saved lowerings join the compute candidates in the epoch stage's group testing as candidates of the ``saved``
 dimension (:class:`~lightning_comp.search.candidates.Candidate`), in execution order beside their operator, so a
@@ -26,6 +30,7 @@ from lightning_comp.plan.plan import PrecisionPlan
 from lightning_comp.search.candidates import Candidate
 from lightning_comp.search.decisions.batch_result import SavedStageResult
 from lightning_comp.search.decisions.operators import OperatorDecision
+from lightning_comp.search.decisions.recompute_units import judge_units, measure_units, pool_units, recompute_units
 from lightning_comp.search.decisions.saved import (
     SavedDecision,
     SavedStepCheck,
@@ -87,7 +92,7 @@ class SavedStage:
                 for name in list(result.choices):
                     saved = decisions[name].saved
                     if saved is not None and not saved.forced:
-                        saved.keep_as_computed(f"saves as computed: {result.check.verdict}")
+                        saved.keep_as_computed(f"saves as computed: {result.check.verdict}; measured: {saved.reason}")
                         result.drop(name)
         return result
 
@@ -118,22 +123,20 @@ class SavedStage:
 
     def _decide_recompute(self, results: dict[SavedPrecision, ProfileResult], recomputable: list[str],
                           decisions: dict[str, OperatorDecision], result: SavedStageResult) -> None:
-        """The cheap operators' recomputation, judged as one group against the whole step: what recomputing an
-        operator frees shows in its consumers' saved bytes (the next Linear no longer holds the GELU's output),
-        and what it costs in the backward of every operator that unpacks it."""
+        """The cheap operators' recomputation, judged unit by unit
+        (:mod:`lightning_comp.search.decisions.recompute_units`): a run of them between compute operators, pooled
+        with the runs playing the same part in repeated blocks, on what recomputing it frees (its own and its
+        consumers' saved bytes: the next Linear no longer holds the GELU's output) and what it costs (their forward
+        and backward: the backward of every operator that unpacks it runs the recomputation), from the profile
+        saving as computed and the one recomputing every unit."""
         base, recomputed = results[SavedPrecision.FP32], results[SavedPrecision.RECOMPUTE]
-        ran = [n for n in base.order if n in base.operators and n in recomputed.operators]
-        if not ran:
+        ran = {n for n in recomputable if n in base.operators and n in recomputed.operators}
+        units = recompute_units(base.order, ran, base.sharing)
+        if not units:
             return
-        before, after = base.saved_bytes, recomputed.saved_bytes
-        time = paired_ratio(_summed(base, ran), _summed(recomputed, ran))
-        group = tuple(n for n in recomputable if n in base.operators)
-        shared = judge_saved(self.policy, before, {SavedPrecision.RECOMPUTE: (after, time)})
-        shared.reason = (f"{shared.reason} (the {len(group)} cheap operators recompute together: the step's saved"
-                         f" bytes {before / 2**20:.2f} -> {after / 2**20:.2f} MiB, the step x{time.ratio:.2f})")
-        for name in group:
-            decision = _share_of(shared, group)
-            decision.reason = shared.reason
+        measured, _ = measure_units(units, base, recomputed)
+        pooled = pool_units(measured, self.ctx.modules)
+        for name, decision in judge_units(self.policy, pooled).items():
             decisions[name].saved = decision
             if decision.lowers:
                 result.choices[name] = decision.decision
@@ -161,6 +164,9 @@ class SavedStage:
                         decision.decision = smallest
                         decision.reason = (f"included by CoMPSearch(include_dimensions={{'saved': ...}}) at"
                                            f" {smallest.value}")
+                tried = decisions[name].saved
+                if tried is not None and tried.unit is not None:  # its recompute unit was judged first, not taken
+                    decision.reason = f"{decision.reason}; recompute judged first: {tried.reason}"
                 decisions[name].saved = decision
                 if decision.lowers:
                     result.choices[name] = decision.decision
