@@ -27,6 +27,7 @@ from lightning_comp.search.decisions.recompute_units import (
     measure_units,
     pool_units,
     recompute_units,
+    undecided_units,
     unit_label,
 )
 from lightning_comp.search.measurement.profiling import OperatorMeasurement, OperatorProfiler, ProfileResult
@@ -220,6 +221,26 @@ def test_a_unit_that_frees_too_little_is_not_recomputed_however_fast() -> None:
                            pool_units(measured, {"emb": nn.Embedding(4, 4)}))["emb"]
     assert decision.decision is SavedPrecision.FP32 and "saves too little" in decision.reason
     assert "judged in recompute unit emb" in decision.reason and decision.group is None
+
+
+def test_units_whose_rounds_straddle_the_bound_are_the_ones_worth_more_rounds() -> None:
+    """x1.05 is decided (below x1.15), x1.6 too (above); a unit whose rounds spread from x1.05 to x1.25 is not, and
+    one that frees too little is not worth more rounds however close."""
+    before, after, order = _two_units(act_after_ms=2.1, ln_after_ms=3.2)
+    policy = policy_for(SearchConfig(objective="memory"))
+    cheap = {n for n in order if n.endswith((".ln", ".act"))}
+    pooled = pool_units(measure_units(recompute_units(order, cheap, {}), before, after)[0], _modules(order))
+    assert undecided_units(policy, pooled) == []
+    for i, factor in enumerate((1.05, 1.25, 1.1, 1.2, 1.08, 1.22)):  # proj's time: the GELUs' unit straddles x1.15
+        for block in (0, 1):
+            after.rounds[i][f"blocks.{block}.proj"].forward_ms = 2 * factor - 1.0
+    pooled = pool_units(measure_units(recompute_units(order, cheap, {}), before, after)[0], _modules(order))
+    assert [u.label for u in undecided_units(policy, pooled)] == ["blocks.*.act (x2)"]
+    for block in (0, 1):  # the same rounds, but proj keeps its input: nothing freed
+        for state in (after.operators, *after.rounds):
+            state[f"blocks.{block}.proj"].saved_bytes = state[f"blocks.{block}.proj"].own_saved_bytes = 1000
+    pooled = pool_units(measure_units(recompute_units(order, cheap, {}), before, after)[0], _modules(order))
+    assert undecided_units(policy, pooled) == []
 
 
 def test_the_saved_stage_recomputes_the_cheap_unit_when_the_whole_would_be_too_slow() -> None:

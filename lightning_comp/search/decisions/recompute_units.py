@@ -36,7 +36,9 @@ structure.
 
 **Judged** (:func:`judge_units`) by the objective's policy
 (:func:`~lightning_comp.search.decisions.saved.judge_saved`): it must keep at most ``1 - speed_margin`` of its bytes
-and its time must stay within the policy's slowdown. Each member's decision names its unit and that unit's bytes and
+and its time must stay within the policy's slowdown. Where the interval of a unit's paired rounds straddles the bound
+(:func:`undecided_units`), the saved stage measures more rounds of the same configurations, within the
+``extra_profile_time`` budget, before judging. Each member's decision names its unit and that unit's bytes and
 time. The saved stage's whole-step check still judges every lowering together.
 """
 
@@ -53,11 +55,11 @@ from lightning_comp.numerics.precision import SavedPrecision
 from lightning_comp.search.decisions.groups import abstract_path, group_operators, pooled_series
 from lightning_comp.search.decisions.objectives import ObjectivePolicy
 from lightning_comp.search.decisions.saved import SavedDecision, judge_saved
-from lightning_comp.search.measurement.estimates import RatioEstimate, paired_ratio
+from lightning_comp.search.measurement.estimates import RatioEstimate, Verdict, paired_ratio
 from lightning_comp.search.measurement.profiling import ProfileResult
 
 __all__ = ["PooledUnit", "RecomputeUnit", "UnitMeasurement", "block_of", "judge_units", "measure_units",
-           "pool_units", "recompute_units", "unit_label"]
+           "pool_units", "recompute_units", "undecided_units", "unit_label"]
 
 MIB = 2**20
 
@@ -329,6 +331,18 @@ def pool_units(measured: Sequence[UnitMeasurement], modules: Mapping[str, nn.Mod
             f"{unit_label([abstract_path(n) for n in first.members])} (x{len(units)})")
         pooled.append(PooledUnit(tuple(units), label))
     return pooled
+
+
+def undecided_units(policy: ObjectivePolicy, pooled: Sequence[PooledUnit]) -> list[PooledUnit]:
+    """The units whose time ``policy`` cannot yet tell from its bound (the interval of their paired rounds straddles
+    it) and that free enough bytes to be worth more rounds."""
+    close = []
+    for unit in pooled:
+        memory_ratio = unit.bytes_after / unit.bytes_before if unit.bytes_before > 0 else 1.0
+        if memory_ratio <= policy.keep and policy.saved(unit.time, memory_ratio, float(
+                unit.bytes_before - unit.bytes_after)).verdict is Verdict.UNDECIDED:
+            close.append(unit)
+    return close
 
 
 def judge_units(policy: ObjectivePolicy, pooled: Sequence[PooledUnit]) -> dict[str, SavedDecision]:

@@ -7,7 +7,8 @@ bytes it saves and its time, pack and unpack included. The decisions follow from
 (:mod:`lightning_comp.search.decisions.saved`). Recomputation is decided first, unit by unit
 (:mod:`lightning_comp.search.decisions.recompute_units`: a run of cheap operators between compute operators, pooled
 with the runs playing the same part in repeated blocks, judged on its own and its consumers' bytes and time, both
-read from the same two profiles), so the cheap part of a model's recomputation is kept when the whole would be too
+read from the same two profiles; a unit whose rounds straddle the bound gets more rounds of every configuration,
+within ``extra_profile_time``), so the cheap part of a model's recomputation is kept when the whole would be too
 slow; the operators not recomputed are judged for ``bf16``/``fp8``. The plan with every saved lowering is then timed
 as a whole step beside the candidate plan, and kept only if the objective's policy finds it better as a whole.
 
@@ -18,6 +19,7 @@ layer whose gradients suffer is isolated like any other candidate.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
@@ -30,7 +32,14 @@ from lightning_comp.plan.plan import PrecisionPlan
 from lightning_comp.search.candidates import Candidate
 from lightning_comp.search.decisions.batch_result import SavedStageResult
 from lightning_comp.search.decisions.operators import OperatorDecision
-from lightning_comp.search.decisions.recompute_units import judge_units, measure_units, pool_units, recompute_units
+from lightning_comp.search.decisions.recompute_units import (
+    PooledUnit,
+    judge_units,
+    measure_units,
+    pool_units,
+    recompute_units,
+    undecided_units,
+)
 from lightning_comp.search.decisions.saved import (
     SavedDecision,
     SavedStepCheck,
@@ -39,7 +48,7 @@ from lightning_comp.search.decisions.saved import (
     unshared_choices,
 )
 from lightning_comp.search.decisions.whole_step import ComparedPlan, StepComparison
-from lightning_comp.search.measurement.estimates import RatioEstimate, paired_ratio
+from lightning_comp.search.measurement.estimates import ExtraRounds, RatioEstimate, paired_ratio
 from lightning_comp.search.measurement.profiling import OperatorProfiler, ProfileResult
 from lightning_comp.search.measurement.step_timing import StepTimer
 from lightning_comp.search.ranks import reduce_profile
@@ -117,9 +126,30 @@ class SavedStage:
         profiler = OperatorProfiler(ctx.pl_module, ctx.clock, measurement.profile_steps, measurement.profile_warmup)
         # the bar counts rounds (each measures every configuration)
         profiler.on_round = ctx.show_rounds(ctx.first_rounds, "saved precision, per operator")
+        started = time.perf_counter()
         results = profiler.profile(configs, ctx.step)
+        if recomputable:  # a recompute unit whose rounds straddle the bound gets more of them, every config's
+            budget = ExtraRounds(config, time.perf_counter() - started, ctx.first_rounds)
+            while True:
+                close = undecided_units(self.policy, self._units(results, recomputable))
+                more = ctx.agree(budget.next_rounds() if close else 0)
+                if not more:
+                    break
+                if ctx.progress is not None:
+                    ctx.progress.extend_stage(more)
+                with budget.spending():
+                    profiler.extend(results, configs, ctx.step, more)
         reduce_profile(ctx.trainer, results)
         return results
+
+    def _units(self, results: dict[SavedPrecision, ProfileResult], recomputable: list[str]) -> list[PooledUnit]:
+        """The recompute units (:mod:`lightning_comp.search.decisions.recompute_units`) of the operators in
+        ``recomputable`` that ran in both profiles, measured and pooled."""
+        base, recomputed = results[SavedPrecision.FP32], results[SavedPrecision.RECOMPUTE]
+        ran = {n for n in recomputable if n in base.operators and n in recomputed.operators}
+        units = recompute_units(base.order, ran, base.sharing)
+        measured, _ = measure_units(units, base, recomputed)
+        return pool_units(measured, self.ctx.modules)
 
     def _decide_recompute(self, results: dict[SavedPrecision, ProfileResult], recomputable: list[str],
                           decisions: dict[str, OperatorDecision], result: SavedStageResult) -> None:
@@ -129,14 +159,7 @@ class SavedStage:
         consumers' saved bytes: the next Linear no longer holds the GELU's output) and what it costs (their forward
         and backward: the backward of every operator that unpacks it runs the recomputation), from the profile
         saving as computed and the one recomputing every unit."""
-        base, recomputed = results[SavedPrecision.FP32], results[SavedPrecision.RECOMPUTE]
-        ran = {n for n in recomputable if n in base.operators and n in recomputed.operators}
-        units = recompute_units(base.order, ran, base.sharing)
-        if not units:
-            return
-        measured, _ = measure_units(units, base, recomputed)
-        pooled = pool_units(measured, self.ctx.modules)
-        for name, decision in judge_units(self.policy, pooled).items():
+        for name, decision in judge_units(self.policy, self._units(results, recomputable)).items():
             decisions[name].saved = decision
             if decision.lowers:
                 result.choices[name] = decision.decision
