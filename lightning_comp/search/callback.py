@@ -92,8 +92,6 @@ class CoMPSearch(Callback):
             autocast region); ``None``: 1.15 for memory, 1.05 for balanced.
         memory_budget: (``objective="memory"``) the step peak to reach: a float is a fraction of AMP's step peak,
             an int bytes; the cheapest bytes per millisecond are taken until it is met.
-        max_memory_slowdown: removed (it bounded the slowdown against FP32): passing it raises
-            :class:`~lightning_comp.errors.SearchConfigError` naming ``max_slowdown_vs_fastest``.
         measurement: ``"quick"``, ``"default"`` or ``"thorough"``, a ``MeasurementConfig``, or a mapping of its
             fields (over ``"default"``, or over the preset its ``preset`` key names).
         record_dir: where the decision record and the chosen plan are written.
@@ -136,7 +134,6 @@ class CoMPSearch(Callback):
         max_trials: int | None = None,
         max_slowdown_vs_fastest: float | None = None,
         memory_budget: float | int | None = None,
-        max_memory_slowdown: float | None = None,
         measurement: str | Mapping[str, Any] | MeasurementConfig | None = None,
         record_dir: str | None = None,
         snapshot_device: str | None = None,

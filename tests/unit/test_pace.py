@@ -104,8 +104,11 @@ def test_saved_and_parameter_steps_timed_beside_fp32_are_bounded_through_the_pac
 
 
 def test_the_old_setting_names_its_replacement() -> None:
+    # a config file or command line naming the old setting (SearchConfig.of) is told what replaced it
     with pytest.raises(SearchConfigError, match=r"max_memory_slowdown=1.5.*max_slowdown_vs_fastest.*not against FP32"):
-        CoMPSearch(objective="memory", max_memory_slowdown=1.5)
+        SearchConfig.of({"objective": "memory", "max_memory_slowdown": 1.5})
+    with pytest.raises(TypeError, match="max_memory_slowdown"):
+        CoMPSearch(objective="memory", max_memory_slowdown=1.5)  # type: ignore[call-arg]
     with pytest.raises(SearchConfigError, match=r"max_slowdown_vs_fastest.*0.9.*>= 1"):
         CoMPSearch(objective="memory", max_slowdown_vs_fastest=0.9)
     assert SearchConfig(objective="memory").slowdown_vs_fastest == 1.15

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from lightning_comp import PrecisionPlan
+from lightning_comp.errors import UsageError
 from lightning_comp.execution.executor import PlanExecutor, StepKind
 from lightning_comp.numerics.precision import SavedPrecision
 from lightning_comp.operators.kinds import classify
@@ -123,11 +124,11 @@ def test_consumers_are_attributed_and_the_units_changes_add_up_to_the_step() -> 
 
 def test_measuring_needs_members_that_ran_and_paired_rounds() -> None:
     before = profile({"a": (8, 8, 1.0), "b": (8, 8, 1.0)})
-    with pytest.raises(ValueError, match=r"unit members \['c'\] did not run in both profiles"):
+    with pytest.raises(UsageError, match=r"unit members \['c'\] did not run in both profiles"):
         measure_units([RecomputeUnit(("c",))], before, before)
     short = profile({"a": (8, 8, 1.0), "b": (8, 8, 1.0)})
     short.rounds = short.rounds[:2]
-    with pytest.raises(ValueError, match="paired rounds: 6 and 2"):
+    with pytest.raises(UsageError, match="paired rounds: 6 and 2"):
         measure_units([RecomputeUnit(("a",))], before, short)
 
 

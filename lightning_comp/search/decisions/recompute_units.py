@@ -51,6 +51,7 @@ from functools import cached_property
 
 from torch import nn
 
+from lightning_comp.errors import UsageError
 from lightning_comp.numerics.precision import SavedPrecision
 from lightning_comp.search.decisions.groups import abstract_path, group_operators, pooled_series
 from lightning_comp.search.decisions.objectives import ObjectivePolicy
@@ -198,13 +199,13 @@ def measure_units(units: Sequence[RecomputeUnit], before: ProfileResult, after: 
         ran before (attributed to none).
 
     Raises:
-        ValueError: if a member did not run in both profiles, or the profiles hold different numbers of rounds.
+        UsageError: if a member did not run in both profiles, or the profiles hold different numbers of rounds.
     """
     if len(before.rounds) != len(after.rounds):
-        raise ValueError(f"the two profiles must hold paired rounds: {len(before.rounds)} and {len(after.rounds)}")
+        raise UsageError(f"the two profiles must hold paired rounds: {len(before.rounds)} and {len(after.rounds)}")
     missing = [n for u in units for n in u.members if n not in before.operators or n not in after.operators]
     if missing:
-        raise ValueError(f"unit members {missing} did not run in both profiles; units are made of operators that did")
+        raise UsageError(f"unit members {missing} did not run in both profiles; units are made of operators that did")
     unit_of = {name: index for index, unit in enumerate(units) for name in unit.members}
     position = {name: i for i, name in enumerate(before.order)}
     consumers: list[list[str]] = [[] for _ in units]
