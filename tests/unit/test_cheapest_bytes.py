@@ -121,3 +121,39 @@ def test_levers_of_repeated_blocks_pool_per_dimension_and_keep_other_dimensions_
     assert writes["saved:blocks.*.fc (x3)"]["bf16"].values == {
         f"blocks.{i}.fc": {Dimension.SAVED: "bf16"} for i in range(3)}
     assert set(writes) == set(by_label)
+
+
+def test_a_recompute_unit_is_priced_over_every_operator_it_timed_and_not_pooled_again() -> None:
+    from types import SimpleNamespace
+
+    from torch import nn
+
+    from lightning_comp.operators.kinds import OperatorKind
+    from lightning_comp.plan.plan import PrecisionPlan
+    from lightning_comp.search.config import SearchConfig
+    from lightning_comp.search.decisions.operators import OperatorDecision
+    from lightning_comp.search.decisions.saved import SavedDecision
+    from lightning_comp.search.measurement.profiling import OperatorMeasurement
+    from lightning_comp.search.stages.memory_stage import CheapestBytesStage
+
+    names = ["blocks.0.fc", "blocks.0.act", "blocks.1.fc", "blocks.1.act"]
+    modules = {n: nn.Linear(4, 4) if n.endswith("fc") else nn.ReLU() for n in names}
+    stage = CheapestBytesStage.__new__(CheapestBytesStage)
+    stage.ctx = SimpleNamespace(modules=modules)  # type: ignore[assignment]
+    stage.config = SearchConfig(objective="memory")
+    decisions = {n: OperatorDecision(type(m).__name__, OperatorKind.COMPUTE if n.endswith("fc") else OperatorKind.OTHER,
+                                     16, fp32=OperatorMeasurement(forward_ms=1.0, compute_ms=1.0, backward_ms=1.0))
+                 for n, m in modules.items()}
+    # two units, each an activation timed with the Linear that consumes (and recomputes) it, judged apart
+    for block, ratio in (("0", 1.1), ("1", 3.0)):
+        act = f"blocks.{block}.act"
+        decisions[act].saved = SavedDecision(bytes={"fp32": 4 * MiB, "recompute": 0},
+                                             time_ratios={"recompute": [ratio, ratio, ratio]},
+                                             unit=act, timed=(act, f"blocks.{block}.fc"))
+    levers, _ = stage._levers(PrecisionPlan(), decisions)
+    by_label = {lever.label: lever for lever in levers}
+    assert set(by_label) == {"saved:blocks.0.act", "saved:blocks.1.act"}  # not one pooled lever
+    # 4 ms of forward and backward timed (2 ms each, the activation and its consumer): x1.1 -> 0.4 ms, x3.0 -> 8 ms
+    # (priced over the activation alone, they would read 0.2 and 4 ms)
+    assert by_label["saved:blocks.0.act"].options[0].extra_ms == pytest.approx(0.4)
+    assert by_label["saved:blocks.1.act"].options[0].extra_ms == pytest.approx(8.0)

@@ -130,7 +130,9 @@ class CheapestBytesStage:
                 members = entry.group or (name,)
                 if members not in seen:
                     seen.add(members)
-                    base_ms = sum(_compute_ms(m, decisions[m], base, self.ctx) for m in members if m in decisions)
+                    # the ratio is of every operator it timed: a recompute unit's consumers run its recomputation
+                    timed = entry.timed or members
+                    base_ms = sum(_compute_ms(m, decisions[m], base, self.ctx) for m in timed if m in decisions)
                     own = float(entry.bytes.get("fp32", 0))
                     options, writes = [], {}
                     for value, (median, _, _) in entry.time_ratios.items():
@@ -143,7 +145,8 @@ class CheapestBytesStage:
                         label = f"saved:{_shown(members)}"
                         levers.append(Lever(label, tuple(options), forced=entry.forced))
                         changes[label] = writes
-                        firsts[label] = members[0]
+                        if entry.unit is None:  # a recompute unit is pooled across blocks already
+                            firsts[label] = members[0]
             params = decision.parameters
             if params is not None and params.update_ms:
                 lever, writes = self._parameter_lever(name, params, base)
@@ -158,11 +161,13 @@ class CheapestBytesStage:
         """The levers of operators playing the same part in repeated blocks
         (:mod:`lightning_comp.search.decisions.groups`) as one: their bytes and times summed, one decision for
         every block, as their compute precision is decided. Levers of one group that were measured with other
-        options (or one forced) stay apart."""
+        options (or one forced) stay apart, and so do recompute units (``firsts`` leaves them out): the saved stage
+        pooled them by all their members' parts, which their first member alone does not tell."""
         pooled: list[Lever] = []
         merged: set[str] = set()
         for dimension in ("saved:", "state:"):
-            by_first = {firsts[lever.label]: lever for lever in levers if lever.label.startswith(dimension)}
+            by_first = {firsts[lever.label]: lever for lever in levers
+                        if lever.label.startswith(dimension) and lever.label in firsts}
             for group in group_operators(list(by_first), self.ctx.modules):
                 members = [by_first[n] for n in group.members]
                 values = {tuple(sorted(o.value for o in lever.options)) for lever in members}
