@@ -165,3 +165,23 @@ class FragileMLP(Classifier):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.a3(self.bad(self.a2(self.l2(self.a1(self.l1(x)))))))
+
+
+class StateSensitiveMLP(WideMLP):
+    """WideMLP whose validation loss is worse by 1.0 while ``l3``'s Adam moments are held in 8 bits.
+
+    It stands in for a layer 8-bit Adam hurts (bitsandbytes keeps embeddings in 32 bits for that reason); a
+    numerical failure depends on gradient scales this test should not have to tune, and what is tested here is
+    that the search's trials see it and isolate that layer, with the real 8-bit state in the optimizer.
+    """
+
+    def __init__(self) -> None:
+        super().__init__(offset=False)
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        x, y = batch
+        loss = torch.nn.functional.cross_entropy(self(x), y)
+        state = self.trainer.optimizers[0].state.get(self.l3.weight, {})
+        if state.get("exp_avg") is not None and state["exp_avg"].dtype == torch.uint8:
+            loss = loss + 1.0
+        self.log("val_loss", loss)

@@ -19,7 +19,7 @@ import torch
 from lightning_comp import CoMPPrecision, CoMPSearch
 from lightning_comp.search.candidates import Candidate
 from lightning_comp.search.measurement.clocks import single_intra_op_thread
-from tests.helpers.search_models import WideMLP, loaders, search_trainer
+from tests.helpers.search_models import StateSensitiveMLP, loaders, search_trainer
 
 LAYERS = ("l2", "l3", "l4")
 
@@ -28,22 +28,6 @@ LAYERS = ("l2", "l3", "l4")
 def _one_thread() -> Iterator[None]:
     with single_intra_op_thread():
         yield
-
-
-class EightBitStateHurtsL3(WideMLP):
-    """WideMLP (safe in bf16) whose validation loss is worse by 1.0 while ``l3``'s Adam moments are held in 8 bits
-    (a stand-in for a layer 8-bit Adam hurts; the optimizer's state is the real 8-bit one)."""
-
-    def __init__(self) -> None:
-        super().__init__(offset=False)
-
-    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
-        x, y = batch
-        loss = torch.nn.functional.cross_entropy(self(x), y)
-        state = self.trainer.optimizers[0].state.get(self.l3.weight, {})
-        if state.get("exp_avg") is not None and state["exp_avg"].dtype == torch.uint8:
-            loss = loss + 1.0
-        self.log("val_loss", loss)
 
 
 def pinned_search(**kwargs: Any) -> CoMPSearch:
@@ -58,7 +42,7 @@ def _fit(tmp_path: Path, search: CoMPSearch) -> tuple[pl.Trainer, CoMPPrecision]
     pl.seed_everything(0)
     plugin = CoMPPrecision()
     trainer = search_trainer(tmp_path, [search], max_epochs=3, plugin=plugin)
-    trainer.fit(EightBitStateHurtsL3(), *loaders())
+    trainer.fit(StateSensitiveMLP(), *loaders())
     return trainer, plugin
 
 

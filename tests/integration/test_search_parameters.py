@@ -20,33 +20,13 @@ from lightning_comp.errors import SearchConfigError
 from lightning_comp.numerics.precision import MasterPrecision
 from lightning_comp.search.candidates import Candidate
 from lightning_comp.search.measurement.clocks import single_intra_op_thread
-from tests.helpers.search_models import WideMLP, loaders, search_trainer
+from tests.helpers.search_models import StateSensitiveMLP, WideMLP, loaders, search_trainer
 
 
 @pytest.fixture(autouse=True)
 def _one_thread() -> Iterator[None]:
     with single_intra_op_thread():
         yield
-
-
-class StateSensitiveMLP(WideMLP):
-    """WideMLP whose validation loss is worse by 1.0 while ``l3``'s Adam moments are held in 8 bits.
-
-    It stands in for a layer 8-bit Adam hurts (bitsandbytes keeps embeddings in 32 bits for that reason); a
-    numerical failure depends on gradient scales this test should not have to tune, and what is tested here is
-    that the search's trials see it and isolate that layer, with the real 8-bit state in the optimizer.
-    """
-
-    def __init__(self) -> None:
-        super().__init__(offset=False)
-
-    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
-        x, y = batch
-        loss = torch.nn.functional.cross_entropy(self(x), y)
-        state = self.trainer.optimizers[0].state.get(self.l3.weight, {})
-        if state.get("exp_avg") is not None and state["exp_avg"].dtype == torch.uint8:
-            loss = loss + 1.0
-        self.log("val_loss", loss)
 
 
 class ScheduledAdamW(WideMLP):
