@@ -39,11 +39,9 @@ from lightning_comp.plan.dimensions import Dimension
 from lightning_comp.plan.plan import PrecisionPlan
 from lightning_comp.plugins.comp import CoMPPrecision
 from lightning_comp.search.candidates import Candidate
-from lightning_comp.search.config import Objective, SearchConfig, Timing
+from lightning_comp.search.config import SearchConfig, Timing
 from lightning_comp.search.decisions.batch_result import (
     BatchStageResult,
-    ParameterStageResult,
-    SavedStageResult,
     StepMemory,
 )
 from lightning_comp.search.decisions.groups import group_operators
@@ -86,10 +84,8 @@ from lightning_comp.search.ranks import agree, reduce_profile
 from lightning_comp.search.record.progress import SearchProgress
 from lightning_comp.search.rewind.snapshot import capture_rng, restore_rng
 from lightning_comp.search.stages.context import StageContext, Step
-from lightning_comp.search.stages.memory_stage import CheapestBytesStage
-from lightning_comp.search.stages.parameter_stage import ParameterStage
+from lightning_comp.search.stages.memory_stage import memory_levers
 from lightning_comp.search.stages.refine_stage import Refiner
-from lightning_comp.search.stages.saved_stage import SavedStage
 
 __all__ = ["BatchStage"]
 
@@ -210,28 +206,9 @@ class BatchStage:
         compute = compute_candidates([n for n in order if n in lowered]
                                      + sorted(n for n in lowered if n not in order), groups)
         runs = []  # the trialled plan is written out whole: its fills are candidates of their own
-        saved = SavedStageResult()
-        parameters = ParameterStageResult()
         base = plan_for(self.low, runs, compute)
-        if (policy.saved_options or policy.recomputes) and not self.plugin.compiled:  # compiled: AOTAutograd
-            # decides what is saved
-            with single_intra_op_thread(timing.single_thread):
-                saved = SavedStage(ctx).measure(base, order, decisions)
-        spending = None
-        if policy.weighs_memory:
-            with_saved = base.with_assignment(Dimension.SAVED, {n: s.value for n, s in saved.choices.items()})
-            chosen = source  # the plan the candidates now are
-            candidates_saved = saved_bytes = step_saved.get(chosen, step_saved.get(FP32, 0.0))
-            chosen_ms = steps[chosen].ms if chosen in steps else steps[FP32].ms
-            if saved.check is not None and saved.check.pays:
-                saved_bytes = saved.check.saved_bytes.get(ComparedPlan.SAVED, saved_bytes)
-            spends = self.config.objective is Objective.MEMORY  # its levers are then taken cheapest first
-            with single_intra_op_thread(timing.single_thread):
-                parameters = ParameterStage(ctx).measure(with_saved, decisions, steps[FP32].ms, chosen_ms,
-                                                         saved_bytes, check=not spends)
-                if spends:
-                    spending = CheapestBytesStage(ctx).run(base, decisions, saved, parameters, steps[FP32].ms,
-                                                           chosen_ms, step_saved, candidates_saved)
+        with single_intra_op_thread(timing.single_thread):
+            saved, parameters, spending = memory_levers(ctx, base, order, decisions, steps, step_saved, source)
         candidates = in_execution_order(order, compute, groups, saved, parameters)
         benefits = {candidate: sum(decisions[m].benefit for m in members_of(candidate, groups))
                     for candidate in compute}

@@ -1,4 +1,5 @@
-"""The memory objective's last batch-stage step: every memory lever measured, cheapest bytes first.
+"""The batch stage's memory dimensions (:func:`memory_levers`: the saved and parameter stages in turn) and the
+memory objective's last step on them: every memory lever measured, cheapest bytes first.
 
 The saved stage (:mod:`lightning_comp.search.stages.saved_stage`) and the parameter stage
 (:mod:`lightning_comp.search.stages.parameter_stage`) measure, per operator (or unit), what each saved precision,
@@ -31,6 +32,7 @@ from lightning_comp.numerics.precision import ComputePrecision, MasterPrecision,
 from lightning_comp.plan.dimensions import Dimension
 from lightning_comp.plan.plan import PrecisionPlan
 from lightning_comp.search.candidates import Candidate
+from lightning_comp.search.config import Objective
 from lightning_comp.search.decisions.batch_result import ParameterStageResult, SavedStageResult
 from lightning_comp.search.decisions.cheapest_bytes import (
     Lever,
@@ -42,13 +44,15 @@ from lightning_comp.search.decisions.cheapest_bytes import (
 )
 from lightning_comp.search.decisions.groups import group_operators
 from lightning_comp.search.decisions.operators import OperatorDecision
-from lightning_comp.search.decisions.whole_step import ComparedPlan
+from lightning_comp.search.decisions.whole_step import ComparedPlan, PlanStep
 from lightning_comp.search.measurement.estimates import paired_ratio
 from lightning_comp.search.measurement.optimizer_timing import UpdateVariant
 from lightning_comp.search.measurement.step_timing import StepTimer
 from lightning_comp.search.stages.context import StageContext
+from lightning_comp.search.stages.parameter_stage import ParameterStage
+from lightning_comp.search.stages.saved_stage import SavedStage
 
-__all__ = ["CheapestBytesStage"]
+__all__ = ["CheapestBytesStage", "memory_levers"]
 
 CANDIDATES, PARAMETERS = ComparedPlan.CANDIDATES, ComparedPlan.PARAMETERS
 
@@ -340,6 +344,38 @@ def _options(spending: MemorySpending, label: str, value: str) -> list[LeverOpti
     """The option ``value`` of lever ``label`` as the frontier reached it."""
     levers = spending.options.get(label, [])
     return [o for o in levers if o.value == value]
+
+
+def memory_levers(ctx: StageContext, base: PrecisionPlan, order: list[str], decisions: dict[str, OperatorDecision],
+                  steps: dict[ComparedPlan, PlanStep], step_saved: dict[ComparedPlan, float], source: ComparedPlan,
+                  ) -> tuple[SavedStageResult, ParameterStageResult, MemorySpending | None]:
+    """The batch stage's memory dimensions on top of the trialled plan ``base`` (timed whole as ``source``): the
+    saved stage and, for the objectives that weigh memory, the parameter stage; with ``objective="memory"`` their
+    levers are then taken cheapest bytes first (:class:`CheapestBytesStage`), which stands in for the two stages'
+    own whole-step checks.
+
+    Returns:
+        The saved and parameter stages' results (as taken) and the spending (``None``: not the memory objective).
+    """
+    policy = ctx.policy
+    spends = ctx.config.objective is Objective.MEMORY
+    saved, parameters = SavedStageResult(), ParameterStageResult()
+    if (policy.saved_options or policy.recomputes) and not ctx.plugin.compiled:  # compiled: AOTAutograd decides
+        saved = SavedStage(ctx).measure(base, order, decisions, check=not spends)  # what is saved
+    if not policy.weighs_memory:
+        return saved, parameters, None
+    with_saved = base.with_assignment(Dimension.SAVED, {n: s.value for n, s in saved.choices.items()})
+    fp32_ms = steps[ComparedPlan.FP32].ms
+    candidates_saved = saved_bytes = step_saved.get(source, step_saved.get(ComparedPlan.FP32, 0.0))
+    source_ms = steps[source].ms if source in steps else fp32_ms
+    if saved.check is not None and saved.check.pays:
+        saved_bytes = saved.check.saved_bytes.get(ComparedPlan.SAVED, saved_bytes)
+    parameters = ParameterStage(ctx).measure(with_saved, decisions, fp32_ms, source_ms, saved_bytes, check=not spends)
+    if not spends:
+        return saved, parameters, None
+    spending = CheapestBytesStage(ctx).run(base, decisions, saved, parameters, fp32_ms, source_ms, step_saved,
+                                           candidates_saved)
+    return saved, parameters, spending
 
 
 def _option(lever: Lever, value: str) -> LeverOption:

@@ -76,10 +76,11 @@ class SavedStage:
         return [n for n in order if classify(modules[n]) is not OperatorKind.SHAPE
                 and not excluded.matches(n, modules[n])]
 
-    def measure(self, base: PrecisionPlan, order: list[str],
-                decisions: dict[str, OperatorDecision]) -> SavedStageResult:
+    def measure(self, base: PrecisionPlan, order: list[str], decisions: dict[str, OperatorDecision],
+                check: bool = True) -> SavedStageResult:
         """Measure on top of the candidate plan ``base``, decide per operator (into each ``decisions[name].saved``),
-        and check the plan as a whole step."""
+        and (``check``) check the plan as a whole step; without it, what is taken is decided later with the other
+        memory levers (:mod:`lightning_comp.search.stages.memory_stage`)."""
         modules = self.ctx.modules
         eligible = self.eligible(order)
         # bf16 shrinks only what an operator computing in fp32 saves: not worth profiling when every one is lowered
@@ -95,7 +96,7 @@ class SavedStage:
         codec = [n for n in eligible if n not in result.choices]
         self._decide(results, codec, options, decisions, result)
         result.choices, result.benefits = self.ctx.agree((result.choices, result.benefits))
-        if result.choices:
+        if check and result.choices:
             result.check = self._whole_step(base, result.choices)
             if not result.check.pays:
                 for name in list(result.choices):
