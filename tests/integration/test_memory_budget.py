@@ -1,8 +1,9 @@
 """``CoMPSearch(objective="memory", memory_budget=...)`` on the Trainer path: the levers are taken cheapest bytes
 first until the budget is met, then no more; the frontier is in the record and drawn beside ``plan.json``.
 
-Only the optimizer-state levers are searched (``precisions={"saved": "off"}``), so what is tested does not depend on
-how fast bf16 is on this CPU: the budget is met by the state formats alone.
+Only the optimizer-state levers are searched (``precisions={"saved": "off", "master": "off"}``), so what is tested
+does not depend on how fast bf16 is on the CPU: the budget is met by the state formats alone (whether the compute
+candidates are lowered, which a CPU with native bf16 may do, moves the step's bytes but not what is asserted).
 """
 
 from __future__ import annotations
@@ -68,7 +69,6 @@ def test_a_budget_is_met_with_the_cheapest_levers_and_no_more(tmp_path: Path) ->
     for past in (False, True):
         rates = [p["mib_per_ms"] for p in frontier[1:] if p["mib_per_ms"] is not None and p["past_bound"] is past]
         assert rates == sorted(rates, reverse=True)
-    assert all(op["decision"] != "candidate" for op in record["operators"].values())  # emulated bf16: too slow
     searched = {n for n, op in record["operators"].items() if "parameters" in op}
     taken = {label.removeprefix("state:") for label in spending["taken"]}
     assert taken <= searched and 1 < len(frontier) < len(far["frontier"])  # some of the increments, not all
