@@ -12,6 +12,11 @@ select options of its groups (``precision``, ``model``, ``data``, ``trainer``, `
 include the whole training app with ``defaults: [train, _self_]``. Load it directly with
 ``hydra.initialize_config_module(config_module="lightning_comp.conf", version_base="1.3")`` and
 ``hydra.compose("train", overrides=[...])``.
+
+Every option of the ``precision`` group instantiates into the Trainer's arguments
+(:func:`~lightning_comp.conf.arguments.trainer_arguments`, its ``_target_``), so an app of your own needs no wiring:
+``trainer = hydra.utils.instantiate(cfg.trainer, **hydra.utils.instantiate(cfg.precision))``
+(``examples/hydra_app.py``).
 """
 
 from __future__ import annotations
@@ -19,9 +24,10 @@ from __future__ import annotations
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
+from lightning_comp.conf.arguments import TrainerArguments, trainer_arguments
 from lightning_comp.search.config import MEASUREMENT_PRESETS, SearchConfig
 
-__all__ = ["register"]
+__all__ = ["TrainerArguments", "register", "trainer_arguments"]
 
 SEARCH_TARGET = "lightning_comp.CoMPSearch"
 #: The presets' group: under ``precision`` (``precision/comp.yaml`` selects one), at the node it fills.
