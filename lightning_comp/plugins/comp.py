@@ -10,12 +10,12 @@ import lightning.pytorch as pl
 import torch
 from lightning.fabric.utilities.types import Optimizable
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.utilities import GradClipAlgorithmType
+from lightning.pytorch.utilities import GradClipAlgorithmType, rank_zero_warn
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_comp.adapters.lightning_internals import optimizer_handles_unscaling
+from lightning_comp.adapters.lightning_internals import callbacks, optimizer_handles_unscaling
 from lightning_comp.errors import UnsupportedSetupError
 from lightning_comp.execution.compiled_regions import guarding_hooks
 from lightning_comp.execution.executor import StepKind
@@ -46,6 +46,12 @@ class CoMPPrecision(PlanShell, Precision):
     user's own (in the constructor, or by :meth:`set_plan`): that plan wins, with a warning naming what the checkpoint
     held. A plan a search put in force (:meth:`try_plan`) gives way to the checkpoint's, from which the search resumes.
 
+    **What the logs say.** ``trainer.precision`` stays ``"32-true"`` (Lightning's literal, the master weights'),
+    :attr:`precision_label` says ``"comp-mixed"`` where the plan lowers anything, and at the fit's first training step
+    a plan that was given (the user's, a checkpoint's) goes to every logger's ``log_hyperparams`` as
+    :meth:`plan_hyperparameters` (``comp/precision``, ``comp/plan/<selector>``, operator counts, device class,
+    fingerprints); a search's chosen plan goes there when it is chosen.
+
     **A search's entry points.** :meth:`try_plan` puts a plan in force that the caller tries on purpose;
     :meth:`measured_step` runs a training step of a plan outside Lightning's loop exactly as training would run it.
     ``CoMPSearch`` drives the plugin through these two only.
@@ -57,6 +63,8 @@ class CoMPPrecision(PlanShell, Precision):
     Args:
         plan: a :class:`PrecisionPlan`, a ``{selector: precision}`` mapping, a path to a plan saved with
             :meth:`PrecisionPlan.save`, or ``None`` for all-FP32 until a :class:`~lightning_comp.CoMPSearch` sets one.
+            A fit with ``None``, no ``CoMPSearch`` among the Trainer's callbacks and no checkpoint's plan to resume
+            warns at its first training step that it trains entirely in FP32; ``{}`` (all FP32 on purpose) does not.
         allow_slow_fp16: FP16 entries on a device without fast FP16 (e.g. a CPU without AMX-FP16, where FP16
             convolution backward runs a reference kernel ~100x slower than FP32) are replaced by FP32 with a
             warning, unless this is ``True``.
@@ -73,7 +81,9 @@ class CoMPPrecision(PlanShell, Precision):
         ConfigError: if ``min_saved_bytes`` is not an integer >= 0.
     """
 
-    precision = "32-true"  # master weights and everything outside the plan's operators; keeps Lightning's literal
+    # master weights and everything outside the plan's operators; keeps Lightning's literal (ModelSummary warns on any
+    # other string at every fit; FSDP and ThroughputMonitor read it): what the run computes in is ``precision_label``
+    precision = "32-true"
 
     def __init__(
         self,
@@ -90,6 +100,7 @@ class CoMPPrecision(PlanShell, Precision):
                                     recast_weights_in_backward=recast_weights_in_backward,
                                     min_saved_bytes=min_saved_bytes)
         self._hook_guards = ExitStack()  # while a compiled model trains: Dynamo guards on hooks
+        self._training_begun = False  # the fit's first training step ran (its checks and logging are done)
 
     def _new_scaler(self, device_type: str) -> torch.amp.GradScaler:
         """The loss scaler an FP16 plan gets on ``device_type`` (a strategy's plugin may need another kind)."""
@@ -145,6 +156,7 @@ class CoMPPrecision(PlanShell, Precision):
             PlanMismatchError: if the plan does not fit ``module``.
         """
         compiled = self._runtime.attach(module)
+        self._training_begun = False
         self._hook_guards.close()
         if compiled:
             self._hook_guards.enter_context(guarding_hooks())
@@ -166,8 +178,32 @@ class CoMPPrecision(PlanShell, Precision):
     @override
     @contextmanager
     def train_step_context(self) -> Generator[None, None, None]:
+        if not self._training_begun:
+            self._training_begun = True
+            self._begin_training()
         with self._runtime.step(StepKind.TRAIN):
             yield
+
+    def _begin_training(self) -> None:
+        """At a fit's first training step (a checkpoint's plan is in force by then, and a search has started or not):
+        warn where nobody gave this plugin a plan and no ``CoMPSearch`` will, and send a plan that was given (the
+        user's, a checkpoint's, a search's chosen one on resume) to the Trainer's loggers as hyperparameters."""
+        trainer = getattr(self._runtime.executor.model, "_trainer", None)
+        if trainer is None:
+            return
+        if self._runtime.unplanned:
+            if not _has_search(trainer):
+                rank_zero_warn(
+                    f"{type(self).__name__} was given no plan and the Trainer has no CoMPSearch callback to choose"
+                    " one: this fit trains entirely in fp32. Pass a plan (e.g. CoMPPrecision({'type:Linear':"
+                    " 'bf16'}), or the plan.json a search saved), add CoMPSearch() to the Trainer's callbacks, or"
+                    " pass CoMPPrecision({}) to train in fp32 on purpose."
+                )
+            return
+        if self._runtime.origin is not PlanOrigin.TRIAL:  # a trial's plan is logged by its search, per trial
+            params = self.plan_hyperparameters()
+            for logger in trainer.loggers:
+                logger.log_hyperparams(params)
 
     @override
     @contextmanager
@@ -265,3 +301,10 @@ class CoMPPrecision(PlanShell, Precision):
     def remove_hooks(self) -> None:
         """Take the plan off the model (it then computes in FP32 everywhere); :meth:`set_plan` puts one back."""
         self._runtime.remove()
+
+
+def _has_search(trainer: pl.Trainer) -> bool:
+    """Whether a ``CoMPSearch`` is among ``trainer``'s callbacks (it gives the plugin a plan when its search starts)."""
+    from lightning_comp.search.callback import CoMPSearch  # (the callback module imports this one)
+
+    return any(isinstance(callback, CoMPSearch) for callback in callbacks(trainer))

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 from lightning.fabric.plugins.precision import Precision
+from lightning.fabric.utilities import rank_zero_warn
 from lightning.fabric.utilities.types import Optimizable
 from torch import Tensor, nn
 from torch.optim import Optimizer
@@ -51,7 +52,8 @@ class CoMPFabricPrecision(PlanShell, Precision):
 
     Args:
         plan: a :class:`PrecisionPlan`, a ``{selector: precision}`` mapping, a path to a saved plan, or ``None``
-            (all FP32, until a checkpoint's plan is loaded).
+            (all FP32, until a checkpoint's plan is loaded; a warning at the first training forward says so when
+            none was, while ``{}``, all FP32 on purpose, gets none).
         allow_slow_fp16: keep FP16 entries on a device without fast FP16 (else they run in FP32, with a warning).
         scaler: a ``torch.amp.GradScaler`` for FP16 plans instead of a default one.
         recast_weights_in_backward: as :class:`~lightning_comp.CoMPPrecision`.
@@ -70,6 +72,7 @@ class CoMPFabricPrecision(PlanShell, Precision):
                                     allow_slow_fp16=allow_slow_fp16, scaler=scaler, scaler_factory=None,
                                     recast_weights_in_backward=recast_weights_in_backward,
                                     min_saved_bytes=min_saved_bytes)
+        self._unplanned_checked = False  # the first training forward looked whether a plan was ever given
 
     # ---------------------------------------------------------------------------------------- Fabric hooks
     @override
@@ -100,8 +103,21 @@ class CoMPFabricPrecision(PlanShell, Precision):
         model = self._runtime.executor.model
         if model is None:
             raise UsageError("CoMPFabricPrecision: no module was set up; call fabric.setup(model, optimizer) first.")
+        if model.training and not self._unplanned_checked:
+            self._unplanned_checked = True
+            self._warn_if_unplanned()
         with self._runtime.step(StepKind.TRAIN if model.training else StepKind.VALIDATION):
             yield
+
+    def _warn_if_unplanned(self) -> None:
+        """At the first training forward (after any ``fabric.load`` that put a checkpoint's plan back): warn where this
+        plugin was never given a plan, so the loop trains entirely in fp32."""
+        if self._runtime.unplanned:
+            rank_zero_warn(
+                f"{type(self).__name__} was given no plan (none in its constructor, by set_plan, or from a loaded"
+                " checkpoint): this loop trains entirely in fp32. Pass a plan (e.g. the plan.json a CoMPSearch run"
+                " saved, or {'type:Linear': 'bf16'}), or CoMPFabricPrecision({}) to train in fp32 on purpose."
+            )
 
     @override
     def backward(self, tensor: Tensor, model: nn.Module | None, *args: Any, **kwargs: Any) -> None:

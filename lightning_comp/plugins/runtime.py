@@ -87,6 +87,7 @@ class PlanRuntime:
                                      min_saved_bytes=min_saved_bytes)
         self.optimizer_states = OptimizerStates()
         self.optimizer_steps = 0
+        self.planned_by_checkpoint = False  # a checkpoint's plan was put in force (see :attr:`unplanned`)
         self._hooks_on_attach = hooks_on_attach
         self._scaler = ScalerSlot(scaler, scaler_factory)
         self._skipped = SkippedSteps()
@@ -114,6 +115,13 @@ class PlanRuntime:
     def skipped_steps(self) -> int:
         """Optimizer steps the FP16 loss scaler skipped so far (reading it is a host sync)."""
         return self._skipped.value
+
+    @property
+    def unplanned(self) -> bool:
+        """Whether nobody gave this runtime a plan: no plan of the user's own (an explicit all-FP32 one counts as
+        given), none a caller tried or chose (``try_plan``), and no checkpoint's plan that lowers anything or that a
+        search or a user chose (its provenance says who made it)."""
+        return self.origin is PlanOrigin.DEFAULT and not self.planned_by_checkpoint
 
     @property
     def hookable(self) -> bool:
@@ -237,6 +245,8 @@ class PlanRuntime:
         stored = PrecisionPlan.from_dict(state.plan)
         if self.origin is not PlanOrigin.USER:
             self.request(stored, self.origin)  # a search resuming from its checkpoint goes on trying
+            # an all-FP32 plan nobody made (a run given no plan wrote it) is no plan to follow
+            self.planned_by_checkpoint = any(a.changes for a in stored.assignments) or bool(stored.provenance)
         elif not stored.same_assignments(self.plan):
             rank_zero_warn(
                 f"{self.owner}: the checkpoint holds the plan {_described(stored)}, but this run was given the plan"

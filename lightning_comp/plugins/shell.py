@@ -14,6 +14,7 @@ from lightning_comp.devices.device_classes import DeviceClass
 from lightning_comp.execution.executor import PlanExecutor
 from lightning_comp.plan.plan import PlanLike, PrecisionPlan
 from lightning_comp.plugins.runtime import PlanOrigin, PlanRuntime
+from lightning_comp.plugins.summary import plan_hyperparameters, precision_label
 
 __all__ = ["PlanShell"]
 
@@ -27,6 +28,20 @@ class PlanShell:
     def plan(self) -> PrecisionPlan:
         """The plan in force (bound to the model once it is hooked), else the plan asked for."""
         return self._runtime.plan
+
+    @property
+    def precision_label(self) -> str:
+        """What the run computes in: ``"comp-mixed"`` where the plan in force changes anything from FP32 training,
+        else ``"32-true"``. (The ``precision`` attribute, which ``Trainer.precision`` reports, stays Lightning's
+        literal ``"32-true"``, the master weights' precision: see :mod:`lightning_comp.plugins.summary`.)"""
+        return precision_label(self.plan)
+
+    def plan_hyperparameters(self) -> dict[str, Any]:
+        """The plan in force as flat hyperparameters for a logger (``comp/precision``, ``comp/plan/<selector>``,
+        operator counts, device class, fingerprints; :func:`lightning_comp.plugins.summary.plan_hyperparameters`)."""
+        runtime = self._runtime
+        hooked = runtime.executor.model is not None and runtime.executor.device is not None
+        return plan_hyperparameters(self.plan, runtime.executor.precisions() if hooked else None, runtime.device)
 
     @property
     def scaler(self) -> torch.amp.GradScaler | None:
