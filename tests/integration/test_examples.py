@@ -29,6 +29,7 @@ from tests.helpers.paths import REPO
 
 CONF_DIR = REPO / "conf"
 TRAIN_PY = REPO / "examples" / "train.py"
+HYDRA_APP_PY = REPO / "examples" / "hydra_app.py"
 PAIRS = [
     ("cnn1d", "mnist1d"),
     ("gru", "mnist1d"),
@@ -225,12 +226,12 @@ def test_models_nobody_here_wrote_train_under_comp(tmp_path: Path, model: str, d
 # ------------------------------------------------------------------------------------------ examples/train.py
 
 
-def _train_py(*args: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+def _train_py(*args: str, cwd: Path, timeout: float = 300, script: Path = TRAIN_PY) -> subprocess.CompletedProcess[str]:
     python_path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
     env = {**os.environ, "PYTHONPATH": python_path, "OMP_NUM_THREADS": "1"}
     # own process group: on a timeout, DDP workers that Lightning started are killed too (not left in a collective)
     with subprocess.Popen(
-        [sys.executable, str(TRAIN_PY), *args],
+        [sys.executable, str(script), *args],
         cwd=cwd,
         env=env,
         stdout=subprocess.PIPE,
@@ -243,10 +244,29 @@ def _train_py(*args: str, cwd: Path, timeout: float = 300) -> subprocess.Complet
         except subprocess.TimeoutExpired:
             os.killpg(popen.pid, signal.SIGKILL)
             stdout, stderr = popen.communicate()
-            pytest.fail(f"examples/train.py {' '.join(args)} timed out after {timeout} s:\n{stderr[-5000:]}")
+            pytest.fail(f"examples/{script.name} {' '.join(args)} timed out after {timeout} s:\n{stderr[-5000:]}")
     proc = subprocess.CompletedProcess(popen.args, popen.returncode, stdout, stderr)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return proc
+
+
+@pytest.mark.slow
+def test_a_users_own_hydra_app_switches_every_precision_on_its_command_line(tmp_path: Path) -> None:
+    """``examples/hydra_app.py``: its own model and primary config, the package's precision group, no wiring."""
+    sweep = tmp_path / "sweep"
+    precisions = ["fp32", "bf16-mixed", "16-mixed", "bf16-true"] + ([] if _MISSING else ["comp"])
+    proc = _train_py("-m", f"precision={','.join(precisions)}", "trainer.max_epochs=1", f"hydra.sweep.dir={sweep}",
+                     cwd=tmp_path, script=HYDRA_APP_PY)
+    results = [line.split()[1:4] for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    plugins = {"fp32": "Precision", "bf16-mixed": "MixedPrecision", "16-mixed": "MixedPrecision",
+               "bf16-true": "HalfPrecision", "comp": "CoMPPrecision"}
+    assert [(name, plugin) for name, _, plugin in results] == [
+        (f"precision={p}", f"plugin={plugins[p]}") for p in precisions]
+    for (_, trainer_precision, _), precision in zip(results, precisions):
+        expected = EXPECTED_TRAINER_PRECISION.get(precision, {"32-true"})  # comp: FP32 master weights
+        assert trainer_precision.removeprefix("trainer_precision=") in expected
+    if "comp" in precisions:  # CoMPSearch wrote its record into the job's Trainer log dir
+        assert list((sweep / str(precisions.index("comp"))).glob("lightning_logs/version_0/search_record.json"))
 
 
 @pytest.mark.slow
