@@ -12,6 +12,11 @@ The config is the one in ``lightning_comp/conf/train.yaml``: groups ``precision`
 * ``results.json``: the one-run summary (metrics, times, paths) that benchmarks read.
 
 Under DDP every process runs :func:`run`; only global rank 0 writes files and prints.
+
+An app of your own does not need this module to use the ``precision`` group: each of its options instantiates into
+the Trainer's arguments (``instantiate(cfg.trainer, **instantiate(cfg.precision))``, see
+:mod:`lightning_comp.conf.arguments` and ``examples/hydra_app.py``). This app wires the group's keys through
+``trainer/default.yaml`` instead, so that ``trainer.precision`` and ``trainer.plugins`` stay overridable here.
 """
 
 from __future__ import annotations

@@ -50,7 +50,6 @@ hydra:
     - pkg://lightning_comp.conf
 trainer:
   _target_: lightning.pytorch.Trainer
-  _convert_: all
   accelerator: cpu
   devices: 1
   max_epochs: 2
