@@ -19,7 +19,7 @@ import torch
 from lightning_comp import CoMPPrecision, CoMPSearch
 from lightning_comp.errors import SearchConfigError
 from lightning_comp.search.measurement.clocks import single_intra_op_thread
-from lightning_comp.search.record.spending import FRONTIER_FIGURE
+from lightning_comp.search.record.figures import FRONTIER_FIGURE
 from lightning_comp.search.record.text import format_record
 from tests.helpers.search_models import WideMLP, loaders, search_trainer
 

@@ -14,10 +14,12 @@ from lightning_comp.plan.dimensions import Dimension
 from lightning_comp.plan.plan import PrecisionPlan
 from lightning_comp.search.config import SearchConfig
 from lightning_comp.search.decisions.trial_plans import PARAMETER_SIDE
+from lightning_comp.search.decisions.trials import metric_bound
 from lightning_comp.search.record.batch import batch_record
+from lightning_comp.search.record.figures import write_figures
 from lightning_comp.search.record.forecast import forecast_check
 from lightning_comp.search.record.loggers import log_record
-from lightning_comp.search.record.spending import spending_record, write_frontier_figure
+from lightning_comp.search.record.spending import spending_record
 from lightning_comp.search.record.text import format_record
 from lightning_comp.search.state import STATE_VERSION, SearchState
 
@@ -37,6 +39,7 @@ def build_record(state: SearchState, config: SearchConfig) -> dict[str, Any]:
             "label": trial.label,
             "low_operators": [s for s, p in plan[Dimension.COMPUTE].entries if p is not ComputePrecision.FP32],
             "metric": trial.metric,
+            "metrics": {epoch: trial.metrics[epoch] for epoch in sorted(trial.metrics, key=int)},  # per epoch
             "reference": state.trials[0].metric if state.trials else None,
             "verdict": None if trial.verdict is None else trial.verdict.value,
             "reason": trial.reason,
@@ -51,12 +54,15 @@ def build_record(state: SearchState, config: SearchConfig) -> dict[str, Any]:
     warmup_seconds = warmup_overhead_seconds(state)
     fit_seconds = float(state.fit_seconds)
     chosen = state.chosen
+    reference = state.trials[0].metric if state.trials else None
     return {
         "version": STATE_VERSION,
         "monitor": config.monitor,
         "mode": config.mode.value,
         "tolerance": config.tolerance,
         "tolerance_mode": config.tolerance_mode.value,
+        # the worst metric a trial may end with, once the reference trial has one
+        "metric_bound": None if reference is None else metric_bound(config, float(reference)),
         "objective": config.objective.value,
         "low_precision": None if state.low_precision is None else state.low_precision.value,
         "search_start_epoch": state.search_start_epoch,
@@ -128,8 +134,9 @@ def warmup_overhead_seconds(state: SearchState) -> float | None:
 
 
 def publish(trainer: pl.Trainer, state: SearchState, config: SearchConfig, final: bool) -> None:
-    """Write ``search_record.json`` and ``plan.json`` (rank 0); unless ``final``, send the record to the loggers
-    (:mod:`~lightning_comp.search.record.loggers`) and print it."""
+    """Write ``search_record.json``, ``plan.json`` and the figures (rank 0); unless ``final``, send the record and
+    the figures to the loggers (:mod:`~lightning_comp.search.record.loggers`,
+    :mod:`~lightning_comp.search.record.figures`) and print it."""
     record = build_record(state, config)
     # Trainer.log_dir is a collective (it broadcasts from rank 0): every rank must ask for it.
     directory = Path(config.record_dir or trainer.log_dir or trainer.default_root_dir)
@@ -138,7 +145,11 @@ def publish(trainer: pl.Trainer, state: SearchState, config: SearchConfig, final
         (directory / "search_record.json").write_text(json.dumps(record, indent=2, default=str) + "\n")
         if record["chosen_plan"] is not None:
             PrecisionPlan.from_dict(record["chosen_plan"]).save(directory / "plan.json")
-        write_frontier_figure(record, directory)
+        drawn = write_figures(record, directory, loggers=() if final else trainer.loggers, step=trainer.global_step,
+                              say_missing=not final)
+        if drawn and config.verbose and not final:
+            rank_zero_info(f"CoMPSearch figures in {directory}: " + ", ".join(
+                f"{name} ({ms:.0f} ms)" for name, ms in drawn.items()))
     if final:
         return
     log_record(trainer, record)

@@ -1,23 +1,18 @@
-"""The record's ``memory_spending``: the memory levers taken cheapest bytes first, and their frontier as a figure.
+"""The record's ``memory_spending``: the memory levers taken cheapest bytes first, and their frontier.
 
 The frontier is the step's bytes against its time after each lever taken
-(:mod:`lightning_comp.search.decisions.cheapest_bytes`). :func:`write_frontier_figure` draws it as
-``memory_frontier.png`` beside ``plan.json`` where matplotlib is installed (``pip install lightning-comp[figures]``);
-the record holds the same numbers either way.
+(:mod:`lightning_comp.search.decisions.cheapest_bytes`); :mod:`lightning_comp.search.record.figures` draws it.
 """
 
 from __future__ import annotations
 
 import math
-from pathlib import Path
 from typing import Any
 
 from lightning_comp.search.decisions.batch_result import BatchStageResult
 
-__all__ = ["FRONTIER_FIGURE", "spending_record", "write_frontier_figure"]
+__all__ = ["spending_record"]
 
-FRONTIER_FIGURE = "memory_frontier.png"
-LABELLED = 8  # levers named in the figure: those that freed most
 MiB = 2**20
 
 
@@ -49,58 +44,6 @@ def spending_record(batch: BatchStageResult | None) -> dict[str, Any] | None:
                       "forced": math.isnan(p.bytes_per_ms), "past_bound": p.past_bound}
                      for p in selection.frontier],
     }
-
-
-def write_frontier_figure(record: dict[str, Any], directory: Path) -> Path | None:
-    """Draw the record's frontier into ``directory / FRONTIER_FIGURE``; ``None`` where there is nothing to draw or
-    matplotlib is not installed (the record keeps the numbers)."""
-    spending = record.get("memory_spending")
-    if not spending or len(spending["frontier"]) < 2:
-        return None
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    frontier = spending["frontier"]
-    given_back = set(spending["given_back"])
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    ms = [p["step_ms"] for p in frontier]
-    mib = [p["step_mib"] for p in frontier]
-    ax.plot(ms, mib, "-", color="0.6", zorder=1)
-    colours = ["tab:grey"] + ["tab:red" if p["lever"] in given_back else "tab:orange" if p["past_bound"]
-                              else "tab:blue" for p in frontier[1:]]
-    ax.scatter(ms, mib, c=colours, zorder=2)
-    for colour, what in (("tab:red", "given back (timed whole: slower than forecast)"),
-                         ("tab:orange", "past the time allowed, for the budget")):
-        if colour in colours:
-            ax.scatter([], [], c=colour, label=what)
-    # the levers that freed most are named (at most LABELLED); the others are points on the line
-    freed = [(previous["step_mib"] - point["step_mib"], index)
-             for index, (previous, point) in enumerate(zip(frontier, frontier[1:]), start=1)]
-    named = {index for _, index in sorted(freed, reverse=True)[:LABELLED]}
-    for index in sorted(named):
-        point = frontier[index]
-        ax.annotate(f"{point['lever'].split(' (')[0]}={point['value']}", (point["step_ms"], point["step_mib"]),
-                    fontsize=6, xytext=(4, 2), textcoords="offset points")
-    if spending["max_ms"] is not None:
-        ax.axvline(spending["max_ms"], color="tab:orange", linestyle="--", label="slowest step allowed")
-    if spending["target_mib"] is not None:
-        ax.axhline(spending["target_mib"], color="tab:green", linestyle="--", label="memory budget")
-    if spending["amp_step_mib"] is not None:
-        ax.axhline(spending["amp_step_mib"], color="tab:purple", linestyle=":", label="AMP's step")
-    ax.set_xlabel("step time (ms): forward, backward, update")
-    ax.set_ylabel("step bytes (MiB): weights, grads, state, saved")
-    ax.set_title("Memory levers, cheapest bytes first")
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    path = directory / FRONTIER_FIGURE
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
 
 
 def _mib(nbytes: float) -> float:

@@ -1,0 +1,308 @@
+"""The decision record drawn: the plan along the model, the trials against the FP32 reference, the memory frontier.
+
+Three figures, each drawn from the record alone (:func:`~lightning_comp.search.record.build.build_record`), so a
+record read back from ``search_record.json`` draws the same:
+
+- :data:`PLAN_FIGURE`: the operators in model order, a bar of each one's measured gain per step (coloured by the
+  precision the chosen plan computes it in), and below it one strip per dimension the plan sets (compute, saved,
+  state, master), one cell per operator, coloured by its value;
+- :data:`TRIALS_FIGURE`: each trial's monitored validation metric against the FP32 reference's and the worst a trial
+  may end with (``tolerance``), coloured by verdict (per epoch where trials train several), and each trial's median
+  step time against the reference's;
+- :data:`FRONTIER_FIGURE`: the memory objective's levers taken cheapest bytes first (step bytes against step time).
+
+:func:`write_figures` writes them as PNG beside ``plan.json`` and sends them to every logger that takes figures
+(TensorBoard: ``add_figure``, tags ``comp/plan``, ``comp/trials``, ``comp/memory_frontier``). They need matplotlib
+(``pip install 'lightning-comp[figures]'``); without it nothing is drawn and the record and its text say the same.
+Figures are drawn on matplotlib's Agg canvas through its object API: pyplot, its global backend and its figure
+registry are left alone.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from lightning.pytorch.loggers import Logger, TensorBoardLogger
+from lightning.pytorch.utilities import rank_zero_info
+
+from lightning_comp.plan.dimensions import Dimension
+from lightning_comp.plan.plan import PrecisionPlan
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
+
+__all__ = ["FRONTIER_FIGURE", "PLAN_FIGURE", "TRIALS_FIGURE", "frontier_figure", "plan_figure", "trials_figure",
+           "write_figures"]
+
+PLAN_FIGURE = "precision_plan.png"
+TRIALS_FIGURE = "trials.png"
+FRONTIER_FIGURE = "memory_frontier.png"
+NO_MATPLOTLIB = ("CoMPSearch: no figures of the search (matplotlib is not installed; pip install"
+                 " 'lightning-comp[figures]' draws the plan and the trials as PNG); search_record.json holds the same"
+                 " numbers.")
+DPI = 120
+LABELLED = 8  # levers named in the frontier figure: those that freed most
+# one colour per value of every dimension (the values are spelled alike across dimensions: bf16 is blue everywhere)
+COLOURS = {"fp32": "0.82", "bf16": "tab:blue", "fp16": "tab:orange", "fp8": "tab:red", "recompute": "tab:green",
+           "8bit": "tab:purple"}
+VERDICT_COLOURS = {"pass": "tab:green", "fail": "tab:red", None: "0.5"}
+SHORT_LABEL = 34  # characters of a trial's label on the trials figure's axis
+
+
+def plan_figure(record: dict[str, Any]) -> Figure | None:
+    """The chosen plan along the model: each operator's measured gain, and its value in each dimension the plan
+    sets; ``None`` before a plan is chosen or where the batch stage measured no operator."""
+    operators: dict[str, dict[str, Any]] = record.get("operators") or {}
+    if record.get("chosen_plan") is None or not operators:
+        return None
+    plan = PrecisionPlan.from_dict(record["chosen_plan"])
+    names = list(operators)
+    values = {dimension: [plan.of(dimension, name).value for name in names] for dimension in Dimension}
+    # compute always; another dimension where the plan sets it for some operator
+    shown = [d for d in Dimension if d is Dimension.COMPUTE or any(v != "fp32" for v in values[d])]
+    figure = _figure(max(6.4, 0.16 * len(names) + 1.5), 3.4 + 0.3 * len(shown))
+    grid = figure.add_gridspec(2, 1, height_ratios=[3.0, 0.35 * len(shown)], hspace=0.05)
+    bars: Axes = figure.add_subplot(grid[0])
+    strips: Axes = figure.add_subplot(grid[1], sharex=bars)
+    positions = range(len(names))
+    gains = [float(operators[name].get("gain_ms") or 0.0) for name in names]
+    bars.bar(positions, gains, color=[COLOURS.get(v, "black") for v in values[Dimension.COMPUTE]],
+             edgecolor="0.3", linewidth=0.4)
+    bars.axhline(0.0, color="0.3", linewidth=0.6)
+    bars.set_ylabel("measured gain (ms per step)")
+    lowered = int(record.get("lowered_operator_count") or 0)
+    bars.set_title(f"Chosen plan ({record.get('chosen_trial')}): {lowered} of {len(names)} operators in"
+                   f" {record.get('low_precision') or 'no 16-bit precision'}; objective {record.get('objective')}",
+                   fontsize=9)
+    bars.tick_params(axis="x", bottom=False, labelbottom=False)
+    for row, dimension in enumerate(shown):
+        strips.scatter(list(positions), [row] * len(names), c=[COLOURS.get(v, "black") for v in values[dimension]],
+                       marker="s", s=36, edgecolors="0.3", linewidths=0.4)
+    strips.set_yticks(range(len(shown)), [d.value for d in shown], fontsize=7)
+    strips.set_ylim(len(shown) - 0.5, -0.5)
+    strips.set_xticks(list(positions), names, rotation=90, fontsize=6)
+    strips.set_xlim(-0.7, len(names) - 0.3)
+    used = sorted({v for d in shown for v in values[d]}, key=list(COLOURS).index)
+    for value in used:
+        bars.bar([0], [0], color=COLOURS[value], label=value)
+    bars.legend(fontsize=7, title="precision in the plan", title_fontsize=7, loc="best")
+    return figure
+
+
+def trials_figure(record: dict[str, Any]) -> Figure | None:
+    """Each trial's validation metric against the FP32 reference's, and its median step time; ``None`` before the
+    reference trial closed."""
+    trials: list[dict[str, Any]] = [t for t in record.get("trials") or [] if t.get("verdict") is not None]
+    if not trials:
+        return None
+    figure = _figure(max(6.4, 0.5 * len(trials) + 3.0), 6.0)
+    metric_axes, speed_axes = figure.subplots(2, 1, height_ratios=[3.0, 2.0])
+    if max(len(t.get("metrics") or {}) for t in trials) > 1:
+        _metric_curves(metric_axes, record, trials)
+    else:
+        _metric_points(metric_axes, record, trials)
+    _step_times(speed_axes, trials)
+    figure.suptitle(f"Convergence trials against the FP32 reference ({record.get('monitor')}, tolerance"
+                    f" {record.get('tolerance')} {record.get('tolerance_mode')})", fontsize=9)
+    return figure
+
+
+def _metric_points(axes: Axes, record: dict[str, Any], trials: list[dict[str, Any]]) -> None:
+    """One point per trial (trials of one validation each)."""
+    values = [_finite(t.get("metric")) for t in trials]
+    finite = [v for v in values if v is not None]
+    top = max(finite) if finite else 1.0
+    for index, (trial, value) in enumerate(zip(trials, values)):
+        colour = "black" if index == 0 else VERDICT_COLOURS.get(trial["verdict"], "0.5")
+        if value is None:  # NaN/Inf or no metric: drawn at the top, marked
+            axes.scatter([index], [top], marker="x", color=colour, s=40)
+            axes.annotate("not finite", (index, top), fontsize=6, xytext=(3, 3), textcoords="offset points")
+            continue
+        axes.scatter([index], [value], marker="*" if trial.get("kept") else "o", s=90 if trial.get("kept") else 30,
+                     color=colour, zorder=3)
+    _reference_lines(axes, record)
+    axes.set_xticks(range(len(trials)), [f"{i}" for i in range(len(trials))], fontsize=7)
+    axes.set_xlim(-0.5, len(trials) - 0.5)
+    axes.set_ylabel(str(record.get("monitor")))
+    _verdict_legend(axes, trials)
+
+
+def _metric_curves(axes: Axes, record: dict[str, Any], trials: list[dict[str, Any]]) -> None:
+    """One curve per trial over its epochs (trials of several validations)."""
+    for index, trial in enumerate(trials):
+        metrics = trial.get("metrics") or {}
+        epochs = sorted(metrics, key=int)
+        points = [(step, v) for step, epoch in enumerate(epochs, start=1)
+                  if (v := _finite(metrics[epoch])) is not None]
+        if not points:
+            continue
+        reference = index == 0
+        colour = "black" if reference else VERDICT_COLOURS.get(trial["verdict"], "0.5")
+        axes.plot([p[0] for p in points], [p[1] for p in points], "-o", color=colour, markersize=3,
+                  linewidth=2.0 if reference or trial.get("kept") else 0.9, alpha=1.0 if reference else 0.7,
+                  zorder=3 if reference else 2)
+        axes.annotate(str(index), points[-1], fontsize=6, xytext=(3, 0), textcoords="offset points")
+    _reference_lines(axes, record)
+    axes.set_xlabel("epoch of the trial")
+    axes.set_ylabel(str(record.get("monitor")))
+    _verdict_legend(axes, trials)
+
+
+def _reference_lines(axes: Axes, record: dict[str, Any]) -> None:
+    """The reference's final metric and the bound a trial must stay within, the failing side shaded."""
+    reference = _finite((record.get("trials") or [{}])[0].get("metric"))
+    bound = _finite(record.get("metric_bound"))
+    if reference is not None:
+        axes.axhline(reference, color="black", linestyle=":", linewidth=0.9, label="fp32 reference")
+    if bound is not None:
+        axes.axhline(bound, color="tab:red", linestyle="--", linewidth=0.9, label="worst a trial may end with")
+        low, high = axes.get_ylim()
+        margin = 0.1 * (high - low or abs(bound) or 1.0)
+        if record.get("mode") == "min":
+            axes.axhspan(bound, max(high, bound + margin), color="tab:red", alpha=0.07)
+        else:
+            axes.axhspan(min(low, bound - margin), bound, color="tab:red", alpha=0.07)
+
+
+def _verdict_legend(axes: Axes, trials: list[dict[str, Any]]) -> None:
+    for verdict in ("pass", "fail"):
+        if any(t["verdict"] == verdict for t in trials[1:]):
+            axes.scatter([], [], color=VERDICT_COLOURS[verdict], label=f"trial: {verdict}")
+    if any(t.get("kept") for t in trials):
+        axes.scatter([], [], marker="*", color="0.3", s=90, label="kept (its progress is the run's)")
+    axes.legend(fontsize=7, loc="best")
+
+
+def _step_times(axes: Axes, trials: list[dict[str, Any]]) -> None:
+    """Each trial's median step time, the reference's as a line; the x axis names the trials."""
+    times = [_finite(t.get("median_step_ms")) for t in trials]
+    colours = ["black" if i == 0 else VERDICT_COLOURS.get(t["verdict"], "0.5") for i, t in enumerate(trials)]
+    axes.bar(range(len(trials)), [v or 0.0 for v in times], color=colours, alpha=0.75)
+    if times[0] is not None:
+        axes.axhline(times[0], color="black", linestyle=":", linewidth=0.9)
+    axes.set_ylabel("median step (ms)")
+    labels = [f"{i}: {_short(t['label'])}" + _lowered_names(t) for i, t in enumerate(trials)]
+    axes.set_xticks(range(len(trials)), labels, rotation=35, ha="right", fontsize=6)
+    axes.set_xlim(-0.5, len(trials) - 0.5)
+
+
+def frontier_figure(record: dict[str, Any]) -> Figure | None:
+    """The memory objective's frontier: the step's bytes against its time after each lever taken; ``None`` where
+    the memory levers were not spent."""
+    spending = record.get("memory_spending")
+    if not spending or len(spending["frontier"]) < 2:
+        return None
+    frontier = spending["frontier"]
+    given_back = set(spending["given_back"])
+    figure = _figure(6.4, 4.2)
+    ax = figure.subplots()
+    ms = [p["step_ms"] for p in frontier]
+    mib = [p["step_mib"] for p in frontier]
+    ax.plot(ms, mib, "-", color="0.6", zorder=1)
+    colours = ["tab:grey"] + ["tab:red" if p["lever"] in given_back else "tab:orange" if p["past_bound"]
+                              else "tab:blue" for p in frontier[1:]]
+    ax.scatter(ms, mib, c=colours, zorder=2)
+    for colour, what in (("tab:red", "given back (timed whole: slower than forecast)"),
+                         ("tab:orange", "past the time allowed, for the budget")):
+        if colour in colours:
+            ax.scatter([], [], c=colour, label=what)
+    # the levers that freed most are named (at most LABELLED); the others are points on the line
+    freed = [(previous["step_mib"] - point["step_mib"], index)
+             for index, (previous, point) in enumerate(zip(frontier, frontier[1:]), start=1)]
+    named = {index for _, index in sorted(freed, reverse=True)[:LABELLED]}
+    for index in sorted(named):
+        point = frontier[index]
+        ax.annotate(f"{point['lever'].split(' (')[0]}={point['value']}", (point["step_ms"], point["step_mib"]),
+                    fontsize=6, xytext=(4, 2), textcoords="offset points")
+    if spending["max_ms"] is not None:
+        ax.axvline(spending["max_ms"], color="tab:orange", linestyle="--", label="slowest step allowed")
+    if spending["target_mib"] is not None:
+        ax.axhline(spending["target_mib"], color="tab:green", linestyle="--", label="memory budget")
+    if spending["amp_step_mib"] is not None:
+        ax.axhline(spending["amp_step_mib"], color="tab:purple", linestyle=":", label="AMP's step")
+    ax.set_xlabel("step time (ms): forward, backward, update")
+    ax.set_ylabel("step bytes (MiB): weights, grads, state, saved")
+    ax.set_title("Memory levers, cheapest bytes first")
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7)
+    return figure
+
+
+FIGURES: dict[str, Callable[[dict[str, Any]], Figure | None]] = {
+    PLAN_FIGURE: plan_figure, TRIALS_FIGURE: trials_figure, FRONTIER_FIGURE: frontier_figure,
+}
+
+
+def write_figures(record: dict[str, Any], directory: Path, loggers: Sequence[Logger] = (), step: int = 0,
+                  say_missing: bool = False) -> dict[str, float]:
+    """Draw the record's figures, write each into ``directory`` as PNG and send it to ``loggers`` that take figures.
+
+    Args:
+        record: the decision record.
+        directory: where the PNGs are written (beside ``plan.json``); it exists.
+        loggers: the Trainer's loggers; each TensorBoard one gets every figure (``comp/<name>``) at ``step``.
+        step: the global step the figures are logged at.
+        say_missing: without matplotlib, say so in one info line (once per search, not at every write).
+
+    Returns:
+        The file name of each figure written -> milliseconds it took to draw, write and log.
+    """
+    if not _has_matplotlib():
+        if say_missing:
+            rank_zero_info(NO_MATPLOTLIB)
+        return {}
+    writers = [logger.experiment for logger in loggers if isinstance(logger, TensorBoardLogger)]
+    spent: dict[str, float] = {}
+    for name, draw in FIGURES.items():
+        started = time.perf_counter()
+        figure = draw(record)
+        if figure is None:
+            continue
+        figure.savefig(directory / name, dpi=DPI, bbox_inches="tight")
+        for writer in writers:
+            writer.add_figure(f"comp/{Path(name).stem}", figure, step, close=False)
+        spent[name] = (time.perf_counter() - started) * 1e3
+    for writer in writers:
+        writer.flush()
+    return spent
+
+
+def _has_matplotlib() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _figure(width: float, height: float) -> Figure:
+    """A figure on its own Agg canvas (not registered with pyplot: nothing to close, no global backend changed)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(width, height), layout="constrained")
+    FigureCanvasAgg(figure)
+    return figure
+
+
+def _finite(value: Any) -> float | None:
+    """``value`` as a float, ``None`` where it is missing, NaN or infinite."""
+    if value is None:
+        return None
+    number = float(value)
+    return number if math.isfinite(number) else None
+
+
+def _lowered_names(trial: dict[str, Any]) -> str:
+    """The selectors a trial lowered, where they are few enough to name on an axis."""
+    names = trial.get("low_operators") or []
+    return f"\n[{', '.join(names)}]" if 0 < len(names) <= 2 else ""
+
+
+def _short(label: str) -> str:
+    return label if len(label) <= SHORT_LABEL else label[: SHORT_LABEL - 1] + "…"
