@@ -45,6 +45,7 @@ from torch.optim import Optimizer
 from lightning_comp.errors import PlanError, UnsupportedSetupError
 from lightning_comp.execution.adam_step import AdamSettings, adam_step, check_optimizer, to_own_format
 from lightning_comp.execution.parameter_groups import parameter_owners
+from lightning_comp.execution.update_path import CompiledUpdates, UpdatePath
 from lightning_comp.numerics.precision import MasterPrecision, StatePrecision
 from lightning_comp.plan.dimensions import Dimension
 from lightning_comp.plan.plan import PrecisionPlan
@@ -82,9 +83,18 @@ def state_bytes(optimizer: Optimizer) -> int:
 
 class OptimizerStates:
     """Puts a plan's ``state`` and ``master`` entries into effect and steps the parameters they name (see the module
-    docstring)."""
+    docstring).
 
-    def __init__(self) -> None:
+    Args:
+        update_path: which code steps them (:class:`~lightning_comp.execution.update_path.UpdatePath`: ``"auto"``
+            compiles the step where it pays).
+
+    Raises:
+        ConfigError: if ``update_path`` is not a valid update path.
+    """
+
+    def __init__(self, update_path: UpdatePath | str = UpdatePath.AUTO) -> None:
+        self.updates = CompiledUpdates(update_path, seed=_ROUNDING_SEED)
         self._treatments: dict[int, ParameterTreatment] = {}
         self._names: dict[int, str] = {}
         # parameters whose dtype a master entry changed, with the dtype they had
@@ -266,6 +276,10 @@ class OptimizerStates:
         """
         hidden: list[tuple[nn.Parameter, torch.Tensor]] = []
         self.convert(optimizer)
+        stepped = [p for group in optimizer.param_groups for p in group["params"]
+                   if id(p) in self._treatments and p.grad is not None]
+        if stepped:
+            self.updates.begin(sum(p.numel() for p in stepped), stepped[0].device)
         try:
             with torch.no_grad():
                 for group in optimizer.param_groups:
@@ -291,5 +305,7 @@ class OptimizerStates:
         if grad.is_sparse:
             raise UnsupportedSetupError(f"Parameter {self._names[id(p)]!r} has a sparse gradient: state/master"
                                         " precisions need dense gradients; keep them fp32 for it.")
-        rounding = self._generator(p.device) if p.dtype == torch.bfloat16 and treatment.master.managed else None
-        adam_step(p, grad, state, settings, treatment.state, rounding)
+        stochastic = p.dtype == torch.bfloat16 and treatment.master.managed
+        if self.updates.step(p, grad, state, settings, treatment.state, stochastic, self._names[id(p)]):
+            return
+        adam_step(p, grad, state, settings, treatment.state, self._generator(p.device) if stochastic else None)

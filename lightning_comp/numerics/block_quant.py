@@ -26,7 +26,7 @@ from lightning_comp.adapters.torchao_quant import block_scale, dynamic_map, refe
 from lightning_comp.errors import UsageError
 
 __all__ = ["BLOCK_SIZE", "MIN_QUANTISED", "QuantisedMoment", "dequantise", "into", "pack", "packed_size", "quantisable",
-           "unpack"]
+           "unpack", "value_map"]
 
 BLOCK_SIZE = 256
 MIN_QUANTISED = 4096
@@ -40,14 +40,21 @@ def quantisable(tensor: torch.Tensor) -> bool:
 
 
 @functools.cache
+def value_map(signed: bool, device: torch.device) -> torch.Tensor:
+    """The 256 FP32 values of the map of ``signed`` on ``device``, sorted: code ``c`` stands for
+    ``value_map(...)[c]``."""
+    return torch.tensor(dynamic_map(signed), dtype=torch.float32, device=device)
+
+
+@functools.cache
 def _tables(signed: bool, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """The map of ``signed`` on ``device``, and the code of every 20-bit FP32 prefix (values clamped to [-1, 1])."""
-    qmap = torch.tensor(dynamic_map(signed), dtype=torch.float32)
+    qmap = value_map(signed, torch.device("cpu"))
     prefixes = torch.arange(1 << (32 - _DROPPED_BITS), dtype=torch.int64)
     middle = ((prefixes << _DROPPED_BITS) | (1 << (_DROPPED_BITS - 1))).to(torch.int32).view(torch.float32)
     middle = torch.nan_to_num(middle, nan=0.0, posinf=1.0, neginf=-1.0).clamp(-1.0, 1.0)
     codes = reference_quantise(middle, qmap)
-    return qmap.to(device), codes.to(device)
+    return value_map(signed, device), codes.to(device)
 
 
 @dataclass
@@ -77,9 +84,12 @@ class QuantisedMoment:
         return dequantise(self.codes, self.scale, self.signed)
 
 
-def dequantise(codes: torch.Tensor, scales: torch.Tensor, signed: bool) -> torch.Tensor:
-    """The FP32 values of ``codes`` (uint8) with one scale per block in ``scales``."""
-    qmap, _ = _tables(signed, codes.device)
+def dequantise(codes: torch.Tensor, scales: torch.Tensor, signed: bool, qmap: torch.Tensor | None = None
+               ) -> torch.Tensor:
+    """The FP32 values of ``codes`` (uint8) with one scale per block in ``scales`` (``qmap``: :func:`value_map`'s
+    tensor, passed in by code that ``torch.compile`` traces)."""
+    if qmap is None:
+        qmap = value_map(signed, codes.device)
     values = torch.take(qmap, codes.reshape(-1).long()).view(-1, BLOCK_SIZE) * scales.view(-1, 1)
     return values.view(codes.shape)
 

@@ -22,6 +22,7 @@ from lightning_comp.execution.executor import StepKind
 from lightning_comp.execution.loss_scaling import scaled_optimizer_step
 from lightning_comp.execution.plugin_state import CHECKPOINT_KEY
 from lightning_comp.execution.saved_tensors import DEFAULT_MIN_SAVED_BYTES
+from lightning_comp.execution.update_path import UpdatePath
 from lightning_comp.plan.plan import PlanLike, PrecisionPlan
 from lightning_comp.plugins.runtime import PlanOrigin, PlanRuntime
 from lightning_comp.plugins.shell import PlanShell
@@ -75,10 +76,14 @@ class CoMPPrecision(PlanShell, Precision):
             are bit-identical either way. ``False`` keeps the copies (autocast's behaviour).
         min_saved_bytes: operators whose plan entry saves ``bf16``/``fp8`` for backward store tensors smaller than
             this many bytes as they are (their pack and unpack cost more than the bytes they would save).
+        update_path: the code that steps parameters whose plan entry sets ``state``/``master`` precision:
+            ``"auto"`` (compiled with ``torch.compile`` where it pays: on CUDA, and on a CPU once a step's managed
+            parameters hold 2^20 elements; eager where compiling fails, with a warning), ``"compiled"`` (an error
+            where it cannot compile) or ``"eager"`` (op by op). See :mod:`lightning_comp.execution.update_path`.
 
     Raises:
         PlanError: if ``plan`` cannot be read.
-        ConfigError: if ``min_saved_bytes`` is not an integer >= 0.
+        ConfigError: if ``min_saved_bytes`` is not an integer >= 0, or ``update_path`` not one of the three.
     """
 
     # master weights and everything outside the plan's operators; keeps Lightning's literal (ModelSummary warns on any
@@ -93,12 +98,13 @@ class CoMPPrecision(PlanShell, Precision):
         scaler: torch.amp.GradScaler | None = None,
         recast_weights_in_backward: bool = True,
         min_saved_bytes: int = DEFAULT_MIN_SAVED_BYTES,
+        update_path: UpdatePath | str = UpdatePath.AUTO,
     ) -> None:
         Precision.__init__(self)  # (not super(): a subclass that is also an FSDPPrecision must not run its __init__)
         self._runtime = PlanRuntime(plan, owner=type(self).__name__, hooks_on_attach=True,
                                     allow_slow_fp16=allow_slow_fp16, scaler=scaler, scaler_factory=self._new_scaler,
                                     recast_weights_in_backward=recast_weights_in_backward,
-                                    min_saved_bytes=min_saved_bytes)
+                                    min_saved_bytes=min_saved_bytes, update_path=update_path)
         self._hook_guards = ExitStack()  # while a compiled model trains: Dynamo guards on hooks
         self._training_begun = False  # the fit's first training step ran (its checks and logging are done)
 

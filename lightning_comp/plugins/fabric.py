@@ -22,6 +22,7 @@ from lightning_comp.errors import UsageError
 from lightning_comp.execution.executor import StepKind
 from lightning_comp.execution.loss_scaling import scaler_step
 from lightning_comp.execution.saved_tensors import DEFAULT_MIN_SAVED_BYTES
+from lightning_comp.execution.update_path import UpdatePath
 from lightning_comp.plan.plan import PlanLike
 from lightning_comp.plugins.runtime import PlanRuntime
 from lightning_comp.plugins.shell import PlanShell
@@ -58,6 +59,7 @@ class CoMPFabricPrecision(PlanShell, Precision):
         scaler: a ``torch.amp.GradScaler`` for FP16 plans instead of a default one.
         recast_weights_in_backward: as :class:`~lightning_comp.CoMPPrecision`.
         min_saved_bytes: as :class:`~lightning_comp.CoMPPrecision`.
+        update_path: as :class:`~lightning_comp.CoMPPrecision`.
 
     Raises:
         PlanError: if ``plan`` cannot be read.
@@ -67,11 +69,12 @@ class CoMPFabricPrecision(PlanShell, Precision):
 
     def __init__(self, plan: PlanLike = None, *, allow_slow_fp16: bool = False,
                  scaler: torch.amp.GradScaler | None = None, recast_weights_in_backward: bool = True,
-                 min_saved_bytes: int = DEFAULT_MIN_SAVED_BYTES) -> None:
+                 min_saved_bytes: int = DEFAULT_MIN_SAVED_BYTES,
+                 update_path: UpdatePath | str = UpdatePath.AUTO) -> None:
         self._runtime = PlanRuntime(plan, owner=type(self).__name__, hooks_on_attach=False,
                                     allow_slow_fp16=allow_slow_fp16, scaler=scaler, scaler_factory=None,
                                     recast_weights_in_backward=recast_weights_in_backward,
-                                    min_saved_bytes=min_saved_bytes)
+                                    min_saved_bytes=min_saved_bytes, update_path=update_path)
         self._unplanned_checked = False  # the first training forward looked whether a plan was ever given
 
     # ---------------------------------------------------------------------------------------- Fabric hooks

@@ -13,6 +13,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_comp.execution.saved_tensors import DEFAULT_MIN_SAVED_BYTES
+from lightning_comp.execution.update_path import UpdatePath
 from lightning_comp.plan.plan import PlanLike
 from lightning_comp.plugins.comp import CoMPPrecision
 
@@ -40,14 +41,17 @@ class CoMPFSDPPrecision(CoMPPrecision, FSDPPrecision):  # type: ignore[misc]  # 
         allow_slow_fp16: as :class:`~lightning_comp.CoMPPrecision`.
         scaler: a ``ShardedGradScaler`` for FP16 plans instead of a default one.
         min_saved_bytes: as :class:`~lightning_comp.CoMPPrecision`.
+        update_path: as :class:`~lightning_comp.CoMPPrecision`.
     """
 
     def __init__(self, plan: PlanLike = None, *, allow_slow_fp16: bool = False,
-                 scaler: torch.amp.GradScaler | None = None, min_saved_bytes: int = DEFAULT_MIN_SAVED_BYTES) -> None:
+                 scaler: torch.amp.GradScaler | None = None, min_saved_bytes: int = DEFAULT_MIN_SAVED_BYTES,
+                 update_path: UpdatePath | str = UpdatePath.AUTO) -> None:
         # FSDPPrecision.__init__ is not run: it would assign ``scaler``, which is CoMPPrecision's (read-only) property
         # (CoMPPrecision's own chain ends in Lightning's Precision, which takes no argument)
         CoMPPrecision.__init__(self, plan, allow_slow_fp16=allow_slow_fp16, scaler=scaler,
-                               recast_weights_in_backward=False, min_saved_bytes=min_saved_bytes)
+                               recast_weights_in_backward=False, min_saved_bytes=min_saved_bytes,
+                               update_path=update_path)
         self._desired_input_dtype = torch.float32  # what FSDPPrecision's init contexts read
 
     @override

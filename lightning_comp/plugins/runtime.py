@@ -34,6 +34,7 @@ from lightning_comp.execution.loss_scaling import ScalerSlot, SkippedSteps
 from lightning_comp.execution.optimizer_states import OptimizerStates
 from lightning_comp.execution.plugin_state import PluginState
 from lightning_comp.execution.unplanned_work import UnplannedWorkWarnings
+from lightning_comp.execution.update_path import UpdatePath
 from lightning_comp.numerics.precision import ComputePrecision
 from lightning_comp.plan.dimensions import Dimension
 from lightning_comp.plan.plan import PlanLike, PrecisionPlan, plan_from_any
@@ -74,18 +75,20 @@ class PlanRuntime:
         scaler_factory: makes the loss scaler of FP16 plans for a device type (default ``torch.amp.GradScaler``).
         recast_weights_in_backward: as the plugins'.
         min_saved_bytes: as the plugins'.
+        update_path: as the plugins'.
     """
 
     def __init__(self, plan: PlanLike, *, owner: str, hooks_on_attach: bool, allow_slow_fp16: bool,
                  scaler: torch.amp.GradScaler | None, scaler_factory: Callable[[str], torch.amp.GradScaler] | None,
-                 recast_weights_in_backward: bool, min_saved_bytes: int) -> None:
+                 recast_weights_in_backward: bool, min_saved_bytes: int,
+                 update_path: UpdatePath | str = UpdatePath.AUTO) -> None:
         self.owner = owner
         self.requested = plan_from_any(plan)  # asked for; the executor holds it bound, in force
         self.origin = PlanOrigin.DEFAULT if plan is None else PlanOrigin.USER
         self.allow_slow_fp16 = bool(allow_slow_fp16)
         self.executor = PlanExecutor(recast_weights_in_backward=recast_weights_in_backward,
                                      min_saved_bytes=min_saved_bytes)
-        self.optimizer_states = OptimizerStates()
+        self.optimizer_states = OptimizerStates(update_path)
         self.optimizer_steps = 0
         self.planned_by_checkpoint = False  # a checkpoint's plan was put in force (see :attr:`unplanned`)
         self._hooks_on_attach = hooks_on_attach

@@ -1,0 +1,175 @@
+"""Which code steps the managed parameters: Adam's step op by op, or one compiled kernel per parameter.
+
+The eager update (:func:`~lightning_comp.execution.adam_step.adam_step`) runs every op of the step as its own pass
+over memory: on 2 CPU cores about 8 ns per parameter with FP32 or BF16 moments, 37 with a BF16 master rounded
+stochastically, 70 with 8-bit moments, against 1.5 ns for ``torch.optim.AdamW(foreach=True)``'s FP32 step; on CUDA,
+a dozen kernel launches per parameter. The compiled update traces the same step, per state format, as one pure
+function (:mod:`~lightning_comp.execution.fused_adam`) into one kernel with ``torch.compile(dynamic=True,
+fullgraph=True)``: one graph per format serves every shape and every learning rate (hyper-parameters stay symbolic),
+and it reads nothing back to the host. ``benchmarks/update_speed.py`` measures both in training.
+
+:class:`UpdatePath` chooses: ``"eager"``; ``"compiled"`` (an error, naming the cause, where it cannot compile);
+``"auto"`` (the default) compiles where the step is worth a compilation (on CUDA always; on a CPU once the managed
+parameters of a step hold at least :data:`AUTO_MIN_ELEMENTS` elements, since each format's first compilation takes
+a few seconds there) and falls back to eager, with a warning naming why, where compiling fails (no C++ compiler,
+say). A step the compiled functions do not cover runs eagerly: the first step of a parameter (its state is created)
+and the step after its format changed (the state is converted), AMSGrad, non-contiguous parameters.
+
+The two paths agree to FP32 rounding, except in two places. A BF16 master is rounded stochastically from the
+generator the plugin checkpoints by the eager path, and from a counter-based hash of (seed, parameter name, step,
+element) by the compiled one (:mod:`~lightning_comp.numerics.stochastic_rounding`): each is unbiased and each resumes
+bit-exactly, from different random bits. 8-bit codes are looked up in a table by the eager path and computed by
+:mod:`~lightning_comp.numerics.dynamic_codec` by the compiled one, which differ for about one value in a million, at
+a midpoint between two codes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from lightning.pytorch.utilities import rank_zero_warn
+
+from lightning_comp.common.spelled_enum import SpelledEnum
+from lightning_comp.errors import CoMPError, UnsupportedSetupError
+from lightning_comp.execution import fused_adam
+from lightning_comp.execution.adam_step import AdamSettings
+from lightning_comp.numerics import block_quant
+from lightning_comp.numerics.precision import StatePrecision
+from lightning_comp.numerics.stochastic_rounding import rounding_key
+
+__all__ = ["AUTO_MIN_ELEMENTS", "CompiledUpdates", "UpdatePath"]
+
+AUTO_MIN_ELEMENTS = 1 << 20
+"""On a CPU, ``"auto"`` compiles once a step's managed parameters hold this many elements: the eager path's extra
+6-60 ns per element then costs 6-60 ms a step, and a compilation of 2-5 s is repaid within some hundred steps."""
+
+
+class UpdatePath(SpelledEnum):
+    """The code that steps the parameters a plan's ``state``/``master`` entries manage (see the module docstring)."""
+
+    EAGER = "eager"
+    COMPILED = "compiled"
+    AUTO = "auto"
+
+    @classmethod
+    def noun(cls) -> str:
+        return "update path"
+
+    @classmethod
+    def notes(cls) -> Mapping[str, str]:
+        return {"eager": "op by op", "compiled": "torch.compile, one kernel per parameter",
+                "auto": "compiled where it pays, else eager"}
+
+
+_Step = Callable[..., None]
+_KERNELS: dict[StatePrecision, _Step] = {}
+
+
+def _kernel(state: StatePrecision) -> _Step:
+    """The compiled step of moments in ``state``'s format (compiled on first call; shared by every instance)."""
+    kernel = _KERNELS.get(state)
+    if kernel is None:
+        functions: dict[StatePrecision, _Step] = {StatePrecision.FP32: fused_adam.step_fp32_moments,
+                                                  StatePrecision.BF16: fused_adam.step_bf16_moments,
+                                                  StatePrecision.INT8: fused_adam.step_8bit_moments}
+        function = functions[state]
+        kernel = torch.compile(function, dynamic=True, fullgraph=True)
+        _KERNELS[state] = kernel
+    return kernel
+
+
+class CompiledUpdates:
+    """Steps managed parameters with the compiled functions where :class:`UpdatePath` says so.
+
+    Args:
+        path: the update path (an :class:`UpdatePath` or its spelling).
+        seed: the seed of the stochastic rounding of BF16 masters, mixed with each parameter's name and step.
+
+    Raises:
+        ConfigError: if ``path`` is not a valid update path.
+    """
+
+    def __init__(self, path: UpdatePath | str = UpdatePath.AUTO, *, seed: int = 0) -> None:
+        self.path = UpdatePath.parse(path)
+        self.seed = seed
+        self.failure: str | None = None  # why compiling failed under "auto" (the path is eager from then on)
+        self._on = False
+
+    def begin(self, elements: int, device: torch.device) -> bool:
+        """Decide for the step about to run, whose managed parameters hold ``elements`` elements on ``device``;
+        returns whether it runs compiled."""
+        if self.path is UpdatePath.EAGER or self.failure is not None:
+            self._on = False
+        elif self.path is UpdatePath.COMPILED:
+            self._on = True
+        else:
+            self._on = device.type == "cuda" or elements >= AUTO_MIN_ELEMENTS
+        return self._on
+
+    def step(self, p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], settings: AdamSettings,
+             precision: StatePrecision, stochastic: bool, name: str) -> bool:
+        """Step ``p`` compiled if this step runs compiled and its state is already in ``precision``'s format;
+        returns whether it did (else the caller steps it eagerly, creating or converting the state).
+
+        Raises:
+            UnsupportedSetupError: under ``"compiled"``, if the step cannot be compiled here.
+        """
+        if precision is StatePrecision.INT8 and not block_quant.quantisable(p):
+            precision = StatePrecision.FP32  # too small to quantise: its moments stay FP32
+        if not self._on or settings.amsgrad or not self._covers(p, grad, state, precision):
+            return False
+        state["step"] += 1
+        t = float(state["step"])  # a CPU tensor, as torch.optim.Adam keeps it: no device sync
+        beta1, beta2 = settings.betas
+        decay = settings.weight_decay
+        scalars = (settings.lr, beta1, beta2, settings.eps, 0.0 if settings.decoupled else decay,
+                   settings.lr * decay if settings.decoupled else 0.0, -1.0 if settings.maximize else 1.0,
+                   1.0 - beta1**t, math.sqrt(1.0 - beta2**t), stochastic, rounding_key(self.seed, name, int(t)))
+        try:
+            if precision is StatePrecision.INT8:
+                maps = (block_quant.value_map(True, p.device), block_quant.value_map(False, p.device))
+                _kernel(precision)(p, grad, state["exp_avg"], state["exp_avg_sq"], *maps, *scalars)
+            else:
+                _kernel(precision)(p, grad, state["exp_avg"], state["exp_avg_sq"], *scalars)
+        except CoMPError:
+            raise
+        except Exception as error:  # noqa: BLE001 - a backend's failure to compile, reported below
+            state["step"] -= 1
+            self._failed(error)
+            return False
+        return True
+
+    @staticmethod
+    def _covers(p: torch.Tensor, grad: torch.Tensor, state: Mapping[str, Any], precision: StatePrecision) -> bool:
+        """Whether ``p``'s state is in ``precision``'s format already and the compiled step applies to it."""
+        if type(p.detach()) is not torch.Tensor:
+            return False  # a sharded parameter (DTensor) or another subclass: stepped eagerly
+        if "step" not in state or not p.is_contiguous() or grad.dtype != p.dtype or not grad.is_contiguous() \
+                or grad.layout is not torch.strided:
+            return False
+        moments = [state.get("exp_avg"), state.get("exp_avg_sq")]
+        if precision is StatePrecision.INT8:
+            size = block_quant.packed_size(p.numel())
+            return block_quant.quantisable(p) and all(
+                isinstance(m, torch.Tensor) and m.dtype == torch.uint8 and m.numel() == size for m in moments)
+        dtype = torch.bfloat16 if precision is StatePrecision.BF16 else torch.float32
+        return all(isinstance(m, torch.Tensor) and m.dtype == dtype and m.shape == p.shape and m.is_contiguous()
+                   for m in moments)
+
+    def _failed(self, error: Exception) -> None:
+        """Compiling failed: raise under ``"compiled"``; under ``"auto"``, warn and step eagerly from now on."""
+        inner = getattr(error, "inner_exception", None) or error  # a backend's own error, inside dynamo's
+        lines = str(inner).strip().splitlines()
+        cause = f"{type(inner).__name__}: {lines[0]}" if lines else type(inner).__name__
+        if self.path is UpdatePath.COMPILED:
+            raise UnsupportedSetupError(
+                f"update_path='compiled': the managed optimizer step could not be compiled here ({cause}). Use"
+                " update_path='auto' (falls back to the eager step) or 'eager'.") from error
+        self.failure = cause
+        self._on = False
+        rank_zero_warn(f"The managed optimizer step could not be compiled ({cause}); it runs eagerly from now on"
+                       " (several times slower per parameter). Pass update_path='eager' to skip the attempt.")
+
