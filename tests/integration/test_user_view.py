@@ -134,3 +134,32 @@ def test_a_given_plan_reaches_the_loggers_hyperparameters_at_fit_start(
     assert hparams["comp/device_class"].startswith("cpu")
     assert len(hparams["comp/plan_fingerprint"]) == 16 and hparams["comp/model_fingerprint"]
     assert hparams["comp/plan_fingerprint"] == plugin.plan_hyperparameters()["comp/plan_fingerprint"]
+
+
+@pytest.mark.slow
+def test_a_searchs_chosen_plan_and_its_trials_reach_the_logger_under_their_own_names(tmp_path: Path) -> None:
+    from tests.helpers.search_models import WideMLP, fixed_search, loaders
+
+    pl.seed_everything(0)
+    search = fixed_search()
+    logger = CSVLogger(str(tmp_path), name="csv")
+    plugin = CoMPPrecision()
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=3, plugins=[plugin], callbacks=[search],
+                         logger=logger, enable_progress_bar=False, enable_model_summary=False,
+                         enable_checkpointing=False, default_root_dir=str(tmp_path))
+    train, val = loaders()
+    trainer.fit(WideMLP(), train, val)
+    record = search.record
+    assert record is not None and len(record["trials"]) >= 2
+    hparams = yaml.safe_load((Path(logger.log_dir) / "hparams.yaml").read_text())
+    assert hparams["comp/precision"] == plugin.precision_label
+    assert hparams["comp/plan_fingerprint"] == plugin.plan_hyperparameters()["comp/plan_fingerprint"]
+    assert hparams["comp/device_class"].startswith("cpu") and hparams["comp/low_precision"] == "bf16"
+    import csv
+
+    with (Path(logger.log_dir) / "metrics.csv").open() as handle:
+        rows = [row for row in csv.DictReader(handle) if row.get("comp/trials/passed")]
+    assert [int(row["step"]) for row in rows] == list(range(len(record["trials"])))
+    assert [float(row["comp/trials/metric"]) for row in rows] == pytest.approx([t["metric"] for t in record["trials"]])
+    assert [float(row["comp/trials/passed"]) for row in rows] == [
+        1.0 if t["verdict"] == "pass" else 0.0 for t in record["trials"]]

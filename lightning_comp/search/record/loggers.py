@@ -1,11 +1,13 @@
 """The decision record in every attached Lightning logger, in the form that logger shows best.
 
 - Any logger: the chosen plan as flat hyperparameters (``comp/plan/<selector>: precision``, ``comp/saved/<selector>:
-  saved precision``, ``comp/state/<selector>`` and ``comp/master/<selector>`` where the plan sets them, plus the
-  searched
-  precision, objective and counts) and the search's summary scalars (operators lowered, trials, search seconds).
-- TensorBoard: the plan and the per-operator decisions as Markdown tables (TEXT tab), and each trial's metric and
-  median step time as scalars over the trial number (SCALARS tab, ``comp/trials/...``).
+  saved precision``, ``comp/state/<selector>`` and ``comp/master/<selector>`` where the plan sets them, the plan's
+  summary as the plugin hooked it: ``comp/precision``, operator counts, device class and fingerprints of
+  :mod:`lightning_comp.plugins.summary`, plus the searched precision, objective and counts), the search's summary
+  scalars (operators lowered, trials, search seconds), and each trial's metric, median step time and verdict as
+  scalars under their own names, over the trial number as the step (``comp/trials/metric``,
+  ``comp/trials/median_step_ms``, ``comp/trials/passed``), apart from the user's own validation curves.
+- TensorBoard: the plan and the per-operator decisions as Markdown tables (TEXT tab).
 - CSV: two flat tables beside ``metrics.csv``: ``comp_operators.csv`` (one row per operator: decision, times, ratio
   and its interval, bytes, reason) and ``comp_trials.csv`` (one row per trial).
 """
@@ -19,7 +21,10 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger
 
-__all__ = ["OPERATOR_COLUMNS", "TRIAL_COLUMNS", "log_record", "operator_rows", "plan_hyperparameters", "trial_rows"]
+from lightning_comp.plugins.shell import PlanShell
+
+__all__ = ["OPERATOR_COLUMNS", "TRIAL_COLUMNS", "log_record", "operator_rows", "plan_hyperparameters", "trial_metrics",
+           "trial_rows"]
 
 OPERATOR_COLUMNS = ("operator", "type", "kind", "decision", "fp32_ms", "low_ms", "ratio", "ratio_low", "ratio_high",
                     "rounds", "fp32_saved_bytes", "low_saved_bytes", "reason", "saved", "saved_reason", "state",
@@ -101,11 +106,6 @@ def _tensorboard(logger: TensorBoardLogger, record: dict[str, Any], step: int) -
     if ops:
         writer.add_text("comp/operators", _markdown(("operator", "type", "decision", "ratio", "ratio_low",
                                                      "ratio_high", "reason"), ops), step)
-    for row in trial_rows(record):
-        if row["metric"] is not None:
-            writer.add_scalar("comp/trials/metric", float(row["metric"]), row["trial"])
-        if row["median_step_ms"] is not None:
-            writer.add_scalar("comp/trials/median_step_ms", float(row["median_step_ms"]), row["trial"])
     writer.flush()
 
 
@@ -117,11 +117,26 @@ def _write_csv(path: Path, columns: tuple[str, ...], rows: list[dict[str, Any]])
         writer.writerows(rows)
 
 
+def trial_metrics(row: dict[str, Any]) -> dict[str, float]:
+    """A trial's scalars under their own names (``comp/trials/...``), logged at the trial's number as the step:
+    the monitored metric it ended with, its median step time, and whether it passed (1) or not (0)."""
+    metrics = {"comp/trials/passed": 1.0 if row["verdict"] == "pass" else 0.0}
+    if row["metric"] is not None:
+        metrics["comp/trials/metric"] = float(row["metric"])
+    if row["median_step_ms"] is not None:
+        metrics["comp/trials/median_step_ms"] = float(row["median_step_ms"])
+    return metrics
+
+
 def log_record(trainer: pl.Trainer, record: dict[str, Any]) -> None:
     """Send ``record`` to every logger of ``trainer`` (loggers write on rank 0 only)."""
     step = trainer.global_step
+    plugin = trainer.precision_plugin
+    plan = plugin.plan_hyperparameters() if isinstance(plugin, PlanShell) else {}  # the plan as hooked
     for logger in trainer.loggers:
-        _log_common(logger, record, step)
+        _log_common(logger, record, step, plan)
+        for row in trial_rows(record):
+            logger.log_metrics(trial_metrics(row), step=row["trial"])
         if isinstance(logger, TensorBoardLogger) and trainer.is_global_zero:
             _tensorboard(logger, record, step)
         elif isinstance(logger, CSVLogger) and trainer.is_global_zero:
@@ -130,7 +145,7 @@ def log_record(trainer: pl.Trainer, record: dict[str, Any]) -> None:
             _write_csv(directory / "comp_trials.csv", TRIAL_COLUMNS, trial_rows(record))
 
 
-def _log_common(logger: Logger, record: dict[str, Any], step: int) -> None:
+def _log_common(logger: Logger, record: dict[str, Any], step: int, plan: dict[str, Any]) -> None:
     logger.log_metrics(
         {
             "comp/lowered_operators": float(len(record["lowered_operators"])),
@@ -139,4 +154,4 @@ def _log_common(logger: Logger, record: dict[str, Any], step: int) -> None:
         },
         step=step,
     )
-    logger.log_hyperparams(plan_hyperparameters(record))
+    logger.log_hyperparams({**plan, **plan_hyperparameters(record)})
