@@ -66,6 +66,14 @@ def test_every_figure_is_written_for_a_full_record(tmp_path: Path, epochs: int, 
     assert sum(drawn.values()) <= (time.perf_counter() - started) * 1e3  # the time each took, all counted
 
 
+def test_the_write_at_the_fit_end_draws_only_what_is_missing(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    assert len(write_figures(_record(), tmp_path)) == 3
+    assert write_figures(_record(), tmp_path, final=True) == {}  # decided when the search ended: not drawn again
+    (tmp_path / TRIALS_FIGURE).unlink()  # e.g. a resumed run writing into a new directory
+    assert set(write_figures(_record(), tmp_path, final=True)) == {TRIALS_FIGURE}
+
+
 def test_the_plan_figure_shows_only_the_dimensions_the_plan_sets() -> None:
     pytest.importorskip("matplotlib")
     record = _record()
@@ -98,7 +106,7 @@ def test_without_matplotlib_one_info_line_and_no_error(tmp_path: Path, monkeypat
     said: list[str] = []
     monkeypatch.setattr(figures, "rank_zero_info", said.append)  # Lightning's info logger does not propagate
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
-    assert write_figures(_record(), tmp_path, say_missing=True) == {}
-    assert write_figures(_record(), tmp_path) == {}  # the write at the fit's end says nothing again
+    assert write_figures(_record(), tmp_path) == {}
+    assert write_figures(_record(), tmp_path, final=True) == {}  # the write at the fit's end says nothing again
     assert said == [NO_MATPLOTLIB] and "pip install 'lightning-comp[figures]'" in said[0]
     assert list(tmp_path.iterdir()) == []

@@ -146,7 +146,7 @@ def publish(trainer: pl.Trainer, state: SearchState, config: SearchConfig, final
         if record["chosen_plan"] is not None:
             PrecisionPlan.from_dict(record["chosen_plan"]).save(directory / "plan.json")
         drawn = write_figures(record, directory, loggers=() if final else trainer.loggers, step=trainer.global_step,
-                              say_missing=not final)
+                              final=final)
         if drawn and config.verbose and not final:
             rank_zero_info(f"CoMPSearch figures in {directory}: " + ", ".join(
                 f"{name} ({ms:.0f} ms)" for name, ms in drawn.items()))

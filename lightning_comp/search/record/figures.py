@@ -12,7 +12,7 @@ record read back from ``search_record.json`` draws the same:
 - :data:`FRONTIER_FIGURE`: the memory objective's levers taken cheapest bytes first (step bytes against step time).
 
 :func:`write_figures` writes them as PNG beside ``plan.json`` and sends them to every logger that takes figures
-(TensorBoard: ``add_figure``, tags ``comp/plan``, ``comp/trials``, ``comp/memory_frontier``). They need matplotlib
+(TensorBoard: as images, tags ``comp/plan``, ``comp/trials``, ``comp/memory_frontier``). They need matplotlib
 (``pip install 'lightning-comp[figures]'``); without it nothing is drawn and the record and its text say the same.
 Figures are drawn on matplotlib's Agg canvas through its object API: pyplot, its global backend and its figure
 registry are left alone.
@@ -33,6 +33,7 @@ from lightning_comp.plan.dimensions import Dimension
 from lightning_comp.plan.plan import PrecisionPlan
 
 if TYPE_CHECKING:
+    import numpy as np
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
@@ -45,7 +46,7 @@ FRONTIER_FIGURE = "memory_frontier.png"
 NO_MATPLOTLIB = ("CoMPSearch: no figures of the search (matplotlib is not installed; pip install"
                  " 'lightning-comp[figures]' draws the plan and the trials as PNG); search_record.json holds the same"
                  " numbers.")
-DPI = 120
+DPI = 110
 LABELLED = 8  # levers named in the frontier figure: those that freed most
 # one colour per value of every dimension (the values are spelled alike across dimensions: bf16 is blue everywhere)
 COLOURS = {"fp32": "0.82", "bf16": "tab:blue", "fp16": "tab:orange", "fp8": "tab:red", "recompute": "tab:green",
@@ -115,58 +116,72 @@ def trials_figure(record: dict[str, Any]) -> Figure | None:
 def _metric_points(axes: Axes, record: dict[str, Any], trials: list[dict[str, Any]]) -> None:
     """One point per trial (trials of one validation each)."""
     values = [_finite(t.get("metric")) for t in trials]
-    finite = [v for v in values if v is not None]
-    top = max(finite) if finite else 1.0
     for index, (trial, value) in enumerate(zip(trials, values)):
-        colour = "black" if index == 0 else VERDICT_COLOURS.get(trial["verdict"], "0.5")
-        if value is None:  # NaN/Inf or no metric: drawn at the top, marked
-            axes.scatter([index], [top], marker="x", color=colour, s=40)
-            axes.annotate("not finite", (index, top), fontsize=6, xytext=(3, 3), textcoords="offset points")
-            continue
-        axes.scatter([index], [value], marker="*" if trial.get("kept") else "o", s=90 if trial.get("kept") else 30,
-                     color=colour, zorder=3)
-    _reference_lines(axes, record)
+        if value is not None:
+            axes.scatter([index], [value], marker="*" if trial.get("kept") else "o",
+                         s=90 if trial.get("kept") else 30, color=_colour(index, trial), zorder=3)
+    _reference_lines(axes, record, (-0.5, len(trials) - 0.5))
+    _not_finite(axes, [i for i, v in enumerate(values) if v is None], lambda index: index)
     axes.set_xticks(range(len(trials)), [f"{i}" for i in range(len(trials))], fontsize=7)
     axes.set_xlim(-0.5, len(trials) - 0.5)
+    axes.set_xlabel("trial")
     axes.set_ylabel(str(record.get("monitor")))
     _verdict_legend(axes, trials)
 
 
 def _metric_curves(axes: Axes, record: dict[str, Any], trials: list[dict[str, Any]]) -> None:
-    """One curve per trial over its epochs (trials of several validations)."""
+    """One curve per trial over its epochs (trials of several validations); the bound judges the last epoch."""
+    last = max(len(t.get("metrics") or {}) for t in trials)
+    missing = []
     for index, trial in enumerate(trials):
         metrics = trial.get("metrics") or {}
-        epochs = sorted(metrics, key=int)
-        points = [(step, v) for step, epoch in enumerate(epochs, start=1)
+        points = [(step, v) for step, epoch in enumerate(sorted(metrics, key=int), start=1)
                   if (v := _finite(metrics[epoch])) is not None]
+        if len(points) < len(metrics) or not points:
+            missing.append(index)
         if not points:
             continue
         reference = index == 0
-        colour = "black" if reference else VERDICT_COLOURS.get(trial["verdict"], "0.5")
-        axes.plot([p[0] for p in points], [p[1] for p in points], "-o", color=colour, markersize=3,
+        axes.plot([p[0] for p in points], [p[1] for p in points], "-o", color=_colour(index, trial), markersize=3,
                   linewidth=2.0 if reference or trial.get("kept") else 0.9, alpha=1.0 if reference else 0.7,
                   zorder=3 if reference else 2)
         axes.annotate(str(index), points[-1], fontsize=6, xytext=(3, 0), textcoords="offset points")
-    _reference_lines(axes, record)
-    axes.set_xlabel("epoch of the trial")
+    _reference_lines(axes, record, (last - 0.3, last + 0.3))
+    _not_finite(axes, missing, lambda index: last)
+    axes.set_xticks(range(1, last + 1))
+    axes.set_xlim(0.7, last + 0.5)
+    axes.set_xlabel("epoch of the trial (judged at its last)")
     axes.set_ylabel(str(record.get("monitor")))
     _verdict_legend(axes, trials)
 
 
-def _reference_lines(axes: Axes, record: dict[str, Any]) -> None:
-    """The reference's final metric and the bound a trial must stay within, the failing side shaded."""
+def _reference_lines(axes: Axes, record: dict[str, Any], span: tuple[float, float]) -> None:
+    """The reference's final metric and, over ``span``, the bound a trial must end within, its failing side
+    shaded."""
     reference = _finite((record.get("trials") or [{}])[0].get("metric"))
     bound = _finite(record.get("metric_bound"))
     if reference is not None:
-        axes.axhline(reference, color="black", linestyle=":", linewidth=0.9, label="fp32 reference")
-    if bound is not None:
-        axes.axhline(bound, color="tab:red", linestyle="--", linewidth=0.9, label="worst a trial may end with")
-        low, high = axes.get_ylim()
-        margin = 0.1 * (high - low or abs(bound) or 1.0)
-        if record.get("mode") == "min":
-            axes.axhspan(bound, max(high, bound + margin), color="tab:red", alpha=0.07)
-        else:
-            axes.axhspan(min(low, bound - margin), bound, color="tab:red", alpha=0.07)
+        axes.axhline(reference, color="black", linestyle=":", linewidth=0.9, label="fp32 reference (its end)")
+    if bound is None:
+        return
+    axes.hlines(bound, *span, color="tab:red", linestyle="--", linewidth=0.9, label="worst a trial may end with")
+    low, high = axes.get_ylim()
+    margin = 0.1 * ((high - low) or abs(bound) or 1.0)
+    edge = max(high, bound + margin) if record.get("mode") == "min" else min(low, bound - margin)
+    axes.fill_between(span, bound, edge, color="tab:red", alpha=0.08, linewidth=0)
+    axes.set_ylim(min(low, edge), max(high, edge))
+
+
+def _not_finite(axes: Axes, indices: list[int], where: Callable[[int], float]) -> None:
+    """Mark the trials whose metric was NaN/Inf (or missing) at the top of ``axes``."""
+    top = axes.get_ylim()[1]
+    for index in indices:
+        axes.annotate(f"{index}: not finite", (where(index), top), fontsize=6, color="tab:red", ha="center",
+                      xytext=(0, -10 - 8 * (indices.index(index) % 3)), textcoords="offset points")
+
+
+def _colour(index: int, trial: dict[str, Any]) -> str:
+    return "black" if index == 0 else VERDICT_COLOURS.get(trial["verdict"], "0.5")
 
 
 def _verdict_legend(axes: Axes, trials: list[dict[str, Any]]) -> None:
@@ -181,7 +196,7 @@ def _verdict_legend(axes: Axes, trials: list[dict[str, Any]]) -> None:
 def _step_times(axes: Axes, trials: list[dict[str, Any]]) -> None:
     """Each trial's median step time, the reference's as a line; the x axis names the trials."""
     times = [_finite(t.get("median_step_ms")) for t in trials]
-    colours = ["black" if i == 0 else VERDICT_COLOURS.get(t["verdict"], "0.5") for i, t in enumerate(trials)]
+    colours = [_colour(i, t) for i, t in enumerate(trials)]
     axes.bar(range(len(trials)), [v or 0.0 for v in times], color=colours, alpha=0.75)
     if times[0] is not None:
         axes.axhline(times[0], color="black", linestyle=":", linewidth=0.9)
@@ -239,33 +254,41 @@ FIGURES: dict[str, Callable[[dict[str, Any]], Figure | None]] = {
 
 
 def write_figures(record: dict[str, Any], directory: Path, loggers: Sequence[Logger] = (), step: int = 0,
-                  say_missing: bool = False) -> dict[str, float]:
+                  final: bool = False) -> dict[str, float]:
     """Draw the record's figures, write each into ``directory`` as PNG and send it to ``loggers`` that take figures.
+
+    Each figure is rendered once; its pixels are both the PNG and the image the loggers get.
 
     Args:
         record: the decision record.
         directory: where the PNGs are written (beside ``plan.json``); it exists.
-        loggers: the Trainer's loggers; each TensorBoard one gets every figure (``comp/<name>``) at ``step``.
+        loggers: the Trainer's loggers; each TensorBoard one gets every figure (tag ``comp/<name>``) at ``step``.
         step: the global step the figures are logged at.
-        say_missing: without matplotlib, say so in one info line (once per search, not at every write).
+        final: the write at the fit's end: what the figures show was decided when the search ended, so a figure
+            already in ``directory`` is not drawn again, and a missing matplotlib is not reported again.
 
     Returns:
         The file name of each figure written -> milliseconds it took to draw, write and log.
     """
     if not _has_matplotlib():
-        if say_missing:
+        if not final:
             rank_zero_info(NO_MATPLOTLIB)
         return {}
+    from matplotlib.image import imsave
+
     writers = [logger.experiment for logger in loggers if isinstance(logger, TensorBoardLogger)]
     spent: dict[str, float] = {}
     for name, draw in FIGURES.items():
+        if final and (directory / name).exists():
+            continue
         started = time.perf_counter()
         figure = draw(record)
         if figure is None:
             continue
-        figure.savefig(directory / name, dpi=DPI, bbox_inches="tight")
+        pixels = _render(figure)
+        imsave(directory / name, pixels)
         for writer in writers:
-            writer.add_figure(f"comp/{Path(name).stem}", figure, step, close=False)
+            writer.add_image(f"comp/{Path(name).stem}", pixels[..., :3], step, dataformats="HWC")
         spent[name] = (time.perf_counter() - started) * 1e3
     for writer in writers:
         writer.flush()
@@ -285,9 +308,18 @@ def _figure(width: float, height: float) -> Figure:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    figure = Figure(figsize=(width, height), layout="constrained")
+    figure = Figure(figsize=(width, height), dpi=DPI, layout="constrained")
     FigureCanvasAgg(figure)
     return figure
+
+
+def _render(figure: Figure) -> np.ndarray:
+    """The figure's pixels (height x width x RGBA, uint8), drawn once on its Agg canvas."""
+    import numpy as np  # matplotlib's own dependency
+
+    canvas = figure.canvas
+    canvas.draw()
+    return np.array(canvas.buffer_rgba())  # type: ignore[attr-defined]
 
 
 def _finite(value: Any) -> float | None:
