@@ -96,6 +96,7 @@ class CompiledUpdates:
         self.path = UpdatePath.parse(path)
         self.seed = seed
         self.failure: str | None = None  # why compiling failed under "auto" (the path is eager from then on)
+        self.compiled_steps = 0  # parameter steps the compiled functions took
         self._on = False
 
     def begin(self, elements: int, device: torch.device) -> bool:
@@ -140,6 +141,7 @@ class CompiledUpdates:
             state["step"] -= 1
             self._failed(error)
             return False
+        self.compiled_steps += 1
         return True
 
     @staticmethod

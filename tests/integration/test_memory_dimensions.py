@@ -51,10 +51,11 @@ def _trainer(root: Path, plugin: CoMPPrecision, **kwargs: Any) -> pl.Trainer:
                       limit_val_batches=2, **kwargs)
 
 
-def _fit(root: Path, plan: Any, ckpt_path: Path | None = None, **kwargs: Any) -> tuple[pl.Trainer, Block]:
+def _fit(root: Path, plan: Any, ckpt_path: Path | None = None, update_path: str = "auto",
+         **kwargs: Any) -> tuple[pl.Trainer, Block]:
     pl.seed_everything(0)
     model = Block()
-    trainer = _trainer(root, CoMPPrecision(plan), **kwargs)
+    trainer = _trainer(root, CoMPPrecision(plan, update_path=update_path), **kwargs)
     train, val = fixed_loaders(n_train=512, n_val=128, batch_size=64)  # the same batches after a resume
     trainer.fit(model, train, val, ckpt_path=ckpt_path, **WEIGHTS_ONLY)
     return trainer, model
@@ -68,9 +69,11 @@ class Dtypes(pl.Callback):
 
 
 @pytest.mark.slow
-def test_every_dimension_trains_through_the_trainer(tmp_path: Path) -> None:
+@pytest.mark.parametrize("update_path", ["eager", "compiled"])
+def test_every_dimension_trains_through_the_trainer(tmp_path: Path, update_path: str) -> None:
     dtypes = Dtypes()
-    trainer, model = _fit(tmp_path / "comp", EVERY_DIMENSION, max_epochs=2, callbacks=[dtypes])
+    trainer, model = _fit(tmp_path / "comp", EVERY_DIMENSION, max_epochs=2, callbacks=[dtypes],
+                          update_path=update_path)
     assert dtypes.seen["l1.weight"] == torch.bfloat16 and dtypes.seen["l2.bias"] == torch.bfloat16
     assert dtypes.seen["head.weight"] == torch.float32 and dtypes.seen["norm.weight"] == torch.float32
     # the model handed back computes in fp32 again, with the bf16 values it trained to
@@ -88,17 +91,21 @@ def test_every_dimension_trains_through_the_trainer(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_resume_with_every_dimension_is_bit_exact(tmp_path: Path) -> None:
+@pytest.mark.parametrize("update_path", ["eager", "compiled"])
+def test_resume_with_every_dimension_is_bit_exact(tmp_path: Path, update_path: str) -> None:
     """Four epochs straight, against two epochs, a checkpoint, and two more in a fresh Trainer and model: the same
-    weights (bf16 masters included), optimizer states (8-bit codes and scales) and stochastic-rounding stream."""
-    straight_trainer, straight = _fit(tmp_path / "straight", EVERY_DIMENSION, max_epochs=4)
-    first, _ = _fit(tmp_path / "first", EVERY_DIMENSION, max_epochs=2)
+    weights (bf16 masters included), optimizer states (8-bit codes and scales) and stochastic-rounding stream, on
+    either update path (the compiled one's rounding is a function of the step the optimizer state holds)."""
+    straight_trainer, straight = _fit(tmp_path / "straight", EVERY_DIMENSION, max_epochs=4, update_path=update_path)
+    updates = straight_trainer.precision_plugin._runtime.optimizer_states.updates
+    assert (updates.compiled_steps > 0) == (update_path == "compiled")
+    first, _ = _fit(tmp_path / "first", EVERY_DIMENSION, max_epochs=2, update_path=update_path)
     ckpt = tmp_path / "first.ckpt"
     first.save_checkpoint(ckpt)
     stored = torch.load(ckpt, weights_only=True)
     assert stored["lightning_comp"]["plan"]["master"] == {"l1": "bf16", "l2": "bf16"}
     assert stored["lightning_comp"]["rounding"]  # the generator that rounds bf16 masters
-    resumed_trainer, resumed = _fit(tmp_path / "resumed", None, ckpt_path=ckpt, max_epochs=4)
+    resumed_trainer, resumed = _fit(tmp_path / "resumed", None, ckpt_path=ckpt, max_epochs=4, update_path=update_path)
     assert resumed_trainer.precision_plugin.plan["state"] == straight_trainer.precision_plugin.plan["state"]
     for (name, a), b in zip(straight.named_parameters(), resumed.parameters()):
         assert a.dtype == b.dtype and torch.equal(a, b), name

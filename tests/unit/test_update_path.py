@@ -1,0 +1,216 @@
+"""The compiled update path: its 8-bit codec and hashed rounding against their references, its steps against the
+eager path's, its choice of path, and its fallback when compiling fails."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_comp import CoMPPrecision
+from lightning_comp.errors import ConfigError, UnsupportedSetupError
+from lightning_comp.execution import update_path as update_path_module
+from lightning_comp.execution.optimizer_states import OptimizerStates, ParameterTreatment
+from lightning_comp.execution.update_path import AUTO_MIN_ELEMENTS, CompiledUpdates, UpdatePath
+from lightning_comp.numerics.dynamic_codec import encode
+from lightning_comp.numerics.precision import MasterPrecision, StatePrecision
+from lightning_comp.numerics.stochastic_rounding import round_to_bf16_hashed, rounding_key
+
+N = 64 * 128  # quantisable: 32 blocks of 256
+
+
+def _scaled_values(signed: bool, n: int = 1 << 18) -> torch.Tensor:
+    """Values in [-1, 1] ([0, 1] unsigned) spread over every decade of the map, the map's own values, and its ends."""
+    from lightning_comp.numerics.block_quant import value_map
+
+    torch.manual_seed(0)
+    values = torch.rand(n) ** 8
+    if signed:
+        values = values * torch.where(torch.rand(n) < 0.5, -1.0, 1.0)
+    ends = [0.0, 1.0, -1.0] if signed else [0.0, 1.0]
+    return torch.cat([values, value_map(signed, torch.device("cpu")), torch.tensor(ends)])
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_the_arithmetic_codes_are_torchaos_nearest_codes(signed: bool) -> None:
+    from lightning_comp.adapters.torchao_quant import reference_quantise
+    from lightning_comp.numerics.block_quant import value_map
+
+    qmap = value_map(signed, torch.device("cpu"))
+    values = _scaled_values(signed)
+    ours, reference = encode(values, signed), reference_quantise(values, qmap)
+    assert ours.dtype == torch.uint8
+    assert torch.equal(ours[-qmap.numel() - 3:-3] if signed else ours[-qmap.numel() - 2:-2],
+                       torch.arange(256, dtype=torch.uint8))  # every map value is its own code
+    different = ours != reference
+    assert int(different.sum()) <= values.numel() * 1e-4
+    assert int((ours.int() - reference.int()).abs().max()) <= 1
+    # where they differ, the value sits at the midpoint: both codes are as near, to float rounding
+    ours_error = (qmap[ours.long()] - values).abs()
+    reference_error = (qmap[reference.long()] - values).abs()
+    assert torch.all(ours_error[different] <= reference_error[different] + 1e-6 * values[different].abs() + 1e-12)
+    if signed:
+        assert int(encode(torch.tensor([-1.0]), True)) == 0  # the map has no -1: its nearest value is the lowest code
+
+
+def test_hashed_rounding_is_unbiased_deterministic_and_keyed() -> None:
+    values = torch.full((1 << 16,), 1.0 + 2.0**-10)  # a quarter of the way from 1 to the next bf16 value (2^-8 up)
+    key = rounding_key(7, "l1.weight", 3)
+    rounded = round_to_bf16_hashed(values, key)
+    assert rounded.dtype == torch.bfloat16
+    assert set(rounded.float().unique().tolist()) == {1.0, 1.0 + 2.0**-7}
+    assert float(rounded.float().mean()) == pytest.approx(1.0 + 2.0**-10, abs=2.0**-7 * 0.02)  # unbiased
+    assert torch.equal(round_to_bf16_hashed(values, key), rounded)  # a pure function of its arguments
+    assert len({rounding_key(7, "l1.weight", 3), rounding_key(7, "l1.weight", 4), rounding_key(7, "l2.weight", 3),
+                rounding_key(8, "l1.weight", 3)}) == 4
+    assert not torch.equal(round_to_bf16_hashed(values, rounding_key(7, "l1.weight", 4)), rounded)
+    special = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0])
+    out = round_to_bf16_hashed(special, key).float()
+    assert out[0].isnan() and out[1] == float("inf") and out[2] == -float("inf") and out[3] == 0.0
+
+
+def test_auto_compiles_where_a_step_is_worth_a_compilation() -> None:
+    updates = CompiledUpdates("auto")
+    assert not updates.begin(AUTO_MIN_ELEMENTS - 1, torch.device("cpu"))
+    assert updates.begin(AUTO_MIN_ELEMENTS, torch.device("cpu"))
+    assert updates.begin(10, torch.device("cuda"))
+    assert not CompiledUpdates("eager").begin(1 << 30, torch.device("cuda"))
+    assert CompiledUpdates(UpdatePath.COMPILED).begin(1, torch.device("cpu"))
+    with pytest.raises(ConfigError, match=r"'fused'.*'eager'.*'compiled'.*'auto'"):
+        CompiledUpdates("fused")
+    with pytest.raises(ConfigError, match="'fused'"):
+        CoMPPrecision(update_path="fused")
+
+
+def _run(path: str, state: StatePrecision, master: MasterPrecision, steps: int = 6, amsgrad: bool = False,
+         maximize: bool = False, weight_decay: float = 0.1, optimizer: type = torch.optim.AdamW
+         ) -> tuple[torch.Tensor, dict[str, Any], OptimizerStates]:
+    """``steps`` steps of one parameter of :data:`N` elements, the LR changing every step."""
+    torch.manual_seed(0)
+    p = nn.Parameter(torch.randn(N) * 0.1)
+    opt = optimizer([p], lr=1e-2, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize)
+    states = OptimizerStates(path)
+    if master is MasterPrecision.BF16:
+        p.data = p.data.bfloat16()
+    states._treatments = {id(p): ParameterTreatment(state, master)}
+    states._names = {id(p): "w"}
+    gradients = torch.Generator().manual_seed(1)
+    for i in range(steps):
+        p.grad = torch.randn(N, generator=gradients).to(p.dtype)
+        opt.param_groups[0]["lr"] = 1e-2 / (i + 1)
+        states.step(opt, opt.step)
+    return p.detach().float().clone(), opt.state[p], states
+
+
+CASES = [(StatePrecision.BF16, MasterPrecision.FP32), (StatePrecision.INT8, MasterPrecision.FP32),
+         (StatePrecision.FP32, MasterPrecision.BF16), (StatePrecision.INT8, MasterPrecision.BF16),
+         (StatePrecision.BF16, MasterPrecision.BF16)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("state", "master"), CASES, ids=[f"{s.value}-{m.value}" for s, m in CASES])
+def test_the_compiled_step_follows_the_eager_one(state: StatePrecision, master: MasterPrecision) -> None:
+    eager, eager_state, _ = _run("eager", state, master)
+    compiled, compiled_state, states = _run("compiled", state, master)
+    assert states.updates.compiled_steps == 5  # the first step creates the state eagerly
+    for key in ("exp_avg", "exp_avg_sq"):
+        assert compiled_state[key].dtype == eager_state[key].dtype and compiled_state[key].shape == \
+            eager_state[key].shape
+    assert float(compiled_state["step"]) == float(eager_state["step"]) == 6
+    difference = (compiled - eager).abs()
+    if master is MasterPrecision.BF16:
+        # each path rounds stochastically from its own random bits: against an FP32 master, as near and unbiased
+        exact, _, _ = _run("eager", state, MasterPrecision.FP32)
+        eager_error, compiled_error = eager - exact, compiled - exact
+        assert float(compiled_error.abs().mean()) <= 1.2 * float(eager_error.abs().mean())
+        spacing = float((exact.abs() * 2.0**-8).mean())  # about a bf16 spacing
+        assert abs(float(compiled_error.mean())) < 0.05 * spacing and abs(float(eager_error.mean())) < 0.05 * spacing
+        assert float(difference.max()) < 1e-2 + 8 * spacing
+    elif state is StatePrecision.INT8:
+        # the eager table's codes differ from the nearest ones within 2^-11 of a midpoint, the arithmetic codes only
+        # at float rounding of it: against FP32 moments, the compiled step is as near as the eager one
+        exact, _, _ = _run("eager", StatePrecision.FP32, MasterPrecision.FP32)  # unmanaged: torch's own step
+        eager_error, compiled_error = (eager - exact).abs(), (compiled - exact).abs()
+        assert float(compiled_error.mean()) <= 1.05 * float(eager_error.mean())
+        assert float(compiled_error.max()) <= 1.5 * float(eager_error.max())
+        assert float(difference.max()) < 1e-2  # the steps' size: no weight goes its own way
+    else:
+        assert float(difference.max()) < 1e-6
+
+
+@pytest.mark.slow
+def test_the_compiled_arithmetic_is_torch_adamws() -> None:
+    """8-bit and (too small to quantise) FP32 moments, compiled, against torch's FP32 AdamW."""
+    torch.manual_seed(0)
+    reference = nn.Parameter(torch.randn(N) * 0.1)
+    ours = nn.Parameter(reference.detach().clone())
+    torch_opt = torch.optim.AdamW([reference], lr=1e-2, weight_decay=0.1)
+    opt = torch.optim.AdamW([ours], lr=1e-2, weight_decay=0.1)
+    states = OptimizerStates("compiled")
+    states._treatments = {id(ours): ParameterTreatment(StatePrecision.INT8, MasterPrecision.FP32)}
+    states._names = {id(ours): "w"}
+    small = nn.Parameter(torch.randn(100))  # too small to quantise: FP32 moments, the fp32 kernel
+    small_reference = nn.Parameter(small.detach().clone())
+    opt.add_param_group({"params": [small]})
+    torch_opt.add_param_group({"params": [small_reference]})
+    states._treatments[id(small)] = ParameterTreatment(StatePrecision.INT8, MasterPrecision.FP32)
+    states._names[id(small)] = "b"
+    gradients = torch.Generator().manual_seed(1)
+    for _ in range(5):
+        grad, small_grad = torch.randn(N, generator=gradients), torch.randn(100, generator=gradients)
+        reference.grad, ours.grad = grad.clone(), grad.clone()
+        small_reference.grad, small.grad = small_grad.clone(), small_grad.clone()
+        torch_opt.step()
+        states.step(opt, opt.step)
+    assert states.updates.compiled_steps == 8
+    torch.testing.assert_close(small.detach(), small_reference.detach(), rtol=1e-5, atol=1e-6)
+    # 8-bit moments: within the map's quantisation of the update (lr 1e-2 per step at most)
+    assert float((ours - reference).abs().max()) < 5 * 1e-2 * 0.1
+
+
+@pytest.mark.slow
+def test_a_new_learning_rate_or_shape_does_not_recompile() -> None:
+    from torch._dynamo.utils import counters
+
+    _run("compiled", StatePrecision.BF16, MasterPrecision.FP32, steps=2)  # compiled (once per process)
+    before = counters["stats"]["unique_graphs"]
+    _run("compiled", StatePrecision.BF16, MasterPrecision.FP32, steps=4, weight_decay=0.0)
+    _run("compiled", StatePrecision.BF16, MasterPrecision.FP32, steps=3, optimizer=torch.optim.Adam)
+    assert counters["stats"]["unique_graphs"] == before
+
+
+@pytest.mark.slow
+def test_amsgrad_and_maximize() -> None:
+    eager, _, _ = _run("eager", StatePrecision.BF16, MasterPrecision.FP32, maximize=True, optimizer=torch.optim.Adam)
+    compiled, _, states = _run("compiled", StatePrecision.BF16, MasterPrecision.FP32, maximize=True,
+                               optimizer=torch.optim.Adam)
+    assert states.updates.compiled_steps == 5
+    torch.testing.assert_close(compiled, eager, rtol=0, atol=1e-6)
+    _, _, states = _run("compiled", StatePrecision.BF16, MasterPrecision.FP32, amsgrad=True)
+    assert states.updates.compiled_steps == 0  # AMSGrad is stepped eagerly
+
+
+def _failing_kernel(state: StatePrecision) -> Any:
+    def kernel(*args: Any) -> None:
+        raise RuntimeError("no C++ compiler found\nmore detail")
+
+    return kernel
+
+
+def test_auto_falls_back_to_eager_with_a_warning_when_compiling_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(update_path_module, "AUTO_MIN_ELEMENTS", 1)
+    monkeypatch.setattr(update_path_module, "_kernel", _failing_kernel)
+    eager, eager_state, _ = _run("eager", StatePrecision.BF16, MasterPrecision.FP32, steps=3)
+    with pytest.warns(UserWarning, match=r"could not be compiled \(RuntimeError: no C\+\+ compiler found\)"):
+        fallen, state, states = _run("auto", StatePrecision.BF16, MasterPrecision.FP32, steps=3)
+    assert states.updates.failure is not None and states.updates.compiled_steps == 0
+    assert torch.equal(fallen, eager) and float(state["step"]) == 3  # no step counted twice
+    assert torch.equal(state["exp_avg"], eager_state["exp_avg"])
+
+
+def test_compiled_raises_naming_the_cause_when_compiling_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(update_path_module, "_kernel", _failing_kernel)
+    with pytest.raises(UnsupportedSetupError, match=r"update_path='compiled'.*no C\+\+ compiler found.*'auto'"):
+        _run("compiled", StatePrecision.BF16, MasterPrecision.FP32, steps=2)
