@@ -42,6 +42,7 @@ from lightning_comp.search.compiled import EagerWhileSearching
 from lightning_comp.search.config import MeasurementConfig, SearchConfig
 from lightning_comp.search.record.build import build_record, publish
 from lightning_comp.search.record.progress import SearchProgress
+from lightning_comp.search.rewind.checkpoints import CheckpointHold
 from lightning_comp.search.rewind.loop import LoopBudget
 from lightning_comp.search.rewind.pause import CallbackPause
 from lightning_comp.search.rewind.snapshot import TrainingSnapshot
@@ -101,15 +102,25 @@ class CoMPSearch(Callback):
     A rewind restores, bit for bit: parameters and buffers (non-persistent ones too), every optimizer, LR scheduler
     and the loss scaler, the RNGs, the training dataloaders' own generators (so every trial sees the reference's
     batches), and the state of every stateful callback (``WorkerScaledLR``, weight averaging/EMA, any callback with
-    a ``state_dict``) except ``ModelCheckpoint`` (checkpoints written during a trial stay on disk) and
-    ``EarlyStopping`` (paused during the search).
+    a ``state_dict``) except ``ModelCheckpoint`` (held meanwhile, see below) and ``EarlyStopping`` (paused during
+    the search).
 
     Note:
         ``EarlyStopping`` callbacks are paused from the search's first trial until the model holds its final state
         (the kept trial, or the rewound snapshot): they neither count the trials' validations against their patience
         nor stop the fit on a rejected trial's NaN. Their state travels in the search's checkpoint state meanwhile.
-        ``ModelCheckpoint`` keeps saving during the search, so a run killed inside it resumes the search; a
-        monitored "best" checkpoint can therefore be a trial that the search later rewound.
+
+    Note:
+        ``ModelCheckpoint`` writes no top-k file over the same span (:mod:`lightning_comp.search.rewind.checkpoints`):
+        no trial the search may rewind can become ``best_model_path`` or one of ``best_k_models``. Its
+        ``last.ckpt`` goes on being written (``save_last=True``; ``"link"`` writes a file meanwhile): that is what a
+        run killed inside the search resumes from, so give the Trainer ``ModelCheckpoint(save_last=True)`` to resume
+        there (without it, a resume starts the search again from its last checkpoint before it). When the search
+        keeps the trial it has just validated, that validation is scored at once; after a rewind, scoring resumes
+        with the next validation. Checkpoints written inside the search (``last.ckpt``, or the user's own
+        ``trainer.save_checkpoint``) carry the search's snapshots (model, optimizers, callbacks: up to two, the
+        search's start and the FP32 reference's end), so they are up to about 3x an ordinary checkpoint; no
+        checkpoint written before or after the search holds one.
 
     Raises:
         SearchConfigError: on an invalid argument (the message names it and the valid values).
@@ -149,6 +160,8 @@ class CoMPSearch(Callback):
         self._monitor_checked = False
         # EarlyStopping must not judge trials that are rewound (nor stop the fit on a rejected trial's NaN)
         self._early_stopping = CallbackPause(_is_early_stopping)
+        # nor may ModelCheckpoint make a trial that may be rewound its "best" (search/rewind/checkpoints.py)
+        self._checkpoints = CheckpointHold()
         self._paused_states: dict[str, dict[str, Any]] = {}  # their states, from a checkpoint written during a pause
         self._state = SearchState()
         self._trials: TrialDriver | None = None
@@ -201,7 +214,7 @@ class CoMPSearch(Callback):
             self._state.low_precision = self.config.resolve_low_precision(device)
         check_low_precision(self.config, self._state.low_precision, device, self._plugin, starting=starting)
         self._trials = TrialDriver(self.config, self._state, self._plugin, self._budget, self._early_stopping,
-                                   self._publish, self._capture)
+                                   self._checkpoints, self._publish, self._capture)
         self._budget.remember(trainer)
         self._trials.extend(trainer)
         check_selectors(self.config, pl_module)
@@ -209,6 +222,7 @@ class CoMPSearch(Callback):
         self._trials.begin_fit(trainer, pl_module)
         if self._state.in_search:  # resumed inside the search
             self._early_stopping.pause(trainer, self._paused_states)
+            self._checkpoints.hold(trainer)
 
     # -------------------------------------------------------------------------------------------- epoch hooks
     @override
@@ -299,11 +313,13 @@ class CoMPSearch(Callback):
         elif self._state.searching:
             warn_stopped_inside_the_search(self._state)
         self._early_stopping.resume(trainer)
+        self._checkpoints.release(trainer)
         self._eager.release()
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self._early_stopping.resume(trainer)  # hand the Trainer back with its callbacks
+        self._checkpoints.release(trainer)
         self._eager.release()
 
     @override

@@ -35,6 +35,7 @@ from lightning_comp.search.decisions.group_search import GroupSearch
 from lightning_comp.search.decisions.trial_plans import PlanRole, plan_for
 from lightning_comp.search.decisions.trials import TrialVerdict, judge_trial
 from lightning_comp.search.ranks import agree
+from lightning_comp.search.rewind.checkpoints import CheckpointHold
 from lightning_comp.search.rewind.loop import LoopBudget, no_epoch_follows, rewind
 from lightning_comp.search.rewind.pause import CallbackPause
 from lightning_comp.search.state import Phase, Restore, SearchState, TrialRecord
@@ -65,18 +66,20 @@ class TrialDriver:
         plugin: the plugin the trials' plans run through.
         budget: the loop budget (epochs and steps given back for rejected trials).
         pause: the EarlyStopping pause, resumed once the model holds its final state.
+        checkpoints: the hold on ``ModelCheckpoint``'s top-k saving, released then too.
         publish: writes and logs the decision record.
         capture: takes a snapshot of the run (for the reference trial's end).
     """
 
     def __init__(self, config: SearchConfig, state: SearchState, plugin: CoMPPrecision, budget: LoopBudget,
-                 pause: CallbackPause, publish: Callable[[pl.Trainer, bool], None],
+                 pause: CallbackPause, checkpoints: CheckpointHold, publish: Callable[[pl.Trainer, bool], None],
                  capture: Callable[[pl.Trainer, pl.LightningModule], dict[str, Any]]) -> None:
         self.config = config
         self.state = state
         self.plugin = plugin
         self.budget = budget
         self.pause = pause
+        self.checkpoints = checkpoints
         self.publish = publish
         self.capture = capture
 
@@ -144,6 +147,7 @@ class TrialDriver:
         state.warmup_batches = lightning.batches_done_in_total(trainer)
         state.snapshot = self.capture(trainer, pl_module)
         self.pause.pause(trainer)
+        self.checkpoints.hold(trainer)  # no trial that may be rewound can become a "best" checkpoint
         self.start(trainer, pl_module, label="fp32 reference", group=None, rewind_first=False)
 
     def after_batch_stage(self, trainer: pl.Trainer, result: BatchStageResult, seconds: float) -> None:
@@ -180,8 +184,15 @@ class TrialDriver:
             "all candidates" if group == search.candidates else f"{search.describe(group)} (trial {number})")
         self.start(trainer, pl_module, label=label, group=group, rewind_first=True)
 
-    def close(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Judge the current trial (every rank takes rank 0's verdict) and move the search on."""
+    def close(self, trainer: pl.Trainer, pl_module: pl.LightningModule, validated: bool = False) -> None:
+        """Judge the current trial (every rank takes rank 0's verdict) and move the search on.
+
+        Args:
+            trainer: the Trainer.
+            pl_module: the model.
+            validated: the trial's judging validation has just run (not: a resume from a checkpoint written before
+                the verdict): if the trial is kept, ``ModelCheckpoint`` scores that validation at once.
+        """
         state = self.state
         trial = state.current_trial
         assert trial is not None
@@ -212,7 +223,7 @@ class TrialDriver:
             self.finish(trainer, PrecisionPlan(), "fp32 reference", reason="no candidate converged",
                         restore=Restore.SNAPSHOT if state.trials[0].batches else Restore.REFERENCE_END)
         elif trial.verdict is TrialVerdict.PASS and trial.group == result:
-            self.finish(trainer, self.plan(result), trial.label, reason="converged", kept=True)
+            self.finish(trainer, self.plan(result), trial.label, reason="converged", kept=True, validated=validated)
         else:  # the latest passing trial of exactly that group
             label = next((t.label for t in reversed(state.trials)
                           if t.group == result and t.verdict is TrialVerdict.PASS), "")
@@ -227,7 +238,7 @@ class TrialDriver:
         current = self.state.current_trial
         assert current is not None
         if self.due(current, trainer.current_epoch + 1):
-            self.close(trainer, pl_module)  # may extend max_epochs/max_steps: ask what follows afterwards
+            self.close(trainer, pl_module, validated=True)  # may extend max_epochs/max_steps: ask what follows after
             if no_epoch_follows(trainer):
                 # No epoch follows whose start would apply a pending rewind (the last trial was rejected and the
                 # run ends here): apply it now, so the model the fit returns and the last checkpoint are not the
@@ -243,7 +254,7 @@ class TrialDriver:
         """Judge a trial of ``trial_batches`` batches; end its epoch here unless it is the trial that is kept."""
         state = self.state
         index = len(state.trials) - 1
-        self.close(trainer, pl_module)
+        self.close(trainer, pl_module, validated=True)
         self.budget.restore_validation(trainer)
         if state.phase is Phase.DONE and state.kept_trial == index:
             return  # the chosen trial trains on to the end of its epoch: its progress is kept whole
@@ -252,7 +263,7 @@ class TrialDriver:
             self.apply_pending_restore(trainer, pl_module)  # no epoch start follows to apply it
 
     def finish(self, trainer: pl.Trainer, plan: PrecisionPlan, label: str, reason: str, kept: bool = False,
-               restore: Restore | None = None) -> None:
+               restore: Restore | None = None, validated: bool = False) -> None:
         """End the search with ``plan``.
 
         Args:
@@ -263,6 +274,7 @@ class TrialDriver:
             kept: the trial now ending trained with ``plan``: keep its progress (its epochs are not extra).
             restore: continue from the end of the FP32 reference trial (its epochs are kept), or rewind to the
                 search's start; applied at the next epoch start.
+            validated: the kept trial's judging validation has just run (``ModelCheckpoint`` scores it at once).
         """
         state = self.state
         if kept or restore is Restore.REFERENCE_END:
@@ -285,6 +297,7 @@ class TrialDriver:
         self.extend(trainer)
         if restore is None:  # the model holds its final state now; otherwise once the rewind is applied
             self.pause.resume(trainer)
+            self.checkpoints.release(trainer, score=kept and validated)
         self.publish(trainer, False)
 
     def apply_pending_restore(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -302,6 +315,7 @@ class TrialDriver:
         state.snapshot = None
         state.reference_end = None
         self.pause.resume(trainer)  # the model holds its final state: EarlyStopping judges from here on
+        self.checkpoints.release(trainer)  # ModelCheckpoint scores from the next validation on
 
 
 def warn_stopped_inside_the_search(state: SearchState) -> None:
