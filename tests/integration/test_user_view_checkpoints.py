@@ -85,3 +85,23 @@ def test_the_kept_trials_own_validation_is_scored_when_the_search_ends_on_it(tmp
     state = _search_state(scored.best_model_path)
     assert state["phase"] == "done" and state["kept_trial"] == len(record["trials"]) - 1
     assert torch.load(scored.best_model_path, weights_only=True)["global_step"] == trainer.global_step
+
+
+def test_a_hold_shadows_topk_saving_and_gives_everything_back(tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    from lightning_comp.search.rewind.checkpoints import CheckpointHold
+
+    linked = ModelCheckpoint(dirpath=tmp_path, save_last="link")
+    plain = ModelCheckpoint(dirpath=tmp_path, monitor="val_loss")
+    trainer: Any = SimpleNamespace(callbacks=[Callback(), linked, plain], global_step=7)
+    hold = CheckpointHold()
+    hold.hold(trainer)
+    hold.hold(trainer)  # idempotent (a resume inside the search holds again)
+    assert hold.active and hold.held == [linked, plain]
+    assert linked.save_last is True  # nothing of the search's to link to: last.ckpt is written as a file
+    plain._save_topk_checkpoint(trainer, {})  # held: no file, but the step counts as saved (so last.ckpt follows)
+    assert plain._last_global_step_saved == 7 and not list(tmp_path.iterdir())
+    hold.release(trainer)
+    assert not hold.active and linked.save_last == "link"
+    assert "_save_topk_checkpoint" not in vars(linked) and "_save_topk_checkpoint" not in vars(plain)
