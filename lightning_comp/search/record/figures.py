@@ -47,6 +47,7 @@ NO_MATPLOTLIB = ("CoMPSearch: no figures of the search (matplotlib is not instal
                  " 'lightning-comp[figures]' draws the plan and the trials as PNG); search_record.json holds the same"
                  " numbers.")
 DPI = 110
+MiB = 2**20
 LABELLED = 8  # levers named in the frontier figure: those that freed most
 # one colour per value of every dimension (the values are spelled alike across dimensions: bf16 is blue everywhere)
 COLOURS = {"fp32": "0.82", "bf16": "tab:blue", "fp16": "tab:orange", "fp8": "tab:red", "recompute": "tab:green",
@@ -56,8 +57,9 @@ SHORT_LABEL = 34  # characters of a trial's label on the trials figure's axis
 
 
 def plan_figure(record: dict[str, Any]) -> Figure | None:
-    """The chosen plan along the model: each operator's measured gain, and its value in each dimension the plan
-    sets; ``None`` before a plan is chosen or where the batch stage measured no operator."""
+    """The chosen plan along the model: each operator's measured gain in time (and, where a dimension of memory is
+    in the plan, in bytes), and its value in each dimension the plan sets; ``None`` before a plan is chosen or where
+    the batch stage measured no operator."""
     operators: dict[str, dict[str, Any]] = record.get("operators") or {}
     if record.get("chosen_plan") is None or not operators:
         return None
@@ -66,33 +68,54 @@ def plan_figure(record: dict[str, Any]) -> Figure | None:
     values = {dimension: [plan.of(dimension, name).value for name in names] for dimension in Dimension}
     # compute always; another dimension where the plan sets it for some operator
     shown = [d for d in Dimension if d is Dimension.COMPUTE or any(v != "fp32" for v in values[d])]
-    figure = _figure(max(6.4, 0.16 * len(names) + 1.5), 3.4 + 0.3 * len(shown))
-    grid = figure.add_gridspec(2, 1, height_ratios=[3.0, 0.35 * len(shown)], hspace=0.05)
-    bars: Axes = figure.add_subplot(grid[0])
-    strips: Axes = figure.add_subplot(grid[1], sharex=bars)
-    positions = range(len(names))
+    panels = 2 if len(shown) > 1 else 1
+    figure = _figure(max(6.4, 0.16 * len(names) + 1.5), 1.4 + 2.2 * panels + 0.3 * len(shown))
+    grid = figure.add_gridspec(panels + 1, 1, height_ratios=[3.0] * panels + [0.35 * len(shown)])
+    strips: Axes = figure.add_subplot(grid[panels])
+    axes: list[Axes] = [figure.add_subplot(grid[i], sharex=strips) for i in range(panels)]
+    positions = list(range(len(names)))
     gains = [float(operators[name].get("gain_ms") or 0.0) for name in names]
-    bars.bar(positions, gains, color=[COLOURS.get(v, "black") for v in values[Dimension.COMPUTE]],
-             edgecolor="0.3", linewidth=0.4)
-    bars.axhline(0.0, color="0.3", linewidth=0.6)
-    bars.set_ylabel("measured gain (ms per step)")
-    lowered = int(record.get("lowered_operator_count") or 0)
-    bars.set_title(f"Chosen plan ({record.get('chosen_trial')}): {lowered} of {len(names)} operators in"
-                   f" {record.get('low_precision') or 'no 16-bit precision'}; objective {record.get('objective')}",
-                   fontsize=9)
-    bars.tick_params(axis="x", bottom=False, labelbottom=False)
+    axes[0].bar(positions, gains, color=_colours(values[Dimension.COMPUTE]), edgecolor="0.3", linewidth=0.4)
+    axes[0].set_ylabel("time gained in\nlow precision (ms/step)", fontsize=8)
+    if panels == 2:  # bytes each dimension's low value frees, one thin bar per dimension shown, in strip order
+        width = 0.8 / len(shown)
+        for k, dimension in enumerate(shown):
+            freed = [_bytes_gain(operators[name], dimension) / MiB for name in names]
+            axes[1].bar([x - 0.4 + width * (k + 0.5) for x in positions], freed, width=width,
+                        color=_colours(values[dimension]), edgecolor="0.3", linewidth=0.3)
+        axes[1].set_ylabel("bytes freed per step\n(MiB; compute, saved, ...)", fontsize=8)
+    for ax in axes:
+        ax.axhline(0.0, color="0.3", linewidth=0.6)
+        ax.tick_params(axis="x", bottom=False, labelbottom=False)
+    lowered = "; ".join(f"{d.value}: {sum(v != 'fp32' for v in values[d])} lowered" for d in shown)
+    axes[0].set_title(f"Chosen plan: {_short(str(record.get('chosen_trial')))} (objective {record.get('objective')})"
+                      f"\n{len(names)} operators; {lowered}", fontsize=9)
     for row, dimension in enumerate(shown):
-        strips.scatter(list(positions), [row] * len(names), c=[COLOURS.get(v, "black") for v in values[dimension]],
-                       marker="s", s=36, edgecolors="0.3", linewidths=0.4)
+        strips.scatter(positions, [row] * len(names), c=_colours(values[dimension]), marker="s", s=36,
+                       edgecolors="0.3", linewidths=0.4)
     strips.set_yticks(range(len(shown)), [d.value for d in shown], fontsize=7)
     strips.set_ylim(len(shown) - 0.5, -0.5)
-    strips.set_xticks(list(positions), names, rotation=90, fontsize=6)
+    strips.set_xticks(positions, names, rotation=90, fontsize=6)
     strips.set_xlim(-0.7, len(names) - 0.3)
     used = sorted({v for d in shown for v in values[d]}, key=list(COLOURS).index)
     for value in used:
-        bars.bar([0], [0], color=COLOURS[value], label=value)
-    bars.legend(fontsize=7, title="precision in the plan", title_fontsize=7, loc="best")
+        axes[0].bar([0], [0], color=COLOURS[value], label=value)
+    axes[0].legend(fontsize=7, title="value in the plan", title_fontsize=7, loc="best")
     return figure
+
+
+def _bytes_gain(operator: dict[str, Any], dimension: Dimension) -> float:
+    """The bytes per step the batch stage measured ``dimension``'s low value to free for ``operator`` (the state
+    and the master weights are measured together)."""
+    if dimension is Dimension.COMPUTE:
+        return float(operator.get("gain_bytes") or 0)
+    if dimension is Dimension.SAVED:
+        return float((operator.get("saved") or {}).get("gain_bytes") or 0)
+    return float((operator.get("parameters") or {}).get("gain_bytes") or 0)
+
+
+def _colours(values: list[str]) -> list[str]:
+    return [COLOURS.get(v, "black") for v in values]
 
 
 def trials_figure(record: dict[str, Any]) -> Figure | None:
@@ -101,13 +124,20 @@ def trials_figure(record: dict[str, Any]) -> Figure | None:
     trials: list[dict[str, Any]] = [t for t in record.get("trials") or [] if t.get("verdict") is not None]
     if not trials:
         return None
-    figure = _figure(max(6.4, 0.5 * len(trials) + 3.0), 6.0)
-    metric_axes, speed_axes = figure.subplots(2, 1, height_ratios=[3.0, 2.0])
-    if max(len(t.get("metrics") or {}) for t in trials) > 1:
+    timed = any(_finite(t.get("median_step_ms")) is not None for t in trials)
+    figure = _figure(max(6.4, 0.5 * len(trials) + 3.0), 6.0 if timed else 4.2)
+    metric_axes, speed_axes = figure.subplots(2, 1, height_ratios=[3.0, 2.0]) if timed else (figure.subplots(), None)
+    curves = max(len(t.get("metrics") or {}) for t in trials) > 1
+    if curves:
         _metric_curves(metric_axes, record, trials)
     else:
         _metric_points(metric_axes, record, trials)
-    _step_times(speed_axes, trials)
+    if speed_axes is not None:
+        _step_times(speed_axes, trials)
+    else:  # trials too short to time a batch (the first batches of each are not timed)
+        metric_axes.set_title("(no trial trained enough batches to time its steps)", fontsize=7)
+        if not curves:  # the trials' names go on the metric's axis
+            metric_axes.set_xticks(range(len(trials)), _trial_labels(trials), rotation=35, ha="right", fontsize=6)
     figure.suptitle(f"Convergence trials against the FP32 reference ({record.get('monitor')}, tolerance"
                     f" {record.get('tolerance')} {record.get('tolerance_mode')})", fontsize=9)
     return figure
@@ -201,8 +231,7 @@ def _step_times(axes: Axes, trials: list[dict[str, Any]]) -> None:
     if times[0] is not None:
         axes.axhline(times[0], color="black", linestyle=":", linewidth=0.9)
     axes.set_ylabel("median step (ms)")
-    labels = [f"{i}: {_short(t['label'])}" + _lowered_names(t) for i, t in enumerate(trials)]
-    axes.set_xticks(range(len(trials)), labels, rotation=35, ha="right", fontsize=6)
+    axes.set_xticks(range(len(trials)), _trial_labels(trials), rotation=35, ha="right", fontsize=6)
     axes.set_xlim(-0.5, len(trials) - 0.5)
 
 
@@ -328,6 +357,10 @@ def _finite(value: Any) -> float | None:
         return None
     number = float(value)
     return number if math.isfinite(number) else None
+
+
+def _trial_labels(trials: list[dict[str, Any]]) -> list[str]:
+    return [f"{i}: {_short(t['label'])}" + _lowered_names(t) for i, t in enumerate(trials)]
 
 
 def _lowered_names(trial: dict[str, Any]) -> str:
