@@ -81,6 +81,14 @@ def _kernel(state: StatePrecision) -> _Step:
     return kernel
 
 
+def _flat_alias(tensor: torch.Tensor) -> torch.Tensor:
+    """A 1-D tensor over the memory of contiguous ``tensor`` that is not a view of it, so that one graph serves every
+    shape: Dynamo guards on a tensor's dimensions, and on the dimensions of the base of a view (a weight's, or the
+    gradient bucket's under DDP), so square weights and others, or matrices and vectors, would each compile anew."""
+    alias = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
+    return alias.set_(tensor.untyped_storage(), tensor.storage_offset(), (tensor.numel(),))
+
+
 class CompiledUpdates:
     """Steps managed parameters with the compiled functions where :class:`UpdatePath` says so.
 
@@ -129,12 +137,13 @@ class CompiledUpdates:
         scalars = (settings.lr, beta1, beta2, settings.eps, 0.0 if settings.decoupled else decay,
                    settings.lr * decay if settings.decoupled else 0.0, -1.0 if settings.maximize else 1.0,
                    1.0 - beta1**t, math.sqrt(1.0 - beta2**t), stochastic, rounding_key(self.seed, name, int(t)))
+        flat = tuple(_flat_alias(t) for t in (p.detach(), grad, state["exp_avg"], state["exp_avg_sq"]))
         try:
             if precision is StatePrecision.INT8:
                 maps = (block_quant.value_map(True, p.device), block_quant.value_map(False, p.device))
-                _kernel(precision)(p, grad, state["exp_avg"], state["exp_avg_sq"], *maps, *scalars)
+                _kernel(precision)(*flat, *maps, *scalars)
             else:
-                _kernel(precision)(p, grad, state["exp_avg"], state["exp_avg_sq"], *scalars)
+                _kernel(precision)(*flat, *scalars)
         except CoMPError:
             raise
         except Exception as error:  # noqa: BLE001 - a backend's failure to compile, reported below
