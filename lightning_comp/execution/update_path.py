@@ -86,7 +86,7 @@ def _flat_alias(tensor: torch.Tensor) -> torch.Tensor:
     shape: Dynamo guards on a tensor's dimensions, and on the dimensions of the base of a view (a weight's, or the
     gradient bucket's under DDP), so square weights and others, or matrices and vectors, would each compile anew."""
     alias = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
-    return alias.set_(tensor.untyped_storage(), tensor.storage_offset(), (tensor.numel(),))
+    return alias.set_(tensor.untyped_storage(), tensor.storage_offset(), (tensor.numel(),), (1,))
 
 
 class CompiledUpdates:
