@@ -171,10 +171,12 @@ def _metric_curves(axes: Axes, record: dict[str, Any], trials: list[dict[str, An
             missing.append(index)
         if not points:
             continue
-        reference = index == 0
+        reference = index == 0  # drawn wide and first: a trial on top of it stays visible
         axes.plot([p[0] for p in points], [p[1] for p in points], "-o", color=_colour(index, trial), markersize=3,
-                  linewidth=2.0 if reference or trial.get("kept") else 0.9, alpha=1.0 if reference else 0.7,
-                  zorder=3 if reference else 2)
+                  linewidth=3.0 if reference else 1.6 if trial.get("kept") else 0.9, alpha=0.5 if reference else 0.8,
+                  zorder=2 if reference else 3)
+        if trial.get("kept"):
+            axes.scatter([points[-1][0]], [points[-1][1]], marker="*", s=90, color=_colour(index, trial), zorder=4)
         axes.annotate(str(index), points[-1], fontsize=6, xytext=(3, 0), textcoords="offset points")
     _reference_lines(axes, record, (last - 0.3, last + 0.3))
     _not_finite(axes, missing, lambda index: last)
