@@ -10,7 +10,8 @@ first trial until the model holds its final state. Its ``save_last`` goes on as 
 (``last.ckpt``: what a run killed inside the search resumes from; ``save_last="link"`` writes a file meanwhile, as
 there is no top-k file of the search to link to). When the search keeps the trial that has just been validated, that
 validation is scored at once, so the kept trial's end can be the best checkpoint; after a rewind, scoring resumes with
-the next validation. So during the search no top-k file is written, and none that is written later holds a rejected
+the next validation (``last.ckpt`` is written after that scoring, as ModelCheckpoint writes it after a save). So
+during the search no top-k file is written, and none that is written later holds a rejected
 trial's weights; ``best_model_path``, ``best_k_models`` and ``kth_best_model_path`` never name one.
 
 This reaches into ``ModelCheckpoint``'s private ``_save_topk_checkpoint`` and ``_last_global_step_saved`` (Lightning
@@ -70,7 +71,8 @@ class CheckpointHold:
         Args:
             trainer: the Trainer.
             score: the model holds the state its latest validation measured (the kept trial, just validated):
-                score that validation now, as the callback would have (it may become the best checkpoint).
+                score that validation now, as the callback would have (it may become the best checkpoint), and
+                write ``last.ckpt`` after it, as the callback does after a save.
         """
         held, self._held = self._held, []
         for checkpoint, save_last in held:
@@ -78,7 +80,10 @@ class CheckpointHold:
                 delattr(checkpoint, _SHADOWED)
             checkpoint.save_last = save_last
             if score and _may_save(trainer, checkpoint):
-                checkpoint._save_topk_checkpoint(trainer, checkpoint._monitor_candidates(trainer))
+                candidates = checkpoint._monitor_candidates(trainer)
+                checkpoint._save_topk_checkpoint(trainer, candidates)
+                # as the callback itself: last.ckpt follows a save (its own hook now skips this step as saved)
+                checkpoint._save_last_checkpoint(trainer, candidates)
 
 
 def _may_save(trainer: pl.Trainer, checkpoint: ModelCheckpoint) -> bool:
