@@ -15,7 +15,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_comp.adapters.lightning_internals import callbacks, optimizer_handles_unscaling
+from lightning_comp.adapters.lightning_internals import optimizer_handles_unscaling
 from lightning_comp.errors import UnsupportedSetupError
 from lightning_comp.execution.compiled_regions import guarding_hooks
 from lightning_comp.execution.executor import StepKind
@@ -107,6 +107,7 @@ class CoMPPrecision(PlanShell, Precision):
                                     min_saved_bytes=min_saved_bytes, update_path=update_path)
         self._hook_guards = ExitStack()  # while a compiled model trains: Dynamo guards on hooks
         self._training_begun = False  # the fit's first training step ran (its checks and logging are done)
+        self._plan_expected = False  # a search said it will put a plan in force during this fit
 
     def _new_scaler(self, device_type: str) -> torch.amp.GradScaler:
         """The loss scaler an FP16 plan gets on ``device_type`` (a strategy's plugin may need another kind)."""
@@ -128,6 +129,11 @@ class CoMPPrecision(PlanShell, Precision):
             PlanError: if an operator has no kernel for its planned precision on the model's device.
         """
         return self._runtime.request(plan, PlanOrigin.CHOSEN if chosen else PlanOrigin.TRIAL)
+
+    def expect_plan(self) -> None:
+        """Say that a plan will be put in force during this fit (``CoMPSearch`` says so at its ``setup``), so a fit
+        that starts with no plan is not warned about as one that trains all in FP32. Holds until :meth:`teardown`."""
+        self._plan_expected = True
 
     def measured_step(self, plan: PlanLike, *, calibrated: bool = True) -> AbstractContextManager[None]:
         """Put ``plan`` in force (as :meth:`try_plan`) and return the context in which to run one training step
@@ -198,7 +204,7 @@ class CoMPPrecision(PlanShell, Precision):
         if trainer is None:
             return
         if self._runtime.unplanned:
-            if not _has_search(trainer):
+            if not self._plan_expected:
                 rank_zero_warn(
                     f"{type(self).__name__} was given no plan and the Trainer has no CoMPSearch callback to choose"
                     " one: this fit trains entirely in fp32. Pass a plan (e.g. CoMPPrecision({'type:Linear':"
@@ -302,15 +308,10 @@ class CoMPPrecision(PlanShell, Precision):
         """
         self._runtime.release()
         self._hook_guards.close()
+        self._plan_expected = False
         super().teardown()
 
     def remove_hooks(self) -> None:
         """Take the plan off the model (it then computes in FP32 everywhere); :meth:`set_plan` puts one back."""
         self._runtime.remove()
 
-
-def _has_search(trainer: pl.Trainer) -> bool:
-    """Whether a ``CoMPSearch`` is among ``trainer``'s callbacks (it gives the plugin a plan when its search starts)."""
-    from lightning_comp.search.callback import CoMPSearch  # (the callback module imports this one)
-
-    return any(isinstance(callback, CoMPSearch) for callback in callbacks(trainer))

@@ -202,6 +202,7 @@ class CoMPSearch(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit":
             self._plugin = check_trainer(trainer, self.config)
+            self._plugin.expect_plan()
             check_optimization(pl_module)
 
     @override
