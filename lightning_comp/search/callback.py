@@ -47,7 +47,11 @@ from lightning_comp.search.rewind.loop import LoopBudget
 from lightning_comp.search.rewind.pause import CallbackPause
 from lightning_comp.search.rewind.snapshot import TrainingSnapshot
 from lightning_comp.search.stages.batch_stage import BatchStage
-from lightning_comp.search.stages.trials import TrialDriver, warn_stopped_inside_the_search
+from lightning_comp.search.stages.trials import (
+    TrialDriver,
+    warn_ended_before_the_search,
+    warn_stopped_inside_the_search,
+)
 from lightning_comp.search.state import Phase, SearchState
 
 __all__ = ["CoMPSearch"]
@@ -313,6 +317,8 @@ class CoMPSearch(Callback):
             self._driver.apply_pending_restore(trainer, pl_module)
         elif self._state.searching:
             warn_stopped_inside_the_search(self._state)
+        elif self._state.phase is Phase.PENDING:
+            warn_ended_before_the_search(trainer, self.config.warmup_epochs)
         self._early_stopping.resume(trainer)
         self._checkpoints.release(trainer)
         self._eager.release()

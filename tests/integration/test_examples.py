@@ -256,6 +256,7 @@ def test_a_users_own_hydra_app_switches_every_precision_on_its_command_line(tmp_
     sweep = tmp_path / "sweep"
     precisions = ["fp32", "bf16-mixed", "16-mixed", "bf16-true"] + ([] if _MISSING else ["comp"])
     proc = _train_py("-m", f"precision={','.join(precisions)}", "trainer.max_epochs=1", f"hydra.sweep.dir={sweep}",
+                     "++precision.callbacks.comp_search.warmup_epochs=0",  # else one epoch ends before it starts
                      cwd=tmp_path, script=HYDRA_APP_PY)
     results = [line.split()[1:4] for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     plugins = {"fp32": "Precision", "bf16-mixed": "MixedPrecision", "16-mixed": "MixedPrecision",

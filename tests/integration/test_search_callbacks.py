@@ -168,3 +168,13 @@ def test_a_fit_stopped_inside_the_search_warns_that_the_trial_is_unjudged(tmp_pa
         trainer.fit(WideMLP(width=256), train, val)
     assert search.phase == "searching" and search.record is None
     assert trainer.callbacks == order
+
+
+def test_a_fit_that_ends_before_the_search_starts_says_that_nothing_was_searched(tmp_path: Path) -> None:
+    pl.seed_everything(0)
+    search = fixed_search()  # warmup_epochs=1: the search would start at the second epoch
+    trainer = search_trainer(tmp_path, [search], max_epochs=1, plugin=CoMPPrecision())
+    train, val = loaders(n_train=256)
+    with pytest.warns(UserWarning, match=r"CoMPSearch did not run: the fit ended after 1 epoch.*warmup_epochs=1"):
+        trainer.fit(WideMLP(width=64), train, val)
+    assert search.phase == "pending" and search.record is None and search.chosen_plan is None

@@ -40,7 +40,7 @@ from lightning_comp.search.rewind.loop import LoopBudget, no_epoch_follows, rewi
 from lightning_comp.search.rewind.pause import CallbackPause
 from lightning_comp.search.state import Phase, Restore, SearchState, TrialRecord
 
-__all__ = ["TrialDriver", "trial_batches", "warn_stopped_inside_the_search"]
+__all__ = ["TrialDriver", "trial_batches", "warn_ended_before_the_search", "warn_stopped_inside_the_search"]
 
 
 def trial_batches(config: SearchConfig, epoch_length: int | float, accumulate: int = 1) -> int | None:
@@ -325,4 +325,14 @@ def warn_stopped_inside_the_search(state: SearchState) -> None:
         f"CoMPSearch: training stopped during the search (trainer.should_stop, max_time or max_steps), in or"
         f" after trial {last!r}. The model holds the state and plan of that trial, which the search may have"
         " rejected. Resume from a checkpoint written during the search (e.g. last.ckpt) to finish it."
+    )
+
+
+def warn_ended_before_the_search(trainer: pl.Trainer, warmup_epochs: int) -> None:
+    """Warn that a fit ended before the search began: nothing was searched and the model trained on its given plan."""
+    rank_zero_warn(
+        f"CoMPSearch did not run: the fit ended after {trainer.current_epoch} epoch(s) (global step"
+        f" {trainer.global_step}), before the search starts (after warmup_epochs={warmup_epochs} epoch(s) of"
+        " training), so no plan was searched and the model trained under the plugin's own plan (all FP32 if it was"
+        " given none). Train longer (max_epochs > warmup_epochs), or set CoMPSearch(warmup_epochs=0)."
     )
