@@ -65,6 +65,24 @@ def test_memory_keeps_lean_candidates_within_the_bound_and_the_leanest_alternati
     assert policy.winner(slow, saved, [AMP, ALL_LOW], True) is AMP  # type: ignore[attr-defined]
 
 
+def test_past_the_bound_a_plan_faster_only_within_the_noise_does_not_displace_a_leaner_one() -> None:
+    # a small model where one global autocast region (a reference, never trialled) is the pace and every plan is
+    # past the bound: the compute-only plan, 1 % faster than the candidates by the median, saves 2.8x their bytes
+    policy = _policy("memory")
+    noisy = StepComparison({FP32: [100, 101, 99, 100, 102, 98], CANDIDATES: [87, 84, 89, 86, 88, 85],
+                            COMPUTE: [86, 88, 84, 87, 85, 86], AUTOCAST: [65, 66, 64, 65, 65, 66]})
+    policy.set_pace(noisy.pace())  # type: ignore[attr-defined]
+    assert policy.pace.plan is AUTOCAST  # type: ignore[attr-defined]
+    saved = {FP32: 1.1, CANDIDATES: 0.57, COMPUTE: 1.6, AUTOCAST: 0.97}
+    assert policy.winner(noisy, saved, [COMPUTE], True) is None  # type: ignore[attr-defined]
+    # tied on speed and leaner than the candidates: the alternative
+    assert policy.winner(noisy, {**saved, COMPUTE: 0.4}, [COMPUTE], True) is COMPUTE  # type: ignore[attr-defined]
+    # faster beyond the margin: the fastest wins, whatever it saves (nothing is within the bound; speed first)
+    fast = StepComparison({**noisy.ms, COMPUTE: [78, 79, 77, 78, 80, 78]})  # x1.2 of the pace: past it too
+    policy.set_pace(fast.pace())  # type: ignore[attr-defined]
+    assert policy.winner(fast, saved, [COMPUTE], True) is COMPUTE  # type: ignore[attr-defined]
+
+
 def test_balanced_holds_its_score_to_the_bound_too() -> None:
     policy = _policy("balanced")  # 1.05
     steps = _steps({FP32: 100, CANDIDATES: 50, COMPUTE: 55, ALL_LOW: 60})

@@ -217,8 +217,9 @@ class MemoryPolicy(ObjectivePolicy):
                have_candidates: bool) -> ComparedPlan | None:
         """The leanest plan within the slowdown of the pace: an alternative when it saves the margin's share of the
         candidates' bytes (or the candidates are past the bound), or when it saves as much as they do and is faster
-        beyond doubt; when no plan is within the bound, the fastest alternative that beats the candidates. So the
-        plan is never both slower and fatter than AMP's."""
+        beyond doubt; when no plan is within the bound, the leanest of the plans the fastest one does not beat by
+        the margin beyond doubt (a plan a few per cent faster by the median, within the rounds' noise, does not
+        displace one that saves half the bytes). So the plan is never both slower and fatter than AMP's."""
         within = [plan for plan in ([CANDIDATES] if have_candidates else []) + labels
                   if steps.within(plan, self.pace, self.slowdown) is Verdict.BELOW]
         if within:
@@ -234,9 +235,14 @@ class MemoryPolicy(ObjectivePolicy):
             return best
         if not labels:
             return None
-        fastest = min(labels, key=steps.median_to_fp32)
         incumbent = CANDIDATES if have_candidates else FP32
-        return fastest if steps.median_to_fp32(fastest) < steps.median_to_fp32(incumbent) else None
+        contenders = [incumbent, *labels]
+        fastest = min(contenders, key=steps.median_to_fp32)
+        margin = self.config.measurement.speed_margin
+        tied = [plan for plan in contenders if plan == fastest
+                or steps.faster(fastest, plan, margin) is not Verdict.BELOW]
+        best = min(tied, key=lambda plan: (saved[plan], plan != incumbent))
+        return None if best == incumbent else best
 
     def undecided(self, steps: StepComparison, labels: list[ComparedPlan]) -> frozenset[ComparedPlan]:
         return _bound_involved(steps, [CANDIDATES, *labels], steps.pace(), self.slowdown)
