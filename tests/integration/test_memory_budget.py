@@ -44,8 +44,8 @@ class AdamWMLP(WideMLP):
 def _fit(tmp_path: Path, **settings: Any) -> dict[str, Any]:
     pl.seed_everything(0)
     search = CoMPSearch(objective="memory", low_precision="bf16", precisions={"saved": "off", "master": "off"},
-                        include=["*"], verbose=False, measurement={"profile_steps": 3}, max_trials=3, record_dir=str(tmp_path),
-                        **settings)
+                        include=["*"], verbose=False, measurement={"profile_steps": 3}, max_trials=3,
+                        record_dir=str(tmp_path), **settings)
     trainer = search_trainer(tmp_path, [search], max_epochs=3, plugin=CoMPPrecision())
     trainer.fit(AdamWMLP(), *loaders())
     assert search.record is not None
