@@ -71,6 +71,7 @@ class CoMPSearch(Callback):
 
         CoMPSearch(monitor="val_acc", mode="max")
         CoMPSearch(objective="memory", precisions={"saved": "fp8", "master": "off"}, max_slowdown_vs_fastest=1.3)
+        CoMPSearch(objective="memory", low_precision="off", memory_budget=0.6)  # memory alone, compute left FP32
         CoMPSearch(include=["blocks.*.mlp"], include_dimensions={"state": ["blocks.0.*"]})
         CoMPSearch(measurement="thorough")
         CoMPSearch(measurement={"profile_steps": 8, "timing": "cpu"})
@@ -82,7 +83,8 @@ class CoMPSearch(Callback):
         tolerance: how much worse than the FP32 reference a candidate may end.
         tolerance_mode: ``"relative"`` or ``"absolute"``.
         objective: ``"throughput"``, ``"memory"`` or ``"balanced"``.
-        low_precision: ``"auto"``, ``"bf16"`` or ``"fp16"`` (the compute dimension).
+        low_precision: ``"auto"``, ``"bf16"`` or ``"fp16"`` (the compute dimension), or ``"off"`` (compute stays
+            FP32; only the saved and state dimensions are searched, with ``objective="memory"`` or ``"balanced"``).
         precisions: ``{dimension: choice}`` for ``saved``, ``state`` and ``master``: ``"auto"``, ``"off"`` or a
             value of that dimension.
         include: plan selectors of operators to trial in low precision whatever the batch stage measures.
@@ -95,8 +97,9 @@ class CoMPSearch(Callback):
         max_slowdown_vs_fastest: the largest step-time slowdown the memory and balanced objectives accept against
             the fastest fixed policy the batch stage measures (FP32, AMP's plan, the compute-only plan, one global
             autocast region); ``None``: 1.15 for memory, 1.05 for balanced.
-        memory_budget: (``objective="memory"``) the step peak to reach: a float is a fraction of AMP's step peak,
-            an int bytes; the cheapest bytes per millisecond are taken until it is met.
+        memory_budget: (``objective="memory"``) the step peak to reach: a float is a fraction of AMP's step peak
+            (of the FP32 step with ``low_precision="off"``), an int bytes; the cheapest bytes per millisecond are
+            taken until it is met.
         measurement: ``"quick"``, ``"default"`` or ``"thorough"``, a ``MeasurementConfig``, or a mapping of its
             fields (over ``"default"``, or over the preset its ``preset`` key names).
         record_dir: where the decision record and the chosen plan are written.

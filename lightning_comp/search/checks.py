@@ -151,6 +151,8 @@ def nothing_to_search(config: SearchConfig, low: ComputePrecision, pl_module: pl
     """Why no operator can ever be a candidate (``None`` if some can)."""
     device = model_device(pl_module)
     operators = list(iter_operators(pl_module))
+    if low is ComputePrecision.FP32:  # low_precision="off": the memory dimensions of any operator
+        return None if operators else f"{type(pl_module).__name__} has no operator"
     lowerable = [(n, m) for n, m in operators if lowering_for(m, low, device) not in (None, Lowering.NONE)]
     if not lowerable:
         shown = ", ".join(f"{n or '<root>'} ({type(m).__name__})" for n, m in operators[:8])

@@ -18,6 +18,7 @@ import torch
 from lightning_comp import CoMPPrecision, CoMPSearch, Dimension
 from lightning_comp.errors import SearchConfigError
 from lightning_comp.numerics.precision import MasterPrecision
+from lightning_comp.plan.plan import PrecisionPlan
 from lightning_comp.search.candidates import Candidate
 from lightning_comp.search.measurement.clocks import single_intra_op_thread
 from tests.helpers.search_models import StateSensitiveMLP, WideMLP, loaders, search_trainer
@@ -41,10 +42,11 @@ class ScheduledAdamW(WideMLP):
 
 
 def pinned_state_search(**kwargs: Any) -> CoMPSearch:
-    """8-bit state of l2, l3, l4 trialled whatever is measured; no compute or saved lowering."""
+    """8-bit state of l2, l3, l4 trialled whatever is measured; no compute or saved lowering (compute is not
+    searched, so what is tested is the same on every CPU class, emulated bf16 or native)."""
     kwargs.setdefault("include_dimensions", {"state": ["l2", "l3", "l4"]})
     kwargs.setdefault("precisions", {"saved": "off", "master": "off"})
-    return CoMPSearch(objective="memory", low_precision="bf16", measurement={"speed_margin": 0.9, "profile_steps": 3},
+    return CoMPSearch(objective="memory", low_precision="off", measurement={"speed_margin": 0.9, "profile_steps": 3},
                       tolerance=0.02, verbose=False, **kwargs)
 
 
@@ -120,3 +122,35 @@ def test_the_batch_stage_judges_state_and_master_from_measurements(tmp_path: Pat
     frontier = spending["frontier"]
     assert all(b["step_mib"] < a["step_mib"] and b["step_ms"] >= a["step_ms"] for a, b in zip(frontier, frontier[1:]))
     assert spending["measured_ms"] is not None and spending["given_back"] == []
+
+
+def test_low_precision_off_searches_memory_alone(tmp_path: Path) -> None:
+    """``low_precision="off"``: no operator computes low in anything timed or trialled, only FP32 is timed as a whole
+    step (no AMP's plan, no autocast region: FP32 is the pace), and the state levers are still taken."""
+    pl.seed_everything(0)
+    search = CoMPSearch(objective="memory", low_precision="off", precisions={"saved": "off", "master": "off"},
+                        max_slowdown_vs_fastest=1e6, verbose=False, measurement={"profile_steps": 3}, max_trials=2)
+    plugin = CoMPPrecision()
+    trainer = search_trainer(tmp_path, [search], max_epochs=3, plugin=plugin)
+    trainer.fit(ScheduledAdamW(), *loaders())
+    record = search.record
+    assert record is not None and record["low_precision"] == "fp32"
+    assert set(record["step_ms"]) == {"fp32"}
+    assert all(op["decision"] == "fp32" and "low_precision='off'" in op["reason"]
+               for op in record["operators"].values())
+    assert not plugin.plan.low_operators(trainer.lightning_module)
+    assert {plugin.plan.of("state", n).value for n in ("l1", "l2", "l3", "l4")} == {"8bit"}
+    assert record["memory_spending"]["amp_step_mib"] is None
+    for trial in search.state.trials:
+        assert not PrecisionPlan.from_dict(trial.plan).low_operators(trainer.lightning_module)
+
+
+@pytest.mark.parametrize(("settings", "match"), [
+    ({}, r"low_precision='off'.*objective='memory' or 'balanced', not 'throughput'"),
+    ({"objective": "memory", "precisions": {"saved": "off", "state": "off"}},
+     r"low_precision='off'.*precisions\['saved'\] or precisions\['state'\] other than 'off'"),
+    ({"objective": "memory", "include": ["l2"]}, r"include=\['l2'\].*never lowers"),
+])
+def test_low_precision_off_needs_a_memory_dimension_to_search(settings: dict[str, Any], match: str) -> None:
+    with pytest.raises(SearchConfigError, match=match):
+        CoMPSearch(low_precision="off", **settings)

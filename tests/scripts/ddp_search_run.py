@@ -69,12 +69,12 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     pl.seed_everything(0)
     pinned: dict[str, Any] = {"include": ["l2", "l3", "l4"], "exclude": ["l1", "head", "a?"], "tolerance": 0.05}
-    if objective == "memory":  # no compute lowering can pay at this margin: only the pinned saved lowerings trial
-        pinned = {"objective": "memory", "measurement": {"speed_margin": 0.9}, "precisions": {"saved": "fp8"},
+    if objective == "memory":  # compute is not searched: only the pinned saved lowerings trial
+        pinned = {"objective": "memory", "low_precision": "off", "measurement": {"speed_margin": 0.9},
+                  "precisions": {"saved": "fp8"},
                   "include_dimensions": {"saved": ["l2", "l3", "l4"]}, "tolerance": 0.01}
     pinned["measurement"] = {"profile_steps": 2, "profile_warmup": 1, **pinned.get("measurement", {})}
-    search = CoMPSearch(low_precision="bf16", verbose=False,
-                        trial_batches=trial_batches, **pinned)
+    search = CoMPSearch(**{"low_precision": "bf16", **pinned}, verbose=False, trial_batches=trial_batches)
     trainer = pl.Trainer(
         accelerator="cpu", devices=2, strategy=strategy, max_epochs=3, plugins=[CoMPPrecision()],
         # EarlyStopping reduces its decision across ranks: both must pause it at the same epochs, or this hangs

@@ -55,7 +55,7 @@ def test_a_bad_spelling_names_the_value_and_every_valid_one(enum: type, error: t
 
 def test_every_setting_choice_is_an_enum_of_its_own() -> None:
     assert [m.value for m in Mode] == ["min", "max"] and [m.value for m in ToleranceMode] == ["relative", "absolute"]
-    assert [m.value for m in LowPrecision] == ["auto", "bf16", "fp16"]
+    assert [m.value for m in LowPrecision] == ["auto", "bf16", "fp16", "off"]
 
 
 def test_choices_and_advice_are_generated_from_the_members() -> None:

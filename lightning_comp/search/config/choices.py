@@ -63,6 +63,7 @@ class LowPrecision(_Setting):
     AUTO = "auto"  # what the device runs natively: BF16, else FP16, else no search
     BF16 = "bf16"
     FP16 = "fp16"
+    OFF = "off"  # no compute lowering: every operator computes in FP32; only the memory dimensions are searched
 
 
 class DimensionChoice(_Setting):

@@ -76,7 +76,11 @@ class SearchConfig:
         low_precision: the compute dimension's choice: ``"auto"`` (BF16 on CPUs with AVX512-BF16/AMX and on CUDA
             >= sm80, FP16 on CUDA sm70-sm75, FP32 without a search where no 16-bit precision is native, e.g.
             AVX2-only CPUs), ``"bf16"`` or ``"fp16"``. Decided from the device the model trains on, once Lightning
-            has placed it, and kept by a resumed search.
+            has placed it, and kept by a resumed search. ``"off"``: no operator's compute is lowered (every plan the
+            search times or trials computes in FP32, which is then the pace) and only the saved and state dimensions
+            are searched (``objective="memory"`` or ``"balanced"``): memory without touching the model's numerics
+            of compute, on any device, emulated 16-bit ones included (8-bit state, fp8/bf16 storage and recompute
+            need no 16-bit arithmetic).
         precisions: the other dimensions' choices, ``{dimension: choice}`` for ``saved``, ``state`` and ``master``
             (a dimension left out is ``"auto"``); used by ``objective="memory"``/``"balanced"`` only. Every choice
             is ``"auto"``, ``"off"`` (as FP32 training does it) or one value of that dimension:
@@ -111,7 +115,8 @@ class SearchConfig:
             throughput, ``1.05`` for balanced). Each operator's lowering is held to it against its own faster
             precision; the plan with its saved, state and master lowerings is held to it as a whole step.
         memory_budget: (``objective="memory"``) the step peak to reach: a float is a fraction of AMP's step peak
-            (``0.5``: half of it), an int a number of bytes. The search ranks every memory lever it measured (saved
+            (``0.5``: half of it; with ``low_precision="off"``, which times no AMP, of the FP32 step's), an int a
+            number of bytes. The search ranks every memory lever it measured (saved
             precision and recompute per operator or unit, optimizer state and master weights per operator) by bytes
             freed per millisecond added and takes the cheapest until the budget is met, then stops. Where the levers
             within ``max_slowdown_vs_fastest`` do not meet it, it goes on past that bound, still cheapest first,
@@ -186,6 +191,24 @@ class SearchConfig:
         object.__setattr__(self, "include_dimensions",
                            {d: list(s.selectors) for d, s in included.items() if d in AUTO_VALUES and s})
         object.__setattr__(self, "_included", included)
+        self._check_compute_off()
+
+    def _check_compute_off(self) -> None:
+        """``low_precision="off"`` searches the memory dimensions alone: it needs an objective that weighs memory and
+        a saved or state dimension to search, and no compute candidates."""
+        if self.low_precision is not LowPrecision.OFF:
+            return
+        what = ("CoMPSearch(low_precision='off') lowers no operator's compute precision and searches only what"
+                " operators save for backward and their optimizer state, so it needs")
+        if self.objective is Objective.THROUGHPUT:
+            raise SearchConfigError(f"{what} objective='memory' or 'balanced', not {self.objective.value!r}.")
+        if not (self.tried(Dimension.SAVED) or self.tried(Dimension.STATE)):
+            raise SearchConfigError(f"{what} precisions['saved'] or precisions['state'] other than 'off' (given:"
+                                    f" {self.precisions[Dimension.SAVED]!s}, {self.precisions[Dimension.STATE]!s}).")
+        if self.include:
+            raise SearchConfigError(f"CoMPSearch(include={list(self.include)!r}) names compute candidates, which"
+                                    " low_precision='off' never lowers; use include_dimensions for the saved and"
+                                    " state dimensions.")
 
     def _fail(self, name: str, valid: str) -> None:
         raise SearchConfigError(f"CoMPSearch({name}={getattr(self, name)!r}) is invalid: {valid}.")
@@ -324,6 +347,8 @@ class SearchConfig:
 
         ``"auto"`` prefers BF16 (no loss scaling), then FP16; an explicit ``"bf16"``/``"fp16"`` is taken as is.
         """
+        if self.low_precision is LowPrecision.OFF:
+            return ComputePrecision.FP32
         if self.low_precision is not LowPrecision.AUTO:
             return ComputePrecision.parse(self.low_precision.value)
         for precision in (ComputePrecision.BF16, ComputePrecision.FP16):

@@ -238,7 +238,9 @@ def decide_operators(config: SearchConfig, policy: ObjectivePolicy, low: Compute
             decision.time = paired_ratio(fp32.series(name), lowered.series(name))
             decision.gain_ms = a.total_ms - b.total_ms
             decision.gain_bytes = a.saved_bytes - b.saved_bytes
-        if name not in lowerable:
+        if not low.is_low:
+            decision.reason = "compute not searched (CoMPSearch(low_precision='off'))"
+        elif name not in lowerable:
             decision.reason = ("no arithmetic: its output has its input's precision (follows its neighbours)"
                                if does_no_arithmetic(module) or kind is OperatorKind.SHAPE
                                else f"no {low} kernel on this device")

@@ -217,7 +217,8 @@ class BatchStage:
         return BatchStageResult(
             decisions=decisions, candidates=tuple(candidates), benefits=benefits, runs=runs, saved=saved,
             parameters=parameters, order=order, steps=steps,
-            memory={label: StepMemory(r.saved_bytes, r.peak_bytes) for label, r in results.items()},
+            memory={label: StepMemory(r.saved_bytes, r.peak_bytes) for label, r in results.items()
+                    if label is ProfiledPlan.FP32 or self.low.is_low},
             groups=[g for g in groups if g.size > 1], flips=flips, trialled=trialled, memory_spending=spending,
         )
 
@@ -236,8 +237,9 @@ class BatchStage:
         # (_profile_at_boundaries).
         all_low = self._all_low(lowerable)
         configs: dict[ProfiledPlan, Callable[[], Any]] = {
-            ProfiledPlan.FP32: ctx.measured(PrecisionPlan(), calibrated=False),
-            ProfiledPlan.LOW: ctx.measured(all_low)}
+            ProfiledPlan.FP32: ctx.measured(PrecisionPlan(), calibrated=False)}
+        if self.low.is_low:  # (low_precision="off": every operator computes in FP32, its only profile)
+            configs[ProfiledPlan.LOW] = ctx.measured(all_low)
         if measurement.profile_warmup == 0:  # the calibrating step traces, slower than a step: never a measured one
             with plugin.measured_step(all_low):
                 step()
@@ -248,6 +250,8 @@ class BatchStage:
             decided = decide_operators(config, ctx.policy, self.low, ctx.modules, lowerable, results)
             return any(d.settled is False for d in decided.values())
 
+        if not self.low.is_low:
+            results[ProfiledPlan.LOW] = results[ProfiledPlan.FP32]  # nothing lowered: the same profile
         self._extend_while(ctx, ExtraRounds(config, time.perf_counter() - started, ctx.first_rounds),
                            undecided, lambda more: profiler.extend(results, configs, step, more))
         reduce_profile(ctx.trainer, results)
@@ -282,7 +286,7 @@ class BatchStage:
         configs: dict[ComparedPlan, Callable[[], Any]] = {
             label: ctx.measured(plan) for label, plan in {FP32: PrecisionPlan(), **plans}.items()}
         device_type = model_device(ctx.pl_module).type
-        if autocast_available(device_type) and not self.plugin.compiled:
+        if autocast_available(device_type) and not self.plugin.compiled and self.low.is_low:
             configs[ComparedPlan.AUTOCAST] = self._autocast_region(device_type)
         timer = StepTimer(ctx.clock, config.measurement.profile_steps, config.measurement.profile_warmup)
         timer.on_round = ctx.show_rounds(0, f"whole steps, {len(configs)} plans")
