@@ -89,6 +89,13 @@ def _step_peak(entry: dict[str, Any]) -> float:
     return float(peak) if peak else math.nan
 
 
+def _process_peak(entry: dict[str, Any], kind: str = "live_bytes") -> float:
+    """The peak the process needed for one warm step (``live_bytes``: the heap in use, or ``os_bytes``: RSS), NaN if
+    not measured."""
+    peak = ((entry.get("memory") or {}).get("process_peak") or {}).get(kind)
+    return float(peak) if peak else math.nan
+
+
 def _final_val(result: dict[str, Any]) -> dict[str, float]:
     return result["validation"][-1] if result.get("validation") else {}
 
@@ -262,6 +269,9 @@ def ratios_by_mode(modes: dict[str, Any], fp32_loss: float, tolerance_mode: str)
             r["throughput_vs_bf16-mixed"] = round_ratio(entry["throughput"], amp["throughput"])
             step_amp = _step_peak(amp)
             r["memory_step_peak_vs_bf16-mixed"] = _step_peak(entry) / step_amp if step_amp else math.nan
+            for kind in ("live_bytes", "os_bytes"):
+                r[f"process_{kind.removesuffix('_bytes')}_peak_vs_bf16-mixed"] = (
+                    _process_peak(entry, kind) / _process_peak(amp, kind))
             so, sc = amp["saved_for_backward"] or {}, entry["saved_for_backward"] or {}
             r["saved_bytes_vs_bf16-mixed"] = (sc.get("activation_bytes", math.nan) / so["activation_bytes"]
                                               if so.get("activation_bytes") else math.nan)
@@ -281,6 +291,11 @@ def _axis_targets(key: str, model: dict[str, Any], tolerance: float, tolerance_m
             add(f"peak tensor memory of a training step {label}/AMP", r["memory_step_peak_vs_bf16-mixed"],
                 target["memory_vs_amp"], "<=", key,
                 note=f"saved for backward {label}/AMP {r['saved_bytes_vs_bf16-mixed']:.2f}")
+            live = r.get("process_live_peak_vs_bf16-mixed", math.nan)
+            if math.isfinite(live):
+                add(f"process live peak of a training step {label}/AMP", live, target["memory_vs_amp"], "<=", key,
+                    note=f"whole heap in use, model and data included; RSS {label}/AMP"
+                         f" {r.get('process_os_peak_vs_bf16-mixed', math.nan):.2f}")
             add(f"throughput {label}/AMP", r["throughput_vs_bf16-mixed"]["median"], target["throughput_vs_amp"],
                 ">=", key)
         if target["val_within_tolerance"] and r["converges_like_fp32"] is not None:

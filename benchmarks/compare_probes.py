@@ -210,9 +210,12 @@ def _profile_summary(prof: Any, steps_ms: float) -> dict[str, Any]:
     }
 
 
-def _make_baton_callback(conn: Any, spec: dict[str, Any], probe_step: int, profile_step: int | None) -> Any:
+def _make_baton_callback(conn: Any, spec: dict[str, Any], probe_step: int, profile_step: int | None,
+                         process_step: int | None = None) -> Any:
     import torch
     from lightning.pytorch.callbacks import Callback
+
+    from lightning_comp.search.measurement.process_memory import StepPeakRecorder
 
     class Baton(Callback):
         """Trains ``segment`` steps per turn; times batches; records validation, memory, saved bytes, a profile."""
@@ -232,6 +235,8 @@ def _make_baton_callback(conn: Any, spec: dict[str, Any], probe_step: int, profi
             self.profile: dict[str, Any] | None = None
             self.static: dict[str, int] = {}
             self.step_peak: dict[str, Any] | None = None
+            self.process_peak: dict[str, Any] | None = None  # the process's peak over one warm step
+            self._process: Any = None
             self._steady_reset = False
             self.steady_reset_ok = False
             self.warmup_peak: int | None = None
@@ -272,6 +277,10 @@ def _make_baton_callback(conn: Any, spec: dict[str, Any], probe_step: int, profi
                 self.static = _static_bytes(pl_module, trainer.optimizers)
                 self._prof = torch.profiler.profile(activities=activities, profile_memory=True)
                 self._prof.__enter__()
+            if process_step is not None and step == process_step:
+                # the heap's live peak (and RSS sampled per operator, leaving VmHWM to the RSS probe): what the
+                # process needs for a step, which tensor accounting leaves out (the allocator, temporaries)
+                self._process = StepPeakRecorder("cuda" if self.cuda else None, reset_hwm=False).__enter__()
             if self.round >= 1 and not self._steady_reset and not self.cuda:
                 self._steady_reset = True
                 if self.memory is not None and self.memory.can_reset():
@@ -289,6 +298,14 @@ def _make_baton_callback(conn: Any, spec: dict[str, Any], probe_step: int, profi
                 self._saved_ctx.__exit__(None, None, None)
                 self._saved_ctx = None
                 special = "saved_bytes_probe"
+            if self._process is not None:
+                self._process.__exit__(None, None, None)
+                peak = self._process.peak
+                self.process_peak = {"live_bytes": peak.live_bytes, "os_bytes": peak.os_bytes,
+                                     "reserved_bytes": peak.reserved_bytes, "allocated_bytes": peak.allocated_bytes,
+                                     "how": peak.how, "step": step}
+                self._process = None
+                special = "process_peak"
             if self._prof is not None:
                 self._prof.__exit__(None, None, None)
                 self.profile = _profile_summary(self._prof, ms)

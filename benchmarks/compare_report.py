@@ -16,7 +16,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from compare_analysis import _step_peak, round_ratio
+from compare_analysis import _process_peak, _step_peak, round_ratio
 from compare_suite import AXIS_MODES, COMP_MODES, FIXED_PLAN_MODES, MODES
 from harness import json_default
 
@@ -215,27 +215,34 @@ def memory_axis_lines(report: dict[str, Any]) -> list[str]:
     throughput against AMP, the validation metric and the saved lowerings each CoMP search chose."""
     lines = ["", "## Memory axis", "",
              "Step peak tensor memory = weights, gradients, optimizer state and saved activations of one training step;"
-             " x AMP = ratio to AMP (bf16-mixed); throughput x AMP = median of per-round ratios.", "",
-             "| model | mode | step peak (MiB) | x AMP | saved for bwd (MiB) | x AMP | throughput x AMP | val metric |"
-             " val_loss within tolerance of FP32 | saved lowerings chosen |", "|" + "---|" * 10]
+             " process peak = the heap in use at the step's high point (glibc mallinfo2, sampled per operator; the"
+             " whole process: model, data, libraries) and the largest RSS sampled (on CUDA: the allocator's reserved"
+             " peak); x AMP = ratio to AMP (bf16-mixed); throughput x AMP = median of per-round ratios.", "",
+             "| model | mode | step peak (MiB) | x AMP | process live peak (MiB) | x AMP | RSS (MiB) | x AMP |"
+             " saved for bwd (MiB) | x AMP | throughput x AMP | val metric |"
+             " val_loss within tolerance of FP32 | saved lowerings chosen |", "|" + "---|" * 14]
     for key, model in report["models"].items():
         modes = model["modes"]
         amp = modes.get("bf16-mixed", {})
         amp_ok = "throughput" in amp
         amp_step = _step_peak(amp) if amp_ok else math.nan
+        amp_live = _process_peak(amp) if amp_ok else math.nan
+        amp_os = _process_peak(amp, "os_bytes") if amp_ok else math.nan
         amp_saved = ((amp.get("saved_for_backward") or {}).get("activation_bytes") or math.nan) if amp_ok else math.nan
         for mode, e in modes.items():
             if "error" in e:
                 chosen = saved_lowerings_cell(model, mode)
-                lines.append(f"| {key} | {MODES[mode].label} | error | | | | | | | {chosen} |")
+                lines.append(f"| {key} | {MODES[mode].label} | error | | | | | | | | | | | {chosen} |")
                 continue
-            step = _step_peak(e)
+            step, live, os_peak = _step_peak(e), _process_peak(e), _process_peak(e, "os_bytes")
             saved = (e["saved_for_backward"] or {}).get("activation_bytes", math.nan)
             thr = round_ratio(e["throughput"], amp["throughput"])["median"] if amp_ok else math.nan
             metric = model["metric"]
             converges = e.get("converges_like_fp32")
             lines.append(
                 f"| {key} | {MODES[mode].label} | {_fmt(step / 2**20, '.2f')} | {_fmt(step / amp_step)} |"
+                f" {_fmt(live / 2**20, '.1f')} | {_fmt(live / amp_live)} | {_fmt(os_peak / 2**20, '.1f')} |"
+                f" {_fmt(os_peak / amp_os)} |"
                 f" {_fmt(saved / 2**20, '.2f')} | {_fmt(saved / amp_saved)} | {_fmt(thr)} |"
                 f" {metric} {_fmt(e['final_validation'].get(metric), '.4f')} |"
                 f" {'n/a' if converges is None else 'yes' if converges else 'no'} |"

@@ -166,7 +166,11 @@ def train_worker(conn: Any, job: dict[str, Any]) -> dict[str, Any]:
     profile_step = min(2, spec["steps"] - 1) if job.get("profile", True) else None
     if profile_step == probe_step:
         profile_step = None
-    baton = _make_baton_callback(conn, spec, probe_step, profile_step)
+    # a warm step of round 0 after the probes (it reads RSS per operator: not a timed round's)
+    process_step = max(probe_step, profile_step or 0) + 1
+    if process_step >= min(int(spec["segment"]), spec["steps"]):
+        process_step = None
+    baton = _make_baton_callback(conn, spec, probe_step, profile_step, process_step)
     trainer = pl.Trainer(max_steps=spec["steps"], val_check_interval=spec["val_every"],
                          check_val_every_n_epoch=None, limit_val_batches=spec["val_batches"],
                          callbacks=[baton], **kwargs)
@@ -194,7 +198,7 @@ def train_worker(conn: Any, job: dict[str, Any]) -> dict[str, Any]:
                    "steady_peak_bytes": last if baton.steady_reset_ok else None,
                    "steady_increment_bytes": last - baton.memory.baseline if baton.steady_reset_ok else None,
                    "max_rss_bytes": _max_rss_bytes(),
-                   "step_peak": baton.step_peak},
+                   "step_peak": baton.step_peak, "process_peak": baton.process_peak},
         "saved_for_backward": None if baton.saved is None else baton.saved.to_dict(),
         "profile": baton.profile,
         "forward_hooks": baton.hooks,

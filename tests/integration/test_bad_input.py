@@ -180,7 +180,7 @@ def test_unknown_precision_string_names_it_and_the_valid_ones(value: str) -> Non
 def test_unsupported_dtype_and_search_precision() -> None:
     with pytest.raises(PlanError, match=r"torch\.int8.*torch\.float32, torch\.bfloat16, torch\.float16"):
         parse_precision(torch.int8)
-    with pytest.raises(SearchConfigError, match=r"low_precision='fp8'.*'auto'.*'bf16' or 'fp16'"):
+    with pytest.raises(SearchConfigError, match=r"low_precision='fp8'.*'auto'.*'bf16', 'fp16' or 'off'"):
         CoMPSearch(low_precision="fp8")
 
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from lightning_comp.search.measurement import process_memory
-from lightning_comp.search.measurement.process_memory import heap_in_use, measure_step_peak
+from lightning_comp.search.measurement.process_memory import StepPeakRecorder, heap_in_use, measure_step_peak
 
 SIZE = 64 * 2**20
 
@@ -29,6 +29,19 @@ def test_live_peak_rises_by_the_tensor_and_os_peak_is_above_it() -> None:
     assert big.os_bytes is not None and big.os_bytes >= big.live_bytes
     assert big.allocator_bytes == big.os_bytes - big.live_bytes
     assert big.reserved_bytes is None and big.allocated_bytes is None
+
+
+@pytest.mark.skipif(heap_in_use() is None, reason="needs glibc mallinfo2")
+def test_the_recorder_measures_a_step_entered_and_left_from_different_hooks() -> None:
+    """A training loop's step is not one callable: the recorder is entered at the batch's start and left at its end."""
+    recorder = StepPeakRecorder()
+    assert recorder.peak is None
+    recorder.__enter__()
+    _big()
+    recorder.__exit__(None, None, None)
+    small = measure_step_peak(_small)
+    assert recorder.peak is not None and recorder.peak.live_bytes is not None and small.live_bytes is not None
+    assert recorder.peak.live_bytes - small.live_bytes >= 2 * SIZE * 0.9
 
 
 def test_degrades_without_proc(monkeypatch: pytest.MonkeyPatch, tmp_path: object) -> None:

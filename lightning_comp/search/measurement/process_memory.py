@@ -128,38 +128,72 @@ def measure_step_peak(step: Callable[[], Any], device: torch.device | str | None
     Returns:
         The step's :class:`StepPeak`; figures that cannot be measured here are ``None``, with the reason in ``how``.
     """
-    notes: list[str] = []
-    cuda = device is not None and torch.device(device).type == "cuda" and torch.cuda.is_available()
-    if cuda:
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-    reset = _reset_hwm()
-    sampler = _LiveSampler()
-    sampler.sample_rss = not reset
-    with sampler:
+    with StepPeakRecorder(device) as recorder:
         step()
-    sampler.sample()
-    if cuda:
-        torch.cuda.synchronize(device)
-    live: int | None = sampler.live if heap_in_use() is not None else None
-    notes.append("live: glibc mallinfo2 in use, sampled per operator" if live is not None
-                 else "live: unavailable (no glibc mallinfo2)")
-    os_peak: int | None
-    if reset:
-        os_peak = _status_bytes("VmHWM")
-        notes.append("os: VmHWM after clear_refs reset")
-    elif sampler.rss:
-        os_peak = sampler.rss
-        notes.append(f"os: sampled VmRSS per operator ({PROC_CLEAR_REFS} not writable)")
-    else:
-        os_peak = None
-        notes.append(f"os: unavailable (no {PROC_STATUS})")
-    allocated = reserved = None
-    if cuda:
-        allocated = int(torch.cuda.max_memory_allocated(device))
-        reserved = int(torch.cuda.max_memory_reserved(device))
-        notes.append("cuda: max_memory_allocated / max_memory_reserved")
-    return StepPeak(live, os_peak, reserved, allocated, "; ".join(notes))
+    assert recorder.peak is not None
+    return recorder.peak
+
+
+class StepPeakRecorder:
+    """The peak the process needs between entering and leaving it, for a step that is not one callable (a
+    training loop's hooks: enter at the batch's start, leave at its end)::
+
+        with StepPeakRecorder(device) as recorder:
+            ...  # forward, backward, optimizer step
+        recorder.peak  # a StepPeak
+
+    Args:
+        device: where the step runs; a CUDA device also reads the caching allocator's peaks.
+        reset_hwm: take the OS-level peak as ``VmHWM`` after resetting it (``clear_refs``) on entering, so nothing
+            else may rely on ``VmHWM`` across the step; ``False``: the largest ``VmRSS`` sampled per operator, which
+            leaves ``VmHWM`` alone (and may miss a peak between two operators).
+    """
+
+    def __init__(self, device: torch.device | str | None = None, *, reset_hwm: bool = True) -> None:
+        self.device = device
+        self.reset_hwm = reset_hwm
+        self.peak: StepPeak | None = None
+        self._cuda = device is not None and torch.device(device).type == "cuda" and torch.cuda.is_available()
+        self._reset = False
+        self._sampler = _LiveSampler()
+
+    def __enter__(self) -> StepPeakRecorder:
+        if self._cuda:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self._reset = self.reset_hwm and _reset_hwm()
+        self._sampler = _LiveSampler()
+        self._sampler.sample_rss = not self._reset
+        self._sampler.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        sampler = self._sampler
+        sampler.__exit__(*exc)
+        sampler.sample()
+        notes: list[str] = []
+        if self._cuda:
+            torch.cuda.synchronize(self.device)
+        live: int | None = sampler.live if heap_in_use() is not None else None
+        notes.append("live: glibc mallinfo2 in use, sampled per operator" if live is not None
+                     else "live: unavailable (no glibc mallinfo2)")
+        os_peak: int | None
+        if self._reset:
+            os_peak = _status_bytes("VmHWM")
+            notes.append("os: VmHWM after clear_refs reset")
+        elif sampler.rss:
+            os_peak = sampler.rss
+            notes.append("os: sampled VmRSS per operator"
+                         + ("" if not self.reset_hwm else f" ({PROC_CLEAR_REFS} not writable)"))
+        else:
+            os_peak = None
+            notes.append(f"os: unavailable (no {PROC_STATUS})")
+        allocated = reserved = None
+        if self._cuda:
+            allocated = int(torch.cuda.max_memory_allocated(self.device))
+            reserved = int(torch.cuda.max_memory_reserved(self.device))
+            notes.append("cuda: max_memory_allocated / max_memory_reserved")
+        self.peak = StepPeak(live, os_peak, reserved, allocated, "; ".join(notes))
 
 
 def set_malloc_thresholds(trim_bytes: int = 128 * 1024, mmap_bytes: int = 128 * 1024) -> bool:
