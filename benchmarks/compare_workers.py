@@ -166,9 +166,9 @@ def train_worker(conn: Any, job: dict[str, Any]) -> dict[str, Any]:
     profile_step = min(2, spec["steps"] - 1) if job.get("profile", True) else None
     if profile_step == probe_step:
         profile_step = None
-    # a warm step of round 0 after the probes (it reads RSS per operator: not a timed round's)
-    process_step = max(probe_step, profile_step or 0) + 1
-    if process_step >= min(int(spec["segment"]), spec["steps"]):
+    # the step after the probes, warm (it reads RSS per operator, so it is a special step: never timed)
+    process_step: int | None = max(probe_step, profile_step or 0) + 1
+    if process_step is not None and process_step >= spec["steps"]:
         process_step = None
     baton = _make_baton_callback(conn, spec, probe_step, profile_step, process_step)
     trainer = pl.Trainer(max_steps=spec["steps"], val_check_interval=spec["val_every"],
