@@ -98,8 +98,8 @@ class CoMPSearch(Callback):
             the fastest fixed policy the batch stage measures (FP32, AMP's plan, the compute-only plan, one global
             autocast region); ``None``: 1.15 for memory, 1.05 for balanced.
         memory_budget: (``objective="memory"``) the step peak to reach: a float is a fraction of AMP's step peak
-            (of the FP32 step with ``low_precision="off"``), an int bytes; the cheapest bytes per millisecond are
-            taken until it is met.
+            (of the FP32 step with ``low_precision="off"``), an int the bytes the process's peak must fit in (CUDA's
+            reserved peak, a CPU's live heap); the cheapest bytes per millisecond are taken until it is met.
         measurement: ``"quick"``, ``"default"`` or ``"thorough"``, a ``MeasurementConfig``, or a mapping of its
             fields (over ``"default"``, or over the preset its ``preset`` key names).
         record_dir: where the decision record and the chosen plan are written.

@@ -28,7 +28,7 @@ from lightning_comp.search.decisions.trials import TrialVerdict
 __all__ = ["STATE_VERSION", "Phase", "Restore", "SearchState", "TrialRecord"]
 
 # the one checkpoint form of the search's state this version writes and reads (2: groups, flips, trialled plan)
-STATE_VERSION = 3
+STATE_VERSION = 4
 
 
 class Phase(str, Enum):

@@ -59,11 +59,11 @@ def test_a_budget_is_met_with_the_cheapest_levers_and_no_more(tmp_path: Path) ->
     assert far["target_mib"] == pytest.approx(0.05 * far["amp_step_mib"], abs=0.01)
     assert not far["met"] and "the budget is not met" in far["stopped"]
     start, end = far["frontier"][0]["step_mib"], far["frontier"][-1]["step_mib"]
-    # half of what the levers can free, in bytes: met partway
-    budget = int((start - (start - end) / 2) * 2**20)
+    # half of what the levers can free, as a fraction of AMP's step: met partway
+    budget = (start - (start - end) / 2) / far["amp_step_mib"]
     record = _fit(tmp_path / "half", memory_budget=budget)
     spending = record["memory_spending"]
-    assert spending["target_mib"] == pytest.approx(budget / 2**20, abs=1e-3)
+    assert spending["target_mib"] == pytest.approx(budget * spending["amp_step_mib"], abs=1e-3)
     assert spending["met"] and spending["stopped"].startswith("the budget is met")
     frontier = spending["frontier"]
     assert frontier[-1]["step_mib"] <= spending["target_mib"] < frontier[-2]["step_mib"]  # stopped once met
@@ -82,6 +82,28 @@ def test_a_budget_is_met_with_the_cheapest_levers_and_no_more(tmp_path: Path) ->
                                                                             " not taken")
     assert set(record["chosen_plan"].get("state", {})) <= taken
     assert (tmp_path / "half" / FRONTIER_FIGURE).stat().st_size > 0
+
+
+def test_a_budget_in_bytes_is_judged_by_the_peak_the_process_needs(tmp_path: Path) -> None:
+    """A budget in bytes is what the job must fit in: the accounting's step bytes (a few MiB here) meet it at once,
+    but the process's live heap (model, data, libraries: hundreds of MiB) does not, so the levers are taken further
+    by what the process needs beyond it, and the record says the budget is not met by the process."""
+    record = _fit(tmp_path, memory_budget=64 * 2**20)
+    spending = record["memory_spending"]
+    peaks = spending["process_peaks"]
+    assert set(peaks) == {"start", "plan"}
+    if peaks["plan"]["live_mib"] is None:  # no glibc: the process peak is not measured, the accounting judges
+        assert spending["process_met"] is None and spending["met"]
+        return
+    assert peaks["plan"]["live_mib"] > 64 and peaks["start"]["live_mib"] > 64
+    assert spending["process_met"] is False
+    assert spending["process_target_mib"] is not None and spending["process_target_mib"] < spending["target_mib"]
+    # every state lever taken for it (past the time allowed where needed), and none of them is reported as spare
+    searched = {f"state:{n}" for n, op in record["operators"].items() if "parameters" in op}
+    assert set(spending["taken"]) == searched
+    text = format_record(record)
+    assert "judged by the process's peak: not met" in text and "the process's peak over one step" in text.lower()
+    assert "step_process_peaks" in record and {"fp32", "candidates"} <= set(record["step_process_peaks"])
 
 
 def test_without_a_budget_every_lever_within_the_bound_is_taken(tmp_path: Path) -> None:

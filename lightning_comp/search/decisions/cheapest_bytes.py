@@ -21,6 +21,7 @@ import math
 from dataclasses import dataclass, field
 
 from lightning_comp.search.candidates import Candidate
+from lightning_comp.search.measurement.process_memory import StepPeak
 
 __all__ = ["FrontierPoint", "Lever", "LeverOption", "MemorySpending", "Selection", "levers_past", "take_cheapest"]
 
@@ -125,6 +126,13 @@ class MemorySpending:
         given_back: levers the whole-step check gave back (the forecast was too kind), in the order they were taken.
         levers: lever label -> the candidates (dimension and operator) it changes.
         options: lever label -> its options, as measured.
+        process_peaks: the peak the process needed for one step (rank 0's), of the plan before the levers
+            (``"start"``) and with them (``"plan"``); empty where nothing was taken.
+        process_target_bytes: a budget in bytes is judged by the plan's process peak (the allocator's reserved peak
+            on CUDA, the live heap on a CPU): the step bytes the levers were taken down to so that the process peak
+            meets it (``None``: no such budget, or the accounting's target sufficed).
+        process_met: whether the plan's process peak meets a budget in bytes (``None``: no such budget, or the
+            peak could not be measured here).
     """
 
     start_bytes: float
@@ -139,6 +147,9 @@ class MemorySpending:
     given_back: list[str] = field(default_factory=list)
     levers: dict[str, list[Candidate]] = field(default_factory=dict)
     options: dict[str, list[LeverOption]] = field(default_factory=dict)
+    process_peaks: dict[str, StepPeak] = field(default_factory=dict)
+    process_target_bytes: float | None = None
+    process_met: bool | None = None
 
 
 def take_cheapest(levers: list[Lever], step_bytes: float, step_ms: float, max_ms: float,

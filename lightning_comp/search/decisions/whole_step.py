@@ -7,6 +7,7 @@ from enum import Enum
 
 from lightning_comp.numerics.precision import ComputePrecision
 from lightning_comp.search.measurement.estimates import RatioEstimate, Verdict, paired_ratio
+from lightning_comp.search.measurement.process_memory import StepPeak
 
 __all__ = ["ALTERNATIVES", "PACE_PLANS", "REFERENCES", "ComparedPlan", "Pace", "PlanStep", "ProfiledPlan",
            "StepComparison", "TrialledPlan"]
@@ -67,12 +68,16 @@ class PlanStep:
         wall_ms: the same round's real time.
         ratio: its step time relative to FP32's over paired rounds (``None`` for FP32 itself).
         saved_bytes: the bytes it saves for backward (``None``: not measured, the objective weighs no memory).
+        process_peak: the peak the process needed for one step of it, measured on rank 0 (live heap and OS peak on a
+            CPU, the allocator's reserved and allocated peaks on CUDA; ``None``: not measured, the objective weighs no
+            memory).
     """
 
     ms: float
     wall_ms: float
     ratio: RatioEstimate | None = None
     saved_bytes: float | None = None
+    process_peak: StepPeak | None = None
 
 
 @dataclass(frozen=True)

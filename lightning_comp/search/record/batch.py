@@ -16,16 +16,17 @@ from lightning_comp.search.decisions.parameters import ParameterDecision
 from lightning_comp.search.decisions.refinement import GroupFlip
 from lightning_comp.search.decisions.saved import SavedDecision, SavedStepCheck
 from lightning_comp.search.decisions.whole_step import ComparedPlan, TrialledPlan
+from lightning_comp.search.measurement.process_memory import StepPeak
 
-__all__ = ["batch_record", "operator_record", "parameter_record", "saved_record"]
+__all__ = ["batch_record", "operator_record", "parameter_record", "peak_record", "saved_record"]
 
 
 def batch_record(batch: BatchStageResult | None) -> dict[str, Any]:
     """The decision record's form of the batch stage's result (empty measurements before it ran, or without it)."""
     if batch is None:
         return {"operators": {}, "groups": {}, "timing": None, "step_ms": {}, "step_wall_ms": {}, "step_ratios": {},
-                "step_saved_bytes": {}, "trialled_plan": None, "refinements": [], "saved_step": {},
-                "parameter_step": {}, "memory": {}}
+                "step_saved_bytes": {}, "step_process_peaks": {}, "trialled_plan": None, "refinements": [],
+                "saved_step": {}, "parameter_step": {}, "memory": {}}
     steps = batch.steps
     return {
         "operators": {name: operator_record(decision) for name, decision in batch.decisions.items()},
@@ -38,6 +39,8 @@ def batch_record(batch: BatchStageResult | None) -> dict[str, Any]:
         "step_ratios": {plan.value: step.ratio.to_dict() for plan, step in steps.items() if step.ratio is not None},
         "step_saved_bytes": {plan.value: step.saved_bytes for plan, step in steps.items()
                              if step.saved_bytes is not None},
+        "step_process_peaks": {plan.value: peak_record(step.process_peak) for plan, step in steps.items()
+                               if step.process_peak is not None},
         "trialled_plan": None if batch.trialled is None else _trialled(batch.trialled),
         "refinements": [_flip(flip) for flip in batch.flips],
         "saved_step": {} if batch.saved.check is None else _saved_check(batch.saved.check),
@@ -47,6 +50,17 @@ def batch_record(batch: BatchStageResult | None) -> dict[str, Any]:
                                 "os_bytes": memory.os_bytes, "how": memory.how}
                    for plan, memory in batch.memory.items()},
     }
+
+
+def peak_record(peak: StepPeak) -> dict[str, Any]:
+    """The record form of the peak the process needed for a step: MiB (``None`` where not measured here), what the
+    allocator adds over the live peak, and how each figure was measured."""
+    def mib(nbytes: int | None) -> float | None:
+        return None if nbytes is None else round(nbytes / 2**20, 3)
+
+    return {"live_mib": mib(peak.live_bytes), "os_mib": mib(peak.os_bytes), "reserved_mib": mib(peak.reserved_bytes),
+            "allocated_mib": mib(peak.allocated_bytes), "allocator_adds_mib": mib(peak.allocator_bytes),
+            "how": peak.how}
 
 
 def _trialled(trialled: TrialledPlan) -> dict[str, Any]:

@@ -10,6 +10,7 @@ import math
 from typing import Any
 
 from lightning_comp.search.decisions.batch_result import BatchStageResult
+from lightning_comp.search.record.batch import peak_record
 
 __all__ = ["spending_record"]
 
@@ -39,6 +40,10 @@ def spending_record(batch: BatchStageResult | None) -> dict[str, Any] | None:
         "forecast_ms": round(spending.forecast_ms, 4),
         "measured_ms": None if spending.measured_ms is None else round(spending.measured_ms, 4),
         "given_back": list(spending.given_back),
+        "process_peaks": {label: peak_record(peak) for label, peak in spending.process_peaks.items()},
+        "process_target_mib": (None if spending.process_target_bytes is None
+                               else _mib(spending.process_target_bytes)),
+        "process_met": spending.process_met,
         "frontier": [{"lever": p.lever or None, "value": p.value or None, "step_mib": _mib(p.step_bytes),
                       "step_ms": round(p.step_ms, 4), "mib_per_ms": _finite(p.bytes_per_ms / MiB),
                       "forced": math.isnan(p.bytes_per_ms), "past_bound": p.past_bound}

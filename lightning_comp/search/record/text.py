@@ -77,6 +77,10 @@ def format_record(record: dict[str, Any]) -> str:
     if step_saved:
         out.append("Whole step (MiB saved for backward): "
                    + ", ".join(f"{k} {v / 2**20:.2f}" for k, v in step_saved.items()))
+    peaks = record.get("step_process_peaks") or {}
+    if peaks:
+        out.append("Whole step (the process's peak, MiB: live heap / OS, or CUDA reserved / allocated): "
+                   + ", ".join(f"{k} {_peak_text(v)}" for k, v in peaks.items()))
     memory = record.get("memory") or {}
     if memory:
         parts = []
@@ -237,7 +241,27 @@ def _spending_section(spending: dict[str, Any] | None) -> list[str]:
     measured = "" if spending["measured_ms"] is None else f", timed whole {spending['measured_ms']:.2f} ms"
     lines.append(f"Stopped: {spending['stopped']}. The plan's step: {spending.get('final_mib', 0):.1f} MiB{amp},"
                  f" forecast {spending['forecast_ms']:.2f} ms{measured}.")
+    peaks = spending.get("process_peaks") or {}
+    if peaks:
+        lines.append("The process's peak over one step (MiB: live heap / OS, or CUDA reserved / allocated): "
+                     + ", ".join(f"{'before the levers' if k == 'start' else 'the plan'} {_peak_text(v)}"
+                                 for k, v in peaks.items()) + ".")
+    if spending.get("process_met") is not None:
+        retaken = spending.get("process_target_mib")
+        again = "" if retaken is None else f"; the levers were taken down to {retaken:.1f} MiB of step bytes for it"
+        verdict = "met" if spending["process_met"] else "not met"
+        lines.append(f"The budget in bytes, judged by the process's peak: {verdict}{again}.")
     return lines
+
+
+def _peak_text(peak: dict[str, Any]) -> str:
+    """``482.1 / 863.0`` (live heap / OS peak; with what the allocator adds), or CUDA's reserved / allocated."""
+    if peak.get("reserved_mib") is not None:
+        return f"{peak['reserved_mib']:.1f} / {peak.get('allocated_mib') or 0:.1f}"
+    live, os_peak = peak.get("live_mib"), peak.get("os_mib")
+    text = f"{'n/a' if live is None else f'{live:.1f}'} / {'n/a' if os_peak is None else f'{os_peak:.1f}'}"
+    adds = peak.get("allocator_adds_mib")
+    return text if adds is None else f"{text} (allocator adds {adds:.1f})"
 
 
 def _ratio(op: dict[str, Any]) -> str:

@@ -78,6 +78,7 @@ from lightning_comp.search.measurement.clock_choice import TimingChoice, choose_
 from lightning_comp.search.measurement.clocks import ClockKind, single_intra_op_thread
 from lightning_comp.search.measurement.estimates import ExtraRounds, Verdict
 from lightning_comp.search.measurement.machine_load import LoadMeter
+from lightning_comp.search.measurement.process_memory import StepPeak
 from lightning_comp.search.measurement.profiling import OperatorProfiler, ProfileResult
 from lightning_comp.search.measurement.step_timing import StepTimer, StepTimes, TrainingStepRunner
 from lightning_comp.search.ranks import agree, reduce_profile
@@ -181,12 +182,13 @@ class BatchStage:
             alternatives = self._alternatives(modules, lowerable, order, decisions, candidate_plan, set(amp))
             plans = {CANDIDATES: candidate_plan} if candidate_plan is not None else {}
             plans.update(alternatives)
-            times, step_saved, budget = self._time_whole_steps(ctx, plans)
+            times, step_saved, peaks, budget = self._time_whole_steps(ctx, plans)
         comparison = StepComparison(times.ms)
         policy.set_pace(ctx.agree(comparison.pace()))  # what the memory objectives' slowdown is bounded against
         ratios = comparison.ratios()
         steps = {plan: PlanStep(ms=ctx.reduce_mean(min(ms)), wall_ms=ctx.reduce_mean(min(times.wall_ms[plan])),
-                                ratio=ratios.get(plan), saved_bytes=step_saved.get(plan))
+                                ratio=ratios.get(plan), saved_bytes=step_saved.get(plan),
+                                process_peak=peaks.get(plan))
                  for plan, ms in times.ms.items()}
         winner = ctx.agree(policy.winner(comparison, step_saved, list(alternatives), bool(names)))
         if winner is not None:
@@ -278,10 +280,11 @@ class BatchStage:
         return results
 
     def _time_whole_steps(self, ctx: StageContext, plans: dict[ComparedPlan, PrecisionPlan],
-                          ) -> tuple[StepTimes[ComparedPlan], dict[ComparedPlan, float], ExtraRounds]:
+                          ) -> tuple[StepTimes[ComparedPlan], dict[ComparedPlan, float], dict[ComparedPlan, StepPeak],
+                                     ExtraRounds]:
         """Whole steps of FP32 and of ``plans``, interleaved, with extra rounds while a comparison the policy
-        decides from is undecided; (objectives that weigh memory) the bytes each saves for backward; and what is
-        left of the whole-step budget (the refinement's)."""
+        decides from is undecided; (objectives that weigh memory) the bytes each saves for backward and the peak the
+        process needs for a step of each (rank 0's); and what is left of the whole-step budget (the refinement's)."""
         config, step = ctx.config, ctx.step
         configs: dict[ComparedPlan, Callable[[], Any]] = {
             label: ctx.measured(plan) for label, plan in {FP32: PrecisionPlan(), **plans}.items()}
@@ -312,9 +315,11 @@ class BatchStage:
                            lambda more: timer.time({k: v for k, v in configs.items() if k in contenders},
                                                    step, into=times, rounds=more, warmup=0))
         saved: dict[ComparedPlan, float] = {}
+        peaks: dict[ComparedPlan, StepPeak] = {}
         if ctx.policy.weighs_memory:
             saved = {k: ctx.reduce_mean(float(v)) for k, v in timer.saved_bytes(ctx.pl_module, configs, step).items()}
-        return times, saved, budget
+            peaks = ctx.agree(timer.step_peaks(configs, step, model_device(ctx.pl_module)))
+        return times, saved, peaks, budget
 
     def _autocast_region(self, device_type: str) -> Callable[[], AbstractContextManager[None]]:
         """What puts the reference step in force: no plan (FP32, no hooks at work) inside one global autocast region

@@ -27,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from lightning_comp.devices.device_classes import model_device
 from lightning_comp.execution.optimizer_states import state_bytes
 from lightning_comp.numerics.precision import ComputePrecision, MasterPrecision, SavedPrecision, StatePrecision
 from lightning_comp.plan.dimensions import Dimension
@@ -111,13 +112,55 @@ class CheapestBytesStage:
                                   amp_step_bytes=amp_bytes, selection=selection,
                                   levers={label: _candidates(change) for label, change in changes.items()},
                                   options={lever.label: list(lever.options) for lever in levers})
+        self._spend(spending, base, changes, decisions, saved, parameters, update_ms)
+        excess = self._process_excess(spending, base, saved, parameters)
+        if excess > 0 and spending.selection.met:
+            # a budget in bytes is what the job must fit in: the process needs more than the accounting counts
+            # (the allocator, temporaries), so the levers are taken further by what it needs beyond the budget
+            spending.process_target_bytes = spending.final_bytes - excess
+            spending.selection = ctx.agree(take_cheapest(levers, start_bytes, start_ms, max_ms,
+                                                         spending.process_target_bytes, past_bound=past))
+            spending.given_back = []
+            self._spend(spending, base, changes, decisions, saved, parameters, update_ms)
+            self._process_excess(spending, base, saved, parameters)
+        return spending
+
+    def _spend(self, spending: MemorySpending, base: PrecisionPlan, changes: dict[str, dict[str, _Change]],
+               decisions: dict[str, OperatorDecision], saved: SavedStageResult, parameters: ParameterStageResult,
+               update_ms: float) -> None:
+        """Write the selection's levers into the stages' choices, and time the plan whole once."""
+        selection = spending.selection
         spending.forecast_ms = selection.frontier[-1].step_ms
         spending.final_bytes = selection.frontier[-1].step_bytes
         self._apply(selection, changes, decisions, saved, parameters)
-        if selection.chosen and math.isfinite(max_ms):
+        if selection.chosen and math.isfinite(spending.max_ms):
             self._check(base, spending, changes, decisions, saved, parameters, update_ms)
-            spending.final_bytes = start_bytes - sum(o.bytes_saved for o in spending.selection.chosen.values())
-        return spending
+            spending.final_bytes = spending.start_bytes - sum(o.bytes_saved
+                                                              for o in spending.selection.chosen.values())
+
+    def _process_excess(self, spending: MemorySpending, base: PrecisionPlan, saved: SavedStageResult,
+                        parameters: ParameterStageResult) -> float:
+        """Measure the peak the process needs for a step of the plan before and after the levers (where any were
+        taken, or a budget in bytes is set); return by how many bytes that peak (CUDA's reserved peak, a CPU's live
+        heap) misses a budget in bytes (0: met, measured in no other way, or no such budget)."""
+        ctx = self.ctx
+        budget = ctx.config.memory_budget
+        limit = float(budget) if isinstance(budget, int) and not isinstance(budget, bool) else None
+        if not (spending.selection.chosen or limit is not None):
+            return 0.0
+        plans = {"start": base, "plan": _with_choices(base, saved, parameters)}
+        timer = StepTimer(ctx.clock, 1, 0)
+        peaks = timer.step_peaks({label: ctx.measured(plan) for label, plan in plans.items()}, ctx.step,
+                                 model_device(ctx.pl_module))
+        ctx.plugin.try_plan(base)  # the masters back in fp32 before anything else runs
+        spending.process_peaks = ctx.agree(peaks)
+        peak = spending.process_peaks["plan"]
+        needed = peak.reserved_bytes if peak.reserved_bytes is not None else peak.live_bytes
+        if limit is None or needed is None:
+            return 0.0
+        excess = float(ctx.agree(max(needed - limit, 0.0)))
+        spending.process_met = excess == 0
+        return excess
 
     # ------------------------------------------------------------------------------------------------ levers
     def _levers(self, base: PrecisionPlan, decisions: dict[str, OperatorDecision],
