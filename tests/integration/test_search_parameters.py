@@ -154,3 +154,24 @@ def test_low_precision_off_searches_memory_alone(tmp_path: Path) -> None:
 def test_low_precision_off_needs_a_memory_dimension_to_search(settings: dict[str, Any], match: str) -> None:
     with pytest.raises(SearchConfigError, match=match):
         CoMPSearch(low_precision="off", **settings)
+
+
+def test_balanced_takes_each_lever_that_makes_the_step_better_in_time_x_memory(tmp_path: Path) -> None:
+    """The balanced objective spends cheapest bytes first too (it used to keep or drop the saved and the parameter
+    lowerings all together, each by one whole step): along its frontier every lever taken lowers the step's bytes
+    times its time, and a lever left out is left out for that reason (no time bound here)."""
+    pl.seed_everything(0)
+    search = CoMPSearch(objective="balanced", low_precision="off", max_slowdown_vs_fastest=1e6, verbose=False,
+                        measurement={"profile_steps": 3}, max_trials=2)
+    trainer = search_trainer(tmp_path, [search], max_epochs=3, plugin=CoMPPrecision())
+    trainer.fit(ScheduledAdamW(), *loaders())
+    record = search.record
+    assert record is not None
+    spending = record["memory_spending"]
+    assert spending is not None and spending["target_mib"] is None
+    frontier = spending["frontier"]
+    for before, after in zip(frontier, frontier[1:]):
+        assert after["step_mib"] < before["step_mib"]
+        assert after["step_mib"] * after["step_ms"] <= before["step_mib"] * before["step_ms"] + 1e-6
+    assert all("time x memory" in why for why in spending["skipped"].values())
+    assert "saved_step" not in record and "check" not in record["parameter_step"]

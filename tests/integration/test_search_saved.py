@@ -160,8 +160,8 @@ def test_batch_stage_decides_saved_precision_from_measured_bytes(tmp_path: Path)
     for name in ("a1", "a2", "a3", "a4"):  # the cheap ones recompute (precisions saved "auto"), judged together
         entry = record["operators"][name]["saved"]
         assert entry["decision"] == "recompute" and entry["bytes"]["recompute"] < entry["bytes"]["fp32"], entry
-    # under the memory objective the plan is timed whole once, by the spending, not by the saved stage's own check
-    assert "verdict" not in record["saved_step"], record["saved_step"]
+    # the plan is timed whole once, by the spending (the saved stage has no whole-step check of its own)
+    assert "saved_step" not in record
     spending = record["memory_spending"]
     assert spending["measured_ms"] is not None and spending["measured_ms"] <= spending["max_ms"]
     assert spending["given_back"] == []

@@ -157,3 +157,22 @@ def test_a_recompute_unit_is_priced_over_every_operator_it_timed_and_not_pooled_
     # (priced over the activation alone, they would read 0.2 and 4 ms)
     assert by_label["saved:blocks.0.act"].options[0].extra_ms == pytest.approx(0.4)
     assert by_label["saved:blocks.1.act"].options[0].extra_ms == pytest.approx(8.0)
+
+
+def test_weighing_time_takes_only_what_makes_the_step_better_in_time_x_memory() -> None:
+    """The balanced objective: a lever is taken where the share of the step's bytes it frees exceeds the share of
+    time it adds; a free one always; a dear one is left out though the bound would allow it."""
+    levers = [
+        _lever("state:fc", ("bf16", 20, 0.0)),  # free
+        _lever("saved:act", ("recompute", 18, 5.0)),  # 10 % of the bytes left for 5 % more time: better
+        _lever("saved:attn", ("fp8", 4, 20.0)),  # 2.5 % of the bytes for 19 % more time: worse
+    ]
+    picked = take_cheapest(levers, 200 * MiB, 100.0, math.inf, weigh_time=True)
+    assert list(picked.chosen) == ["state:fc", "saved:act"]
+    assert "not better in time x memory" in picked.skipped["saved:attn"]
+    assert picked.stopped == "every lever left costs more time than it frees bytes (time x memory)"
+    # without weighing time (the memory objective) the bound alone decides
+    assert list(take_cheapest(levers, 200 * MiB, 100.0, math.inf).chosen) == ["state:fc", "saved:act", "saved:attn"]
+    # within a bound that stops the dear one first, the bound is what the record says stopped it
+    bounded = take_cheapest(levers, 200 * MiB, 100.0, 106.0, weigh_time=True)
+    assert list(bounded.chosen) == ["state:fc", "saved:act"] and "time allowed is spent" in bounded.stopped

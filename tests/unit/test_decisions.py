@@ -28,11 +28,12 @@ from lightning_comp.search.decisions.operators import (
     judge_operator,
     recheck_at_plan_boundaries,
 )
-from lightning_comp.search.decisions.saved import SavedStepCheck, judge_saved, sharing_groups, unshared_choices
+from lightning_comp.search.decisions.saved import judge_saved, sharing_groups, unshared_choices
 from lightning_comp.search.decisions.trial_plans import CheapRun, cheap_runs, plan_for
 from lightning_comp.search.decisions.trials import TrialVerdict, judge_trial
 from lightning_comp.search.decisions.whole_step import ComparedPlan, PlanStep, ProfiledPlan, StepComparison
 from lightning_comp.search.measurement.estimates import RatioEstimate, Verdict, paired_ratio
+from lightning_comp.search.measurement.process_memory import StepPeak
 from lightning_comp.search.measurement.profiling import OperatorMeasurement, ProfileResult
 from lightning_comp.search.record.batch import operator_record, saved_record
 from lightning_comp.search.record.build import build_record
@@ -450,15 +451,12 @@ def test_the_batch_stage_result_travels_through_a_checkpoint_typed() -> None:
                                 low=measured, time=_estimate(0.5))
     decision.saved = judge_saved(policy_for(SearchConfig(objective="memory")), 1024,
                                  {SavedPrecision.FP8: (256, _estimate(1.0))})
-    check = SavedStepCheck(pays=True, verdict="pays", description="", saved_bytes={ComparedPlan.SAVED: 1.0},
-                           step_ms={ComparedPlan.FP32: 2.0}, step_ratios={ComparedPlan.SAVED: _estimate(0.9)})
-    saved = SavedStageResult(choices={"l1": SavedPrecision.FP8}, benefits={Candidate.saved("l1"): 768.0},
-                             check=check)
+    saved = SavedStageResult(choices={"l1": SavedPrecision.FP8}, benefits={Candidate.saved("l1"): 768.0})
     result = BatchStageResult(
         decisions={"l1": decision}, candidates=(Candidate("l1"), Candidate.saved("l1")),
         benefits={Candidate("l1"): 1.5, Candidate.saved("l1"): 768.0}, runs=[CheapRun("l1", "l2", ("a",))],
         saved=saved, order=["l1"], memory={ProfiledPlan.FP32: StepMemory(64, None)}, timing={"clock": "wall"},
-        steps={ComparedPlan.FP32: PlanStep(2.0, 2.1, None, 64.0),
+        steps={ComparedPlan.FP32: PlanStep(2.0, 2.1, None, 64.0, StepPeak(2**20, 2**21, None, None, "live; os")),
                ComparedPlan.CANDIDATES: PlanStep(1.0, 1.1, _estimate(0.5), 32.0)})
     state = SearchState(phase=Phase.SEARCHING, low_precision=ComputePrecision.BF16, batch=result, num_operators=1)
     plain = state.to_dict()

@@ -113,21 +113,20 @@ class SearchConfig:
             compute-only plan and one global autocast region, what ``bf16-mixed`` trains). ``None``: the objective's
             default (:data:`DEFAULT_SLOWDOWN_VS_FASTEST`: ``1.15`` for memory, i.e. at least 0.87x the pace's
             throughput, ``1.05`` for balanced). Each operator's lowering is held to it against its own faster
-            precision; the plan with its saved, state and master lowerings is held to it as a whole step.
+            precision; the plan with its saved, state and master lowerings (taken cheapest bytes first) is held to
+            it as a whole step.
         memory_budget: (``objective="memory"``) the step peak to reach: a float is a fraction of AMP's step peak
             (``0.5``: half of it; with ``low_precision="off"``, which times no AMP, of the FP32 step's), judged by
             the search's accounting of the step (weights, gradients, optimizer state, saved for backward); an int is
             the bytes the job must fit in, judged by the peak the process needs for a step of the plan (the CUDA
             allocator's reserved peak, or a CPU's live heap, everything in the process included): where that peak
-            misses it, the levers are taken further by the difference. The search ranks every memory lever it measured (saved
-            precision and recompute per operator or unit, optimizer state and master weights per operator) by bytes
-            freed per millisecond added and takes the cheapest until the budget is met, then stops. Where the levers
-            within ``max_slowdown_vs_fastest`` do not meet it, it goes on past that bound, still cheapest first,
-            unless ``max_slowdown_vs_fastest`` is set explicitly (then the bound holds and the record says the
-            budget is not met). ``None``: every lever that fits within ``max_slowdown_vs_fastest`` is taken,
-            cheapest first. The frontier it saw (step bytes against step time)
-            is in the record. Peak here is the search's accounting: weights, gradients, optimizer state and bytes
-            saved for backward.
+            misses it, the levers are taken further by the difference. The search ranks every memory lever it
+            measured (saved precision and recompute per operator or unit, optimizer state and master weights per
+            operator) by bytes freed per millisecond added and takes the cheapest until the budget is met, then
+            stops. Where the levers within ``max_slowdown_vs_fastest`` do not meet it, it goes on past that bound,
+            still cheapest first, unless ``max_slowdown_vs_fastest`` is set explicitly (then the bound holds and the
+            record says the budget is not met). ``None``: every lever that fits within ``max_slowdown_vs_fastest`` is
+            taken, cheapest first. The frontier it saw (step bytes against step time) is in the record.
         measurement: how the batch stage measures and trials are judged (:class:`MeasurementConfig`): a preset's
             name (``"quick"``, ``"default"``, ``"thorough"``), a ``MeasurementConfig``, or a mapping of its fields.
         record_dir: where to write ``search_record.json`` and ``plan.json`` (default: the Trainer's log dir).

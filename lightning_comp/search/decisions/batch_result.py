@@ -15,9 +15,7 @@ from lightning_comp.search.candidates import Candidate
 from lightning_comp.search.decisions.cheapest_bytes import MemorySpending
 from lightning_comp.search.decisions.groups import OperatorGroup
 from lightning_comp.search.decisions.operators import OperatorDecision
-from lightning_comp.search.decisions.parameters import ParameterStepCheck
 from lightning_comp.search.decisions.refinement import GroupFlip
-from lightning_comp.search.decisions.saved import SavedStepCheck
 from lightning_comp.search.decisions.trial_plans import CheapRun, Choices
 from lightning_comp.search.decisions.whole_step import ComparedPlan, PlanStep, ProfiledPlan, TrialledPlan
 
@@ -31,12 +29,10 @@ class SavedStageResult:
     Attributes:
         choices: operator -> the saved precision of its saved candidate.
         benefits: per saved candidate, what it gains in the objective's unit.
-        check: the whole-step check of the candidate plan with and without them (``None``: not made).
     """
 
     choices: dict[str, SavedPrecision] = field(default_factory=dict)
     benefits: dict[Candidate, float] = field(default_factory=dict)
-    check: SavedStepCheck | None = None
 
     def drop(self, operator: str) -> None:
         """Take ``operator``'s saved candidate out (it saves as computed after all)."""
@@ -53,7 +49,6 @@ class ParameterStageResult:
         master_choices: operator -> the master-weight precision of its master candidate.
         benefits: per candidate, what it gains in the objective's unit.
         gains: operator -> the bytes its choices save.
-        check: the whole-step check of the plan with and without them (``None``: not made).
         skipped: why the stage did not run (``None``: it ran).
     """
 
@@ -61,11 +56,10 @@ class ParameterStageResult:
     master_choices: dict[str, MasterPrecision] = field(default_factory=dict)
     benefits: dict[Candidate, float] = field(default_factory=dict)
     gains: dict[str, int] = field(default_factory=dict)
-    check: ParameterStepCheck | None = None
     skipped: str | None = None
 
     def drop(self, operator: str) -> None:
-        """Take ``operator``'s state and master candidates out (the whole step found against them)."""
+        """Take ``operator``'s state and master candidates out (not taken after all)."""
         self.state_choices.pop(operator, None)
         self.master_choices.pop(operator, None)
         self.benefits.pop(Candidate.state(operator), None)

@@ -153,7 +153,7 @@ class MemorySpending:
 
 
 def take_cheapest(levers: list[Lever], step_bytes: float, step_ms: float, max_ms: float,
-                  target_bytes: float | None = None, past_bound: bool = False) -> Selection:
+                  target_bytes: float | None = None, past_bound: bool = False, weigh_time: bool = False) -> Selection:
     """Take the levers' options, most bytes per millisecond first, within ``max_ms`` and until ``target_bytes``.
 
     Args:
@@ -164,6 +164,10 @@ def take_cheapest(levers: list[Lever], step_bytes: float, step_ms: float, max_ms
         target_bytes: stop once the step's bytes are at most this (``None``: take every lever that fits).
         past_bound: where ``target_bytes`` is not met within ``max_ms``, go on past it, still cheapest first (a
             budget the job needs to fit at all); the frontier marks those points.
+        weigh_time: take an increment only where it makes the step better in time x memory (the balanced
+            objective): the step's bytes times its time fall, i.e. the share of the step's bytes it frees exceeds the
+            share of time it adds (a free increment always does). A lever whose increment does not is left where it
+            is (its larger options cost more still).
 
     Returns:
         The options taken, the frontier, and why it stopped.
@@ -200,6 +204,11 @@ def take_cheapest(levers: list[Lever], step_bytes: float, step_ms: float, max_ms
                                               f" {max_ms:.3f} ms allowed (the step at {step_ms:.3f} ms)")
             deferred.append((negative, index, at))  # its larger options cost more still: the lever stays there
             continue
+        if weigh_time and added_ms > 0 and (step_bytes - added_bytes) * (step_ms + added_ms) >= step_bytes * step_ms:
+            selection.skipped[lever.label] = (
+                f"{option.value} would free {100 * added_bytes / step_bytes:.1f} % of the step's bytes for"
+                f" {100 * added_ms / step_ms:.1f} % more time: not better in time x memory")
+            continue
         step_bytes -= added_bytes
         step_ms += added_ms
         selection.chosen[lever.label] = option
@@ -214,6 +223,8 @@ def take_cheapest(levers: list[Lever], step_bytes: float, step_ms: float, max_ms
     if target_bytes is not None and selection.met:
         selection.stopped = f"the budget is met ({mib})" + (
             f", past the {max_ms:.3f} ms allowed (the step at {step_ms:.3f} ms)" if beyond else "")
+    elif selection.skipped and weigh_time and not deferred:
+        selection.stopped = "every lever left costs more time than it frees bytes (time x memory)"
     elif selection.skipped:
         selection.stopped = (f"the time allowed is spent ({step_ms:.3f} of {max_ms:.3f} ms)" +
                              ("" if target_bytes is None else f"; the budget is not met ({mib})"))

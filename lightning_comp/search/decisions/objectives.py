@@ -38,7 +38,7 @@ from lightning_comp.search.config import Objective, SearchConfig
 from lightning_comp.search.decisions.whole_step import ComparedPlan, Pace, StepComparison
 from lightning_comp.search.measurement.estimates import RatioEstimate, Verdict, compare_to
 
-FP32, CANDIDATES, SAVED = ComparedPlan.FP32, ComparedPlan.CANDIDATES, ComparedPlan.SAVED
+FP32, CANDIDATES = ComparedPlan.FP32, ComparedPlan.CANDIDATES
 
 __all__ = ["Judgement", "ObjectivePolicy", "balanced_score", "policy_for"]
 
@@ -93,15 +93,6 @@ class ObjectivePolicy(ABC):
         self.pace = pace
 
     @property
-    def slowdown_vs_fp32(self) -> float:
-        """The slowdown accepted, as a ratio to FP32's step (for steps timed beside FP32 but not beside the pace)."""
-        return self.slowdown * self.pace.ratio_to_fp32
-
-    def bound_words(self) -> str:
-        """The slowdown bound in words, e.g. ``"within x1.15 of the fastest fixed policy (fp32)"``."""
-        return f"within x{self.slowdown:g} of the fastest fixed policy ({self.pace.plan.value})"
-
-    @property
     def saved_options(self) -> tuple[SavedPrecision, ...]:
         """The saved precisions this objective tries for what operators save, smallest first (empty: none)."""
         if not self.weighs_memory:
@@ -145,15 +136,6 @@ class ObjectivePolicy(ABC):
     # ------------------------------------------------------------------------------------------ saved-for-backward
     def saved(self, time: RatioEstimate, memory_ratio: float, bytes_saved: float) -> Judgement:
         """One saved precision of an operator (or group) against saving as computed.
-
-        Raises:
-            UsageError: for an objective that chooses no saved precision.
-        """
-        raise UsageError(f"objective={self.objective.value!r} chooses no saved precision.")
-
-    def saved_step(self, steps: StepComparison, memory_ratio: float) -> tuple[bool, str]:
-        """Whether the candidate plan with its saved lowerings (``SAVED``) pays as a whole step against the plan
-        without them (``CANDIDATES``), whose saved bytes it has ``memory_ratio`` of; and the bound, in words.
 
         Raises:
             UsageError: for an objective that chooses no saved precision.
@@ -250,10 +232,6 @@ class MemoryPolicy(ObjectivePolicy):
     def saved(self, time: RatioEstimate, memory_ratio: float, bytes_saved: float) -> Judgement:
         return Judgement(time.against(self.slowdown), "", bytes_saved)
 
-    def saved_step(self, steps: StepComparison, memory_ratio: float) -> tuple[bool, str]:
-        ok = memory_ratio <= self.keep and steps.ratio(SAVED, FP32).against(self.slowdown_vs_fp32) is Verdict.BELOW
-        return ok, f"leaner {self.bound_words()}"
-
 
 class BalancedPolicy(ObjectivePolicy):
     """Lower what improves the balanced score (time x memory), within ``max_slowdown_vs_fastest`` of the fastest
@@ -300,13 +278,6 @@ class BalancedPolicy(ObjectivePolicy):
     def saved(self, time: RatioEstimate, memory_ratio: float, bytes_saved: float) -> Judgement:
         return Judgement(_balanced_verdict(time, memory_ratio, self.keep), "",
                          1.0 - balanced_score(time.ratio, memory_ratio))
-
-    def saved_step(self, steps: StepComparison, memory_ratio: float) -> tuple[bool, str]:
-        versus = steps.ratio(SAVED, CANDIDATES)
-        ok = (_balanced_verdict(versus, memory_ratio, self.keep) is Verdict.BELOW
-              and steps.ratio(SAVED, FP32).against(self.slowdown_vs_fp32) is Verdict.BELOW)
-        return ok, (f"better in time x memory than the candidates (step time {versus.describe()} of theirs),"
-                    f" {self.bound_words()}")
 
 
 _POLICIES: dict[Objective, type[ObjectivePolicy]] = {

@@ -16,8 +16,8 @@ balanced       it improves the step's time x memory: ``(1 + extra time / step ti
 =============  ==========================================================================================
 
 Of the state formats that pay, the smallest wins. A bf16 master is offered only where the operator computes in bf16
-in the candidate plan (it holds no FP32 copy for an FP32 operator to read). The plan with every lowering is then
-checked as a whole step (:class:`ParameterStepCheck`).
+in the candidate plan (it holds no FP32 copy for an FP32 operator to read). What is taken of them is decided with
+every other memory lever, cheapest bytes first (:mod:`lightning_comp.search.stages.memory_stage`).
 """
 
 from __future__ import annotations
@@ -26,11 +26,10 @@ from dataclasses import dataclass, field
 
 from lightning_comp.numerics.precision import MasterPrecision, StatePrecision
 from lightning_comp.search.config import Objective, SearchConfig
-from lightning_comp.search.decisions.whole_step import ComparedPlan
 from lightning_comp.search.measurement.estimates import RatioEstimate
 from lightning_comp.search.measurement.optimizer_timing import UpdateVariant
 
-__all__ = ["ParameterDecision", "ParameterStepCheck", "StepBudget", "judge_lowering"]
+__all__ = ["ParameterDecision", "StepBudget", "judge_lowering"]
 
 
 @dataclass(frozen=True)
@@ -92,25 +91,6 @@ class ParameterDecision:
             return
         self.state, self.master, self.reason = StatePrecision.FP32, MasterPrecision.FP32, reason
         self.gain_bytes, self.state_benefit, self.master_benefit = 0, 0.0, 0.0
-
-
-@dataclass(frozen=True)
-class ParameterStepCheck:
-    """The whole-step check of the parameter lowerings: the candidate plan with and without them.
-
-    Attributes:
-        pays: whether the plan with them is better as a whole, by the objective.
-        verdict: ``"pays"``, or why not.
-        description: the bytes and times that decided, in words.
-        step_bytes: weights + gradients + optimizer state + saved for backward, without and with them.
-        step_ms: the step (forward, backward, update), without and with them.
-    """
-
-    pays: bool
-    verdict: str
-    description: str
-    step_bytes: dict[ComparedPlan, float]
-    step_ms: dict[ComparedPlan, float]
 
 
 def judge_lowering(config: SearchConfig, budget: StepBudget, own_bytes: int, lowered_bytes: int,

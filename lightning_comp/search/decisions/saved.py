@@ -5,8 +5,8 @@ Operators that save the same tensor (a ReLU's output is the next Linear's saved 
 ``speed_margin`` of the bytes and the objective's policy accepts its time (:func:`judge_saved`); of two that qualify
 the smaller wins. Recomputation is judged by the same rule, per unit of cheap operators
 (:mod:`lightning_comp.search.decisions.recompute_units`). A lowering another operator would still hold as computed is
-dropped (:func:`unshared_choices`: both forms would be held). The plan with every remaining lowering is then checked
-as a whole step (:class:`SavedStepCheck`).
+dropped (:func:`unshared_choices`: both forms would be held). What is taken of them is decided with every other
+memory lever, cheapest bytes first (:mod:`lightning_comp.search.stages.memory_stage`).
 """
 
 from __future__ import annotations
@@ -16,10 +16,9 @@ from dataclasses import dataclass, field
 
 from lightning_comp.numerics.precision import SavedPrecision
 from lightning_comp.search.decisions.objectives import ObjectivePolicy
-from lightning_comp.search.decisions.whole_step import ComparedPlan
 from lightning_comp.search.measurement.estimates import RatioEstimate, Verdict
 
-__all__ = ["SavedDecision", "SavedStepCheck", "judge_saved", "sharing_groups", "unshared_choices"]
+__all__ = ["SavedDecision", "judge_saved", "sharing_groups", "unshared_choices"]
 
 
 @dataclass
@@ -61,29 +60,8 @@ class SavedDecision:
         return self.decision.changes
 
     def keep_as_computed(self, reason: str) -> None:
-        """Save as computed after all (a whole-step check or a neighbour found against it)."""
+        """Save as computed after all (not taken, or a neighbour found against it)."""
         self.decision, self.reason, self.gain_bytes, self.benefit = SavedPrecision.FP32, reason, 0, 0.0
-
-
-@dataclass(frozen=True)
-class SavedStepCheck:
-    """The whole-step check of the saved lowerings: the candidate plan with and without them.
-
-    Attributes:
-        pays: whether the plan with them is better as a whole, by the objective.
-        verdict: ``"pays"``, or why not.
-        description: the bytes and times that decided, in words.
-        saved_bytes: bytes saved for backward per plan (``FP32``, ``CANDIDATES``, ``SAVED``).
-        step_ms: the fastest round of each plan.
-        step_ratios: each plan's step time relative to FP32's, with its interval.
-    """
-
-    pays: bool
-    verdict: str
-    description: str
-    saved_bytes: dict[ComparedPlan, float]
-    step_ms: dict[ComparedPlan, float]
-    step_ratios: dict[ComparedPlan, RatioEstimate]
 
 
 def sharing_groups(names: Sequence[str], sharing: dict[str, set[str]]) -> list[tuple[str, ...]]:

@@ -21,8 +21,7 @@ class ComparedPlan(str, Enum):
     AMP = "amp"  # the fixed AMP policy: what one global autocast region lowers
     ALL_LOW = "all_low"  # every lowerable operator lowered
     COMPUTE = "compute"  # the compute operators alone lowered
-    SAVED = "saved"  # the candidate plan with its saved lowerings (saved stage)
-    PARAMETERS = "parameters"  # the candidate plan with its optimizer-state and master lowerings (parameter stage)
+    PARAMETERS = "parameters"  # the candidate plan with the memory levers taken (the spending's whole-step check)
     AUTOCAST = "autocast"  # a reference, never trialled: one global autocast region and no plan (bf16-mixed)
 
     def describe(self, low: ComputePrecision) -> str:
@@ -53,8 +52,7 @@ _WORDS = {
     ComparedPlan.AMP: "AMP's plan (what one global {low} autocast region lowers)",
     ComparedPlan.ALL_LOW: "the all-{low} plan",
     ComparedPlan.COMPUTE: "the plan of compute operators only",
-    ComparedPlan.SAVED: "the candidate plan with its saved lowerings",
-    ComparedPlan.PARAMETERS: "the candidate plan with its optimizer-state and master lowerings",
+    ComparedPlan.PARAMETERS: "the candidate plan with its memory levers",
     ComparedPlan.AUTOCAST: "one global {low} autocast region without a plan (Lightning's {low}-mixed)",
 }
 

@@ -7,15 +7,14 @@ compared plans' enums).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 from lightning_comp.search.decisions.batch_result import BatchStageResult, ParameterStageResult
 from lightning_comp.search.decisions.operators import OperatorDecision
 from lightning_comp.search.decisions.parameters import ParameterDecision
 from lightning_comp.search.decisions.refinement import GroupFlip
-from lightning_comp.search.decisions.saved import SavedDecision, SavedStepCheck
-from lightning_comp.search.decisions.whole_step import ComparedPlan, TrialledPlan
+from lightning_comp.search.decisions.saved import SavedDecision
+from lightning_comp.search.decisions.whole_step import TrialledPlan
 from lightning_comp.search.measurement.process_memory import StepPeak
 
 __all__ = ["batch_record", "operator_record", "parameter_record", "peak_record", "saved_record"]
@@ -26,7 +25,7 @@ def batch_record(batch: BatchStageResult | None) -> dict[str, Any]:
     if batch is None:
         return {"operators": {}, "groups": {}, "timing": None, "step_ms": {}, "step_wall_ms": {}, "step_ratios": {},
                 "step_saved_bytes": {}, "step_process_peaks": {}, "trialled_plan": None, "refinements": [],
-                "saved_step": {}, "parameter_step": {}, "memory": {}}
+                "parameter_step": {}, "memory": {}}
     steps = batch.steps
     return {
         "operators": {name: operator_record(decision) for name, decision in batch.decisions.items()},
@@ -43,7 +42,6 @@ def batch_record(batch: BatchStageResult | None) -> dict[str, Any]:
                                if step.process_peak is not None},
         "trialled_plan": None if batch.trialled is None else _trialled(batch.trialled),
         "refinements": [_flip(flip) for flip in batch.flips],
-        "saved_step": {} if batch.saved.check is None else _saved_check(batch.saved.check),
         "parameter_step": _parameter_stage(batch.parameters),
         "memory": {plan.value: {"saved_bytes": memory.saved_bytes, "peak_bytes": memory.peak_bytes,
                                 "reserved_bytes": memory.reserved_bytes, "live_bytes": memory.live_bytes,
@@ -75,26 +73,12 @@ def _flip(flip: GroupFlip) -> dict[str, Any]:
             "step_ms": flip.step_ms}
 
 
-def _saved_check(check: SavedStepCheck) -> dict[str, Any]:
-    return {"verdict": check.verdict, "saved_bytes": _by_plan(check.saved_bytes), "step_ms": _by_plan(check.step_ms),
-            "step_ratios": {plan.value: ratio.to_dict() for plan, ratio in check.step_ratios.items()},
-            "description": check.description}
-
-
 def _parameter_stage(result: ParameterStageResult) -> dict[str, Any]:
     out: dict[str, Any] = {"state": {n: s.value for n, s in result.state_choices.items()},
                            "master": {n: m.value for n, m in result.master_choices.items()}}
-    if result.check is not None:
-        check = result.check
-        out["check"] = {"verdict": check.verdict, "description": check.description,
-                        "step_bytes": _by_plan(check.step_bytes), "step_ms": _by_plan(check.step_ms)}
     if result.skipped is not None:
         out["skipped"] = result.skipped
     return out
-
-
-def _by_plan(values: Mapping[ComparedPlan, float]) -> dict[str, float]:
-    return {plan.value: value for plan, value in values.items()}
 
 
 def operator_record(decision: OperatorDecision) -> dict[str, Any]:

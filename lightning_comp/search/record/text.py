@@ -55,7 +55,7 @@ def format_record(record: dict[str, Any]) -> str:
                     f" its members' times summed{clock}):",
                 format_table(("operator", "type", "fp32 ms", f"{low} ms", "ratio", "fp32 B", f"{low} B", "decision",
                               "why"), _operator_rows(operators))]
-    out += _saved_section(operators, record.get("saved_step") or {})
+    out += _saved_section(operators)
     out += _parameter_section(operators, record.get("parameter_step") or {})
     out += _spending_section(record.get("memory_spending"))
     step_ms = record.get("step_ms") or {}
@@ -171,7 +171,7 @@ def _trialled_lines(record: dict[str, Any]) -> list[str]:
     return out
 
 
-def _saved_section(operators: dict[str, Any], check: dict[str, Any]) -> list[str]:
+def _saved_section(operators: dict[str, Any]) -> list[str]:
     """The saved-for-backward decisions (memory and balanced objectives), if the search made any."""
     rows = []
     for name, op in operators.items():
@@ -188,8 +188,6 @@ def _saved_section(operators: dict[str, Any], check: dict[str, Any]) -> list[str
                  " computed):",
              format_table(("operator", "type", "as computed B", "bf16 B", "fp8 B", "bf16 time", "fp8 time", "saved",
                            "why"), rows)]
-    if check:
-        lines.append(f"Saved lowerings as a whole step: {check['verdict']} ({check.get('description', '')})")
     return lines
 
 
@@ -215,14 +213,12 @@ def _parameter_section(operators: dict[str, Any], step: dict[str, Any]) -> list[
                   " its update time relative to the optimizer's own):",
                   format_table(("operator", "type", "params", "state B", "8bit B", "bf16 B", "8bit time", "bf16 time",
                                 "master time", "state", "master", "why"), rows)]
-    check = step.get("check")
-    if check:
-        lines.append(f"Parameter lowerings as a whole step: {check['verdict']} ({check.get('description', '')})")
     return lines
 
 
 def _spending_section(spending: dict[str, Any] | None) -> list[str]:
-    """The memory objective's levers, cheapest bytes first: what was taken, in the order taken, and why it stopped."""
+    """The memory and balanced objectives' levers, cheapest bytes first: what was taken, in the order taken, and why
+    it stopped."""
     if not spending:
         return []
     rows = [(point["lever"], point["value"], f"{point['step_mib']:.1f}", f"{point['step_ms']:.2f}",

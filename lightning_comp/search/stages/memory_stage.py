@@ -1,5 +1,5 @@
 """The batch stage's memory dimensions (:func:`memory_levers`: the saved and parameter stages in turn) and the
-memory objective's last step on them: every memory lever measured, cheapest bytes first.
+memory and balanced objectives' last step on them: every memory lever measured, cheapest bytes first.
 
 The saved stage (:mod:`lightning_comp.search.stages.saved_stage`) and the parameter stage
 (:mod:`lightning_comp.search.stages.parameter_stage`) measure, per operator (or unit), what each saved precision,
@@ -8,7 +8,8 @@ together by one whole step, they spend the step time badly: an 8-bit state that 
 recompute is kept with it, or a recompute too slow as a whole drops the cheap part. Here they are ranked together by
 bytes freed per millisecond added (:mod:`lightning_comp.search.decisions.cheapest_bytes`) and taken cheapest first
 while the step stays within ``max_slowdown_vs_fastest`` of the pace (the fastest fixed policy measured), until
-``memory_budget`` is met when one is set.
+``memory_budget`` is met when one is set; the balanced objective takes each only where it makes the step better in
+time x memory (the share of the step's bytes it frees exceeds the share of time it adds).
 
 The step's bytes are the search's accounting of its peak: the weights, their gradients, the optimizer state and what
 the step saves for backward. The step's time is the candidate plan's forward and backward plus the optimizer's own
@@ -107,7 +108,9 @@ class CheapestBytesStage:
         levers, changes = self._levers(base, decisions)
         # a budget the job needs goes past the default bound, not past one the user set
         past = self.config.max_slowdown_vs_fastest is None
-        selection = ctx.agree(take_cheapest(levers, start_bytes, start_ms, max_ms, target, past_bound=past))
+        weigh = self.config.objective is Objective.BALANCED
+        selection = ctx.agree(take_cheapest(levers, start_bytes, start_ms, max_ms, target, past_bound=past,
+                                            weigh_time=weigh))
         spending = MemorySpending(start_bytes=start_bytes, start_ms=start_ms, max_ms=max_ms, target_bytes=target,
                                   amp_step_bytes=amp_bytes, selection=selection,
                                   levers={label: _candidates(change) for label, change in changes.items()},
@@ -119,7 +122,8 @@ class CheapestBytesStage:
             # (the allocator, temporaries), so the levers are taken further by what it needs beyond the budget
             spending.process_target_bytes = spending.final_bytes - excess
             spending.selection = ctx.agree(take_cheapest(levers, start_bytes, start_ms, max_ms,
-                                                         spending.process_target_bytes, past_bound=past))
+                                                         spending.process_target_bytes, past_bound=past,
+                                                         weigh_time=weigh))
             spending.given_back = []
             self._spend(spending, base, changes, decisions, saved, parameters, update_ms)
             self._process_excess(spending, base, saved, parameters)
@@ -393,29 +397,25 @@ def memory_levers(ctx: StageContext, base: PrecisionPlan, order: list[str], deci
                   steps: dict[ComparedPlan, PlanStep], step_saved: dict[ComparedPlan, float], source: ComparedPlan,
                   ) -> tuple[SavedStageResult, ParameterStageResult, MemorySpending | None]:
     """The batch stage's memory dimensions on top of the trialled plan ``base`` (timed whole as ``source``): the
-    saved stage and, for the objectives that weigh memory, the parameter stage; with ``objective="memory"`` their
-    levers are then taken cheapest bytes first (:class:`CheapestBytesStage`), which stands in for the two stages'
-    own whole-step checks.
+    saved stage and the parameter stage, for the objectives that weigh memory; their levers are then taken cheapest
+    bytes first (:class:`CheapestBytesStage`; for ``"balanced"`` only while each makes the step better in time x
+    memory).
 
     Returns:
-        The saved and parameter stages' results (as taken) and the spending (``None``: not the memory objective).
+        The saved and parameter stages' results (as taken) and the spending (``None``: an objective that weighs no
+        memory).
     """
     policy = ctx.policy
-    spends = ctx.config.objective is Objective.MEMORY
-    saved, parameters = SavedStageResult(), ParameterStageResult()
-    if (policy.saved_options or policy.recomputes) and not ctx.plugin.compiled:  # compiled: AOTAutograd decides
-        saved = SavedStage(ctx).measure(base, order, decisions, check=not spends)  # what is saved
     if not policy.weighs_memory:
-        return saved, parameters, None
+        return SavedStageResult(), ParameterStageResult(), None
+    saved = SavedStageResult()
+    if (policy.saved_options or policy.recomputes) and not ctx.plugin.compiled:  # compiled: AOTAutograd decides
+        saved = SavedStage(ctx).measure(base, order, decisions)  # what is saved
     with_saved = base.with_assignment(Dimension.SAVED, {n: s.value for n, s in saved.choices.items()})
     fp32_ms = steps[ComparedPlan.FP32].ms
-    candidates_saved = saved_bytes = step_saved.get(source, step_saved.get(ComparedPlan.FP32, 0.0))
+    candidates_saved = step_saved.get(source, step_saved.get(ComparedPlan.FP32, 0.0))
     source_ms = steps[source].ms if source in steps else fp32_ms
-    if saved.check is not None and saved.check.pays:
-        saved_bytes = saved.check.saved_bytes.get(ComparedPlan.SAVED, saved_bytes)
-    parameters = ParameterStage(ctx).measure(with_saved, decisions, fp32_ms, source_ms, saved_bytes, check=not spends)
-    if not spends:
-        return saved, parameters, None
+    parameters = ParameterStage(ctx).measure(with_saved, decisions, fp32_ms, source_ms, candidates_saved)
     spending = CheapestBytesStage(ctx).run(base, decisions, saved, parameters, fp32_ms, source_ms, step_saved,
                                            candidates_saved)
     return saved, parameters, spending

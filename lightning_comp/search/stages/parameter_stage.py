@@ -16,8 +16,6 @@ optimizer's own state.
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable
-from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -30,24 +28,19 @@ from lightning_comp.numerics.precision import ComputePrecision, MasterPrecision,
 from lightning_comp.plan.dimensions import Dimension
 from lightning_comp.plan.plan import PrecisionPlan
 from lightning_comp.search.candidates import Candidate
-from lightning_comp.search.config import Objective
 from lightning_comp.search.decisions.batch_result import ParameterStageResult
 from lightning_comp.search.decisions.operators import OperatorDecision
 from lightning_comp.search.decisions.parameters import (
     ParameterDecision,
-    ParameterStepCheck,
     StepBudget,
     judge_lowering,
 )
-from lightning_comp.search.decisions.whole_step import ComparedPlan
 from lightning_comp.search.measurement.estimates import paired_ratio
 from lightning_comp.search.measurement.optimizer_timing import UpdateConfig, UpdateVariant, time_updates
-from lightning_comp.search.measurement.step_timing import StepTimer
 from lightning_comp.search.stages.context import StageContext
 
 __all__ = ["ParameterStage"]
 
-CANDIDATES, PARAMETERS = ComparedPlan.CANDIDATES, ComparedPlan.PARAMETERS
 FP32, MASTER = UpdateVariant.FP32, UpdateVariant.MASTER
 MIN_GROUP_PARAMS = 4096  # smaller groups hold too few bytes to be worth a candidate (and are not quantised)
 
@@ -87,8 +80,9 @@ class ParameterStage:
         return trainer.world_size == 1
 
     def measure(self, base: PrecisionPlan, decisions: dict[str, OperatorDecision], fp32_ms: float,
-                candidates_ms: float, saved_bytes: float, check: bool = True) -> ParameterStageResult:
-        """Measure, decide per operator (into each ``decisions[name].parameters``), and check the plan as a whole.
+                candidates_ms: float, saved_bytes: float) -> ParameterStageResult:
+        """Measure and decide per operator (into each ``decisions[name].parameters``); what is taken is decided with
+        the other memory levers (:mod:`lightning_comp.search.stages.memory_stage`).
 
         Args:
             base: the candidate plan, with its saved lowerings.
@@ -96,8 +90,6 @@ class ParameterStage:
             fp32_ms: the FP32 plan's whole step (forward and backward).
             candidates_ms: the candidate plan's whole step (the FP32 plan's when there are no candidates).
             saved_bytes: bytes the candidate plan saves for backward.
-            check: time the plan with every lowering that pays as a whole step (``False``: what is taken is decided
-                later, with the other memory levers, by :mod:`lightning_comp.search.stages.memory_stage`).
         """
         ctx = self.ctx
         trainer, pl_module = ctx.trainer, ctx.pl_module
@@ -133,15 +125,6 @@ class ParameterStage:
             if decision.master.managed:
                 result.master_choices[name] = decision.master
                 result.benefits[Candidate.master(name)] = decision.master_benefit
-        if check and (result.state_choices or result.master_choices):
-            result.check = self._whole_step(base, result, times, budget)
-            if not result.check.pays:
-                for name in set(result.state_choices) | set(result.master_choices):
-                    parameters = decisions[name].parameters
-                    assert parameters is not None
-                    parameters.keep_fp32(f"optimizer's own state, fp32 master: {result.check.verdict}")
-                    if not parameters.forced:
-                        result.drop(name)
         return result
 
     def _groups(self, pl_module: nn.Module, decisions: dict[str, OperatorDecision]) -> dict[str, list[nn.Parameter]]:
@@ -210,53 +193,6 @@ class ParameterStage:
                 reasons.append(f"state {smallest.value}: included by CoMPSearch(include_dimensions={{'state': ...}})")
         decision.reason = "; ".join(reasons)
         return decision
-
-    def _whole_step(self, base: PrecisionPlan, result: ParameterStageResult,
-                    times: dict[str, dict[UpdateVariant, list[float]]], budget: StepBudget) -> ParameterStepCheck:
-        """The candidate plan with and without the lowerings as whole steps: forward and backward timed, updates
-        added; judged by the objective."""
-        ctx = self.ctx
-        config, plugin = ctx.config, ctx.plugin
-        lowered = base.with_assignment(Dimension.STATE, {n: s.value for n, s in result.state_choices.items()})
-        lowered = lowered.with_assignment(Dimension.MASTER, {n: m.value for n, m in result.master_choices.items()})
-        configs: dict[ComparedPlan, Callable[[], Any]] = {CANDIDATES: ctx.measured(base),
-                                                          PARAMETERS: ctx.measured(lowered)}
-        timer = StepTimer(ctx.clock, config.measurement.profile_steps, config.measurement.profile_warmup)
-        timer.on_round = ctx.show_rounds(ctx.first_rounds, "optimizer state and masters, whole steps")
-        measured = timer.time(configs, ctx.step)
-        plugin.try_plan(base)  # the masters back in fp32 before anything else runs
-        forward = ctx.agree(paired_ratio(measured.ms[CANDIDATES], measured.ms[PARAMETERS]))
-        base_forward = ctx.reduce_mean(statistics.median(measured.ms[CANDIDATES]))
-
-        def update(name: str) -> float:
-            chosen = MASTER if name in result.master_choices else (
-                UpdateVariant.of(result.state_choices[name]) if name in result.state_choices else FP32)
-            return statistics.median(times[name][chosen])
-
-        old_updates = sum(statistics.median(s[FP32]) for s in times.values())
-        new_updates = sum(update(name) for name in times)
-        old_ms = base_forward + old_updates
-        new_ms = base_forward * forward.high + new_updates  # the slow end of the forward/backward interval
-        old_bytes, new_bytes = budget.step_bytes, budget.step_bytes - float(sum(result.gains.values()))
-        time_ratio, memory_ratio = new_ms / old_ms, new_bytes / max(old_bytes, 1.0)
-        shown = (f"step bytes x{memory_ratio:.2f} ({new_bytes / 2**20:.1f} vs {old_bytes / 2**20:.1f} MiB: weights,"
-                 f" gradients, optimizer state, saved for backward), step time x{time_ratio:.2f} of the candidates'"
-                 f" (forward and backward x{forward.ratio:.2f} [{forward.low:.2f}, {forward.high:.2f}], updates"
-                 f" {old_updates:.2f} -> {new_updates:.2f} ms)")
-        keep = 1 - config.measurement.speed_margin
-        slowdown = new_ms / max(budget.pace_step_ms, 1e-9)
-        within = slowdown <= config.slowdown_vs_fastest
-        bound = f"{ctx.policy.bound_words()} (x{slowdown:.2f})"
-        if config.objective is Objective.MEMORY:
-            ok = memory_ratio <= keep and within
-            bound = f"leaner {bound}"
-        else:
-            ok = (time_ratio * memory_ratio) ** 0.5 <= keep and within
-            bound = f"better in time x memory than the candidates, {bound}"
-        verdict = ctx.agree("pays" if ok else f"as a whole step not {bound}: {shown}")
-        return ParameterStepCheck(pays=verdict == "pays", verdict=verdict, description=shown,
-                                  step_bytes={CANDIDATES: old_bytes, PARAMETERS: new_bytes},
-                                  step_ms={CANDIDATES: old_ms, PARAMETERS: new_ms})
 
 
 def _persistent_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> float:

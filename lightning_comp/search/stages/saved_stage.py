@@ -42,21 +42,17 @@ from lightning_comp.search.decisions.recompute_units import (
 )
 from lightning_comp.search.decisions.saved import (
     SavedDecision,
-    SavedStepCheck,
     judge_saved,
     sharing_groups,
     unshared_choices,
 )
-from lightning_comp.search.decisions.whole_step import ComparedPlan, StepComparison
 from lightning_comp.search.measurement.estimates import ExtraRounds, RatioEstimate, paired_ratio
 from lightning_comp.search.measurement.profiling import OperatorProfiler, ProfileResult
-from lightning_comp.search.measurement.step_timing import StepTimer
 from lightning_comp.search.ranks import reduce_profile
 from lightning_comp.search.stages.context import StageContext
 
 __all__ = ["SavedStage"]
 
-FP32, CANDIDATES, SAVED = ComparedPlan.FP32, ComparedPlan.CANDIDATES, ComparedPlan.SAVED
 
 
 class SavedStage:
@@ -77,10 +73,10 @@ class SavedStage:
                 and not excluded.matches(n, modules[n])]
 
     def measure(self, base: PrecisionPlan, order: list[str], decisions: dict[str, OperatorDecision],
-                check: bool = True) -> SavedStageResult:
-        """Measure on top of the candidate plan ``base``, decide per operator (into each ``decisions[name].saved``),
-        and (``check``) check the plan as a whole step; without it, what is taken is decided later with the other
-        memory levers (:mod:`lightning_comp.search.stages.memory_stage`)."""
+                ) -> SavedStageResult:
+        """Measure on top of the candidate plan ``base`` and decide per operator (into each
+        ``decisions[name].saved``); what is taken is decided with the other memory levers
+        (:mod:`lightning_comp.search.stages.memory_stage`)."""
         modules = self.ctx.modules
         eligible = self.eligible(order)
         # bf16 shrinks only what an operator computing in fp32 saves: not worth profiling when every one is lowered
@@ -96,14 +92,6 @@ class SavedStage:
         codec = [n for n in eligible if n not in result.choices]
         self._decide(results, codec, options, decisions, result)
         result.choices, result.benefits = self.ctx.agree((result.choices, result.benefits))
-        if check and result.choices:
-            result.check = self._whole_step(base, result.choices)
-            if not result.check.pays:
-                for name in list(result.choices):
-                    saved = decisions[name].saved
-                    if saved is not None and not saved.forced:
-                        saved.keep_as_computed(f"saves as computed: {result.check.verdict}; measured: {saved.reason}")
-                        result.drop(name)
         return result
 
     def _profile(self, base: PrecisionPlan, eligible: list[str], options: tuple[SavedPrecision, ...],
@@ -205,26 +193,6 @@ class SavedStage:
             result.drop(name)
         return result
 
-    def _whole_step(self, base: PrecisionPlan, choices: dict[str, SavedPrecision]) -> SavedStepCheck:
-        """Time the candidate plan with and without the saved lowerings as whole steps, and judge the difference."""
-        ctx = self.ctx
-        config = ctx.config
-        with_saved = base.with_assignment(Dimension.SAVED, {name: saved.value for name, saved in choices.items()})
-        plans = {FP32: PrecisionPlan(), CANDIDATES: base, SAVED: with_saved}
-        configs: dict[ComparedPlan, Callable[[], Any]] = {label: ctx.measured(plan) for label, plan in plans.items()}
-        timer = StepTimer(ctx.clock, config.measurement.profile_steps, config.measurement.profile_warmup)
-        timer.on_round = ctx.show_rounds(ctx.first_rounds, "saved precision, whole steps")
-        times = timer.time(configs, ctx.step)
-        saved = {k: ctx.reduce_mean(float(v)) for k, v in timer.saved_bytes(ctx.pl_module, configs, ctx.step).items()}
-        steps = StepComparison(times.ms)
-        memory_ratio = saved[SAVED] / saved[CANDIDATES] if saved[CANDIDATES] > 0 else 1.0
-        ok, bound = self.policy.saved_step(steps, memory_ratio)
-        shown = (f"saved bytes x{memory_ratio:.2f} of the candidates' ({saved[SAVED] / 2**20:.1f} vs"
-                 f" {saved[CANDIDATES] / 2**20:.1f} MiB), step time {steps.ratio(SAVED, FP32).describe()} of"
-                 " fp32")
-        verdict = ctx.agree("pays" if ok else f"as a whole step not {bound}: {shown}")
-        return SavedStepCheck(pays=verdict == "pays", verdict=verdict, description=shown, saved_bytes=saved,
-                              step_ms={k: min(v) for k, v in times.ms.items()}, step_ratios=steps.ratios())
 
 
 def _share_of(shared: SavedDecision, group: tuple[str, ...]) -> SavedDecision:
