@@ -147,8 +147,19 @@ class SavedStage:
         with the runs playing the same part in repeated blocks, on what recomputing it frees (its own and its
         consumers' saved bytes: the next Linear no longer holds the GELU's output) and what it costs (their forward
         and backward: the backward of every operator that unpacks it runs the recomputation), from the profile
-        saving as computed and the one recomputing every unit."""
+        saving as computed and the one recomputing every unit.
+
+        A unit that frees the margin's share of its bytes is offered to the memory levers even where its own
+        operators' time ratio is past the step's bound (a ratio of a small part of the step is not the step's: the
+        levers weigh its milliseconds against the step's allowance); its members then have no codec decision."""
+        keep = self.policy.keep
         for name, decision in judge_units(self.policy, self._units(results, recomputable)).items():
+            before, after = decision.bytes.get("fp32", 0), decision.bytes.get(SavedPrecision.RECOMPUTE.value)
+            if not decision.lowers and after is not None and before > 0 and after <= before * keep:
+                share = (before - after) / max(len(decision.group or (name,)), 1)
+                decision.decision, decision.gain_bytes, decision.benefit = SavedPrecision.RECOMPUTE, int(share), share
+                decision.reason = f"offered to the memory levers (they weigh its time against the step's):" \
+                                  f" {decision.reason}"
             decisions[name].saved = decision
             if decision.lowers:
                 result.choices[name] = decision.decision
