@@ -85,7 +85,7 @@ class ParameterDecision:
         return self.state.managed or self.master.managed
 
     def keep_fp32(self, reason: str) -> None:
-        """Keep the optimizer's own state and FP32 masters after all (a whole-step check found against them),
+        """Keep the optimizer's own state and FP32 masters after all (not taken by the memory levers, or given back),
         unless forced."""
         if self.forced:
             return

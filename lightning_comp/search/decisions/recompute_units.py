@@ -39,7 +39,8 @@ structure.
 and its time must stay within the policy's slowdown. Where the interval of a unit's paired rounds straddles the bound
 (:func:`undecided_units`), the saved stage measures more rounds of the same configurations, within the
 ``extra_profile_time`` budget, before judging. Each member's decision names its unit and that unit's bytes and
-time. The saved stage's whole-step check still judges every lowering together.
+time. The saved stage offers a unit that frees enough bytes to the memory levers even where its time is past the
+bound (its own operators' ratio is not the step's), and those levers decide, cheapest bytes first.
 """
 
 from __future__ import annotations

@@ -9,8 +9,9 @@ bytes it saves and its time, pack and unpack included. The decisions follow from
 with the runs playing the same part in repeated blocks, judged on its own and its consumers' bytes and time, both
 read from the same two profiles; a unit whose rounds straddle the bound gets more rounds of every configuration,
 within ``extra_profile_time``), so the cheap part of a model's recomputation is kept when the whole would be too
-slow; the operators not recomputed are judged for ``bf16``/``fp8``. The plan with every saved lowering is then timed
-as a whole step beside the candidate plan, and kept only if the objective's policy finds it better as a whole.
+slow; a unit that frees enough bytes is offered to the memory levers whatever its own time ratio; the operators not
+recomputed are judged for ``bf16``/``fp8``. What is taken is decided with every other memory lever, cheapest bytes
+first (:mod:`lightning_comp.search.stages.memory_stage`).
 
 Saved lowerings join the compute candidates in the epoch stage's group testing as candidates of the ``saved``
 dimension (:class:`~lightning_comp.search.candidates.Candidate`), in execution order beside their operator, so a
