@@ -77,9 +77,10 @@ class CoMPPrecision(PlanShell, Precision):
         min_saved_bytes: operators whose plan entry saves ``bf16``/``fp8`` for backward store tensors smaller than
             this many bytes as they are (their pack and unpack cost more than the bytes they would save).
         update_path: the code that steps parameters whose plan entry sets ``state``/``master`` precision:
-            ``"auto"`` (compiled with ``torch.compile`` where it pays: on CUDA, and on a CPU once a step's managed
-            parameters hold 2^20 elements; eager where compiling fails, with a warning), ``"compiled"`` (an error
-            where it cannot compile) or ``"eager"`` (op by op). See :mod:`lightning_comp.execution.update_path`.
+            ``"auto"`` (compiled with ``torch.compile`` where it pays: on CUDA, and on a CPU for parameters held in
+            bf16 once a step's managed parameters hold 2^20 elements; eager where compiling fails, with a warning),
+            ``"compiled"`` (an error where it cannot compile) or ``"eager"`` (op by op). See
+            :mod:`lightning_comp.execution.update_path`.
 
     Raises:
         PlanError: if ``plan`` cannot be read.

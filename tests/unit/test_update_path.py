@@ -71,6 +71,28 @@ def test_hashed_rounding_is_unbiased_deterministic_and_keyed() -> None:
     assert out[0].isnan() and out[1] == float("inf") and out[2] == -float("inf") and out[3] == 0.0
 
 
+def test_auto_leaves_moments_alone_eager_on_a_cpu_and_compiles_bf16_masters(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a CPU the compiled step measured slower than the eager one for 8-bit or bf16 moments alone (0.78x, 0.93x)
+    and 2.5x faster with bf16 masters: ``"auto"`` compiles only the latter there."""
+    monkeypatch.setattr(update_path_module, "AUTO_MIN_ELEMENTS", 1)
+    calls: list[StatePrecision] = []
+
+    def recording_kernel(state: StatePrecision) -> Any:
+        def kernel(*args: Any) -> None:
+            calls.append(state)
+
+        return kernel
+
+    monkeypatch.setattr(update_path_module, "_kernel", recording_kernel)
+    _, _, moments = _run("auto", StatePrecision.INT8, MasterPrecision.FP32, steps=3)
+    assert moments.updates.compiled_steps == 0 and not calls
+    _, _, masters = _run("auto", StatePrecision.FP32, MasterPrecision.BF16, steps=3)
+    assert masters.updates.compiled_steps == 2 and calls == [StatePrecision.FP32] * 2  # the first step creates state
+    _, _, forced = _run("compiled", StatePrecision.INT8, MasterPrecision.FP32, steps=3)
+    assert forced.updates.compiled_steps == 2
+
+
 def test_auto_compiles_where_a_step_is_worth_a_compilation() -> None:
     updates = CompiledUpdates("auto")
     assert not updates.begin(AUTO_MIN_ELEMENTS - 1, torch.device("cpu"))
@@ -219,9 +241,9 @@ def _failing_kernel(state: StatePrecision) -> Any:
 def test_auto_falls_back_to_eager_with_a_warning_when_compiling_fails(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(update_path_module, "AUTO_MIN_ELEMENTS", 1)
     monkeypatch.setattr(update_path_module, "_kernel", _failing_kernel)
-    eager, eager_state, _ = _run("eager", StatePrecision.BF16, MasterPrecision.FP32, steps=3)
+    eager, eager_state, _ = _run("eager", StatePrecision.BF16, MasterPrecision.BF16, steps=3)
     with pytest.warns(UserWarning, match=r"could not be compiled \(RuntimeError: no C\+\+ compiler found\)"):
-        fallen, state, states = _run("auto", StatePrecision.BF16, MasterPrecision.FP32, steps=3)
+        fallen, state, states = _run("auto", StatePrecision.BF16, MasterPrecision.BF16, steps=3)
     assert states.updates.failure is not None and states.updates.compiled_steps == 0
     assert torch.equal(fallen, eager) and float(state["step"]) == 3  # no step counted twice
     assert torch.equal(state["exp_avg"], eager_state["exp_avg"])
