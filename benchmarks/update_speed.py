@@ -171,7 +171,8 @@ def run_model(key: str, args: argparse.Namespace) -> dict[str, Any]:
 
 def markdown(report: dict[str, Any]) -> str:
     lines = [f"# The managed optimizer step in training ({report['date']})", "",
-             f"`{report['command']}` at {report['commit']}; {report['machine'].get('cpu_model', '?')},"
+             f"`{report['command']}` at {report['commit']}; {report['machine'].get('lscpu Model name', '?')}"
+             f" ({report['machine']['device_class'].get('capability', '?')}),"
              f" {report['torch_threads']} threads, torch {report['torch']}, device {report['device']};"
              f" {report['settings']['rounds']} measured rounds of {report['settings']['steps']} steps.", ""]
     for key, model in report["models"].items():
