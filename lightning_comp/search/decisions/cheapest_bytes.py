@@ -127,7 +127,7 @@ class MemorySpending:
         levers: lever label -> the candidates (dimension and operator) it changes.
         options: lever label -> its options, as measured.
         process_peaks: the peak the process needed for one step (rank 0's), of the plan before the levers
-            (``"start"``) and with them (``"plan"``); empty where nothing was taken.
+            (``"start"``) and with them (``"plan"``); empty where nothing was taken and no budget in bytes is set.
         process_target_bytes: a budget in bytes is judged by the plan's process peak (the allocator's reserved peak
             on CUDA, the live heap on a CPU): the step bytes the levers were taken down to so that the process peak
             meets it (``None``: no such budget, or the accounting's target sufficed).
