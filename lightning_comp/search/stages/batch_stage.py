@@ -256,7 +256,7 @@ class BatchStage:
             results[ProfiledPlan.LOW] = results[ProfiledPlan.FP32]  # nothing lowered: the same profile
         self._extend_while(ctx, ExtraRounds(config, time.perf_counter() - started, ctx.first_rounds),
                            undecided, lambda more: profiler.extend(results, configs, step, more))
-        reduce_profile(ctx.trainer, results)
+        reduce_profile(ctx.trainer, {label: results[label] for label in configs})  # (an alias is reduced once)
         return results
 
     def _all_low(self, lowerable: list[str]) -> PrecisionPlan:
