@@ -106,7 +106,7 @@ class SpelledEnum(str, Enum, metaclass=_Spellings):
             for member in cls:
                 if getattr(member, "dtype", None) == value:
                     return member
-            dtypes = ", ".join(str(member.dtype) for member in cls if hasattr(member, "dtype"))
+            dtypes = ", ".join(dict.fromkeys(str(member.dtype) for member in cls if hasattr(member, "dtype")))
             raise cls.error_type()(f"Unsupported dtype {value!r} for a {cls.noun()}: valid dtypes are {dtypes}.")
         try:
             return cls(value)

@@ -1,4 +1,4 @@
-"""Where a model runs, and which 16-bit precisions that device computes natively: its *device class*.
+"""Where a model runs, and which low precisions (16-bit, fp8) that device computes natively: its *device class*.
 
 Everything device-dependent in lightning-comp (autocast device, how each operator is lowered, the loss scaler,
 what ``CoMPSearch(low_precision="auto")`` resolves to, timing and memory probes) is decided from the device the
@@ -8,12 +8,16 @@ moves the model to its device after that call).
 =======================  ==========================  ==========================
 device                   native (faster than FP32)   emulated (runs, slower)
 =======================  ==========================  ==========================
-CPU, AVX2 only           none                        bf16 (30-100x), fp16
-CPU, AVX512-BF16         bf16                        fp16
-CPU, AMX (+AMX-FP16)     bf16 (+fp16)                fp16 without AMX-FP16
+CPU, AVX2 only           none                        bf16 (30-100x), fp16, fp8
+CPU, AVX512-BF16         bf16                        fp16, fp8
+CPU, AMX (+AMX-FP16)     bf16 (+fp16)                fp16 without AMX-FP16, fp8
 CUDA sm70-sm75           fp16                        bf16 where torch emulates it
-CUDA sm80+               fp16, bf16                  none
+CUDA sm80-sm87           fp16, bf16                  none (no fp8 matmul kernel)
+CUDA sm89+               fp16, bf16, fp8             none
 =======================  ==========================  ==========================
+
+"fp8" stands for both fp8 precisions (``fp8``, ``fp8-rowwise``): float8 matmuls through ``torch._scaled_mm``, which
+has CUDA kernels from compute capability 8.9 (L4/L40, H100/H200, B200) and an emulating CPU kernel.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from lightning_comp.numerics.precision import ComputePrecision, parse_precision
 __all__ = ["DeviceClass", "device_class", "model_device"]
 
 _LOW = (ComputePrecision.BF16, ComputePrecision.FP16)
+_FP8 = (ComputePrecision.FP8, ComputePrecision.FP8_ROWWISE)
 
 
 @dataclass(frozen=True)
@@ -43,8 +48,8 @@ class DeviceClass:
         type: torch device type (``"cpu"``, ``"cuda"``, ...).
         name: the device's name (``"NVIDIA H200"``, ``"AMD EPYC"``).
         capability: CPU: the ISA ATen dispatches to (``"AVX2"``, ``"AVX512"``); CUDA: ``"sm90"`` etc.
-        native: 16-bit precisions with native kernels there (expected faster than FP32).
-        emulated: 16-bit precisions that run there but are emulated (expected slower than FP32).
+        native: low precisions (16-bit, fp8) with native kernels there (expected faster than FP32).
+        emulated: low precisions that run there but are emulated (expected slower than FP32).
         features: CPU features that decided it (``avx512_bf16``, ``amx_tile``, ``amx_fp16``).
     """
 
@@ -71,9 +76,11 @@ class DeviceClass:
         return wanted is ComputePrecision.FP32 or wanted in self.native or wanted in self.emulated
 
     def describe(self) -> str:
-        """One line for messages, e.g. ``"cpu AVX2 (AMD EPYC; no native 16-bit)"``."""
-        native = "/".join(sorted(p.value for p in self.native)) or "no"
-        where = "; ".join(part for part in (self.name, f"{native} native 16-bit") if part)
+        """One line for messages, e.g. ``"cpu AVX2 (AMD EPYC; no native 16-bit)"``,
+        ``"cuda sm90 (NVIDIA H100; bf16/fp16 native 16-bit, fp8 native)"``."""
+        native = "/".join(sorted(p.value for p in self.native if not p.is_fp8)) or "no"
+        fp8 = ", fp8 native" if any(p.is_fp8 for p in self.native) else ""
+        where = "; ".join(part for part in (self.name, f"{native} native 16-bit{fp8}") if part)
         return f"{self.type} {self.capability}".strip() + f" ({where})"
 
     def to_dict(self) -> dict[str, Any]:
@@ -118,7 +125,7 @@ def _device_class(device: torch.device) -> DeviceClass:
     if device.type == "cuda" and torch.cuda.is_available():
         return _cuda_class(device)
     # Devices lightning-comp has no rules for: nothing is assumed native; 16-bit plans run as the device allows.
-    return DeviceClass(device.type, name=device.type, emulated=frozenset(_LOW))
+    return DeviceClass(device.type, name=device.type, emulated=frozenset(_LOW))  # (no fp8: no _scaled_mm known)
 
 
 def _cpu_class() -> DeviceClass:
@@ -133,8 +140,9 @@ def _cpu_class() -> DeviceClass:
     if wide and "amx_fp16" in features:
         native.add(ComputePrecision.FP16)
     used = tuple(f for f in ("avx512_bf16", "amx_tile", "amx_fp16") if f in features)
+    # torch._scaled_mm has a CPU kernel on every class, emulating fp8 (several times slower than a bf16 matmul)
     return DeviceClass("cpu", name=cpu_name(), capability=capability, native=frozenset(native),
-                       emulated=frozenset(_LOW) - native, features=used)
+                       emulated=(frozenset(_LOW) - native) | frozenset(_FP8), features=used)
 
 
 def _cuda_class(device: torch.device) -> DeviceClass:
@@ -145,6 +153,8 @@ def _cuda_class(device: torch.device) -> DeviceClass:
         native.add(ComputePrecision.FP16)
     if major >= 8:
         native.add(ComputePrecision.BF16)
+    if (major, minor) >= (8, 9):  # torch._scaled_mm's CUDA kernels: Ada (sm89), Hopper, Blackwell
+        native.update(_FP8)
     emulated = set() if major >= 7 else {ComputePrecision.FP16}
     if ComputePrecision.BF16 not in native and torch.cuda.is_bf16_supported(including_emulation=True):
         emulated.add(ComputePrecision.BF16)

@@ -48,7 +48,7 @@ def why_nothing_pays(device_class: DeviceClass, device: torch.device | str) -> s
     """Why the search trains in FP32 without searching on ``device``, in its terms, e.g. ``"bf16 is emulated on this
     AVX2 CPU (AMD EPYC, no AVX512-BF16 or AMX): a matrix product runs 52x slower than in fp32 here, ..."``."""
     device = torch.device(device)
-    emulated = sorted(device_class.emulated, key=lambda p: p.value)
+    emulated = sorted((p for p in device_class.emulated if not p.is_fp8), key=lambda p: p.value)  # (16-bit ones)
     if device_class.type == "cpu":
         where = (f"this {device_class.capability or 'CPU'} CPU ({device_class.name or 'unknown model'}, no"
                  " AVX512-BF16 or AMX)")

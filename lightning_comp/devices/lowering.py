@@ -15,6 +15,12 @@ embeddings                         computed in FP32, the output cast (identical 
 other modules with weights         parameter copies
 shape-only modules, FP32           nothing
 =================================  ==========================================================================
+
+The fp8 precisions (``fp8``, ``fp8-rowwise``) lower ``nn.Linear`` operators only, whose in and out features are
+multiples of 16 (the sizes ``torch._scaled_mm``'s CUDA kernels take): the input is cast to bf16 and the operator's
+``F.linear`` call computes through torchao's float8 matmul (:mod:`lightning_comp.adapters.torchao_float8`), with the
+FP32 (or bf16) master weight scaled to fp8 at each call. Any other operator has no fp8 lowering (:func:`fp8_refusal`
+says why); plans assign it ``bf16`` instead.
 """
 
 from __future__ import annotations
@@ -24,11 +30,15 @@ from enum import Enum
 import torch
 from torch import nn
 
+from lightning_comp.devices.device_classes import device_class
 from lightning_comp.devices.kernel_probes import probe_recurrent
 from lightning_comp.numerics.precision import ComputePrecision
 from lightning_comp.operators.kinds import OperatorKind, autocast_like, classify, is_recurrent, normalises_input_only
 
-__all__ = ["Lowering", "autocast_available", "lowering_for", "why_not_lowerable"]
+__all__ = ["FP8_MULTIPLE", "Lowering", "autocast_available", "fp8_refusal", "lowering_for", "why_not_lowerable"]
+
+#: fp8 matmul kernels (``torch._scaled_mm`` on CUDA) take operands whose inner and outer sizes are multiples of this.
+FP8_MULTIPLE = 16
 
 
 class Lowering(str, Enum):
@@ -39,6 +49,7 @@ class Lowering(str, Enum):
     INPUT = "input"  # floating inputs cast to the low dtype; parameters/statistics stay FP32 (mixed kernels)
     PARAMS = "params"  # inputs cast and the forward run with low-precision copies of the FP32 parameters
     OUTPUT = "output"  # computed in FP32, output emitted in the low dtype (look-ups: identical numerics, cheaper)
+    FLOAT8 = "float8"  # inputs cast to bf16, the F.linear call computed with float8 operands (dynamic scales)
     NONE = "none"  # nothing to lower: precision passes through
 
 
@@ -54,6 +65,8 @@ def lowering_for(module: nn.Module, precision: ComputePrecision, device: torch.d
     if precision is ComputePrecision.FP32 or kind is OperatorKind.SHAPE:
         return Lowering.NONE
     target = torch.device(device)
+    if precision.is_fp8:
+        return Lowering.FLOAT8 if fp8_refusal(module, target) is None else None
     if is_recurrent(module):
         route = probe_recurrent(module, precision, target).route
         return None if route is None else Lowering(route)
@@ -73,6 +86,8 @@ def lowering_for(module: nn.Module, precision: ComputePrecision, device: torch.d
 
 def why_not_lowerable(module: nn.Module, precision: ComputePrecision, device: torch.device | str) -> str:
     """Why :func:`lowering_for` found no way of lowering ``module`` (what each way tried raised), for messages."""
+    if precision.is_fp8:
+        return fp8_refusal(module, torch.device(device)) or "it computes in fp8 there"
     if is_recurrent(module):
         failures = probe_recurrent(module, precision, torch.device(device)).describe_failures()
         if failures:
@@ -87,3 +102,21 @@ def autocast_available(device_type: str) -> bool:
     """Whether torch has an autocast for ``device_type``."""
     available = getattr(torch.amp, "isautocast_available", None)  # public since torch 2.4
     return device_type in ("cpu", "cuda") if available is None else bool(available(device_type))
+
+
+def fp8_refusal(module: nn.Module, device: torch.device | str | None = None) -> str | None:
+    """Why ``module`` cannot compute in fp8 (on ``device``, when given), for messages; ``None`` when it can: an
+    ``nn.Linear`` whose in and out features are multiples of :data:`FP8_MULTIPLE`, on a device with fp8 matmuls."""
+    if not isinstance(module, nn.Linear):
+        return (f"fp8 computes nn.Linear operators (their F.linear call) and a {type(module).__name__} is not one;"
+                " assign it 'bf16'")
+    sizes = (module.in_features, module.out_features)
+    if any(size % FP8_MULTIPLE for size in sizes):
+        return (f"fp8 matmul kernels need in and out features that are multiples of {FP8_MULTIPLE}, and this"
+                f" Linear has {sizes[0]} in, {sizes[1]} out; assign it 'bf16'")
+    if device is not None:
+        target = torch.device(device)
+        if not device_class(target).runs(ComputePrecision.FP8):
+            return (f"{target.type} device {device_class(target).describe()} has no fp8 matmul (torch._scaled_mm:"
+                    " CUDA from sm89, or a CPU); assign it 'bf16'")
+    return None

@@ -1,11 +1,12 @@
 """Cast boundaries: where a low-precision operator's output may stay low, found by tracing one step.
 
-A low-precision operator's output stays in the low dtype only where every consumer of it is an operator of the same
-low precision; anywhere else (an FP32 operator, a functional op outside any operator, the loss, the caller) it is
-cast back to FP32. :class:`ConsumerTracer` finds the consumers during the first step of each kind after a plan is
-applied, with a ``TorchFunctionMode`` that sees every torch call. A call consumes for the innermost operator whose
-forward runs it: for a ``FUNCTIONAL`` operator (a container computing between its children) that is its own work,
-so a child's output consumed there stays low only if the container computes in the child's precision.
+A low-precision operator's output stays in the low dtype only where every consumer of it is an operator computing in
+that dtype (bf16 and fp8 operators both take bf16 activations); anywhere else (an FP32 operator, a functional op
+outside any operator, the loss, the caller) it is cast back to FP32. :class:`ConsumerTracer` finds the consumers
+during the first step of each kind after a plan is applied, with a ``TorchFunctionMode`` that sees every torch call.
+A call consumes for the innermost operator whose forward runs it: for a ``FUNCTIONAL`` operator (a container
+computing between its children) that is its own work, so a child's output consumed there stays low only if the
+container computes in the child's precision.
 
 Containers that a step's trace is still examining (*provisional* operators, hooked for the first step only) consume
 as if they were no operator at all, and are never producers: the cast boundaries they give are conservative (an
@@ -106,8 +107,8 @@ class ConsumerTracer(TorchFunctionMode):
                     if self._known(tensor):
                         self.unused_calls.discard(self.call_of[id(tensor)])
                         for producer in self.producers[id(tensor)]:
-                            if consumer is None or not (consumer.low and consumer.precision is
-                                                        self.operators[producer].precision):
+                            if consumer is None or not (consumer.low and consumer.precision.dtype is
+                                                        self.operators[producer].precision.dtype):
                                 self.escaped.add(producer)
                             else:
                                 self.consumed.add(producer)
@@ -152,7 +153,7 @@ class ConsumerTracer(TorchFunctionMode):
                 self.consumed.add(producer)
                 if op.transparent:
                     continue
-                if provisional or not (op.low and op.precision is self.operators[producer].precision):
+                if provisional or not (op.low and op.precision.dtype is self.operators[producer].precision.dtype):
                     self.escaped.add(producer)
         self.pending.append(frozenset(sources))
 

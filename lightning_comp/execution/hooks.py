@@ -2,8 +2,9 @@
 
 The pre-hook puts the operator's precision into effect the way its :class:`~lightning_comp.devices.lowering.Lowering`
 says: it enters an autocast region (with the executor's own 16-bit weight copies for ``Linear``/``Conv``, so that
-backward can re-cast them), casts the floating inputs, swaps the parameters for 16-bit copies for the call, or, for
-an FP32 operator, casts 16-bit inputs back to FP32. It also enters the operator's saved-tensor hooks when its plan
+backward can re-cast them), casts the floating inputs, swaps the parameters for 16-bit copies for the call, sends an
+fp8 ``Linear``'s matmul to float8 (:mod:`lightning_comp.execution.float8_calls`), or, for an FP32 operator, casts
+16-bit inputs back to FP32. It also enters the operator's saved-tensor hooks when its plan
 entry saves in a lower precision. An operator whose plan entry saves ``recompute`` has both hooks wrapped by the
 recomputer (:mod:`lightning_comp.execution.recompute`), which records each training-step call as a recipe; no other
 operator's hooks do anything more for it. The post-hook leaves what the pre-hook entered and decides the output's
@@ -45,6 +46,7 @@ from lightning_comp.devices.device_classes import device_class
 from lightning_comp.devices.lowering import Lowering
 from lightning_comp.execution.cast_boundaries import LOW_DTYPES, ConsumerTracer
 from lightning_comp.execution.compiled_regions import compiling, enter_autocast, exit_autocast, only_inlined
+from lightning_comp.execution.float8_calls import Float8Calls
 from lightning_comp.execution.recompute import Recomputer
 from lightning_comp.execution.saved_tensors import SavedTensorCompressor
 from lightning_comp.execution.weight_casts import WeightCastRecorder
@@ -143,6 +145,7 @@ def _pre_hook(op: HookedOperator, state: StepState, casts: WeightCastRecorder, c
     saved = op.saved
     region = op.kind is OperatorKind.FUNCTIONAL and lowering is Lowering.AUTOCAST  # the container's own work
     shields = not op.transparent and lowering is not Lowering.AUTOCAST  # from an enclosing container's region
+    recipe = op.precision.fp8_recipe if lowering is Lowering.FLOAT8 else ""
 
     def low_copies(module: nn.Module, recurse: bool) -> dict[str, torch.Tensor]:
         # The parameters of the module being called, as they are now (see the module docstring).
@@ -169,6 +172,8 @@ def _pre_hook(op: HookedOperator, state: StepState, casts: WeightCastRecorder, c
             if recast_own and casts.active:  # autocast finds the weights already low and leaves them be
                 copies = low_copies(module, recurse=False)
                 contexts.append(reparametrized(module, copies))
+        elif lowering is Lowering.FLOAT8:  # its F.linear computed with float8 operands, bf16 in and out
+            contexts.append(Float8Calls(op.name, module, recipe, dtype))
         elif lowering is Lowering.INPUT or lowering is Lowering.PARAMS:
             args, kwargs = cast_floating(args, dtype), cast_floating(kwargs, dtype)
             copies = low_copies(module, recurse=True) if lowering is Lowering.PARAMS else {}

@@ -29,8 +29,8 @@ def hooked_operators(model: nn.Module, plan: PrecisionPlan, device: torch.device
 
     Raises:
         PlanError: naming every operator with no kernel for its planned precision there (and what each way of
-            lowering it raised), or, for a compiled model, every operator that saves in a lower precision or
-            recomputes.
+            lowering it raised), or, for a compiled model, every operator that computes in fp8, saves in a lower
+            precision or recomputes.
     """
     operators: dict[str, HookedOperator] = {}
     unsupported = []
@@ -49,6 +49,12 @@ def hooked_operators(model: nn.Module, plan: PrecisionPlan, device: torch.device
             f" [{device_class(device).describe()}]: {'; '.join(unsupported)}. Assign them 'fp32' in the plan"
             " (e.g. {'<name>': 'fp32'}), or let CoMPSearch choose on this device."
         )
+    fp8 = sorted(name or "<root>" for name, op in operators.items() if op.lowering is Lowering.FLOAT8)
+    if compiled and fp8:
+        raise PlanError(
+            f"The plan computes {', '.join(fp8)} in fp8, which lightning-comp lowers in eager mode only (a"
+            " TorchFunctionMode entered by the operator's hooks, which a compiled graph does not trace). Train the"
+            " model uncompiled, or assign those operators 'bf16'.")
     changing = sorted(name or "<root>" for name, op in operators.items() if op.saved.changes)
     if compiled and changing:
         raise PlanError(

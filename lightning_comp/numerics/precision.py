@@ -21,26 +21,62 @@ __all__ = ["MasterPrecision", "ComputePrecision", "SavedPrecision", "StatePrecis
 
 class ComputePrecision(SpelledEnum):
     """A compute precision for one operator. The value is the spelling in plans, configs and JSON files
-    (``float32``/``32``, ``bfloat16``, ``float16``/``half``/``16`` and the torch dtypes are accepted too)."""
+    (``float32``/``32``, ``bfloat16``, ``float16``/``half``/``16``, ``float8``/``fp8-tensorwise`` and the torch dtypes
+    are accepted too).
+
+    ``fp8`` and ``fp8-rowwise`` are for ``nn.Linear`` operators: their matmuls (forward, input and weight gradient)
+    take float8 operands scaled dynamically at every call, per tensor (``fp8``, torchao's ``tensorwise`` recipe: e4m3
+    input and weight, e5m2 output gradient) or per row of each operand (``fp8-rowwise``, e4m3 throughout); their
+    inputs and outputs are bf16 (:attr:`dtype`), their master weights and gradients stay FP32.
+    """
 
     FP32 = "fp32"
     BF16 = "bf16"
     FP16 = "fp16"
+    FP8 = "fp8"  # float8 matmul operands, one dynamic scale per tensor (torchao's "tensorwise")
+    FP8_ROWWISE = "fp8-rowwise"  # float8 matmul operands, one dynamic scale per row (torchao's "rowwise")
 
     @property
     def dtype(self) -> torch.dtype:
-        """The torch dtype the operator computes in."""
-        return {ComputePrecision.FP32: torch.float32, ComputePrecision.BF16: torch.bfloat16,
-                ComputePrecision.FP16: torch.float16}[self]
+        """The torch dtype the operator computes in; for the fp8 precisions, that of its activations (bf16: its input
+        and output), the matmul operands being float8 (:attr:`operand_dtype`)."""
+        return _DTYPES[self]
+
+    @property
+    def operand_dtype(self) -> torch.dtype:
+        """The dtype of the operator's forward matmul operands (``float8_e4m3fn`` for the fp8 precisions)."""
+        return torch.float8_e4m3fn if self.is_fp8 else self.dtype
 
     @property
     def is_low(self) -> bool:
-        """Whether this is a 16-bit precision (anything but FP32)."""
+        """Whether this is lower than FP32 (a 16-bit or an fp8 precision)."""
         return self is not ComputePrecision.FP32
+
+    @property
+    def is_fp8(self) -> bool:
+        """Whether the operator's matmuls take float8 operands (``fp8``, ``fp8-rowwise``)."""
+        return self in (ComputePrecision.FP8, ComputePrecision.FP8_ROWWISE)
+
+    @property
+    def fp8_recipe(self) -> str:
+        """torchao's name of the scaling recipe (``"tensorwise"``, ``"rowwise"``).
+
+        Raises:
+            PlanError: for a precision that is not fp8.
+        """
+        if not self.is_fp8:
+            raise PlanError(f"{self.value!r} is not an fp8 precision: it has no fp8 scaling recipe.")
+        return "rowwise" if self is ComputePrecision.FP8_ROWWISE else "tensorwise"
 
     @classmethod
     def aliases(cls) -> Mapping[str, str]:
-        return {"float32": "fp32", "32": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16", "16": "fp16"}
+        return {"float32": "fp32", "32": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16", "16": "fp16",
+                "float8": "fp8", "fp8-tensorwise": "fp8", "fp8_tensorwise": "fp8", "fp8_rowwise": "fp8-rowwise",
+                "float8-rowwise": "fp8-rowwise"}
+
+    @classmethod
+    def notes(cls) -> Mapping[str, str]:
+        return {"fp8": "nn.Linear only, per-tensor scales", "fp8-rowwise": "nn.Linear only, per-row scales"}
 
     @classmethod
     def noun(cls) -> str:
@@ -49,6 +85,11 @@ class ComputePrecision(SpelledEnum):
     @classmethod
     def error_type(cls) -> type[CoMPError]:
         return PlanError
+
+
+_DTYPES = {ComputePrecision.FP32: torch.float32, ComputePrecision.BF16: torch.bfloat16,
+           ComputePrecision.FP16: torch.float16, ComputePrecision.FP8: torch.bfloat16,
+           ComputePrecision.FP8_ROWWISE: torch.bfloat16}
 
 
 class SavedPrecision(SpelledEnum):
@@ -166,7 +207,8 @@ def parse_precision(value: object) -> ComputePrecision:
 
     Args:
         value: a :class:`ComputePrecision`, a torch dtype (float32/bfloat16/float16) or one of the strings ``"fp32"``,
-            ``"bf16"``, ``"fp16"`` (aliases ``float32``, ``bfloat16``, ``float16``, ``half`` are accepted).
+            ``"bf16"``, ``"fp16"``, ``"fp8"``, ``"fp8-rowwise"`` (aliases ``float32``, ``bfloat16``, ``float16``,
+            ``half``, ``float8`` are accepted).
 
     Raises:
         PlanError: if the value names no supported precision.

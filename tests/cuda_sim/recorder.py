@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
 __all__ = ["SAME_DTYPE", "WORK", "CallEvent", "CudaRecorder", "CudaRuleViolation", "OpEvent"]
@@ -244,7 +244,10 @@ class CudaRecorder(TorchDispatchMode):
 
     def _check(self, event: OpEvent, args: Any, out: Any) -> None:
         shared = [event.operands[n] for n in SAME_DTYPE.get(event.op, ()) if n in event.operands]
-        if len(set(shared)) > 1:
+        # an op on a wrapper subclass (torchao's float8 tensors report their original dtype) is not the kernel: the
+        # subclass runs its own (``_scaled_mm``, on float8 data), below this mode; its checks are fp8's own
+        wrapped = any(is_traceable_wrapper_subclass(t) for t in tree_leaves(args))
+        if len(set(shared)) > 1 and not wrapped:
             self._violation(f"operands a CUDA kernel requires to share a dtype differ: {event.describe()}", event)
         if event.op in ("_to_copy", "copy_") and "cuda" in _devices(args) and _devices(out) == {"cpu"}:
             self._violation(f"a device-to-host copy in {event.phase} of {event.owner or '<outside operators>'}",

@@ -12,7 +12,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["CallRecord", "DtypeRecorder", "OpRecord", "count_forward_hooks", "sqnr"]
+__all__ = ["CallRecord", "DtypeRecorder", "OpRecord", "ScaledMatmul", "ScaledMatmulRecorder", "count_forward_hooks",
+           "sqnr"]
 
 
 @dataclass
@@ -90,6 +91,48 @@ class DtypeRecorder(TorchDispatchMode):
 
     def calls_of(self, module: str) -> list[CallRecord]:
         return [c for c in self.calls if c.module == module]
+
+
+@dataclass
+class ScaledMatmul:
+    module: str | None  # innermost recorded module running (None: outside modules, e.g. backward)
+    operands: tuple[torch.dtype, torch.dtype]
+    scales: tuple[tuple[int, ...], tuple[int, ...]]
+    scale_dtypes: tuple[torch.dtype, torch.dtype]
+    out_dtype: torch.dtype | None
+    devices: tuple[str, ...]  # of the operands and scales
+
+
+class ScaledMatmulRecorder:
+    """Records every ``torch._scaled_mm`` call (torchao's float8 matmuls call it by attribute, at call time), with the
+    module running it as ``modules`` (a :class:`DtypeRecorder` attached to the model) sees it.
+
+    A ``TorchDispatchMode`` cannot see these calls: torchao's float8 tensors report their original dtype and make the
+    call inside their own ``__torch_dispatch__``, below any mode.
+    """
+
+    def __init__(self, modules: DtypeRecorder | None = None) -> None:
+        self.modules = modules
+        self.calls: list[ScaledMatmul] = []
+        self._real: Any = None
+
+    def __enter__(self) -> ScaledMatmulRecorder:
+        self._real = real = torch._scaled_mm
+
+        def recorded(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+                     *args: Any, **kwargs: Any) -> Any:
+            stack = self.modules._stack if self.modules is not None else []
+            self.calls.append(ScaledMatmul(
+                stack[-1] if stack else None, (a.dtype, b.dtype), (tuple(scale_a.shape), tuple(scale_b.shape)),
+                (scale_a.dtype, scale_b.dtype), kwargs.get("out_dtype"),
+                tuple(str(t.device) for t in (a, b, scale_a, scale_b))))
+            return real(a, b, scale_a, scale_b, *args, **kwargs)
+
+        torch._scaled_mm = recorded
+        return self
+
+    def __exit__(self, *args: Any) -> None:
+        torch._scaled_mm = self._real
 
 
 def sqnr(ref: torch.Tensor, out: torch.Tensor) -> float:

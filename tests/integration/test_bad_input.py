@@ -170,9 +170,10 @@ def test_malformed_plugin_state_is_refused() -> None:
 
 
 # ------------------------------------------------------------------------------------------ precisions and files
-@pytest.mark.parametrize("value", ["fp8", "float64", "int8", "bf-16", ""])
+@pytest.mark.parametrize("value", ["fp4", "float64", "int8", "bf-16", ""])
 def test_unknown_precision_string_names_it_and_the_valid_ones(value: str) -> None:
-    valid = "valid precisions are 'fp32', 'bf16' and 'fp16'"
+    valid = ("valid precisions are 'fp32', 'bf16', 'fp16', 'fp8' (nn.Linear only, per-tensor scales) and"
+             " 'fp8-rowwise' (nn.Linear only, per-row scales)")
     with pytest.raises(PlanError, match=re.escape(f"Plan entry 'l1': Unknown precision {value!r}: {valid}")):
         CoMPPrecision({"l1": value})
     with pytest.raises(PlanError, match=re.escape(f"Unknown precision {value!r}: {valid}")):
@@ -182,6 +183,8 @@ def test_unknown_precision_string_names_it_and_the_valid_ones(value: str) -> Non
 def test_unsupported_dtype_and_search_precision() -> None:
     with pytest.raises(PlanError, match=r"torch\.int8.*torch\.float32, torch\.bfloat16, torch\.float16"):
         parse_precision(torch.int8)
+    with pytest.raises(PlanError, match=r"valid dtypes are torch\.float32, torch\.bfloat16, torch\.float16\.$"):
+        parse_precision(torch.float8_e4m3fn)  # (the fp8 precisions are spelled, their activations being bf16)
     with pytest.raises(SearchConfigError, match=r"low_precision='fp8'.*'auto'.*'bf16', 'fp16' or 'off'"):
         CoMPSearch(low_precision="fp8")
 

@@ -35,7 +35,9 @@ def test_members_are_spelled_by_value_alias_name_or_dtype(enum: type, spellings:
 
 
 @pytest.mark.parametrize(("enum", "error", "message"), [
-    (ComputePrecision, PlanError, "Unknown precision 'fp4': valid precisions are 'fp32', 'bf16' and 'fp16'."),
+    (ComputePrecision, PlanError, "Unknown precision 'fp4': valid precisions are 'fp32', 'bf16', 'fp16', 'fp8'"
+                                  " (nn.Linear only, per-tensor scales) and 'fp8-rowwise' (nn.Linear only, per-row"
+                                  " scales)."),
     (SavedPrecision, PlanError, "Unknown saved precision 'fp4': valid saved precisions are 'fp32' (as computed),"),
     (GradCommDtype, ConfigError, "Unknown gradient communication dtype 'fp4': valid gradient communication dtypes"),
     (Timing, SearchConfigError, "Unknown value 'fp4': valid values are 'auto', 'wall' and 'cpu'."),

@@ -28,6 +28,7 @@ from lightning_comp.plugins import runtime as plan_runtime
 from tests.helpers.models import TinyMLP, regression_loader
 
 BF16, FP16, FP32 = ComputePrecision.BF16, ComputePrecision.FP16, ComputePrecision.FP32
+FP8, FP8_ROWWISE = ComputePrecision.FP8, ComputePrecision.FP8_ROWWISE
 
 
 @pytest.fixture
@@ -74,24 +75,30 @@ def test_cpu_classes_and_what_auto_searches_with(monkeypatch: pytest.MonkeyPatch
     cpu = _fake_cpu(monkeypatch, capability, features)
     assert cpu.type == "cpu" and cpu.capability == capability
     assert cpu.native == native
-    assert cpu.emulated == {BF16, FP16} - native  # a CPU runs every 16-bit precision, natively or not
+    # a CPU runs every 16-bit precision, natively or not, and fp8 emulated (torch._scaled_mm's CPU kernel)
+    assert cpu.emulated == ({BF16, FP16} - native) | {FP8, FP8_ROWWISE}
     assert all(cpu.runs(p) for p in ComputePrecision)
     assert SearchConfig().resolve_low_precision(cpu) is auto
     assert SearchConfig(low_precision="bf16").resolve_low_precision(cpu) is BF16  # pinned: searched anyway
 
 
 @pytest.mark.parametrize(
-    ("major", "native", "emulated", "auto"),
-    [(6, set(), {FP16, BF16}, None), (7, {FP16}, {BF16}, FP16), (8, {FP16, BF16}, set(), BF16),
-     (9, {FP16, BF16}, set(), BF16)],
+    ("sm", "native", "emulated", "auto"),
+    [((6, 0), set(), {FP16, BF16}, None), ((7, 0), {FP16}, {BF16}, FP16), ((8, 0), {FP16, BF16}, set(), BF16),
+     ((8, 6), {FP16, BF16}, set(), BF16),  # A10/RTX 30: no fp8 matmul kernel, so fp8 does not run at all
+     ((8, 9), {FP16, BF16, FP8, FP8_ROWWISE}, set(), BF16),  # L4/L40
+     ((9, 0), {FP16, BF16, FP8, FP8_ROWWISE}, set(), BF16)],  # H100/H200
 )
-def test_cuda_classes_and_what_auto_searches_with(monkeypatch: pytest.MonkeyPatch, fresh_probe: None, major: int,
-                                                   native: set[ComputePrecision], emulated: set[ComputePrecision],
+def test_cuda_classes_and_what_auto_searches_with(monkeypatch: pytest.MonkeyPatch, fresh_probe: None,
+                                                   sm: tuple[int, int], native: set[ComputePrecision],
+                                                   emulated: set[ComputePrecision],
                                                    auto: ComputePrecision | None) -> None:
-    gpu = _fake_cuda(monkeypatch, major, name="NVIDIA Fake")
-    assert (gpu.type, gpu.capability, gpu.name) == ("cuda", f"sm{major}0", "NVIDIA Fake")
+    gpu = _fake_cuda(monkeypatch, *sm, name="NVIDIA Fake")
+    assert (gpu.type, gpu.capability, gpu.name) == ("cuda", f"sm{sm[0]}{sm[1]}", "NVIDIA Fake")
     assert gpu.native == native and gpu.emulated == emulated
+    assert gpu.runs(FP8) is (FP8 in native)
     assert SearchConfig().resolve_low_precision(gpu) is auto
+    assert ("fp8 native" in gpu.describe()) is (FP8 in native)
 
 
 def test_this_machine_is_classified_consistently() -> None:

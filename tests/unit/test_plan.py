@@ -57,13 +57,13 @@ def test_parse_precision_aliases(value: object, expected: ComputePrecision) -> N
     assert parse_precision(value) is expected
 
 
-@pytest.mark.parametrize("value", ["fp8", "bf-16", "", "float64", None, 16, 1.5, ["bf16"]])
+@pytest.mark.parametrize("value", ["fp4", "bf-16", "", "float64", None, 16, 1.5, ["bf16"]])
 def test_unknown_precision_names_value_and_valid_ones(value: object) -> None:
     with pytest.raises(PlanError) as info:
         parse_precision(value)
     message = str(info.value)
     assert repr(value) in message
-    assert all(v in message for v in ("'fp32'", "'bf16'", "'fp16'"))
+    assert all(v in message for v in ("'fp32'", "'bf16'", "'fp16'", "'fp8'", "'fp8-rowwise'"))
 
 
 def test_unsupported_dtype_names_valid_dtypes() -> None:
@@ -79,9 +79,9 @@ def test_precision_properties() -> None:
 
 
 def test_plan_entry_error_names_selector_and_value() -> None:
-    with pytest.raises(PlanError, match=r"'encoder\.\*'.*'int8'.*'fp32', 'bf16' and 'fp16'"):
+    with pytest.raises(PlanError, match=r"'encoder\.\*'.*'int8'.*'fp32', 'bf16', 'fp16', 'fp8' .* and 'fp8-rowwise'"):
         PrecisionPlan.from_dict({"encoder.*": "int8"})
-    with pytest.raises(PlanError, match="'fp32', 'bf16' and 'fp16'"):
+    with pytest.raises(PlanError, match="'fp32', 'bf16', 'fp16', 'fp8'"):
         PrecisionPlan.from_dict({}, default="tf32")
 
 

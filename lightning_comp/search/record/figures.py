@@ -50,8 +50,8 @@ DPI = 110
 MiB = 2**20
 LABELLED = 8  # levers named in the frontier figure: those that freed most
 # one colour per value of every dimension (the values are spelled alike across dimensions: bf16 is blue everywhere)
-COLOURS = {"fp32": "0.82", "bf16": "tab:blue", "fp16": "tab:orange", "fp8": "tab:red", "recompute": "tab:green",
-           "8bit": "tab:purple"}
+COLOURS = {"fp32": "0.82", "bf16": "tab:blue", "fp16": "tab:orange", "fp8": "tab:red", "fp8-rowwise": "tab:pink",
+           "recompute": "tab:green", "8bit": "tab:purple"}
 VERDICT_COLOURS = {"pass": "tab:green", "fail": "tab:red", None: "0.5"}
 SHORT_LABEL = 34  # characters of a trial's label on the trials figure's axis
 
