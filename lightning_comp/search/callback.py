@@ -142,6 +142,8 @@ class CoMPSearch(Callback):
         tolerance_mode: str | None = None,
         objective: str | None = None,
         low_precision: str | None = None,
+        fp8: str | None = None,
+        include_fp8: Sequence[str] | None = None,
         precisions: Mapping[str, str] | None = None,
         include: Sequence[str] | None = None,
         include_dimensions: Mapping[str, Sequence[str]] | None = None,
@@ -218,8 +220,11 @@ class CoMPSearch(Callback):
         self._fit_started = time.perf_counter()
         device = device_class(model_device(pl_module))  # Lightning has placed the model by now
         starting = self._state.phase is Phase.PENDING
-        if starting:  # a search under way keeps the precision it searches (the state's, read back on resume)
+        if starting:  # a search under way keeps the precisions it searches (the state's, read back on resume)
             self._state.low_precision = self.config.resolve_low_precision(device)
+            # fp8 entries train eagerly only (a compiled model's plan has none)
+            self._state.fp8_precision = (None if self._plugin.compiled
+                                         else self.config.resolve_fp8(device, self._state.low_precision))
         check_low_precision(self.config, self._state.low_precision, device, self._plugin, starting=starting)
         self._trials = TrialDriver(self.config, self._state, self._plugin, self._budget, self._early_stopping,
                                    self._checkpoints, self._publish, self._capture)
@@ -374,7 +379,8 @@ class CoMPSearch(Callback):
         def restore() -> None:
             TrainingSnapshot.from_state(snapshot).restore(trainer, pl_module, self._scaler(), rng=False)
 
-        stage = BatchStage(self.config, state.low_precision, self._plugin, SearchProgress(trainer))
+        stage = BatchStage(self.config, state.low_precision, self._plugin, SearchProgress(trainer),
+                           fp8=state.fp8_precision)
         result = stage.run(trainer, pl_module, batch, batch_idx, restore)
         self._driver.after_batch_stage(trainer, result, time.perf_counter() - started)
 

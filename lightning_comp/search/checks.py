@@ -7,7 +7,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_comp.adapters import lightning_internals as lightning
 from lightning_comp.devices.device_classes import DeviceClass, model_device
-from lightning_comp.devices.lowering import Lowering, lowering_for
+from lightning_comp.devices.lowering import Lowering, fp8_refusal, lowering_for
 from lightning_comp.errors import PlanMismatchError, SearchConfigError, UnsupportedSetupError
 from lightning_comp.numerics.precision import ComputePrecision, SavedPrecision
 from lightning_comp.operators.discovery import iter_operators
@@ -130,13 +130,13 @@ def check_compiled(config: SearchConfig, plugin: CoMPPrecision) -> None:
 
 
 def check_selectors(config: SearchConfig, pl_module: pl.LightningModule) -> None:
-    """Fail on ``include``/``include_dimensions``/``exclude`` selectors that match no operator (a typo must not
-    lower a layer).
+    """Fail on ``include``/``include_dimensions``/``exclude``/``include_fp8`` selectors that match no operator (a
+    typo must not lower a layer), and on ``include_fp8`` selectors naming operators fp8 cannot compute.
 
     Raises:
         SearchConfigError: naming the selectors and the model's operators.
     """
-    named = [("include", config.include), ("exclude", config.exclude)]
+    named = [("include", config.include), ("exclude", config.exclude), ("include_fp8", config.include_fp8)]
     named += [(f"include_dimensions[{str(d)!r}]", tuple(s)) for d, s in config.include_dimensions.items()]
     for name, given in named:
         if not given:
@@ -145,6 +145,13 @@ def check_selectors(config: SearchConfig, pl_module: pl.LightningModule) -> None
             Selectors.of(given).validate(pl_module)
         except PlanMismatchError as err:
             raise SearchConfigError(f"CoMPSearch({name}={list(given)!r}): {err}") from None
+    if config.include_fp8:
+        selectors = Selectors.of(config.include_fp8)
+        refused = [f"{n} ({why})" for n, m in iter_operators(pl_module) if selectors.matches(n, m)
+                   for why in (fp8_refusal(m),) if why is not None]
+        if refused:
+            raise SearchConfigError(f"CoMPSearch(include_fp8={list(config.include_fp8)!r}) names operators fp8 cannot"
+                                    f" compute: {'; '.join(refused)}.")
 
 
 def nothing_to_search(config: SearchConfig, low: ComputePrecision, pl_module: pl.LightningModule) -> str | None:

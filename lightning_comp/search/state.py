@@ -28,7 +28,7 @@ from lightning_comp.search.decisions.trials import TrialVerdict
 __all__ = ["STATE_VERSION", "Phase", "Restore", "SearchState", "TrialRecord"]
 
 # the one checkpoint form of the search's state this version writes and reads (2: groups, flips, trialled plan)
-STATE_VERSION = 4
+STATE_VERSION = 5
 
 
 class Phase(str, Enum):
@@ -129,6 +129,7 @@ class SearchState:
     Attributes:
         phase: see :class:`Phase`.
         low_precision: the 16-bit precision searched (decided when the search starts, read back on resume).
+        fp8_precision: the fp8 precision searched on top of it (``None``: no fp8; decided and kept likewise).
         search_start_epoch: the epoch the first trial started in.
         snapshot: the run's state at the search's start (``TrainingSnapshot.to_state()``), while trials may rewind.
         reference_end: the run's state at the end of the FP32 reference trial, while it may be continued from.
@@ -150,6 +151,7 @@ class SearchState:
 
     phase: Phase = Phase.PENDING
     low_precision: ComputePrecision | None = None
+    fp8_precision: ComputePrecision | None = None
     search_start_epoch: int | None = None
     snapshot: dict[str, Any] | None = None
     reference_end: dict[str, Any] | None = None
@@ -202,6 +204,7 @@ class SearchState:
         out.update({f.name: getattr(self, f.name) for f in fields(self)})
         out["phase"] = self.phase.value
         out["low_precision"] = None if self.low_precision is None else self.low_precision.value
+        out["fp8_precision"] = None if self.fp8_precision is None else self.fp8_precision.value
         out["pending_restore"] = None if self.pending_restore is None else self.pending_restore.value
         out["batch"] = None if self.batch is None else to_plain(self.batch)
         out["group_search"] = None if self.group_search is None else self.group_search.state_dict()
@@ -225,6 +228,8 @@ class SearchState:
         values["phase"] = Phase(values["phase"])
         low = values["low_precision"]
         values["low_precision"] = None if low is None else ComputePrecision.parse(low)
+        fp8 = values["fp8_precision"]
+        values["fp8_precision"] = None if fp8 is None else ComputePrecision.parse(fp8)
         values["pending_restore"] = None if values["pending_restore"] is None else Restore(values["pending_restore"])
         values["num_operators"] = int(values["num_operators"])
         values["batch"] = None if values["batch"] is None else _read_batch(values["batch"])

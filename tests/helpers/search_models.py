@@ -185,3 +185,23 @@ class StateSensitiveMLP(WideMLP):
         if state.get("exp_avg") is not None and state["exp_avg"].dtype == torch.uint8:
             loss = loss + 1.0
         self.log("val_loss", loss)
+
+
+class Fp8SensitiveMLP(WideMLP):
+    """WideMLP whose validation loss is worse by 1.0 while ``l3`` computes in fp8 (in bf16 or FP32 it is not).
+
+    It stands in for a layer fp8 hurts (torchao and Megatron keep the first and last layers in bf16 for that reason);
+    what is tested is that the search's trials see it and demote that layer to bf16, with real fp8 compute in every
+    trial that plans it.
+    """
+
+    def __init__(self) -> None:
+        super().__init__(offset=False)
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        x, y = batch
+        loss = torch.nn.functional.cross_entropy(self(x), y)
+        plan = self.trainer.precision_plugin.plan
+        if plan is not None and plan.of("compute", "l3", nn.Linear).is_fp8:
+            loss = loss + 1.0
+        self.log("val_loss", loss)

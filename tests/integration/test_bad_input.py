@@ -154,14 +154,16 @@ def test_search_state_resumed_into_a_different_model_is_refused(tmp_path: Path) 
 
 
 def test_search_state_of_another_version_is_refused() -> None:
-    with pytest.raises(SearchConfigError, match="version 99.*reads 4"):
+    with pytest.raises(SearchConfigError, match="version 99.*reads 5"):
         CoMPSearch().load_state_dict({"version": 99})
-    with pytest.raises(SearchConfigError, match="version 1.*reads 4"):  # before groups, flips and the trialled plan
+    with pytest.raises(SearchConfigError, match="version 1.*reads 5"):  # before groups, flips and the trialled plan
         CoMPSearch().load_state_dict({"version": 1})
-    with pytest.raises(SearchConfigError, match="version 2.*reads 4"):  # before the pace and the memory spending
+    with pytest.raises(SearchConfigError, match="version 2.*reads 5"):  # before the pace and the memory spending
         CoMPSearch().load_state_dict({"version": 2})
-    with pytest.raises(SearchConfigError, match="version 3.*reads 4"):  # before the process peaks
+    with pytest.raises(SearchConfigError, match="version 3.*reads 5"):  # before the process peaks
         CoMPSearch().load_state_dict({"version": 3})
+    with pytest.raises(SearchConfigError, match="version 4.*reads 5"):  # before fp8 candidates
+        CoMPSearch().load_state_dict({"version": 4})
 
 
 def test_malformed_plugin_state_is_refused() -> None:

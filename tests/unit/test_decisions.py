@@ -17,7 +17,8 @@ from lightning_comp.operators.kinds import OperatorKind, classify
 from lightning_comp.plan.dimensions import Dimension
 from lightning_comp.search.candidates import Candidate
 from lightning_comp.search.config import Objective, SearchConfig
-from lightning_comp.search.decisions.batch_result import BatchStageResult, SavedStageResult, StepMemory
+from lightning_comp.search.decisions.batch_result import BatchStageResult, Fp8StageResult, SavedStageResult, StepMemory
+from lightning_comp.search.decisions.fp8 import judge_fp8
 from lightning_comp.search.decisions.group_search import GroupSearch
 from lightning_comp.search.decisions.objectives import balanced_score, policy_for
 from lightning_comp.search.decisions.operators import (
@@ -451,19 +452,25 @@ def test_the_batch_stage_result_travels_through_a_checkpoint_typed() -> None:
                                 low=measured, time=_estimate(0.5))
     decision.saved = judge_saved(policy_for(SearchConfig(objective="memory")), 1024,
                                  {SavedPrecision.FP8: (256, _estimate(1.0))})
+    decision.fp8 = judge_fp8(SearchConfig(), ComputePrecision.FP8, ComputePrecision.BF16, _estimate(0.6), 1.0, 0.6)
     saved = SavedStageResult(choices={"l1": SavedPrecision.FP8}, benefits={Candidate.saved("l1"): 768.0})
+    fp8 = Fp8StageResult(ComputePrecision.FP8, {"l1": ComputePrecision.FP8}, {Candidate.in_fp8("l1"): 0.4})
     result = BatchStageResult(
-        decisions={"l1": decision}, candidates=(Candidate("l1"), Candidate.saved("l1")),
-        benefits={Candidate("l1"): 1.5, Candidate.saved("l1"): 768.0}, runs=[CheapRun("l1", "l2", ("a",))],
+        decisions={"l1": decision}, candidates=(Candidate("l1"), Candidate.in_fp8("l1"), Candidate.saved("l1")),
+        benefits={Candidate("l1"): 1.5, Candidate.in_fp8("l1"): 0.4, Candidate.saved("l1"): 768.0}, fp8=fp8,
+        runs=[CheapRun("l1", "l2", ("a",))],
         saved=saved, order=["l1"], memory={ProfiledPlan.FP32: StepMemory(64, None)}, timing={"clock": "wall"},
         steps={ComparedPlan.FP32: PlanStep(2.0, 2.1, None, 64.0, StepPeak(2**20, 2**21, None, None, "live; os")),
                ComparedPlan.CANDIDATES: PlanStep(1.0, 1.1, _estimate(0.5), 32.0)})
     state = SearchState(phase=Phase.SEARCHING, low_precision=ComputePrecision.BF16, batch=result, num_operators=1)
     plain = state.to_dict()
     back = SearchState.from_dict(plain)
-    assert back.batch == result and back.choices == {Dimension.SAVED: {"l1": SavedPrecision.FP8},
+    assert back.batch == result and back.choices == {Dimension.COMPUTE: {"l1": ComputePrecision.FP8},
+                                                     Dimension.SAVED: {"l1": SavedPrecision.FP8},
                                                      Dimension.STATE: {}, Dimension.MASTER: {}}
     assert plain["batch"]["saved"]["choices"] == {"l1": "fp8"}  # plain types only (weights_only checkpoints)
+    assert plain["batch"]["fp8"]["choices"] == {"l1": "fp8"}
+    assert {"operator": "l1", "dimension": "compute", "fp8": True} in plain["batch"]["candidates"]
     assert build_record(back, SearchConfig())["step_ms"] == {"fp32": 2.0, "candidates": 1.0}
     with pytest.raises(SearchConfigError, match=r"Missing keys \['batch'\]"):
         SearchState.from_dict({k: v for k, v in plain.items() if k != "batch"})

@@ -69,7 +69,7 @@ def _run(search: GroupSearch, converges: Oracle, checkpoint: bool = True) -> tup
 
 def _bound(search: GroupSearch, failing: int) -> int:
     """The module's bound: ``1 + 2u(D - 1 + ceil(log2 n))`` trials, plus the confirming one."""
-    per_dimension = [sum(c.dimension is d for c in search.candidates) for d in dimensions_of(search.candidates)]
+    per_dimension = [sum(c.lever == d for c in search.candidates) for d in dimensions_of(search.candidates)]
     levels = len(per_dimension) - 1 + math.ceil(math.log2(max(per_dimension)))
     return 1 + 2 * max(1, failing) * levels + 1
 
@@ -134,7 +134,7 @@ def test_mixed_unsafe_sets_end_with_exactly_the_safe_candidates(unsafe: set[Cand
     assert {c for c in candidates if c.dimension is Dimension.COMPUTE and c not in unsafe} <= safe
     confirming = tuple(c for c in candidates if c in safe)
     for group in tried:  # but the first and the confirming trial, no trial lowers compute beside a lever
-        assert group in (candidates, confirming) or dimensions_of(group)[0] is not Dimension.COMPUTE or len(
+        assert group in (candidates, confirming) or dimensions_of(group)[0] != Dimension.COMPUTE or len(
             dimensions_of(group)) == 1
 
 

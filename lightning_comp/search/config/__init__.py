@@ -4,6 +4,7 @@
 from lightning_comp.search.config.choices import (
     AUTO_VALUES,
     DimensionChoice,
+    Fp8Choice,
     LowPrecision,
     Mode,
     Objective,
@@ -13,5 +14,5 @@ from lightning_comp.search.config.choices import (
 from lightning_comp.search.config.measurement import MEASUREMENT_PRESETS, MeasurementConfig
 from lightning_comp.search.config.settings import SearchConfig
 
-__all__ = ["AUTO_VALUES", "MEASUREMENT_PRESETS", "DimensionChoice", "LowPrecision", "MeasurementConfig", "Mode",
-           "Objective", "SearchConfig", "Timing", "ToleranceMode"]
+__all__ = ["AUTO_VALUES", "MEASUREMENT_PRESETS", "DimensionChoice", "Fp8Choice", "LowPrecision", "MeasurementConfig",
+           "Mode", "Objective", "SearchConfig", "Timing", "ToleranceMode"]

@@ -9,13 +9,15 @@ chosen by :func:`parse_dimension_choice`: ``"auto"`` (every value :data:`AUTO_VA
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from lightning_comp.common.spelled_enum import SpelledEnum, quoted
 from lightning_comp.errors import CoMPError, SearchConfigError
 from lightning_comp.numerics.precision import MasterPrecision, SavedPrecision, StatePrecision
 from lightning_comp.plan.dimensions import Dimension, DimensionValue
 
-__all__ = ["AUTO_VALUES", "DimensionChoice", "LowPrecision", "Mode", "Objective", "Timing", "ToleranceMode",
-           "dimension_advice", "parse_dimension_choice", "tried_values"]
+__all__ = ["AUTO_VALUES", "DimensionChoice", "Fp8Choice", "LowPrecision", "Mode", "Objective", "Timing",
+           "ToleranceMode", "dimension_advice", "parse_dimension_choice", "tried_values"]
 
 
 class _Setting(SpelledEnum):
@@ -64,6 +66,19 @@ class LowPrecision(_Setting):
     BF16 = "bf16"
     FP16 = "fp16"
     OFF = "off"  # no compute lowering: every operator computes in FP32; only the memory dimensions are searched
+
+
+class Fp8Choice(_Setting):
+    """Whether the search tries fp8 compute on top of its 16-bit one, and with which recipe."""
+
+    AUTO = "auto"  # fp8 (per-tensor scales) where the device has native fp8 matmuls (CUDA sm89+), else none
+    OFF = "off"  # no fp8
+    FP8 = "fp8"  # per-tensor scales (torchao's tensorwise), measured even where fp8 is emulated
+    FP8_ROWWISE = "fp8-rowwise"  # per-row scales (torchao's rowwise), measured even where fp8 is emulated
+
+    @classmethod
+    def aliases(cls) -> Mapping[str, str]:
+        return {"tensorwise": "fp8", "rowwise": "fp8-rowwise", "fp8_rowwise": "fp8-rowwise"}
 
 
 class DimensionChoice(_Setting):

@@ -24,6 +24,7 @@ from lightning_comp.plan.selectors import Selectors
 from lightning_comp.search.config.choices import (
     AUTO_VALUES,
     DimensionChoice,
+    Fp8Choice,
     LowPrecision,
     Mode,
     Objective,
@@ -47,7 +48,7 @@ RENAMED_SETTINGS: dict[str, str] = {
 
 # setting -> its enum (the advice of a bad value is generated from it)
 _CHOICES: dict[str, type[SpelledEnum]] = {"mode": Mode, "tolerance_mode": ToleranceMode, "objective": Objective,
-                                          "low_precision": LowPrecision}
+                                          "low_precision": LowPrecision, "fp8": Fp8Choice}
 _SELECTORS = "it must be a list of plan selectors (operator names, globs or 'type:ClassName')"
 
 
@@ -81,6 +82,18 @@ class SearchConfig:
             are searched (``objective="memory"`` or ``"balanced"``): memory without touching the model's numerics
             of compute, on any device, emulated 16-bit ones included (8-bit state, fp8/bf16 storage and recompute
             need no 16-bit arithmetic).
+        fp8: fp8 compute on top of the 16-bit one, for the ``nn.Linear`` operators fp8 kernels take (in and out
+            features multiples of 16): ``"auto"`` (``"fp8"`` where the device has native fp8 matmuls, CUDA from sm89;
+            none elsewhere), ``"off"``, ``"fp8"`` (per-tensor scales, torchao's ``tensorwise``) or ``"fp8-rowwise"``
+            (per-row scales), these two measured even where fp8 is emulated (a CPU). Once the compute candidates are
+            decided, each lowered Linear (pooled with the same Linear of the other repeated blocks) is timed in fp8
+            against its 16-bit lowering at the plan's cast boundaries (scaling and casts charged) and becomes an fp8
+            candidate where it is faster by the speed margin; the plan with them is timed as a whole step too. In the
+            epoch stage an fp8 candidate is a lever of its own: where it fails the convergence check the operator is
+            demoted to its 16-bit precision, not to FP32. Needs ``low_precision`` bf16 (or ``"auto"`` resolving to
+            it): fp8 operators hand on bf16 activations.
+        include_fp8: plan selectors of Linear operators to trial in fp8 whatever the batch stage measures (they must
+            be ones fp8 kernels take); convergence still decides. Needs ``fp8`` other than ``"off"``.
         precisions: the other dimensions' choices, ``{dimension: choice}`` for ``saved``, ``state`` and ``master``
             (a dimension left out is ``"auto"``); used by ``objective="memory"``/``"balanced"`` only. Every choice
             is ``"auto"``, ``"off"`` (as FP32 training does it) or one value of that dimension:
@@ -144,6 +157,8 @@ class SearchConfig:
     tolerance_mode: ToleranceMode = ToleranceMode.RELATIVE
     objective: Objective = Objective.THROUGHPUT
     low_precision: LowPrecision = LowPrecision.AUTO
+    fp8: Fp8Choice = Fp8Choice.AUTO
+    include_fp8: tuple[str, ...] = ()
     precisions: dict[str, str] = field(default_factory=_every_dimension_auto)
     include: tuple[str, ...] = ()
     include_dimensions: dict[str, list[str]] = field(default_factory=dict)
@@ -180,8 +195,10 @@ class SearchConfig:
         included = {dimension: Selectors(()) for dimension in Dimension}
         included[Dimension.COMPUTE] = self._selectors("include", self.include)
         self._selectors("exclude", self.exclude)
+        self._selectors("include_fp8", self.include_fp8)
         object.__setattr__(self, "include", tuple(self.include))
         object.__setattr__(self, "exclude", tuple(self.exclude))
+        object.__setattr__(self, "include_fp8", tuple(self.include_fp8))
         for dimension, selectors in self._parse_includes().items():
             stored = [value for value in self.tried(dimension) if value is not SavedPrecision.RECOMPUTE]
             if selectors and not stored:
@@ -194,6 +211,18 @@ class SearchConfig:
                            {d: list(s.selectors) for d, s in included.items() if d in AUTO_VALUES and s})
         object.__setattr__(self, "_included", included)
         self._check_compute_off()
+        self._check_fp8()
+
+    def _check_fp8(self) -> None:
+        """fp8 is searched on top of a bf16 compute search; ``include_fp8`` needs fp8 searched."""
+        if self.include_fp8 and self.fp8 is Fp8Choice.OFF:
+            raise SearchConfigError(f"CoMPSearch(include_fp8={list(self.include_fp8)!r}) names fp8 candidates, which"
+                                    " fp8='off' never tries; use fp8='auto', 'fp8' or 'fp8-rowwise'.")
+        if self.fp8 in (Fp8Choice.FP8, Fp8Choice.FP8_ROWWISE) and self.low_precision in (LowPrecision.FP16,
+                                                                                           LowPrecision.OFF):
+            raise SearchConfigError(f"CoMPSearch(fp8={self.fp8.value!r}) needs low_precision 'auto' or 'bf16' (fp8"
+                                    " operators hand on bf16 activations, and are demoted to bf16 where fp8 fails),"
+                                    f" not {self.low_precision.value!r}.")
 
     def _check_compute_off(self) -> None:
         """``low_precision="off"`` searches the memory dimensions alone: it needs an objective that weighs memory and
@@ -343,6 +372,19 @@ class SearchConfig:
         ``precisions`` switches it off (``recompute``, storing nothing, comes after the stored values). Each is a
         member of ``dimension.values``."""
         return tried_values(dimension, self.precisions[dimension])
+
+    def resolve_fp8(self, device: DeviceClass, low: ComputePrecision | None) -> ComputePrecision | None:
+        """The fp8 precision to search with on ``device`` on top of ``low`` (``None``: no fp8 search).
+
+        ``"auto"`` is ``fp8`` where ``device`` has native fp8 matmuls; an explicit recipe is searched wherever fp8
+        runs at all (its measurements decide; ``include_fp8`` forces candidates). Only on top of bf16.
+        """
+        if self.fp8 is Fp8Choice.OFF or low is not ComputePrecision.BF16:
+            return None
+        if self.fp8 is Fp8Choice.AUTO:
+            return ComputePrecision.FP8 if device.is_native(ComputePrecision.FP8) else None
+        precision = ComputePrecision.parse(self.fp8.value)
+        return precision if device.runs(precision) else None
 
     def resolve_low_precision(self, device: DeviceClass) -> ComputePrecision | None:
         """The 16-bit precision to search with on ``device`` (``None`` when none is native there).

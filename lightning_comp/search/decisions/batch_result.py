@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from lightning_comp.numerics.precision import MasterPrecision, SavedPrecision, StatePrecision
+from lightning_comp.numerics.precision import ComputePrecision, MasterPrecision, SavedPrecision, StatePrecision
 from lightning_comp.plan.dimensions import Dimension
 from lightning_comp.search.candidates import Candidate
 from lightning_comp.search.decisions.cheapest_bytes import MemorySpending
@@ -19,7 +19,24 @@ from lightning_comp.search.decisions.refinement import GroupFlip
 from lightning_comp.search.decisions.trial_plans import CheapRun, Choices
 from lightning_comp.search.decisions.whole_step import ComparedPlan, PlanStep, ProfiledPlan, TrialledPlan
 
-__all__ = ["BatchStageResult", "ParameterStageResult", "SavedStageResult", "StepMemory"]
+__all__ = ["BatchStageResult", "Fp8StageResult", "ParameterStageResult", "SavedStageResult", "StepMemory"]
+
+
+@dataclass
+class Fp8StageResult:
+    """The fp8 candidates the fp8 stage found (:mod:`lightning_comp.search.stages.fp8_stage`).
+
+    Attributes:
+        precision: the fp8 precision searched (its recipe), ``None``: fp8 not searched.
+        choices: operator (or a group's glob) -> the fp8 precision of its fp8 candidate.
+        benefits: per fp8 candidate, the milliseconds per step it saves against its 16-bit lowering.
+        skipped: why the stage did not run, or why it took nothing (``None``: it ran and decided per operator).
+    """
+
+    precision: ComputePrecision | None = None
+    choices: dict[str, ComputePrecision] = field(default_factory=dict)
+    benefits: dict[Candidate, float] = field(default_factory=dict)
+    skipped: str | None = None
 
 
 @dataclass
@@ -110,6 +127,7 @@ class BatchStageResult:
             decided).
         memory_spending: (memory objective) the memory levers ranked by bytes per millisecond, what was taken and
             the frontier (``None``: not run).
+        fp8: the fp8 candidates (where fp8 is searched).
     """
 
     decisions: dict[str, OperatorDecision]
@@ -126,16 +144,26 @@ class BatchStageResult:
     flips: list[GroupFlip] = field(default_factory=list)
     trialled: TrialledPlan | None = None
     memory_spending: MemorySpending | None = None
+    fp8: Fp8StageResult = field(default_factory=Fp8StageResult)
 
     @property
     def members(self) -> dict[Candidate, tuple[Candidate, ...]]:
         """Per compute candidate naming a group of operators (its glob), its members' candidates."""
-        named = {candidate.operator for candidate in self.candidates if candidate.dimension is Dimension.COMPUTE}
-        return {Candidate(group.pattern): tuple(Candidate(m) for m in group.members)
-                for group in self.groups if group.exact_glob and group.pattern in named}
+        out: dict[Candidate, tuple[Candidate, ...]] = {}
+        for fp8 in (False, True):  # a group's fp8 candidate splits into its members' fp8 candidates
+            named = {c.operator for c in self.candidates if c.dimension is Dimension.COMPUTE and c.fp8 is fp8}
+            out.update({Candidate(group.pattern, fp8=fp8): tuple(Candidate(m, fp8=fp8) for m in group.members)
+                        for group in self.groups if group.exact_glob and group.pattern in named})
+        return out
 
     @property
     def choices(self) -> Choices:
-        """Per parameter-side dimension, operator -> the value of its candidate of that dimension."""
-        return {Dimension.SAVED: dict(self.saved.choices), Dimension.STATE: dict(self.parameters.state_choices),
+        """Per parameter-side dimension, operator -> the value of its candidate of that dimension; and for compute,
+        operator -> the fp8 precision of its fp8 candidate (a group's glob: each member's too, for its split)."""
+        fp8 = dict(self.fp8.choices)
+        for group in self.groups:
+            if group.pattern in fp8:
+                fp8.update(dict.fromkeys(group.members, fp8[group.pattern]))
+        return {Dimension.COMPUTE: fp8, Dimension.SAVED: dict(self.saved.choices),  # type: ignore[dict-item]
+                Dimension.STATE: dict(self.parameters.state_choices),
                 Dimension.MASTER: dict(self.parameters.master_choices)}

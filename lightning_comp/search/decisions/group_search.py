@@ -5,9 +5,11 @@ does not is split in two and each part is tried alone, down to single candidates
 the first part of a failing group passes, the second is known to fail without a trial and is split at once.
 
 A failing group that mixes dimensions is split by dimension before it is halved: the candidates of its first
-dimension (in :class:`~lightning_comp.plan.dimensions.Dimension` order: compute, saved, state, master) apart from the
-rest. So the compute lowerings are tried apart from the memory levers, then the saved levers apart from the state and
-master ones, then state apart from master; only a group of one dimension is halved. A lever that breaks convergence
+dimension (in :data:`~lightning_comp.search.candidates.LEVERS` order: compute, fp8, saved, state, master) apart from
+the rest. So the compute lowerings are tried apart from the fp8 ones and the memory levers, then fp8 apart from the
+memory levers, the saved levers apart from the state and master ones, then state apart from master; only a group of
+one dimension is halved. (fp8 counts as a dimension here: an operator unsafe in fp8 but safe in bf16 is demoted to
+bf16, its fp8 candidate dropped alone.) A lever that breaks convergence
 (an 8-bit state, say) is then isolated among the levers of its own dimension and dropped alone, without the operator's
 compute lowering and without the other dimensions' levers, which passed as a whole; and when the trial budget runs out
 the passing groups the fallback chooses among are whole dimensions rather than mixed halves. (A master candidate
@@ -40,22 +42,21 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lightning_comp.errors import UsageError
-from lightning_comp.plan.dimensions import Dimension
-from lightning_comp.search.candidates import Candidate, candidates_from_plain, candidates_to_plain
+from lightning_comp.search.candidates import LEVERS, Candidate, candidates_from_plain, candidates_to_plain
 
 __all__ = ["Group", "GroupSearch", "dimensions_of", "split"]
 
 Group = tuple[Candidate, ...]
 
 
-def dimensions_of(group: Sequence[Candidate]) -> tuple[Dimension, ...]:
-    """The dimensions ``group``'s candidates lower, in :class:`Dimension` order."""
-    present = {candidate.dimension for candidate in group}
-    return tuple(dimension for dimension in Dimension if dimension in present)
+def dimensions_of(group: Sequence[Candidate]) -> tuple[str, ...]:
+    """The levers ``group``'s candidates pull (dimensions, and fp8 beside compute), in :data:`LEVERS` order."""
+    present = {candidate.lever for candidate in group}
+    return tuple(lever for lever in LEVERS if lever in present)
 
 
 def _named(group: Sequence[Candidate]) -> str:
-    return "+".join(dimension.value for dimension in dimensions_of(group))
+    return "+".join(dimensions_of(group))
 
 
 def split(group: Sequence[Candidate]) -> tuple[Group, Group]:
@@ -70,8 +71,8 @@ def split(group: Sequence[Candidate]) -> tuple[Group, Group]:
         raise UsageError(f"Only a group of two or more candidates is split, got {group!r}.")
     dimensions = dimensions_of(group)
     if len(dimensions) > 1:
-        return (tuple(c for c in group if c.dimension is dimensions[0]),
-                tuple(c for c in group if c.dimension is not dimensions[0]))
+        return (tuple(c for c in group if c.lever == dimensions[0]),
+                tuple(c for c in group if c.lever != dimensions[0]))
     half = len(group) // 2
     return group[:half], group[half:]
 

@@ -29,6 +29,7 @@ from lightning_comp.operators.kinds import (
 )
 from lightning_comp.plan.dimensions import Dimension
 from lightning_comp.search.config import SearchConfig
+from lightning_comp.search.decisions.fp8 import Fp8Decision
 from lightning_comp.search.decisions.groups import OperatorGroup, group_operators, pooled_series
 from lightning_comp.search.decisions.objectives import ObjectivePolicy
 from lightning_comp.search.decisions.parameters import ParameterDecision
@@ -81,6 +82,8 @@ class OperatorDecision:
         saved: the decision on the precision of what it saves for backward (memory and balanced objectives).
         parameters: the decision on its parameters' optimizer state and master precision (memory and balanced
             objectives, operators owning parameters).
+        fp8: the decision on computing it in fp8 instead of its 16-bit lowering (where fp8 is searched and it is a
+            Linear fp8 kernels take).
     """
 
     type: str
@@ -106,6 +109,7 @@ class OperatorDecision:
     group_size: int = 1
     saved: SavedDecision | None = None
     parameters: ParameterDecision | None = None
+    fp8: Fp8Decision | None = None
 
     def __post_init__(self) -> None:
         self.heavy = self.heavy or self.kind in JUDGED_KINDS

@@ -26,7 +26,8 @@ from lightning_comp.search.decisions.operators import Choice, OperatorDecision
 __all__ = ["PARAMETER_SIDE", "CheapRun", "Choices", "PlanRole", "cheap_runs", "compute_candidates", "plan_for"]
 
 PARAMETER_SIDE = (Dimension.SAVED, Dimension.STATE, Dimension.MASTER)  # the dimensions whose candidates carry a value
-Choices = dict[Dimension, dict[str, DimensionValue]]  # per dimension of PARAMETER_SIDE, operator -> its value
+# per dimension of PARAMETER_SIDE, operator -> its value; COMPUTE: operator -> the fp8 precision of its fp8 candidate
+Choices = dict[Dimension, dict[str, DimensionValue]]
 
 
 class PlanRole(str, Enum):
@@ -84,10 +85,11 @@ def cheap_runs(order: Sequence[str], decisions: Mapping[str, OperatorDecision],
 def plan_for(low: ComputePrecision, runs: Iterable[CheapRun], group: Sequence[Candidate] | None,
              choices: Mapping[Dimension, Mapping[str, DimensionValue]] | None = None) -> PrecisionPlan:
     """The plan that lowers ``group``: its compute candidates to ``low`` with the fills of ``runs`` between two of
-    them; and the operators of its candidates of the other dimensions at ``choices[dimension][operator]`` (its saved
-    candidates saving at that saved precision, its state candidates keeping their optimizer state at that precision,
-    its master candidates holding their parameters at that precision and computing in ``low`` with them: a bf16
-    master needs a bf16 operator).
+    them; its fp8 candidates to their fp8 precision, ``choices[COMPUTE][operator]`` (computing low: a run of fills
+    next to one is lowered as next to a compute candidate); and the operators of its candidates of the other
+    dimensions at ``choices[dimension][operator]`` (its saved candidates saving at that saved precision, its state
+    candidates keeping their optimizer state at that precision, its master candidates holding their parameters at
+    that precision and computing in ``low`` with them: a bf16 master needs a bf16 operator).
 
     Raises:
         SearchConfigError: if a candidate has no value of its dimension in ``choices`` (an inconsistent checkpoint).
@@ -95,13 +97,21 @@ def plan_for(low: ComputePrecision, runs: Iterable[CheapRun], group: Sequence[Ca
     if not group:
         return PrecisionPlan()
     by_dimension: dict[Dimension, list[str]] = {dimension: [] for dimension in Dimension}
+    fp8 = [candidate.operator for candidate in group if candidate.fp8]
     for candidate in group:
-        by_dimension[candidate.dimension].append(candidate.operator)
-    compute = set(by_dimension[Dimension.COMPUTE]) | set(by_dimension[Dimension.MASTER])
+        if not candidate.fp8:
+            by_dimension[candidate.dimension].append(candidate.operator)
+    compute = set(by_dimension[Dimension.COMPUTE]) | set(by_dimension[Dimension.MASTER]) | set(fp8)
     entries = {name: low.value for name in compute}
     for run in runs:
         if run.before in compute and run.after in compute:
             entries.update({name: low.value for name in run.operators})
+    precisions = (choices or {}).get(Dimension.COMPUTE) or {}
+    missing = [name for name in fp8 if name not in precisions]
+    if missing:
+        raise SearchConfigError(f"fp8 candidates {missing} have no fp8 precision in the search state"
+                                f" ({dict(precisions)!r}); the checkpoint is inconsistent.")
+    entries.update({name: precisions[name].value for name in fp8})
     plan = PrecisionPlan.from_dict(entries)
     for dimension in PARAMETER_SIDE:
         names = by_dimension[dimension]

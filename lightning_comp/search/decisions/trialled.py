@@ -59,11 +59,12 @@ def members_of(candidate: Candidate, groups: list[OperatorGroup]) -> tuple[str, 
 
 
 def in_execution_order(order: list[str], compute: list[Candidate], groups: list[OperatorGroup],
-                        saved: SavedStageResult, parameters: ParameterStageResult) -> list[Candidate]:
-    """Every candidate in execution order, each operator's together: a compute candidate at its first operator,
-    then that operator's saved, state and master candidates."""
+                        saved: SavedStageResult, parameters: ParameterStageResult,
+                        fp8: Sequence[Candidate] = ()) -> list[Candidate]:
+    """Every candidate in execution order, each operator's together: a compute candidate at its first operator (its
+    fp8 candidate after it), then that operator's saved, state and master candidates."""
     at: dict[str, list[Candidate]] = {}
-    for candidate in compute:
+    for candidate in (*compute, *fp8):
         at.setdefault(members_of(candidate, groups)[0], []).append(candidate)
     out: list[Candidate] = []
     for name in order:

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from lightning_comp.search.decisions.batch_result import BatchStageResult, ParameterStageResult
+from lightning_comp.search.decisions.batch_result import BatchStageResult, Fp8StageResult, ParameterStageResult
+from lightning_comp.search.decisions.fp8 import Fp8Decision
 from lightning_comp.search.decisions.operators import OperatorDecision
 from lightning_comp.search.decisions.parameters import ParameterDecision
 from lightning_comp.search.decisions.refinement import GroupFlip
@@ -17,7 +18,7 @@ from lightning_comp.search.decisions.saved import SavedDecision
 from lightning_comp.search.decisions.whole_step import TrialledPlan
 from lightning_comp.search.measurement.process_memory import StepPeak
 
-__all__ = ["batch_record", "operator_record", "parameter_record", "peak_record", "saved_record"]
+__all__ = ["batch_record", "fp8_record", "operator_record", "parameter_record", "peak_record", "saved_record"]
 
 
 def batch_record(batch: BatchStageResult | None) -> dict[str, Any]:
@@ -25,7 +26,7 @@ def batch_record(batch: BatchStageResult | None) -> dict[str, Any]:
     if batch is None:
         return {"operators": {}, "groups": {}, "timing": None, "step_ms": {}, "step_wall_ms": {}, "step_ratios": {},
                 "step_saved_bytes": {}, "step_process_peaks": {}, "trialled_plan": None, "refinements": [],
-                "parameter_step": {}, "memory": {}}
+                "parameter_step": {}, "fp8_stage": {}, "memory": {}}
     steps = batch.steps
     return {
         "operators": {name: operator_record(decision) for name, decision in batch.decisions.items()},
@@ -43,6 +44,7 @@ def batch_record(batch: BatchStageResult | None) -> dict[str, Any]:
         "trialled_plan": None if batch.trialled is None else _trialled(batch.trialled),
         "refinements": [_flip(flip) for flip in batch.flips],
         "parameter_step": _parameter_stage(batch.parameters),
+        "fp8_stage": _fp8_stage(batch.fp8),
         "memory": {plan.value: {"saved_bytes": memory.saved_bytes, "peak_bytes": memory.peak_bytes,
                                 "reserved_bytes": memory.reserved_bytes, "live_bytes": memory.live_bytes,
                                 "os_bytes": memory.os_bytes, "how": memory.how}
@@ -81,6 +83,14 @@ def _parameter_stage(result: ParameterStageResult) -> dict[str, Any]:
     return out
 
 
+def _fp8_stage(result: Fp8StageResult) -> dict[str, Any]:
+    out: dict[str, Any] = {"precision": None if result.precision is None else result.precision.value,
+                           "candidates": {n: p.value for n, p in result.choices.items()}}
+    if result.skipped is not None:
+        out["skipped"] = result.skipped
+    return out
+
+
 def operator_record(decision: OperatorDecision) -> dict[str, Any]:
     """One operator's measurements and decision, as the record holds them."""
     out: dict[str, Any] = {"type": decision.type, "kind": decision.kind.value, "params": decision.params}
@@ -114,6 +124,21 @@ def operator_record(decision: OperatorDecision) -> dict[str, Any]:
         out["saved"] = saved_record(decision.saved)
     if decision.parameters is not None:
         out["parameters"] = parameter_record(decision.parameters)
+    if decision.fp8 is not None:
+        out["fp8"] = fp8_record(decision.fp8)
+    return out
+
+
+def fp8_record(decision: Fp8Decision) -> dict[str, Any]:
+    """One operator's fp8 decision, as the record holds it."""
+    out: dict[str, Any] = {"precision": decision.precision.value, "lowers": decision.lowers, "reason": decision.reason,
+                           "low_ms": decision.low_ms, "fp8_ms": decision.fp8_ms}
+    if decision.time is not None:
+        out["time_ratio"] = decision.time.to_dict()
+    if decision.group:
+        out["group"] = list(decision.group)
+    if decision.forced:
+        out["forced"] = True
     return out
 
 

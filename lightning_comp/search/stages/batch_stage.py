@@ -16,7 +16,9 @@ fastest by the median, then refined one group at a time by whole steps,
 :mod:`lightning_comp.search.stages.refine_stage`); if nothing beats FP32, the search ends. The trialled plan is
 written whole (one glob per group it lowers whole). With the memory and balanced objectives, the saved stage
 (:mod:`lightning_comp.search.stages.saved_stage`) adds the saved-precision candidates, and the parameter stage
-(:mod:`lightning_comp.search.stages.parameter_stage`) the optimizer-state and master-weight ones.
+(:mod:`lightning_comp.search.stages.parameter_stage`) the optimizer-state and master-weight ones. Where fp8 is
+searched, the fp8 stage (:mod:`lightning_comp.search.stages.fp8_stage`) adds fp8 candidates for the lowered Linears
+that are faster in fp8 than in bf16.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from lightning_comp.search.candidates import Candidate
 from lightning_comp.search.config import SearchConfig, Timing
 from lightning_comp.search.decisions.batch_result import (
     BatchStageResult,
+    Fp8StageResult,
     StepMemory,
 )
 from lightning_comp.search.decisions.groups import group_operators
@@ -85,6 +88,7 @@ from lightning_comp.search.ranks import agree, reduce_profile
 from lightning_comp.search.record.progress import SearchProgress
 from lightning_comp.search.rewind.snapshot import capture_rng, restore_rng
 from lightning_comp.search.stages.context import StageContext, Step
+from lightning_comp.search.stages.fp8_stage import Fp8Stage
 from lightning_comp.search.stages.memory_stage import memory_levers
 from lightning_comp.search.stages.refine_stage import Refiner
 
@@ -102,14 +106,16 @@ class BatchStage:
         low: the 16-bit precision searched.
         plugin: the plugin that puts each measured plan into effect.
         progress: where measured rounds are shown (nothing is shown without it).
+        fp8: the fp8 precision searched on top of ``low`` (``None``: none).
     """
 
     def __init__(self, config: SearchConfig, low: ComputePrecision, plugin: CoMPPrecision,
-                 progress: SearchProgress | None = None) -> None:
+                 progress: SearchProgress | None = None, fp8: ComputePrecision | None = None) -> None:
         self.config = config
         self.low = low
         self.plugin = plugin
         self.progress = progress
+        self.fp8 = fp8
 
     def run(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int,
             restore: Callable[[], None]) -> BatchStageResult:
@@ -209,11 +215,17 @@ class BatchStage:
                                      + sorted(n for n in lowered if n not in order), groups)
         runs = []  # the trialled plan is written out whole: its fills are candidates of their own
         base = plan_for(self.low, runs, compute)
+        fp8 = Fp8StageResult()
+        if self.fp8 is not None:
+            with single_intra_op_thread(timing.single_thread):
+                fp8 = Fp8Stage(ctx, self.fp8).measure(base, compute, groups, decisions)
         with single_intra_op_thread(timing.single_thread):
             saved, parameters, spending = memory_levers(ctx, base, order, decisions, steps, step_saved, source)
-        candidates = in_execution_order(order, compute, groups, saved, parameters)
+        candidates = in_execution_order(order, compute, groups, saved, parameters,
+                                        [Candidate.in_fp8(name) for name in fp8.choices])
         benefits = {candidate: sum(decisions[m].benefit for m in members_of(candidate, groups))
                     for candidate in compute}
+        benefits.update(fp8.benefits)
         benefits.update(saved.benefits)
         benefits.update(parameters.benefits)
         return BatchStageResult(
@@ -222,6 +234,7 @@ class BatchStage:
             memory={label: StepMemory(r.saved_bytes, r.peak_bytes) for label, r in results.items()
                     if label is ProfiledPlan.FP32 or self.low.is_low},
             groups=[g for g in groups if g.size > 1], flips=flips, trialled=trialled, memory_spending=spending,
+            fp8=fp8,
         )
 
     # ---------------------------------------------------------------------------------------------- measuring
