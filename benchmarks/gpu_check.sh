@@ -7,8 +7,11 @@
 #    CUDA timing, fp16 loss scaling, a checkpoint resumed on the GPU, the benchmark);
 # 2. the CUDA simulation's checks against the real device (python -m tests.cuda_sim.run --real): what CI checks on a
 #    simulated GPU every run, now with real kernels (cuDNN RNNs, fused attention, real host syncs);
-# 3. a short benchmarks/compare.py run on CUDA (FP32, AMP, bf16-true, CoMP side by side).
-# Each step has its own time limit; all together fit in 8 minutes on one H200. Exit status: 0 when every step passed.
+# 3. a short benchmarks/compare.py run on CUDA (FP32, AMP, bf16-true, CoMP side by side);
+# 4. benchmarks/fp8_check.py: per-Linear fp8/bf16 time over a range of shapes, and a short CoMPSearch(fp8="auto") of a
+#    ~100M CharGPT trained beside bf16-mixed and torchao's float8 on every Linear and with its automatic filter.
+# Each step has its own time limit; all together fit in 9.5 minutes on one H100/H200. Exit status: 0 when every step
+# passed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-benchmarks/results/gpu_check}
@@ -36,10 +39,12 @@ step() {  # step NAME SECONDS COMMAND...
   [ $rc -eq 0 ] || [ $rc -eq 5 ] || status=1
 }
 
-step tests_cuda 210 python -m pytest tests/cuda -m cuda -q -p no:cacheprovider --junitxml "$out/tests_cuda.xml"
-step cuda_checks_real 90 python -m tests.cuda_sim.run --real -q --junitxml "$out/cuda_checks_real.xml"
-step compare 150 python benchmarks/compare.py --models gpt,cnn,lstm --modes fp32,bf16-mixed,bf16-true,comp \
-  --steps-scale 0.25 --no-plots --no-profile --timeout 120 --out "$out/compare"
+step tests_cuda 200 python -m pytest tests/cuda -m cuda -q -p no:cacheprovider --junitxml "$out/tests_cuda.xml"
+step cuda_checks_real 80 python -m tests.cuda_sim.run --real -q --junitxml "$out/cuda_checks_real.xml"
+step compare 120 python benchmarks/compare.py --models gpt,cnn,lstm --modes fp32,bf16-mixed,bf16-true,comp \
+  --steps-scale 0.25 --no-plots --no-profile --timeout 100 --out "$out/compare"
+step fp8 170 python benchmarks/fp8_check.py --out "$out/fp8" --steps 40 --warmup 8 --rounds 8 --search-batches 20 \
+  --trial-batches 8 --max-trials 2
 
 python - "$out" > "$out/summary.md" 2>&1 <<'PY'
 import sys, xml.etree.ElementTree as ET
@@ -59,9 +64,9 @@ for name in ("tests_cuda", "cuda_checks_real"):
     for case in suite.iter("testcase"):
         for bad in (*case.findall("failure"), *case.findall("error")):
             print(f"  FAILED {case.get('name')}: {(bad.get('message') or '')[:300]}")
-table = out / "compare" / "compare.md"
-if table.exists():
-    print("\n" + table.read_text())
+for table in (out / "compare" / "compare.md", out / "fp8" / "fp8_check.md"):
+    if table.exists():
+        print("\n" + table.read_text())
 PY
 cat "$out/summary.md"
 exit $status

@@ -10,14 +10,15 @@ between steps (a search trials fp8 and bf16 on the same module).
 
 Used pieces (torchao 0.18): ``Float8LinearConfig``, ``LinearMMConfig``/``ScaledMMConfig`` and
 ``matmul_with_hp_or_float8_args``. The last two are not documented as public API; every use goes through this file.
-Importing ``torchao`` costs about 2.5 s (and prints lines about CUDA extensions on a CPU build), so it happens on the
-first fp8 call, not when lightning-comp is imported.
+Importing ``torchao`` costs about 2.5 s (and logs a warning per CUDA extension it cannot load on a CPU build, which
+this door silences), so it happens on the first fp8 call, not when lightning-comp is imported.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 from typing import Any
 
 import torch
@@ -32,12 +33,19 @@ FP8_RECIPES = ("tensorwise", "rowwise")
 
 @functools.cache
 def _float8() -> Any:
+    # On a CPU build torchao logs a warning per CUDA extension it cannot load: noise for an fp8 plan (which never
+    # needs them there); anything worse than a warning still shows.
+    logger = logging.getLogger("torchao")
+    level = logger.level
+    logger.setLevel(max(level, logging.ERROR))
     try:
         from torchao.float8 import config, float8_linear, float8_training_tensor
     except ImportError as err:
         raise MissingExtraError(
             "fp8 compute needs torchao (pip install 'torchao>=0.18' together with your torch pin, e.g."
             f" pip install torch=={torch.__version__.split('+')[0]} torchao): {err}") from None
+    finally:
+        logger.setLevel(level)
     return config, float8_linear, float8_training_tensor
 
 

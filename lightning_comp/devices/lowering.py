@@ -16,11 +16,11 @@ other modules with weights         parameter copies
 shape-only modules, FP32           nothing
 =================================  ==========================================================================
 
-The fp8 precisions (``fp8``, ``fp8-rowwise``) lower ``nn.Linear`` operators only, whose in and out features are
-multiples of 16 (the sizes ``torch._scaled_mm``'s CUDA kernels take): the input is cast to bf16 and the operator's
-``F.linear`` call computes through torchao's float8 matmul (:mod:`lightning_comp.adapters.torchao_float8`), with the
-FP32 (or bf16) master weight scaled to fp8 at each call. Any other operator has no fp8 lowering (:func:`fp8_refusal`
-says why); plans assign it ``bf16`` instead.
+The fp8 precisions (``fp8``, ``fp8-rowwise``) lower ``nn.Linear`` operators (and Hugging Face's ``Conv1D``) only,
+whose in and out features are multiples of 16 (the sizes ``torch._scaled_mm``'s CUDA kernels take): the input is cast
+to bf16 and the operator's ``F.linear`` (``Conv1D``: ``torch.addmm``) call computes through torchao's float8 matmul
+(:mod:`lightning_comp.adapters.torchao_float8`), with the FP32 (or bf16) master weight scaled to fp8 at each call.
+Any other operator has no fp8 lowering (:func:`fp8_refusal` says why); plans assign it ``bf16`` instead.
 """
 
 from __future__ import annotations
@@ -33,7 +33,14 @@ from torch import nn
 from lightning_comp.devices.device_classes import device_class
 from lightning_comp.devices.kernel_probes import probe_recurrent
 from lightning_comp.numerics.precision import ComputePrecision
-from lightning_comp.operators.kinds import OperatorKind, autocast_like, classify, is_recurrent, normalises_input_only
+from lightning_comp.operators.kinds import (
+    OperatorKind,
+    autocast_like,
+    classify,
+    is_recurrent,
+    linear_sizes,
+    normalises_input_only,
+)
 
 __all__ = ["FP8_MULTIPLE", "Lowering", "autocast_available", "fp8_refusal", "lowering_for", "why_not_lowerable"]
 
@@ -106,14 +113,15 @@ def autocast_available(device_type: str) -> bool:
 
 def fp8_refusal(module: nn.Module, device: torch.device | str | None = None) -> str | None:
     """Why ``module`` cannot compute in fp8 (on ``device``, when given), for messages; ``None`` when it can: an
-    ``nn.Linear`` whose in and out features are multiples of :data:`FP8_MULTIPLE`, on a device with fp8 matmuls."""
-    if not isinstance(module, nn.Linear):
+    ``nn.Linear`` (or Hugging Face's ``Conv1D``, a Linear with its weight transposed) whose in and out features are
+    multiples of :data:`FP8_MULTIPLE`, on a device with fp8 matmuls."""
+    sizes = linear_sizes(module)
+    if sizes is None:
         return (f"fp8 computes nn.Linear operators (their F.linear call) and a {type(module).__name__} is not one;"
                 " assign it 'bf16'")
-    sizes = (module.in_features, module.out_features)
     if any(size % FP8_MULTIPLE for size in sizes):
         return (f"fp8 matmul kernels need in and out features that are multiples of {FP8_MULTIPLE}, and this"
-                f" Linear has {sizes[0]} in, {sizes[1]} out; assign it 'bf16'")
+                f" {type(module).__name__} has {sizes[0]} in, {sizes[1]} out; assign it 'bf16'")
     if device is not None:
         target = torch.device(device)
         if not device_class(target).runs(ComputePrecision.FP8):

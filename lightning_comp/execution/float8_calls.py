@@ -1,7 +1,8 @@
 """The fp8 lowering of one ``nn.Linear`` call: its ``F.linear`` computed with float8 operands.
 
 While an operator whose plan entry is ``fp8``/``fp8-rowwise`` runs (between its forward pre- and post-hook), a
-``TorchFunctionMode`` sends the ``F.linear`` call that reads the operator's own weight to torchao's float8 matmul
+``TorchFunctionMode`` sends the ``F.linear`` call that reads the operator's own weight (Hugging Face's ``Conv1D``: its
+``torch.addmm(bias, input, weight)``) to torchao's float8 matmul
 (:func:`lightning_comp.adapters.torchao_float8.float8_linear`), its input cast to bf16 (the activations' dtype of an
 fp8 operator: its output is bf16 too); every other torch call of the forward runs as it is.
 The module keeps its class and parameters (no module swap), so the same ``nn.Linear`` can compute in fp8 in one step
@@ -45,14 +46,18 @@ class Float8Calls(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if func is F.linear:
+        own = getattr(self.module, "weight", None)
+        if func is F.linear and isinstance(own, torch.Tensor):  # nn.Linear: F.linear(input, weight, bias)
             weight = args[1] if len(args) > 1 else kwargs.get("weight")
-            own = getattr(self.module, "weight", None)
-            if isinstance(own, torch.Tensor) and weight is own:
-                bias = args[2] if len(args) > 2 else kwargs.get("bias")
+            if weight is own:
                 self.calls += 1
                 given = args[0] if args else kwargs["input"]
+                bias = args[2] if len(args) > 2 else kwargs.get("bias")
                 return float8_linear(given.to(self.dtype), own, bias, self.recipe)
+        if func is torch.addmm and isinstance(own, torch.Tensor) and len(args) >= 3 and args[2] is own \
+                and not kwargs:  # Hugging Face's Conv1D: addmm(bias, input, weight), weight of shape (in, out)
+            self.calls += 1
+            return float8_linear(args[1].to(self.dtype), own.t(), args[0], self.recipe)
         return func(*args, **kwargs)
 
     def __exit__(self, exc_type: Any, exc: Any, traceback: Any) -> None:
@@ -60,6 +65,6 @@ class Float8Calls(TorchFunctionMode):
         if exc_type is None and self.calls == 0 and sys.exc_info()[1] is None:  # (a raising forward: its error)
             raise PlanError(
                 f"Operator {self.name or '<root>'!r} is planned in fp8, but its forward made no F.linear call with its"
-                " own weight, which is what fp8 computes: a Linear subclass whose forward computes otherwise cannot be"
-                " lowered to fp8. Assign it 'bf16' (or 'fp32') in the plan.")
+                " own weight (nor, for a Conv1D, a torch.addmm), which is what fp8 computes: a Linear subclass whose"
+                " forward computes otherwise cannot be lowered to fp8. Assign it 'bf16' (or 'fp32') in the plan.")
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 from enum import Enum
 from typing import TypeGuard
 
+import torch
 from torch import nn
 
 from lightning_comp.adapters.torch_internals import BATCH_NORM_BASE, CONV_BASE, NORM_BASE
@@ -23,7 +24,7 @@ from lightning_comp.errors import ConfigError
 from lightning_comp.operators.owned_work import owns_planned_work, runs_planned_work
 
 __all__ = ["COMPUTE_CLASS_KINDS", "JUDGED_KINDS", "OperatorKind", "autocast_like", "classify", "does_no_arithmetic",
-           "is_atomic", "is_functional", "is_recurrent", "judged_as_compute", "normalises_input_only",
+           "is_atomic", "is_functional", "is_recurrent", "judged_as_compute", "linear_sizes", "normalises_input_only",
            "register_atomic", "weight_reading"]
 
 
@@ -125,6 +126,18 @@ def weight_reading(module: nn.Module) -> bool:
     """Whether ``module`` is a ``Linear``/``Conv`` (or computes as one): an autocast-lowered operator whose forward
     reads its own weight and bias, so its 16-bit copies can be made by the executor (and re-cast in backward)."""
     return isinstance(module, _WEIGHT_READING_TYPES) or _known(module, _KNOWN_COMPUTE)
+
+
+def linear_sizes(module: nn.Module) -> tuple[int, int] | None:
+    """``(in features, out features)`` of an operator that computes one linear map of its input with its 2-D weight:
+    an ``nn.Linear`` (``F.linear``), or Hugging Face's ``Conv1D`` (``torch.addmm`` with the weight transposed, of
+    shape ``(in, out)``); ``None`` for anything else."""
+    if isinstance(module, nn.Linear):
+        return module.in_features, module.out_features
+    weight = getattr(module, "weight", None)
+    if _known(module, _KNOWN_COMPUTE) and isinstance(weight, torch.Tensor) and weight.dim() == 2:
+        return int(weight.shape[0]), int(weight.shape[1])
+    return None
 
 
 def normalises_input_only(module: nn.Module) -> bool:

@@ -265,3 +265,34 @@ def test_saved_tensors_are_stored_compressed_on_cuda_without_host_synchronisatio
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert min(sqnr(r, g) for r, g in zip(reference, lowered)) > (35.0 if saved == "bf16" else 15.0)
+
+
+def _fp8_native() -> bool:
+    return _gpu().is_native(ComputePrecision.FP8)
+
+
+@pytest.mark.parametrize("recipe", ["fp8", "fp8-rowwise"])
+def test_an_fp8_plan_trains_on_cuda_with_scaled_matmuls_within_tolerance_of_bf16(tmp_path: Path, recipe: str) -> None:
+    """On sm89+: every Linear of the zoo GPT computes through ``_scaled_mm`` with float8 operands, masters and
+    gradients stay fp32, and the validation loss ends within the search's default tolerance of a bf16 plan's."""
+    if not _fp8_native():
+        pytest.skip(f"fp8 matmuls need CUDA sm89+; this is {_gpu().describe()}")
+    from lightning_comp.search.config import SearchConfig
+    from lightning_comp.zoo import CharGPT, CharTextDataModule
+    from tests.helpers.recording import ScaledMatmulRecorder
+
+    def fit(plan: dict[str, str]) -> tuple[float, pl.LightningModule]:
+        pl.seed_everything(0, workers=True)
+        model = CharGPT(width=128, depth=2, heads=4, block_size=64, lr=3e-3)
+        trainer = _trainer(tmp_path, CoMPPrecision(plan), max_epochs=1, limit_train_batches=40, limit_val_batches=4,
+                           num_sanity_val_steps=0, enable_checkpointing=False)
+        trainer.fit(model, datamodule=CharTextDataModule(seq_len=64, num_samples=1024, batch_size=16))
+        return float(trainer.callback_metrics["val_loss"]), model
+
+    reference, _ = fit({"type:Linear": "bf16"})
+    with ScaledMatmulRecorder() as scaled:
+        got, model = fit({"type:Linear": recipe})
+    linears = sum(isinstance(m, nn.Linear) for m in model.modules())
+    assert len(scaled.calls) >= 3 * linears and all(c.devices[0].startswith("cuda") for c in scaled.calls)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert abs(got - reference) <= SearchConfig().tolerance * abs(reference), (got, reference)

@@ -40,7 +40,7 @@ def avx2_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 def test_the_device_is_classified_as_avx2_without_native_16_bit(avx2_run: dict[str, Any]) -> None:
     cls = avx2_run["device_class"]
     assert avx2_run["capability"] == "AVX2" and cls["capability"] == "AVX2"
-    assert cls["native"] == [] and cls["emulated"] == ["bf16", "fp16"]
+    assert cls["native"] == [] and cls["emulated"] == ["bf16", "fp16", "fp8", "fp8-rowwise"]
 
 
 def test_an_explicit_plan_lowering_every_operator_family_trains_to_the_end(avx2_run: dict[str, Any]) -> None:

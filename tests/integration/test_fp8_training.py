@@ -18,7 +18,7 @@ from lightning_comp import CoMPPrecision, PrecisionPlan
 from lightning_comp.execution import emulation
 from lightning_comp.numerics import ComputePrecision
 from lightning_comp.search.config import SearchConfig
-from lightning_comp.zoo import CharGPT, CharTextDataModule, LitGPT
+from lightning_comp.zoo import HFGPT2, CharGPT, CharTextDataModule, LitGPT
 from tests.helpers.recording import ScaledMatmulRecorder
 
 TOLERANCE = SearchConfig().tolerance  # what CoMPSearch accepts of a candidate against the FP32 reference by default
@@ -34,6 +34,12 @@ def _litgpt() -> pl.LightningModule:
     pytest.importorskip("litgpt", reason="litgpt is not installed (the [litgpt] extra)")
     torch.manual_seed(0)
     return LitGPT(width=64, depth=2, heads=4, query_groups=2, block_size=64, lr=3e-3)
+
+
+def _gpt2() -> pl.LightningModule:
+    pytest.importorskip("transformers", reason="transformers is not installed (the [hf] extra)")
+    torch.manual_seed(0)
+    return HFGPT2(width=64, depth=2, heads=2, block_size=64, lr=3e-3)  # Conv1D projections: torch.addmm
 
 
 def _data() -> CharTextDataModule:
@@ -58,10 +64,13 @@ def _val_loss(tmp_path: Path, make: Any, plan: dict[str, str] | None) -> float:
     return float(trainer.callback_metrics["val_loss"])
 
 
-@pytest.mark.parametrize("make", [_gpt, _litgpt], ids=["zoo-gpt", "litgpt"])
-def test_fp8_plans_train_within_the_searchs_tolerance_of_fp32(tmp_path: Path, make: Any) -> None:
+@pytest.mark.parametrize(("make", "types"), [(_gpt, ("Linear",)), (_litgpt, ("Linear",)),
+                                             (_gpt2, ("Linear", "Conv1D"))], ids=["zoo-gpt", "litgpt", "hf-gpt2"])
+def test_fp8_plans_train_within_the_searchs_tolerance_of_fp32(tmp_path: Path, make: Any,
+                                                              types: tuple[str, ...]) -> None:
     reference = _val_loss(tmp_path, make, None)
-    for plan in (FP8_LINEARS, {"type:Linear": "fp8-rowwise"}):
+    for recipe in ("fp8", "fp8-rowwise"):
+        plan = {f"type:{name}": recipe for name in types}
         got = _val_loss(tmp_path, make, plan)
         print(f"{make.__name__} {plan}: val_loss {got:.4f} vs fp32 {reference:.4f} ({got / reference - 1:+.2%})")
         assert abs(got - reference) <= TOLERANCE * abs(reference), (plan, got, reference)

@@ -90,3 +90,17 @@ def test_auto_searches_no_fp8_where_it_is_emulated_and_the_state_round_trips(tmp
     assert not any(c.fp8 for c in search.state.batch.candidates)
     state = SearchState.from_dict(json.loads(json.dumps(search.state.to_dict())))  # JSON types only
     assert state.fp8_precision is None and state.batch is not None
+
+
+def test_the_decision_table_shows_each_linears_fp8_verdict(tmp_path: Path) -> None:
+    search = pinned_search(max_trials=1)
+    _fit(tmp_path, search, WideMLP(offset=False))
+    from lightning_comp.search.record.text import format_record
+
+    record = search.record
+    assert record is not None
+    text = format_record(record)
+    assert "fp8 (each Linear the plan lowers" in text
+    for name in LAYERS:
+        assert any(line.lstrip().startswith(name) and "included by CoMPSearch(include_fp8=...)" in line
+                   for line in text.splitlines()), name

@@ -162,3 +162,23 @@ def test_a_plan_file_with_fp8_entries_round_trips(tmp_path: Any) -> None:
     assert loaded.of("compute", "blocks.0.fc", nn.Linear) is ComputePrecision.FP8
     assert loaded.uses("fp8") and loaded.uses("fp8-rowwise")
     assert '"fp8-rowwise"' in (tmp_path / "plan.json").read_text()
+
+
+def test_hugging_faces_conv1d_computes_in_fp8_through_its_addmm(dtype_recorder: DtypeRecorder) -> None:
+    """GPT-2's ``Conv1D`` is a Linear with its weight transposed (``torch.addmm(bias, x, weight)``): the same fp8
+    matmuls, its gradient in its own layout."""
+    pytest.importorskip("transformers", reason="transformers is not installed (the [hf] extra)")
+    from transformers.pytorch_utils import Conv1D
+
+    torch.manual_seed(0)
+    reference, lowered = nn.Sequential(Conv1D(64, 32)), nn.Sequential(Conv1D(64, 32))
+    lowered.load_state_dict(reference.state_dict())
+    x = torch.randn(2, 9, 32)
+    _, expected = _steps(reference, {}, x, steps=1)
+    with ScaledMatmulRecorder(dtype_recorder) as scaled:
+        _, got = _steps(lowered, {"0": "fp8"}, x, steps=1, recorder=dtype_recorder)
+    assert [c.module for c in scaled.calls].count("0") == 1 and len(scaled.calls) == 3
+    assert sqnr(expected, got) > 22
+    assert lowered[0].weight.grad is not None and lowered[0].weight.grad.shape == (32, 64)
+    assert sqnr(reference[0].weight.grad, lowered[0].weight.grad) > 18  # type: ignore[arg-type]
+    assert "has 32 in, 10 out" in str(fp8_refusal(Conv1D(10, 32)))

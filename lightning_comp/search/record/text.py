@@ -55,6 +55,7 @@ def format_record(record: dict[str, Any]) -> str:
                     f" its members' times summed{clock}):",
                 format_table(("operator", "type", "fp32 ms", f"{low} ms", "ratio", "fp32 B", f"{low} B", "decision",
                               "why"), _operator_rows(operators))]
+    out += _fp8_section(operators, record.get("fp8_stage") or {})
     out += _saved_section(operators)
     out += _parameter_section(operators, record.get("parameter_step") or {})
     out += _spending_section(record.get("memory_spending"))
@@ -169,6 +170,28 @@ def _trialled_lines(record: dict[str, Any]) -> list[str]:
                    f" x{r['ratio']:.3f} [{r['low']:.3f}, {r['high']:.3f}] of the plan without it over {r['rounds']}"
                    f" rounds: {'kept' if flip['kept'] else 'not kept'}")
     return out
+
+
+def _fp8_section(operators: dict[str, Any], stage: dict[str, Any]) -> list[str]:
+    """The fp8 decisions (where fp8 was searched): one row per Linear or group judged, its fp8/16-bit time."""
+    rows, seen = [], set()
+    for name, op in operators.items():
+        fp8 = op.get("fp8")
+        if not fp8:
+            continue
+        group = tuple(fp8.get("group") or (name,))
+        if group in seen:
+            continue
+        seen.add(group)
+        ratio = fp8.get("time_ratio") or {}
+        rows.append((name if len(group) == 1 else f"{name} (+{len(group) - 1} alike)", fp8["precision"],
+                     f"{fp8['low_ms']:.3f}", f"{fp8['fp8_ms']:.3f}",
+                     f"x{ratio['ratio']:.2f} [{ratio['low']:.2f}, {ratio['high']:.2f}]" if ratio else "",
+                     "fp8" if fp8["lowers"] else "16-bit", fp8["reason"]))
+    if not rows:
+        return ["", f"fp8: not searched here ({stage['skipped']})."] if stage.get("skipped") else []
+    return ["", "fp8 (each Linear the plan lowers, fwd+bwd ms in its 16-bit precision and in fp8 at the plan's casts):",
+            format_table(("operator", "fp8", "16-bit ms", "fp8 ms", "ratio", "candidate", "why"), rows)]
 
 
 def _saved_section(operators: dict[str, Any]) -> list[str]:

@@ -21,7 +21,7 @@ from torch import nn
 
 from lightning_comp import PlanError
 from lightning_comp.numerics.precision import ComputePrecision
-from tests.cuda_sim.cases import BATCH, CLASSES, SEQ, Case
+from tests.cuda_sim.cases import BATCH, CASES, CLASSES, SEQ, Case, installed
 from tests.cuda_sim.checks.conftest import MODE
 from tests.cuda_sim.harness import run_steps
 from tests.cuda_sim.simulated import REAL, SimulatedGpu, simulated_gpu
@@ -88,3 +88,29 @@ def test_an_fp8_plan_is_refused_where_the_gpu_has_no_fp8_matmul() -> None:
     with pytest.raises(PlanError, match=r"net\.0 \(Linear, fp8: cuda device cuda sm80 .* has no fp8 matmul"), \
             simulated_gpu(a100):
         run_steps(a100, _case(), _plan())
+
+
+def _library_cases() -> list[object]:
+    cases = {"litgpt": ("litgpt", "Linear"), "GPT-2": ("transformers", "Conv1D")}
+    out = []
+    for prefix, (needs, kind) in cases.items():
+        case = next(c for c in CASES if c.name.startswith(prefix))
+        out.append(pytest.param(case, kind, id=prefix, marks=pytest.mark.skipif(
+            not installed(needs), reason=f"needs {needs} (an extra)")))
+    return out
+
+
+@pytest.mark.parametrize(("case", "kind"), _library_cases())
+@pytest.mark.parametrize("fp8_gpu", TARGETS, ids=[g.label for g in TARGETS])
+def test_the_projections_of_litgpt_and_gpt2_dispatch_scaled_matmuls(fp8_gpu: SimulatedGpu, case: Case,
+                                                                     kind: str) -> None:
+    """litgpt's Linears (GQA attention computed between its projections, RMSNorm, SwiGLU) and GPT-2's Conv1D
+    projections (``torch.addmm`` with the weight transposed), every one fp8 kernels take in fp8 (the vocabulary head,
+    24 wide, in bf16): no host read, fp32 masters and gradients."""
+    with ScaledMatmulRecorder() as scaled:
+        run = run_steps(fp8_gpu, case, {f"type:{kind}": "fp8", "*lm_head": "bf16"})
+    fp8 = [n for n, p in run.precisions.items() if p is ComputePrecision.FP8]
+    assert fp8 and len(scaled.calls) == 2 * 3 * len(fp8), (fp8, len(scaled.calls))
+    assert all(set(c.operands) <= FLOAT8 and set(c.devices) == {"cuda:0"} for c in scaled.calls)
+    assert all(v == (torch.float32, "cuda") for v in run.params.values())
+    assert all(v == (torch.float32, "cuda") for v in run.grads.values()) and set(run.grads) == set(run.params)
