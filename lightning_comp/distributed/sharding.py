@@ -22,7 +22,6 @@ from torch import nn
 from lightning_comp.adapters.lightning_internals import setup_fsdp_activation_checkpointing
 from lightning_comp.adapters.torch_internals import FSDP2_MODULE
 from lightning_comp.errors import UnsupportedSetupError
-from lightning_comp.numerics.precision import ComputePrecision
 from lightning_comp.operators.discovery import iter_operators, operator_name, operator_type
 from lightning_comp.plan.dimensions import Dimension
 from lightning_comp.plan.plan import PlanLike, plan_from_any
@@ -32,8 +31,9 @@ __all__ = ["CPUFSDPStrategy", "fsdp2_policy"]
 
 def fsdp2_policy(plan: PlanLike, module: nn.Module, name: str = "") -> Any:
     """The ``torch.distributed.fsdp.MixedPrecisionPolicy`` for sharding ``module`` (called ``name`` in the model)
-    under ``plan``: ``param_dtype`` the one 16-bit precision of every operator in it that holds parameters (units
-    already sharded inside it excluded), else ``None`` (FP32); ``reduce_dtype`` FP32; inputs and outputs left to the
+    under ``plan``: ``param_dtype`` the one 16-bit dtype every operator in it that holds parameters computes in (units
+    already sharded inside it excluded; bf16 for ``fp8`` operators, which scale that bf16 weight to float8 at each
+    call), else ``None`` (FP32); ``reduce_dtype`` FP32; inputs and outputs left to the
     plan's hooks (``cast_forward_inputs=False``).
 
     Args:
@@ -58,8 +58,10 @@ def fsdp2_policy(plan: PlanLike, module: nn.Module, name: str = "") -> Any:
                 or not any(True for _ in op.parameters(recurse=False)):
             continue
         precisions.add(resolved.of(Dimension.COMPUTE, prefix + op_name if op_name else name, operator_type(op)))
-    low = next(iter(precisions)) if len(precisions) == 1 else ComputePrecision.FP32
-    return MixedPrecisionPolicy(param_dtype=low.dtype if low.is_low else None, reduce_dtype=torch.float32,
+    # bf16 and fp8 operators both take bf16 weights (an fp8 one scales its weight to float8 at each call)
+    dtypes = {precision.dtype for precision in precisions}
+    low = next(iter(dtypes)) if len(dtypes) == 1 else torch.float32
+    return MixedPrecisionPolicy(param_dtype=low if low != torch.float32 else None, reduce_dtype=torch.float32,
                                 cast_forward_inputs=False)
 
 

@@ -216,3 +216,6 @@ def test_an_fsdp2_policy_follows_the_plan_of_the_parameters_its_unit_manages() -
     assert fsdp2_policy({"blocks.0.0": "fp16", "blocks.0.2": "fp16", "blocks.0.3": "fp16"}, block,
                         "blocks.0").param_dtype is torch.float16  # names are the model's, prefix included
     assert fsdp2_policy({"type:Linear": "bf16"}, nn.Sequential(nn.Linear(4, 4)), "").param_dtype is torch.bfloat16
+    # an fp8 Linear beside bf16 operators: its weight is gathered in bf16 too (scaled to float8 at each call)
+    assert fsdp2_policy({"blocks.0.0": "fp8", "blocks.0.2": "fp8-rowwise", "type:LayerNorm": "bf16"}, block,
+                        "blocks.0").param_dtype is torch.bfloat16
