@@ -6,8 +6,8 @@
     python examples/sharded.py --strategy fsdp2 --plan outputs/.../plan.json   # a plan a search saved (one device/DDP)
 
 On a machine without a GPU it runs on the CPU over gloo (FSDP1 through ``CPUFSDPStrategy``); with GPUs, on them.
-The search is not run here: ``CoMPSearch`` refuses sharded strategies; search on one device or under DDP and pass the
-plan file here.
+The search is not run here, to keep the example short: ``CoMPSearch()`` among the Trainer's callbacks searches under
+these strategies as under DDP (the plugin keeps FSDP2 units' policies on each plan it puts in force).
 """
 
 from __future__ import annotations

@@ -29,6 +29,8 @@ __all__ = [
     "ddp_comm_hook",
     "ddp_comm_state",
     "epoch_length",
+    "fsdp1_flat_parameters",
+    "fsdp1_wrapper",
     "iter_stateful_callbacks",
     "optimizer_handles_unscaling",
     "set_callbacks",
@@ -38,6 +40,7 @@ __all__ = [
     "set_sampler_epochs",
     "set_val_check_batch",
     "setup_fsdp_activation_checkpointing",
+    "training_step_through_wrapper",
     "train_dataloaders",
     "val_check_batch",
     "val_check_time_interval",
@@ -153,3 +156,38 @@ def setup_fsdp_activation_checkpointing(strategy: Any, model: Any) -> None:
     from lightning.pytorch.strategies.fsdp import _setup_activation_checkpointing
 
     _setup_activation_checkpointing(model, strategy._activation_checkpointing_kwargs)
+
+
+def training_step_through_wrapper(trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> Any:
+    """``pl_module.training_step(*args)`` run through the strategy's wrapped model, as Lightning's own training step
+    runs it (``Strategy._forward_redirection``: the wrapper's ``forward`` is entered, so FSDP1 unshards its flat
+    parameters around the step and reduce-scatters their gradients in backward)."""
+    strategy = trainer.strategy
+    redirect = getattr(strategy, "_forward_redirection", None)
+    if redirect is None:
+        from lightning.pytorch.strategies.strategy import _ForwardRedirection
+
+        redirect = _ForwardRedirection()
+    return redirect(strategy.model, pl_module, "training_step", *args)  # type: ignore[arg-type]
+
+
+def fsdp1_wrapper(trainer: pl.Trainer | None, pl_module: Any) -> Any:
+    """The FSDP1 ``FullyShardedDataParallel`` wrapping ``pl_module`` in ``trainer``'s strategy, or ``None``."""
+    if trainer is None:
+        return None
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+    except ImportError:  # pragma: no cover - a torch without distributed
+        return None
+    model = getattr(getattr(trainer, "strategy", None), "model", None)  # (a stand-in Trainer may have no strategy)
+    return model if isinstance(model, FullyShardedDataParallel) else None
+
+
+def fsdp1_flat_parameters(wrapper: Any) -> dict[str, Any]:
+    """The flat parameters of every FSDP1 unit in ``wrapper`` (``FullyShardedDataParallel._flat_param``, private
+    in torch), by the unit's module name: between steps, each holds this rank's shard of the parameters it flattens."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    units = {id(m): name for name, m in wrapper.named_modules() if isinstance(m, FullyShardedDataParallel)}
+    return {f"{units[id(unit)]}._flat_param": unit._flat_param
+            for unit in FullyShardedDataParallel.fsdp_modules(wrapper) if unit._flat_param is not None}

@@ -26,6 +26,8 @@ __all__ = [
     "BATCH_NORM_BASE",
     "COMPILED_WRAPPER_ATTRIBUTE",
     "FSDP2_MODULE",
+    "fsdp2_policy_of",
+    "set_fsdp2_policy",
     "WRAPPER_ATTRIBUTES",
     "CONV_BASE",
     "ENTER_AUTOCAST",
@@ -223,6 +225,36 @@ def _fsdp2_module() -> type[Any] | None:
 
 #: The class FSDP2's ``fully_shard`` mixes into every module it shards (``FSDP<Class>``), or ``None``.
 FSDP2_MODULE: type[Any] | None = _fsdp2_module()
+
+
+def fsdp2_policy_of(module: nn.Module) -> Any:
+    """The ``MixedPrecisionPolicy`` an FSDP2 unit was sharded with (``FSDPState._mp_policy``)."""
+    return module._get_fsdp_state()._mp_policy  # type: ignore[operator]
+
+
+def set_fsdp2_policy(module: nn.Module, policy: Any) -> None:
+    """Give an FSDP2 unit ``policy`` from its next unshard on, as if ``fully_shard`` had been given it: the state's
+    and the parameter group's ``mp_policy``, and each sharded parameter's all-gather and reduce dtypes
+    (``FSDPParamGroup._init_mp_dtypes``), dropping its all-gather buffers and unsharded parameter where the dtype
+    changes. Call it between steps (while the unit holds its shards)."""
+    state = module._get_fsdp_state()  # type: ignore[operator]
+    state._mp_policy = policy
+    group = state._fsdp_param_group
+    if group is None:
+        return
+    missing = object()  # (before the unit's first forward its parameters have no dtypes yet: nothing to drop)
+    before = [getattr(fsdp_param, "param_dtype", missing) for fsdp_param in group.fsdp_params]
+    group.mp_policy = policy
+    group._init_mp_dtypes()
+    for fsdp_param, dtype in zip(group.fsdp_params, before, strict=True):
+        if dtype is not missing and fsdp_param.param_dtype != dtype:
+            # the all-gather buffers and the unsharded parameter were made in the old dtype at the first all-gather:
+            # dropped, FSDP2 makes them again at the next one (FSDPParam.init_all_gather_outputs and
+            # init_unsharded_param build them only where there are none)
+            fsdp_param.all_gather_outputs = []
+            fsdp_param._unsharded_inner_tensors = []
+            if hasattr(fsdp_param, "_unsharded_param"):
+                del fsdp_param._unsharded_param
 
 
 def never_compile_as_frame(code: CodeType) -> None:

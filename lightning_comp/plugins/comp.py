@@ -81,6 +81,14 @@ class CoMPPrecision(PlanShell, Precision):
             bf16 once a step's managed parameters hold 2^20 elements; eager where compiling fails, with a warning),
             ``"compiled"`` (an error where it cannot compile) or ``"eager"`` (op by op). See
             :mod:`lightning_comp.execution.update_path`.
+        fsdp2_policies: under FSDP2, every unit's ``MixedPrecisionPolicy`` follows the plan in force (a fixed plan, a
+            search's every trial and the plan it chooses, a later :meth:`set_plan`): a unit whose operators with
+            parameters all compute in one 16-bit dtype all-gathers in it (half the bytes), gradients reduced in FP32
+            (:mod:`lightning_comp.execution.fsdp2_policies`). Its numerics are the hooks' except where the unit's
+            parameters are read outside their operator (a tied weight, a model's own functional code) or by a norm a
+            CPU lowers by an input cast (FP32 affine parameters under the hooks): those read the 16-bit copy. A
+            search validates with the same policies it trains with. ``False`` leaves the policies ``fully_shard``
+            was given alone (the hooks lower per operator, FP32 all-gathers).
 
     Raises:
         PlanError: if ``plan`` cannot be read.
@@ -100,12 +108,14 @@ class CoMPPrecision(PlanShell, Precision):
         recast_weights_in_backward: bool = True,
         min_saved_bytes: int = DEFAULT_MIN_SAVED_BYTES,
         update_path: UpdatePath | str = UpdatePath.AUTO,
+        fsdp2_policies: bool = True,
     ) -> None:
         Precision.__init__(self)  # (not super(): a subclass that is also an FSDPPrecision must not run its __init__)
         self._runtime = PlanRuntime(plan, owner=type(self).__name__, hooks_on_attach=True,
                                     allow_slow_fp16=allow_slow_fp16, scaler=scaler, scaler_factory=self._new_scaler,
                                     recast_weights_in_backward=recast_weights_in_backward,
-                                    min_saved_bytes=min_saved_bytes, update_path=update_path)
+                                    min_saved_bytes=min_saved_bytes, update_path=update_path,
+                                    fsdp2_policies=fsdp2_policies)
         self._hook_guards = ExitStack()  # while a compiled model trains: Dynamo guards on hooks
         self._training_begun = False  # the fit's first training step ran (its checks and logging are done)
         self._plan_expected = False  # a search said it will put a plan in force during this fit

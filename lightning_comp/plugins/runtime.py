@@ -30,6 +30,7 @@ from lightning_comp.devices.device_classes import DeviceClass, device_class, mod
 from lightning_comp.execution.compiled_regions import is_compiled
 from lightning_comp.execution.emulation import check_plan_device, decline_slow_fp16
 from lightning_comp.execution.executor import PlanExecutor, StepKind
+from lightning_comp.execution.fsdp2_policies import PolicyFollower
 from lightning_comp.execution.loss_scaling import ScalerSlot, SkippedSteps
 from lightning_comp.execution.optimizer_states import OptimizerStates
 from lightning_comp.execution.plugin_state import PluginState
@@ -76,12 +77,13 @@ class PlanRuntime:
         recast_weights_in_backward: as the plugins'.
         min_saved_bytes: as the plugins'.
         update_path: as the plugins'.
+        fsdp2_policies: as the plugins'.
     """
 
     def __init__(self, plan: PlanLike, *, owner: str, hooks_on_attach: bool, allow_slow_fp16: bool,
                  scaler: torch.amp.GradScaler | None, scaler_factory: Callable[[str], torch.amp.GradScaler] | None,
                  recast_weights_in_backward: bool, min_saved_bytes: int,
-                 update_path: UpdatePath | str = UpdatePath.AUTO) -> None:
+                 update_path: UpdatePath | str = UpdatePath.AUTO, fsdp2_policies: bool = True) -> None:
         self.owner = owner
         self.requested = plan_from_any(plan)  # asked for; the executor holds it bound, in force
         self.origin = PlanOrigin.DEFAULT if plan is None else PlanOrigin.USER
@@ -89,6 +91,8 @@ class PlanRuntime:
         self.executor = PlanExecutor(recast_weights_in_backward=recast_weights_in_backward,
                                      min_saved_bytes=min_saved_bytes)
         self.optimizer_states = OptimizerStates(update_path)
+        # FSDP2 units' MixedPrecisionPolicy, kept on the plan in force (None: left as fully_shard got them)
+        self.policies = PolicyFollower() if fsdp2_policies else None
         self.optimizer_steps = 0
         self.planned_by_checkpoint = False  # a checkpoint's plan was put in force (see :attr:`unplanned`)
         self._hooks_on_attach = hooks_on_attach
@@ -173,6 +177,8 @@ class PlanRuntime:
         device = model_device(model)
         target = device_class(device)
         plan = self.executor.apply(model, decline_slow_fp16(self.requested, target, self.allow_slow_fp16), device)
+        if self.policies is not None:  # FSDP2 units all-gather in the dtype the plan computes them in
+            self.policies.follow(model, plan)
         self.optimizer_states.assign(model, plan)
         self._scaler.sync(plan.uses(ComputePrecision.FP16), device.type)
         if self.origin not in (PlanOrigin.TRIAL, PlanOrigin.CHOSEN):

@@ -44,6 +44,7 @@ from lightning_comp.search.record.build import build_record, publish
 from lightning_comp.search.record.progress import SearchProgress
 from lightning_comp.search.rewind.checkpoints import CheckpointHold
 from lightning_comp.search.rewind.loop import LoopBudget
+from lightning_comp.search.rewind.model_state import gather_to_rank_zero, own_part, sharded_run
 from lightning_comp.search.rewind.pause import CallbackPause
 from lightning_comp.search.rewind.snapshot import TrainingSnapshot
 from lightning_comp.search.stages.batch_stage import BatchStage
@@ -175,6 +176,8 @@ class CoMPSearch(Callback):
         self._state = SearchState()
         self._trials: TrialDriver | None = None
         self._eager = EagerWhileSearching()  # a compiled model measures and trials eagerly (search/compiled.py)
+        self._trainer: pl.Trainer | None = None  # (set up: what state_dict asks whether the run is sharded)
+        self._deferred = False  # a resumed fit's beginning waits for its checkpoint (FSDP, ModelParallel)
 
     # -------------------------------------------------------------------------------------------- public state
     @property
@@ -211,13 +214,29 @@ class CoMPSearch(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit":
             self._plugin = check_trainer(trainer, self.config)
+            self._trainer = trainer
             self._plugin.expect_plan()
             check_optimization(pl_module)
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        assert self._plugin is not None
         self._fit_started = time.perf_counter()
+        # FSDP and ModelParallel strategies restore a checkpoint after on_fit_start (whose path is not known yet
+        # there): the search begins once a checkpoint's state is back (at the end of load_state_dict), or at
+        # on_train_start where none was restored
+        self._deferred = trainer.strategy.restore_checkpoint_after_setup
+        if not self._deferred:
+            self._begin(trainer, pl_module)
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._deferred:
+            self._deferred = False
+            self._begin(trainer, pl_module)
+
+    def _begin(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Decide or read back what the search searches, check the set-up, and put the fit's plan in force."""
+        assert self._plugin is not None
         device = device_class(model_device(pl_module))  # Lightning has placed the model by now
         starting = self._state.phase is Phase.PENDING
         if starting:  # a search under way keeps the precisions it searches (the state's, read back on resume)
@@ -390,6 +409,11 @@ class CoMPSearch(Callback):
         state = self._state.to_dict()
         if self._early_stopping.active:  # Lightning saves only the states of callbacks in trainer.callbacks
             state["paused_callbacks"] = self._early_stopping.states()
+        if self._trainer is not None and sharded_run(self._trainer):
+            # each rank's snapshots hold its own shards, and only rank 0's callback state reaches a sharded
+            # checkpoint: every rank's go there, each rank takes its own back on resume
+            for key in ("snapshot", "reference_end"):
+                state[key] = {"per_rank": gather_to_rank_zero(state[key])}
         return state
 
     @override
@@ -401,7 +425,12 @@ class CoMPSearch(Callback):
         """
         values = dict(state_dict)
         self._paused_states = dict(values.pop("paused_callbacks", None) or {})
+        for key in ("snapshot", "reference_end"):  # written sharded: this rank's own
+            values[key] = own_part(values.get(key))
         self._state = SearchState.from_dict(values)
+        if self._deferred and self._trainer is not None:  # (FSDP, ModelParallel: read back after on_fit_start)
+            self._deferred = False
+            self._begin(self._trainer, self._trainer.lightning_module)
 
 
 def _is_early_stopping(callback: Callback) -> bool:

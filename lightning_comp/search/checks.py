@@ -25,7 +25,8 @@ def check_trainer(trainer: pl.Trainer, config: SearchConfig) -> CoMPPrecision:
     """The Trainer's CoMPPrecision plugin, once the Trainer is known to support a search.
 
     Raises:
-        UnsupportedSetupError: without the plugin, or under a sharded strategy.
+        UnsupportedSetupError: without the plugin, or under a strategy whose state a search cannot rewind
+            (DeepSpeed, XLA); FSDP1 and FSDP2 are searched.
         SearchConfigError: where validation cannot judge the trials.
     """
     plugin = trainer.precision_plugin
@@ -36,16 +37,12 @@ def check_trainer(trainer: pl.Trainer, config: SearchConfig) -> CoMPPrecision:
             " and leave Trainer(precision=...) unset."
         )
     strategy = type(trainer.strategy).__name__
-    if any(bad in strategy for bad in ("FSDP", "DeepSpeed", "XLA", "ModelParallel")):
+    if any(bad in strategy for bad in ("DeepSpeed", "XLA")):
         raise UnsupportedSetupError(
-            f"CoMPSearch cannot run under {strategy}: it rewinds every trial to a snapshot of the whole model,"
-            " optimizer and loop, and trials a plan per operator, which sharded state (a shard per rank, plans"
-            " fixed into FSDP units) does not allow. Use strategy='auto', 'ddp' or 'ddp_spawn' to search, on one"
-            " device or under DDP with a configuration that fits (a smaller batch or model), then train sharded"
-            " with the plan it chose: CoMPSearch saves it in the checkpoint and as plan.json"
-            " (search.chosen_plan.save(path)); pass that file to CoMPPrecision(path) under ModelParallelStrategy"
-            " (FSDP2) or to CoMPFSDPPrecision(path) under FSDPStrategy (FSDP1). Plan names and fingerprints hold"
-            " through FSDP's wrappers."
+            f"CoMPSearch cannot run under {strategy}: it rewinds every trial to a snapshot of the model, optimizer and"
+            " loop, which that strategy's state does not allow here. Use strategy='auto', 'ddp', FSDPStrategy (FSDP1)"
+            " or ModelParallelStrategy (FSDP2) to search, then train with the plan it chose (saved in the checkpoint"
+            " and as plan.json)."
         )
     if trainer.limit_val_batches == 0:
         raise SearchConfigError(

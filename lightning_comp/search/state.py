@@ -145,6 +145,8 @@ class SearchState:
         finish_reason: why the search ended as it did.
         kept_trial: index of the trial whose progress was kept, if any.
         profiling_seconds: the batch stage's time (run inside the FP32 reference trial's first batch).
+        snapshot_seconds: the time each snapshot took to capture (on rank 0; its shards only, under FSDP).
+        rewind_seconds: the time each rewind to a snapshot took (on rank 0).
         fit_seconds: time spent in ``fit`` with this callback, over all fits.
         warmup_batches: training batches before the search started.
     """
@@ -167,6 +169,8 @@ class SearchState:
     finish_reason: str | None = None
     kept_trial: int | None = None
     profiling_seconds: float = 0.0
+    snapshot_seconds: list[float] = field(default_factory=list)
+    rewind_seconds: list[float] = field(default_factory=list)
     fit_seconds: float = 0.0
     warmup_batches: int = 0
 

@@ -304,22 +304,24 @@ def _fake_trainer(strategy: Any, plugin: CoMPPrecision | None = None) -> SimpleN
                            limit_val_batches=1.0, check_val_every_n_epoch=1)
 
 
-@pytest.mark.parametrize("name", ["FSDPStrategy", "DeepSpeedStrategy", "XLAStrategy", "ModelParallelStrategy"])
-def test_search_refuses_sharded_strategies_by_name(name: str) -> None:
-    strategy = FSDPStrategy() if name == "FSDPStrategy" else type(name, (DDPStrategy,), {})()
+@pytest.mark.parametrize("name", ["DeepSpeedStrategy", "XLAStrategy"])
+def test_search_refuses_strategies_whose_state_it_cannot_rewind_by_name(name: str) -> None:
+    strategy = type(name, (DDPStrategy,), {})()
     with pytest.raises(UnsupportedSetupError) as info:
         _search().setup(_fake_trainer(strategy), WideMLP(width=32), "fit")  # type: ignore[arg-type]
     message = str(info.value)
     assert f"CoMPSearch cannot run under {name}" in message
-    assert "Use strategy='auto', 'ddp' or 'ddp_spawn'" in message
-    assert "CoMPPrecision(path) under ModelParallelStrategy" in message and "CoMPFSDPPrecision(path)" in message
+    assert "Use strategy='auto', 'ddp', FSDPStrategy (FSDP1) or ModelParallelStrategy (FSDP2)" in message
 
 
-def test_search_refuses_fsdp1_with_the_fsdp_form_of_the_plugin_too() -> None:
+@pytest.mark.parametrize("name", ["FSDPStrategy", "ModelParallelStrategy"])
+def test_search_accepts_sharded_strategies(name: str) -> None:
+    """FSDP1 and FSDP2 are searched (2-process runs: ``tests/integration/test_search_sharded.py``)."""
     from lightning_comp import CoMPFSDPPrecision
 
-    with pytest.raises(UnsupportedSetupError, match="CoMPSearch cannot run under FSDPStrategy"):
-        _search().setup(_fake_trainer(FSDPStrategy(), CoMPFSDPPrecision()), WideMLP(width=32), "fit")  # type: ignore[arg-type]
+    strategy = FSDPStrategy() if name == "FSDPStrategy" else type(name, (DDPStrategy,), {})()
+    plugin = CoMPFSDPPrecision() if name == "FSDPStrategy" else CoMPPrecision()
+    assert check_trainer(_fake_trainer(strategy, plugin), _search().config) is plugin  # type: ignore[arg-type]
 
 
 def test_search_accepts_ddp(tmp_path: Path) -> None:

@@ -151,3 +151,17 @@ def test_fsdp_activation_checkpointing_is_applied_as_lightning_does() -> None:
     adapter.setup_fsdp_activation_checkpointing(FSDPStrategy(activation_checkpointing_policy={nn.Linear}), model)
     assert "0._checkpoint_wrapped_module" in dict(model.named_modules())
     assert type(model[1]).__name__ == "ReLU"
+
+
+def test_the_forward_redirection_and_fsdp1s_flat_parameters_exist_where_the_package_reads_them() -> None:
+    """``training_step_through_wrapper`` reroutes through ``Strategy._forward_redirection`` (a callable on every
+    strategy); ``fsdp1_flat_parameters`` reads ``FullyShardedDataParallel._flat_param``. (Both run for real in the
+    2-process search tests, ``tests/integration/test_search_sharded.py``.)"""
+    from lightning.pytorch.strategies.strategy import _ForwardRedirection
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    assert callable(getattr(DDPStrategy(), "_forward_redirection", None))
+    assert callable(_ForwardRedirection())
+    source = inspect.getsource(FullyShardedDataParallel)
+    assert "_flat_param" in source
+    assert adapter.fsdp1_wrapper(None, TinyMLP()) is None

@@ -223,3 +223,20 @@ def test_an_output_is_found_from_its_node_and_the_node_keyed_without_keeping_it(
     keys = [adapter.node_key(t.grad_fn) for t in (x * 1, x * 2)]  # type: ignore[arg-type]
     assert isinstance(keys[0], int) and keys[0] != keys[1]
     assert adapter.node_key(node) == adapter.node_key(second.grad_fn)  # type: ignore[arg-type]
+
+
+def test_the_fsdp2_internals_a_policy_change_writes_exist() -> None:
+    """``set_fsdp2_policy`` writes ``FSDPState._mp_policy``, ``FSDPParamGroup.mp_policy`` and re-runs its
+    ``_init_mp_dtypes``, dropping ``FSDPParam.all_gather_outputs``/``_unsharded_param``/``_unsharded_inner_tensors``.
+    (It runs for real, policies changing between trials, in ``tests/integration/test_search_sharded.py``.)"""
+    import inspect
+
+    from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_param_group, _fsdp_state
+
+    assert "_mp_policy" in inspect.getsource(_fsdp_state.FSDPState.__init__) or "_mp_policy" in inspect.getsource(
+        _fsdp_state.FSDPState)
+    group = inspect.getsource(_fsdp_param_group.FSDPParamGroup)
+    assert "def _init_mp_dtypes" in group and "self.mp_policy" in group
+    param = inspect.getsource(_fsdp_param.FSDPParam)
+    for attribute in ("all_gather_outputs", "_unsharded_param", "_unsharded_inner_tensors", "def init_dtype_attrs"):
+        assert attribute in param, attribute

@@ -12,6 +12,7 @@ import lightning.pytorch as pl
 import torch
 from torch import nn
 
+from lightning_comp.adapters import lightning_internals as lightning
 from lightning_comp.adapters.torch_internals import storage_key
 from lightning_comp.errors import SearchConfigError
 from lightning_comp.search.measurement.clocks import Clock, ClockKind, make_clock
@@ -23,18 +24,26 @@ L = TypeVar("L", bound=Hashable)  # what names a configuration (the search's com
 
 
 class TrainingStepRunner:
-    """Runs the user's ``training_step`` plus backward on one batch, without logging, stepping or gradient sync.
+    """Runs the user's ``training_step`` plus backward on one batch, without logging or stepping.
+
+    Unsharded (one device, DDP) the LightningModule's own ``training_step`` is called (no gradient sync). Under FSDP1
+    it runs through the strategy's wrapped model, as in training (the flat parameters are shards outside it), so a
+    measured step includes its all-gathers and reduce-scatters; under FSDP2 the model's own units do that around
+    ``training_step`` anyway.
 
     Args:
         pl_module: the model.
         batch: the batch.
         batch_idx: its index, as ``training_step`` receives it.
+        wrapper: the FSDP1 wrapper the step must enter, with its Trainer (``None``: call ``training_step`` itself).
     """
 
-    def __init__(self, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+    def __init__(self, pl_module: pl.LightningModule, batch: Any, batch_idx: int,
+                 wrapper: tuple[pl.Trainer, nn.Module] | None = None) -> None:
         self.pl_module = pl_module
         self.batch = batch
         self.batch_idx = batch_idx
+        self.wrapper = wrapper
 
     def __call__(self) -> None:
         """One forward and backward (gradients are dropped at the end).
@@ -46,7 +55,10 @@ class TrainingStepRunner:
         module.log = _ignore  # type: ignore[method-assign]
         module.log_dict = _ignore  # type: ignore[method-assign]
         try:
-            output = module.training_step(self.batch, self.batch_idx)
+            if self.wrapper is None:
+                output = module.training_step(self.batch, self.batch_idx)
+            else:
+                output = lightning.training_step_through_wrapper(self.wrapper[0], module, self.batch, self.batch_idx)
             loss = output.get("loss") if isinstance(output, Mapping) else output
             if module.automatic_optimization:
                 if not isinstance(loss, torch.Tensor):
@@ -60,6 +72,12 @@ class TrainingStepRunner:
             del module.log_dict
             for param in module.parameters():
                 param.grad = None
+            if self.wrapper is not None:  # FSDP1's flat parameters hold the reduced gradient shards (with
+                # use_orig_params the wrapper lists the original parameters, not them): left there, the next real
+                # step would add them to its own
+                flat = lightning.fsdp1_flat_parameters(self.wrapper[1]).values()
+                for param in (*self.wrapper[1].parameters(), *flat):
+                    param.grad = None
 
 
 

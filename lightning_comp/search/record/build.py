@@ -80,6 +80,9 @@ def build_record(state: SearchState, config: SearchConfig) -> dict[str, Any]:
         "extension_epochs": state.extension_epochs,
         "cost": {
             "profiling_seconds": float(state.profiling_seconds),
+            # each snapshot's capture and each rewind's restore (each rank copies its own shards under FSDP)
+            "snapshot_seconds": [round(float(s), 6) for s in state.snapshot_seconds],
+            "rewind_seconds": [round(float(s), 6) for s in state.rewind_seconds],
             "rejected_trial_seconds": rejected_seconds,
             "search_seconds": search_seconds,
             "fit_seconds": fit_seconds or None,

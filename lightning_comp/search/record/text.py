@@ -110,6 +110,7 @@ def format_record(record: dict[str, Any]) -> str:
            f" {cost['total_seconds']:.2f} s" + ("" if cost.get("total_share_of_fit") is None
                                                  else f" ({cost['total_share_of_fit']:.1%})"))
         + f"; max_epochs extended by {record.get('extension_epochs', 0)}"
+        + _snapshot_cost(cost)
     )
     return "\n".join(out)
 
@@ -170,6 +171,16 @@ def _trialled_lines(record: dict[str, Any]) -> list[str]:
                    f" x{r['ratio']:.3f} [{r['low']:.3f}, {r['high']:.3f}] of the plan without it over {r['rounds']}"
                    f" rounds: {'kept' if flip['kept'] else 'not kept'}")
     return out
+
+
+def _snapshot_cost(cost: dict[str, Any]) -> str:
+    """What the snapshots and rewinds cost, for the search-cost line (empty where none was taken)."""
+    parts = []
+    for key, what in (("snapshot_seconds", "snapshot"), ("rewind_seconds", "rewind")):
+        seconds = cost.get(key) or []
+        if seconds:
+            parts.append(f"{len(seconds)} {what}(s), {1e3 * max(seconds):.1f} ms at most")
+    return "; " + ", ".join(parts) if parts else ""
 
 
 def _fp8_section(operators: dict[str, Any], stage: dict[str, Any]) -> list[str]:

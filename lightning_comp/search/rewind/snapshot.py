@@ -1,7 +1,8 @@
 """Bit-exact snapshots of a training run's state, so a rejected trial can be rewound.
 
-A snapshot holds deep copies of the model's ``state_dict`` (parameters and buffers such as BatchNorm statistics) and
-of its non-persistent buffers, every optimizer's and LR scheduler's state, the loss scaler's state, the RNG states
+A snapshot holds deep copies of the model's state on this rank (its ``state_dict``: parameters and buffers such as
+BatchNorm statistics; under FSDP this rank's shards, :mod:`lightning_comp.search.rewind.model_state`) and of its
+non-persistent buffers, every optimizer's and LR scheduler's state, the loss scaler's state, the RNG states
 (torch CPU and CUDA, Python, NumPy), the selected stateful callbacks' states and the training dataloaders'
 generators. Deep copies matter: ``state_dict()`` tensors alias the live ones.
 Snapshots serialise to plain containers of tensors and numbers, so they can travel in a checkpoint that is loaded
@@ -24,6 +25,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning_comp.adapters import lightning_internals as lightning
 from lightning_comp.common.nested import structures_equal, to_device
 from lightning_comp.errors import SnapshotMismatchError
+from lightning_comp.search.rewind.model_state import load_model_state, model_state, plain_tensors
 
 __all__ = ["TrainingSnapshot", "capture_rng", "restore_rng"]
 
@@ -116,7 +118,7 @@ class TrainingSnapshot:
 
         persistent = set(pl_module.state_dict())
         return cls(
-            model=copy_to(pl_module.state_dict()),
+            model=copy_to(model_state(trainer, pl_module)),
             optimizers=[copy_to(opt.state_dict()) for opt in trainer.optimizers],
             schedulers=[copy.deepcopy(cfg.scheduler.state_dict()) for cfg in trainer.lr_scheduler_configs],
             scaler=None if scaler is None else copy.deepcopy(scaler.state_dict()),
@@ -138,7 +140,7 @@ class TrainingSnapshot:
                 generators no longer pair one to one with the snapshot's.
         """
         self._check_pairs(trainer)
-        pl_module.load_state_dict(copy.deepcopy(self.model))
+        load_model_state(trainer, pl_module, copy.deepcopy(self.model))
         for opt, state in zip(trainer.optimizers, self.optimizers):
             opt.load_state_dict(copy.deepcopy(state))
         for cfg, state in zip(trainer.lr_scheduler_configs, self.schedulers):
@@ -219,7 +221,7 @@ class TrainingSnapshot:
         buffers = dict(pl_module.named_buffers())
         by_key = {cb.state_key: cb for cb in lightning.callbacks(trainer)}
         pairs = [
-            (pl_module.state_dict(), self.model),
+            (model_state(trainer, pl_module), self.model),
             ({name: buffers.get(name) for name in self.buffers}, self.buffers),
             ([opt.state_dict() for opt in trainer.optimizers], self.optimizers),
             ([cfg.scheduler.state_dict() for cfg in trainer.lr_scheduler_configs], self.schedulers),
@@ -229,9 +231,9 @@ class TrainingSnapshot:
             pairs.append(([g.get_state() for g in _loader_generators(trainer)], self.generators))
         if scaler is not None and self.scaler is not None:
             pairs.append((scaler.state_dict(), self.scaler))
-        cpu = torch.device("cpu")
-        return all(structures_equal(to_device(live, cpu), to_device(stored, cpu), _bits_equal)
-                   for live, stored in pairs)
+        cpu = torch.device("cpu")  # (each rank compares what it holds: a DTensor's local shard)
+        return all(structures_equal(to_device(plain_tensors(live), cpu), to_device(plain_tensors(stored), cpu),
+                                    _bits_equal) for live, stored in pairs)
 
 
 def _loader_generators(trainer: pl.Trainer) -> list[torch.Generator]:

@@ -32,6 +32,7 @@ import lightning.pytorch as pl
 import torch
 from torch import nn
 
+from lightning_comp.adapters import lightning_internals as lightning
 from lightning_comp.devices.device_classes import model_device
 from lightning_comp.devices.lowering import Lowering, autocast_available, lowering_for
 from lightning_comp.numerics.precision import ComputePrecision
@@ -127,7 +128,8 @@ class BatchStage:
         plugin, config = self.plugin, self.config
         device = model_device(pl_module)
         rng = capture_rng()
-        step = TrainingStepRunner(pl_module, batch, batch_idx)
+        wrapper = lightning.fsdp1_wrapper(trainer, pl_module)
+        step = TrainingStepRunner(pl_module, batch, batch_idx, None if wrapper is None else (trainer, wrapper))
         try:
             with plugin.measured_step(PrecisionPlan()):  # a model's first step traces the operators it computes in
                 step()

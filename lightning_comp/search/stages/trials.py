@@ -106,7 +106,9 @@ class TrialDriver:
         state = self.state
         if rewind_first:
             assert state.snapshot is not None and state.search_start_epoch is not None
+            started = time.perf_counter()
             rewind(trainer, pl_module, self.plugin, state.snapshot, epoch=state.search_start_epoch)
+            state.rewind_seconds.append(time.perf_counter() - started)
         plan = self.plugin.try_plan(PlanRole.TRIAL.mark(self.plan(group), trial=label))
         state.trials.append(TrialRecord(
             label=label, group=group, plan=plan.to_dict(), start_epoch=trainer.current_epoch,
@@ -145,7 +147,9 @@ class TrialDriver:
         state.phase = Phase.MEASURING
         state.search_start_epoch = trainer.current_epoch
         state.warmup_batches = lightning.batches_done_in_total(trainer)
+        started = time.perf_counter()
         state.snapshot = self.capture(trainer, pl_module)
+        state.snapshot_seconds.append(time.perf_counter() - started)
         self.pause.pause(trainer)
         self.checkpoints.hold(trainer)  # no trial that may be rewound can become a "best" checkpoint
         self.start(trainer, pl_module, label="fp32 reference", group=None, rewind_first=False)
@@ -211,7 +215,9 @@ class TrialDriver:
             steps=self.plugin.optimizer_steps - trial.steps_before, reference=reference))
         if trial.is_reference:
             if not trial.batches:  # a reference of batches is never continued: its epoch was cut short
+                started = time.perf_counter()
                 state.reference_end = self.capture(trainer, pl_module)
+                state.snapshot_seconds.append(time.perf_counter() - started)
             return
         search = state.group_search
         assert search is not None and trial.group is not None
@@ -309,7 +315,9 @@ class TrialDriver:
         snapshot = state.snapshot if restore is Restore.SNAPSHOT else state.reference_end
         if snapshot is not None:
             chosen = self.plugin.plan
+            started = time.perf_counter()
             rewind(trainer, pl_module, self.plugin, snapshot)
+            state.rewind_seconds.append(time.perf_counter() - started)
             self.plugin.try_plan(chosen, chosen=True)  # a fresh loss scaler if the chosen plan has fp16
         state.pending_restore = None
         state.snapshot = None
