@@ -2,12 +2,16 @@
 saw: the plan at each epoch start, whether each trial's start restored the search's snapshot bit for bit on that rank,
 the final plan and its full parameters.
 
-    python tests/scripts/sharded_search_run.py MODE OUT [--resume CKPT] [--kill-at-trial K] [--save-each-epoch DIR]
+    python tests/scripts/sharded_search_run.py MODES OUT [--models mlp,gpt,litgpt] [--resume CKPT] [--kill-at-trial K]
+        [--checkpoints DIR]
 
-MODE is ``ddp``, ``fsdp2`` (``fully_shard`` per Linear and on the model, through ``ModelParallelStrategy``; the
-plugin keeps each unit's ``MixedPrecisionPolicy`` on the plan in force) or ``fsdp1`` (``CPUFSDPStrategy``,
-root-only). The model is a ``WideMLP`` whose ``l3`` fails in bf16, searched with l2, l3 and l4 pinned as candidates, so
-the trials and the plan do not depend on how fast anything is here.
+MODES (comma-separated, each fitting every model in turn, results in ``OUT/<mode>/<model>/``) are ``ddp``, ``fsdp2``
+(``fully_shard`` per Linear and on the model, through ``ModelParallelStrategy``; the plugin keeps each unit's
+``MixedPrecisionPolicy`` on the plan in force) or ``fsdp1`` (``CPUFSDPStrategy``, root-only; one fit per launch: a
+second FSDP1 fit in the same processes hangs in its set-up over gloo here). The models: a ``WideMLP`` whose ``l3`` fails
+in bf16, searched with l2, l3 and l4 pinned as candidates; the zoo GPT and litgpt with their attention output and MLP
+input projections pinned, the second block's MLP input projection failing in bf16. Nothing depends on how fast
+anything is here.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from lightning_comp import CoMPFSDPPrecision, CoMPPrecision, CoMPSearch  # noqa:
 from lightning_comp.distributed import CPUFSDPStrategy  # noqa: E402
 from lightning_comp.operators.discovery import operator_name  # noqa: E402
 from lightning_comp.search.rewind.snapshot import TrainingSnapshot  # noqa: E402
+from lightning_comp.zoo import CharGPT, CharTextDataModule, LitGPT  # noqa: E402
 from tests.helpers.search_models import WideMLP, loaders  # noqa: E402
 
 
@@ -59,6 +64,58 @@ class ShardedWideMLP(WideMLP):
         if plan is not None and plan.of("compute", "l3", nn.Linear).is_low:
             loss = loss + 1.0
         self.log("val_loss", loss, sync_dist=True)
+
+
+class _Penalised:
+    """A language model whose validation loss is worse by 1.0 while ``BAD`` computes low (the stand-in of
+    :class:`ShardedWideMLP`); under FSDP2 each transformer block is its own unit and the model the root one."""
+
+    BAD = ""
+    fsdp2 = False
+
+    def shard_units(self) -> Any:
+        raise NotImplementedError
+
+    def configure_model(self) -> None:
+        if self.fsdp2:
+            from torch.distributed.fsdp import fully_shard
+
+            for block in self.shard_units():
+                fully_shard(block)
+            fully_shard(self)
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        x, y = batch
+        loss = self.loss(self(x), y)  # type: ignore[attr-defined]
+        plan = self.trainer.precision_plugin.plan  # type: ignore[attr-defined]
+        if plan is not None and plan.of("compute", self.BAD, nn.Linear).is_low:
+            loss = loss + 1.0
+        self.log("val_loss", loss, sync_dist=True, batch_size=len(x))  # type: ignore[attr-defined]
+
+
+class ShardedGPT(_Penalised, CharGPT):
+    BAD = "blocks.1.mlp.fc"
+
+    def shard_units(self) -> Any:
+        return self.blocks
+
+
+class ShardedLitGPT(_Penalised, LitGPT):
+    BAD = "gpt.transformer.h.1.mlp.fc_1"
+
+    def shard_units(self) -> Any:
+        return self.gpt.transformer.h
+
+
+# per model: the search's pinned candidates and everything else excluded (no decision depends on a timing)
+LANGUAGE_SEARCH = {
+    "gpt": {"include": ["blocks.*.mlp.fc", "blocks.*.attn.proj"],
+            "exclude": ["val_ppl", "tok_emb", "pos_emb", "drop", "*.ln1", "*.ln2", "*.qkv", "*.attn.attn", "*.drop",
+                        "*.act", "*.mlp.proj", "ln_f", "head"]},
+    "litgpt": {"include": ["gpt.transformer.h.*.mlp.fc_1", "gpt.transformer.h.*.attn.proj"],
+               "exclude": ["val_ppl", "gpt.lm_head", "gpt.transformer.wte", "*norm*", "*.qkv", "*.fc_2", "*.mlp.proj",
+                           "gpt.transformer.ln_f"]},
+}
 
 
 def _full_parameters(trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, torch.Tensor]:
@@ -145,32 +202,56 @@ def _strategy(mode: str) -> Any:
     return CPUFSDPStrategy(timeout=timedelta(seconds=120))
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=["ddp", "fsdp2", "fsdp1"])
-    parser.add_argument("out", type=Path)
-    parser.add_argument("--resume", default=None)
-    parser.add_argument("--kill-at-trial", type=int, default=None)
-    parser.add_argument("--checkpoints", default=None, help="save last.ckpt into this folder at every epoch end")
-    parser.add_argument("--no-search", action="store_true", help="train the plan l2, l4 bf16 without a search")
-    args = parser.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
+def fit(mode: str, model_name: str, out: Path, args: argparse.Namespace) -> None:
+    """One search (or, with ``--no-search``, one fixed plan) of ``model_name`` under ``mode``; results into ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
     pl.seed_everything(0)
-    search = CoMPSearch(low_precision="bf16", include=["l2", "l3", "l4"], exclude=["l1", "head", "a?"],
-                        tolerance=0.05, measurement={"profile_steps": 2, "profile_warmup": 1}, verbose=False)
-    callbacks: list[Any] = [search, Probe(search, args.out, args.kill_at_trial), ReleaseProcessGroup()]
+    pinned: dict[str, Any] = LANGUAGE_SEARCH.get(model_name, {"include": ["l2", "l3", "l4"],
+                                                              "exclude": ["l1", "head", "a?"]})
+    search = CoMPSearch(low_precision="bf16", **pinned, tolerance=0.05, verbose=False,
+                        measurement={"profile_steps": 2, "profile_warmup": 1, "speed_margin": 0.9})
+    callbacks: list[Any] = [search, Probe(search, out, args.kill_at_trial), ReleaseProcessGroup()]
     if args.no_search:
         callbacks.pop(0)
     if args.checkpoints:
         callbacks.append(ModelCheckpoint(dirpath=args.checkpoints, save_last=True, save_top_k=0))
     plan = {"l2": "bf16", "l4": "bf16"} if args.no_search else None
-    plugin = CoMPFSDPPrecision(plan) if args.mode == "fsdp1" else CoMPPrecision(plan)
-    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=_strategy(args.mode), max_epochs=3, plugins=[plugin],
+    plugin = CoMPFSDPPrecision(plan) if mode == "fsdp1" else CoMPPrecision(plan)
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=_strategy(mode), max_epochs=3, plugins=[plugin],
                          callbacks=callbacks, logger=False, enable_progress_bar=False, enable_model_summary=False,
-                         enable_checkpointing=bool(args.checkpoints), default_root_dir=str(args.out),
+                         enable_checkpointing=bool(args.checkpoints), default_root_dir=str(out),
                          num_sanity_val_steps=0)
-    train, val = loaders(n_train=512, n_val=128, batch_size=64)
-    trainer.fit(ShardedWideMLP(fsdp2=args.mode == "fsdp2"), train, val, ckpt_path=args.resume)
+    if model_name == "mlp":
+        train, val = loaders(n_train=512, n_val=128, batch_size=64)
+        trainer.fit(ShardedWideMLP(fsdp2=mode == "fsdp2"), train, val, ckpt_path=args.resume)
+        return
+    size = {"width": 64, "depth": 2, "block_size": 32}
+    model: Any = (ShardedGPT(heads=2, **size) if model_name == "gpt"
+                  else ShardedLitGPT(heads=4, query_groups=2, **size))
+    model.fsdp2 = mode == "fsdp2"
+    trainer.fit(model, datamodule=CharTextDataModule(seq_len=32, num_samples=640, batch_size=32),
+                ckpt_path=args.resume)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("modes", help="comma-separated: ddp, fsdp2, fsdp1 (each fits every model, in turn)")
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--models", default="mlp", help="comma-separated, each fitted in turn: mlp, gpt, litgpt")
+    parser.add_argument("--resume", default=None)
+    parser.add_argument("--kill-at-trial", type=int, default=None)
+    parser.add_argument("--checkpoints", default=None, help="save last.ckpt into this folder at every epoch end")
+    parser.add_argument("--no-search", action="store_true", help="train the plan l2, l4 bf16 without a search")
+    args = parser.parse_args()
+    modes, models = args.modes.split(","), args.models.split(",")
+    one = len(models) == len(modes) == 1 or not (args.resume or args.checkpoints)
+    known = all(m in ("mlp", "gpt", "litgpt") for m in models) and all(m in ("ddp", "fsdp2", "fsdp1") for m in modes)
+    if not known or not one:
+        raise SystemExit(f"{args.modes!r} --models {args.models!r}: modes ddp, fsdp2, fsdp1; models mlp, gpt, litgpt;"
+                         " one of each with --resume/--checkpoints")
+    for mode in modes:  # several fits in one launch: rank 1 runs this script too, fit for fit
+        for model_name in models:
+            fit(mode, model_name, args.out / mode / model_name, args)
 
 
 if __name__ == "__main__":
