@@ -7,8 +7,9 @@ the final plan and its full parameters.
 
 MODES (comma-separated, each fitting every model in turn, results in ``OUT/<mode>/<model>/``) are ``ddp``, ``fsdp2``
 (``fully_shard`` per Linear and on the model, through ``ModelParallelStrategy``; the plugin keeps each unit's
-``MixedPrecisionPolicy`` on the plan in force) or ``fsdp1`` (``CPUFSDPStrategy``, root-only; one fit per launch: a
-second FSDP1 fit in the same processes hangs in its set-up over gloo here). The models: a ``WideMLP`` whose ``l3`` fails
+``MixedPrecisionPolicy`` on the plan in force) or ``fsdp1`` (``CPUFSDPStrategy``, root-only). Several fits in one
+launch re-create the process group on the same port, which now and then hangs in its first broadcast over gloo: the
+tests launch one fit at a time. The models: a ``WideMLP`` whose ``l3`` fails
 in bf16, searched with l2, l3 and l4 pinned as candidates; the zoo GPT and litgpt with their attention output and MLP
 input projections pinned, the second block's MLP input projection failing in bf16. Nothing depends on how fast
 anything is here.

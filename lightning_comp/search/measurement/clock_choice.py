@@ -62,13 +62,16 @@ def is_busy(load: MachineLoad | None) -> bool:
     return load is not None and load.others_cpus is not None and load.others_cpus >= BUSY_CPUS
 
 
-def sample_load(step: Callable[[], None]) -> MachineLoad:
-    """The load while ``step`` runs repeatedly, for at least a quarter of a second (at most 20 steps)."""
+def sample_load(step: Callable[[], None], agree: Callable[[bool], bool] = bool) -> MachineLoad:
+    """The load while ``step`` runs repeatedly, for at least a quarter of a second (at most 20 steps).
+
+    ``agree`` turns this rank's "one more step?" into every rank's (rank 0's): under a sharded strategy a step holds
+    collectives, so every rank must run as many."""
     meter = LoadMeter()
     meter.start()
     started = time.perf_counter()
     steps = 0
-    while steps < 1 or (time.perf_counter() - started < _SAMPLE_SECONDS and steps < _SAMPLE_MAX_STEPS):
+    while steps < 1 or agree(time.perf_counter() - started < _SAMPLE_SECONDS and steps < _SAMPLE_MAX_STEPS):
         step()
         steps += 1
     if time.perf_counter() - started < _SAMPLE_SECONDS:  # short steps: let the tick counters see a real window

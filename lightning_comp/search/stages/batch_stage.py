@@ -133,7 +133,8 @@ class BatchStage:
         try:
             with plugin.measured_step(PrecisionPlan()):  # a model's first step traces the operators it computes in
                 step()
-            timing = agree(trainer, choose_timing(config.measurement.timing, device.type, lambda: sample_load(step)))
+            timing = agree(trainer, choose_timing(config.measurement.timing, device.type,
+                                                  lambda: sample_load(step, lambda more: agree(trainer, more))))
             meter = LoadMeter()
             meter.start()
             result = self.measure(trainer, pl_module, step, timing)
