@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from lightning_comp import CoMPFSDPPrecision, CoMPPrecision  # noqa: E402
 from lightning_comp.distributed import CPUFSDPStrategy, fsdp2_policy  # noqa: E402
-from lightning_comp.operators.discovery import operator_name  # noqa: E402
+from tests.helpers.distributed import ReleaseProcessGroup, full_parameters  # noqa: E402
 
 warnings.filterwarnings("ignore")
 HALF, STEPS = 8, 4
@@ -115,20 +115,6 @@ class Matmuls(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _full_parameters(trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, torch.Tensor]:
-    """Every parameter in full, named as the plan names modules (all ranks must call this: it gathers)."""
-    from torch.distributed.tensor import DTensor
-
-    model = trainer.strategy.model
-    if type(model).__name__ == "FullyShardedDataParallel":
-        from torch.distributed.fsdp import FullyShardedDataParallel
-
-        with FullyShardedDataParallel.summon_full_params(model):
-            return {operator_name(n): p.detach().clone() for n, p in pl_module.named_parameters()}
-    return {operator_name(n): (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
-            for n, p in pl_module.named_parameters()}
-
-
 class Probe(pl.Callback):
     def __init__(self, out: Path, overflow_step: int | None, save: str | None = None) -> None:
         self.out, self.overflow_step, self.save = out, overflow_step, save
@@ -175,7 +161,7 @@ class Probe(pl.Callback):
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         plugin = trainer.precision_plugin
-        params = _full_parameters(trainer, pl_module)
+        params = full_parameters(trainer, pl_module)
         self.info.update(
             plugin=type(plugin).__name__, wrapped=type(trainer.strategy.model).__name__,
             precisions={n: p.value for n, p in plugin.executor.precisions().items()},
@@ -188,12 +174,6 @@ class Probe(pl.Callback):
         self.info["global_step"] = trainer.global_step
         torch.save(params, self.out / f"rank{rank}.pt")
         (self.out / f"rank{rank}.json").write_text(json.dumps(self.info))
-
-
-class ReleaseProcessGroup(pl.Callback):
-    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
 
 
 def _data(reference: bool, rank: int) -> DataLoader:

@@ -34,9 +34,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from lightning_comp import CoMPFSDPPrecision, CoMPPrecision, CoMPSearch  # noqa: E402
 from lightning_comp.distributed import CPUFSDPStrategy  # noqa: E402
-from lightning_comp.operators.discovery import operator_name  # noqa: E402
 from lightning_comp.search.rewind.snapshot import TrainingSnapshot  # noqa: E402
 from lightning_comp.zoo import CharGPT, CharTextDataModule, LitGPT  # noqa: E402
+from tests.helpers.distributed import ReleaseProcessGroup, full_parameters  # noqa: E402
 from tests.helpers.search_models import WideMLP, loaders  # noqa: E402
 
 
@@ -119,19 +119,6 @@ LANGUAGE_SEARCH = {
 }
 
 
-def _full_parameters(trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, torch.Tensor]:
-    from torch.distributed.tensor import DTensor
-
-    model = trainer.strategy.model
-    if type(model).__name__ == "FullyShardedDataParallel":
-        from torch.distributed.fsdp import FullyShardedDataParallel
-
-        with FullyShardedDataParallel.summon_full_params(model):
-            return {operator_name(n): p.detach().clone() for n, p in pl_module.named_parameters()}
-    return {operator_name(n): (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
-            for n, p in pl_module.named_parameters()}
-
-
 class Probe(pl.Callback):
     """Per epoch: the plan in force and whether a trial's start restored the snapshot exactly (on this rank)."""
 
@@ -145,7 +132,7 @@ class Probe(pl.Callback):
         self._trials_seen = 0
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        params = _full_parameters(trainer, pl_module)
+        params = full_parameters(trainer, pl_module)
         self.starts.append(sum(float(p.double().sum()) for p in params.values()))
         plan = trainer.precision_plugin.plan
         self.epochs.append([trainer.current_epoch, {s: p.value for s, p in plan["compute"].entries}])
@@ -155,19 +142,19 @@ class Probe(pl.Callback):
         self._trials_seen = len(state.trials)
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        params = _full_parameters(trainer, pl_module)
+        params = full_parameters(trainer, pl_module)
         self.digests.append(sum(float(p.double().sum()) for p in params.values()))
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         if len(self.first_batches) < trainer.current_epoch + 1:
-            params = _full_parameters(trainer, pl_module)
+            params = full_parameters(trainer, pl_module)
             self.first_batches.append(sum(float(p.double().sum()) for p in params.values()))
         if self.kill_at_trial is not None and len(self.search.state.trials) == self.kill_at_trial + 1 \
                 and self.search.state.searching:
             os.kill(os.getpid(), 9)  # mid-trial, every rank alike: what a lost machine does
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        params = _full_parameters(trainer, pl_module)
+        params = full_parameters(trainer, pl_module)
         plugin = trainer.precision_plugin
         from lightning_comp.adapters.torch_internals import fsdp2_policy_of
         from lightning_comp.execution.fsdp2_policies import fsdp2_units
@@ -185,12 +172,6 @@ class Probe(pl.Callback):
         rank = trainer.global_rank
         torch.save(params, self.out / f"rank{rank}.pt")
         (self.out / f"rank{rank}.json").write_text(json.dumps(payload))
-
-
-class ReleaseProcessGroup(pl.Callback):
-    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
 
 
 def _strategy(mode: str) -> Any:
