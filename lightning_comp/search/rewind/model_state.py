@@ -32,7 +32,8 @@ from torch import nn
 from lightning_comp.adapters.lightning_internals import fsdp1_wrapper
 from lightning_comp.errors import SnapshotMismatchError
 
-__all__ = ["gather_to_rank_zero", "load_model_state", "model_state", "own_part", "plain_tensors", "sharded_run"]
+__all__ = ["gather_to_rank_zero", "load_model_state", "model_state", "own_part", "plain_tensors", "portable",
+           "rehydrate", "sharded_run"]
 
 
 _FSDP1 = "fsdp1:"
@@ -88,9 +89,48 @@ def load_model_state(trainer: pl.Trainer | None, pl_module: nn.Module, state: di
         wrapper.load_state_dict(values)
 
 
+_LOCAL = "__local_shard__"  # a DTensor's local shard in a portable state (a plain dict: weights_only loads it)
+
+
+def portable(state: Any) -> Any:
+    """``state`` with each ``DTensor`` as ``{"__local_shard__": its local tensor}`` and each ``ShardedTensor`` as the
+    list of this rank's local shards: picklable anywhere, loadable with ``weights_only=True``."""
+    if isinstance(state, dict):
+        return {key: portable(value) for key, value in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(portable(value) for value in state)
+    if isinstance(state, torch.Tensor) and callable(getattr(state, "to_local", None)):
+        return {_LOCAL: state.to_local()}  # type: ignore[attr-defined]
+    return plain_tensors(state)
+
+
+def rehydrate(stored: Any, live: Any) -> Any:
+    """``stored`` (:func:`portable`'s form, or as it was) with each local shard made the ``DTensor`` it was again, on
+    the mesh and placements of the live ``DTensor`` at the same place in ``live`` (a plain tensor where there is
+    none)."""
+    if isinstance(stored, dict) and set(stored) == {_LOCAL}:
+        local = stored[_LOCAL]
+        if isinstance(live, torch.Tensor) and callable(getattr(live, "to_local", None)):
+            from torch.distributed.tensor import DTensor
+
+            mesh, placements = live.device_mesh, live.placements  # type: ignore[attr-defined]
+            return DTensor.from_local(local.to(live.device), mesh, placements, run_check=False, shape=live.shape,
+                                      stride=live.stride())
+        return local
+    if isinstance(stored, dict):
+        mapping: dict[Any, Any] = live if isinstance(live, dict) else {}
+        return {key: rehydrate(value, mapping.get(key)) for key, value in stored.items()}
+    if isinstance(stored, (list, tuple)):
+        items: Any = live if isinstance(live, (list, tuple)) and len(live) == len(stored) else [None] * len(stored)
+        return type(stored)(rehydrate(value, other) for value, other in zip(stored, items, strict=True))
+    return stored
+
+
 def plain_tensors(state: Any, dtensors: bool = True) -> Any:
     """``state`` with each ``ShardedTensor`` replaced by the list of this rank's local shards and (``dtensors``) each
-    ``DTensor`` by its local tensor: what each rank holds, for bit-for-bit comparisons."""
+    ``DTensor`` (or its portable form) by its local tensor: what each rank holds, for bit-for-bit comparisons."""
+    if isinstance(state, dict) and set(state) == {_LOCAL}:
+        return state[_LOCAL]
     if isinstance(state, dict):
         return {key: plain_tensors(value, dtensors) for key, value in state.items()}
     if isinstance(state, (list, tuple)):
@@ -120,8 +160,9 @@ def gather_to_rank_zero(value: Any) -> list[Any] | None:
 
     from lightning_comp.common.nested import to_device
 
-    # (a ShardedTensor unpickles only on its own rank: its local shards travel; a DTensor travels whole)
-    local = to_device(plain_tensors(value, dtensors=False), torch.device("cpu"))
+    # a ShardedTensor or DTensor unpickles only where its process group and mesh are: their local shards travel,
+    # on the CPU, and :func:`rehydrate` makes them distributed tensors again against the live ones
+    local = to_device(portable(value), torch.device("cpu"))
     gathered: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(local, gathered, dst=0)
     return gathered

@@ -25,7 +25,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning_comp.adapters import lightning_internals as lightning
 from lightning_comp.common.nested import structures_equal, to_device
 from lightning_comp.errors import SnapshotMismatchError
-from lightning_comp.search.rewind.model_state import load_model_state, model_state, plain_tensors
+from lightning_comp.search.rewind.model_state import load_model_state, model_state, plain_tensors, rehydrate
 
 __all__ = ["TrainingSnapshot", "capture_rng", "restore_rng"]
 
@@ -140,9 +140,10 @@ class TrainingSnapshot:
                 generators no longer pair one to one with the snapshot's.
         """
         self._check_pairs(trainer)
-        load_model_state(trainer, pl_module, copy.deepcopy(self.model))
+        # (a snapshot read back from a sharded checkpoint holds local shards: DTensors again, as the live ones are)
+        load_model_state(trainer, pl_module, rehydrate(copy.deepcopy(self.model), model_state(trainer, pl_module)))
         for opt, state in zip(trainer.optimizers, self.optimizers):
-            opt.load_state_dict(copy.deepcopy(state))
+            opt.load_state_dict(rehydrate(copy.deepcopy(state), opt.state_dict()))
         for cfg, state in zip(trainer.lr_scheduler_configs, self.schedulers):
             cfg.scheduler.load_state_dict(copy.deepcopy(state))
         if scaler is not None and self.scaler is not None:
