@@ -145,8 +145,8 @@ def plain_tensors(state: Any, dtensors: bool = True) -> Any:
 
 
 def sharded_run(trainer: pl.Trainer) -> bool:
-    """Whether ``trainer`` trains a model sharded over more than one process (FSDP1 or FSDP2)."""
-    if trainer.world_size < 2:
+    """Whether ``trainer`` trains a model sharded over more than one process (FSDP1 or FSDP2), its process group up."""
+    if trainer.world_size < 2 or not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return False
     from lightning_comp.execution.fsdp2_policies import fsdp2_units
 
