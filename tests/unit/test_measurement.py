@@ -191,7 +191,7 @@ def test_a_busy_machine_decides_clearly_different_operators_as_a_quiet_one(tmp_p
 @pytest.mark.slow
 def test_a_machine_that_becomes_busy_during_the_wall_time_measurement_is_measured_again(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(batch_stage_module, "sample_load", lambda step: _load(0.0))  # looked quiet at first
+    monkeypatch.setattr(batch_stage_module, "sample_load", lambda step, agree: _load(0.0))  # looked quiet at first
     with competing_load():
         record = batch_stage_record(tmp_path)
     assert record["timing"]["clock"] == "thread-cpu" and "became busy" in record["timing"]["reason"]
