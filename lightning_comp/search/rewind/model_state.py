@@ -126,17 +126,17 @@ def rehydrate(stored: Any, live: Any) -> Any:
     return stored
 
 
-def plain_tensors(state: Any, dtensors: bool = True) -> Any:
-    """``state`` with each ``ShardedTensor`` replaced by the list of this rank's local shards and (``dtensors``) each
-    ``DTensor`` (or its portable form) by its local tensor: what each rank holds, for bit-for-bit comparisons."""
+def plain_tensors(state: Any) -> Any:
+    """``state`` with each ``ShardedTensor`` replaced by the list of this rank's local shards and each ``DTensor`` (or
+    its portable form) by its local tensor: what each rank holds, for bit-for-bit comparisons."""
     if isinstance(state, dict) and set(state) == {_LOCAL}:
         return state[_LOCAL]
     if isinstance(state, dict):
-        return {key: plain_tensors(value, dtensors) for key, value in state.items()}
+        return {key: plain_tensors(value) for key, value in state.items()}
     if isinstance(state, (list, tuple)):
-        return type(state)(plain_tensors(value, dtensors) for value in state)
+        return type(state)(plain_tensors(value) for value in state)
     to_local = getattr(state, "to_local", None)
-    if dtensors and isinstance(state, torch.Tensor) and callable(to_local):
+    if isinstance(state, torch.Tensor) and callable(to_local):
         return to_local()
     local_shards = getattr(state, "local_shards", None)
     if callable(local_shards):
