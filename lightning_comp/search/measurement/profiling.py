@@ -98,6 +98,10 @@ class ProfileResult:
         """One operator's ``attribute`` per round (0.0 in a round where it did not run)."""
         return [float(getattr(r[name], attribute)) if name in r else 0.0 for r in self.rounds]
 
+    def summed_series(self, names: Sequence[str]) -> list[float]:
+        """The per-round total time of ``names`` together (each round's ``total_ms`` of each, summed)."""
+        return [sum(values) for values in zip(*(self.series(name) for name in names), strict=True)]
+
     @property
     def saved_bytes(self) -> int:
         """Bytes all operators save for backward in one step."""

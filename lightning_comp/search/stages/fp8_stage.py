@@ -95,7 +95,7 @@ class Fp8Stage:
                 continue  # (did not run on this batch)
             low_ms = sum(results[LOW].operators[m].total_ms for m in members)
             fp8_ms = sum(results[FP8].operators[m].total_ms for m in members)
-            time = paired_ratio(_summed(results[LOW], members), _summed(results[FP8], members))
+            time = paired_ratio(results[LOW].summed_series(members), results[FP8].summed_series(members))
             decision = judge_fp8(ctx.config, self.precision, ctx.low, time, low_ms, fp8_ms)
             if any(forced.matches(m, ctx.modules[m]) for m in members):
                 decision.forced = True
@@ -154,9 +154,3 @@ class Fp8Stage:
                 decision.drop(why)
                 del result.choices[name]
                 result.benefits.pop(Candidate.in_fp8(name), None)
-
-
-def _summed(result: ProfileResult, names: Sequence[str]) -> list[float]:
-    """The per-round total time of ``names`` together."""
-    series = [result.series(name) for name in names]
-    return [sum(values) for values in zip(*series, strict=True)]

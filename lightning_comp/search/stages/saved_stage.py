@@ -21,7 +21,7 @@ layer whose gradients suffer is isolated like any other candidate.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -176,7 +176,7 @@ class SavedStage:
         for group in sharing_groups(ran, base.sharing) if options else []:
             measured: dict[SavedPrecision, tuple[int, RatioEstimate]] = {
                 s: (sum(results[s].operators[n].own_saved_bytes for n in group),
-                    paired_ratio(_summed(base, group), _summed(results[s], group)))
+                    paired_ratio(base.summed_series(group), results[s].summed_series(group)))
                 for s in options if all(n in results[s].operators for n in group)}
             shared = judge_saved(self.policy, sum(base.operators[n].own_saved_bytes for n in group), measured)
             for name in group:
@@ -215,9 +215,3 @@ def _share_of(shared: SavedDecision, group: tuple[str, ...]) -> SavedDecision:
         share.group = group
         share.reason = f"{shared.reason} (judged with {', '.join(group)}: they save the same tensors)"
     return share
-
-
-def _summed(result: ProfileResult, names: Sequence[str]) -> list[float]:
-    """The per-round total time of ``names`` together."""
-    series = [result.series(name) for name in names]
-    return [sum(values) for values in zip(*series)]
