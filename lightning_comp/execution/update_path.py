@@ -2,31 +2,33 @@
 
 The eager update (:func:`~lightning_comp.execution.adam_step.adam_step`) runs every op of the step as its own pass
 over memory: in training on 2 CPU cores (the default example, every Linear managed, the whole update of its 3.3 M
-parameters) 3.6 ns per parameter with BF16 moments, 11 with 8-bit moments, 9.6 with BF16 masters rounded
-stochastically, against 2.9 ns for ``torch.optim.AdamW``'s own FP32 step; on CUDA, a dozen kernel launches per
-parameter. The compiled update traces the same step, per state format, as one pure
-function (:mod:`~lightning_comp.execution.fused_adam`) into one kernel with ``torch.compile(dynamic=True,
-fullgraph=True)``: one graph per format serves every shape and every learning rate (hyper-parameters stay symbolic),
-and it reads nothing back to the host. ``benchmarks/update_speed.py`` measures both in training.
+parameters) 2.6 ns per parameter with BF16 moments, 8.1 with 8-bit moments, 7.4 with BF16 masters rounded
+stochastically, against 2.2 ns for ``torch.optim.AdamW``'s own FP32 step; on CUDA, a dozen kernel launches per
+parameter. The compiled update traces the same step, per state format, as one pure function
+(:mod:`~lightning_comp.execution.fused_adam`) with ``torch.compile(dynamic=True, fullgraph=True)`` into one kernel
+(two loops over each block of 8-bit codes: its scale, then its codes): one graph per format serves every shape and
+every learning rate (the hyper-parameters come in a tensor), and it reads nothing back to the host.
+``benchmarks/update_speed.py`` measures both in training, ``benchmarks/update_kernel.py`` one parameter's step by
+its size.
 
 :class:`UpdatePath` chooses: ``"eager"``; ``"compiled"`` (an error, naming the cause, where it cannot compile);
 ``"auto"`` (the default) compiles where the step is worth a compilation: on CUDA always; on a CPU the steps of
-parameters held in BF16 (stochastically rounded masters), once the managed parameters of a step hold at least
-:data:`AUTO_MIN_ELEMENTS` elements, since each format's first compilation takes a few seconds there. Measured in
-training on the default example (2 EPYC cores with AVX512-BF16, ``benchmarks/update_speed.py``, 2026-12-06), the
-compiled step was 2.5x the eager one's speed with BF16 masters and FP32 moments, 1.3x with BF16 masters and 8-bit
-moments, but 0.93x with BF16 moments alone and 0.78x with 8-bit moments alone (Inductor's gathers and arithmetic
-codes cost more there than the eager table look-ups): those stay eager on a CPU. Where compiling fails (no C++
-compiler, say) ``"auto"`` falls back to eager, with a warning naming why. A step the compiled functions do not cover
-runs eagerly: the first step of a parameter (its state is created) and the step after its format changed (the state
-is converted), AMSGrad, non-contiguous parameters.
+8-bit moments and of parameters held in BF16 (stochastically rounded masters), once the managed parameters of a step
+hold at least :data:`AUTO_MIN_ELEMENTS` elements, since each format's first compilation takes a few seconds there.
+Measured in training on the default example (2 EPYC cores with AVX512-BF16, ``benchmarks/update_speed.py``,
+2026-12-06), the compiled step was 1.4x the eager one's speed with 8-bit moments (5.7 ns per parameter), 2.3x with
+BF16 masters, 2.1x with both, and 0.96x with BF16 moments alone: those stay eager on a CPU, as do FP32 moments
+(tensors too small to quantise), where a compiled call's fixed cost (about 85 us) exceeds the eager step's. Where
+compiling fails (no C++ compiler, say) ``"auto"`` falls back to eager, with a warning naming why. A step the compiled
+functions do not cover runs eagerly: the first step of a parameter (its state is created) and the step after its
+format changed (the state is converted), AMSGrad, non-contiguous parameters.
 
 The two paths agree to FP32 rounding, except in two places. A BF16 master is rounded stochastically from the
 generator the plugin checkpoints by the eager path, and from a counter-based hash of (seed, parameter name, step,
 element) by the compiled one (:mod:`~lightning_comp.numerics.stochastic_rounding`): each is unbiased and each resumes
-bit-exactly, from different random bits. 8-bit codes are looked up in a table by the eager path and computed by
-:mod:`~lightning_comp.numerics.dynamic_codec` by the compiled one, which differ for about one value in a million, at
-a midpoint between two codes.
+bit-exactly, from different random bits. 8-bit codes are looked up in tables by the eager path and computed by
+:mod:`~lightning_comp.numerics.dynamic_codec` by the compiled one: the codes differ for about one value in a million,
+at a midpoint between two codes, and the decoded values by at most a relative 2e-7.
 """
 
 from __future__ import annotations
@@ -87,12 +89,41 @@ def _kernel(state: StatePrecision) -> _Step:
     return kernel
 
 
-def _flat_alias(tensor: torch.Tensor) -> torch.Tensor:
-    """A 1-D tensor over the memory of contiguous ``tensor`` that is not a view of it, so that one graph serves every
-    shape: Dynamo guards on a tensor's dimensions, and on the dimensions of the base of a view (a weight's, or the
-    gradient bucket's under DDP), so square weights and others, or matrices and vectors, would each compile anew."""
+def _alias(tensor: torch.Tensor, offset: int, size: tuple[int, ...]) -> torch.Tensor:
+    """A contiguous tensor of ``size`` over the memory of contiguous ``tensor`` from its element ``offset`` on, that
+    is not a view of it, so that one graph serves every shape: Dynamo guards on a tensor's dimensions, and on the
+    dimensions of the base of a view (a weight's, or the gradient bucket's under DDP), so square weights and others,
+    or matrices and vectors, would each compile anew."""
+    strides = tuple(math.prod(size[i + 1:]) for i in range(len(size)))
     alias = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
-    return alias.set_(tensor.untyped_storage(), tensor.storage_offset(), (tensor.numel(),), (1,))
+    return alias.set_(tensor.untyped_storage(), tensor.storage_offset() + offset, size, strides)
+
+
+def _flat_alias(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``'s elements as a 1-D :func:`_alias`."""
+    return _alias(tensor, 0, (tensor.numel(),))
+
+
+def _on_device(values: tuple[float, ...], device: torch.device) -> torch.Tensor:
+    """The hyper-parameters ``values`` (:data:`~lightning_comp.execution.fused_adam.HYPER_PARAMETERS`) as an FP32
+    tensor on ``device``; on CUDA copied from pinned memory without waiting for the device."""
+    hyper = torch.tensor(values, dtype=torch.float32)
+    if device.type == "cpu":
+        return hyper
+    if device.type == "cuda":
+        return hyper.pin_memory().to(device, non_blocking=True)
+    return hyper.to(device)
+
+
+def _block_aliases(p: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor
+                   ) -> tuple[torch.Tensor, ...]:
+    """The arguments of :func:`~lightning_comp.execution.fused_adam.step_8bit_moments`: ``p`` and ``grad`` as
+    ``(blocks, BLOCK_SIZE)`` :func:`_alias` es, each packed moment as its codes shaped so and its scales' bytes."""
+    numel = p.numel()
+    blocks = numel // block_quant.BLOCK_SIZE
+    shape = (blocks, block_quant.BLOCK_SIZE)
+    moments = [(_alias(m, 0, shape), _alias(m, numel, (4 * blocks,))) for m in (exp_avg, exp_avg_sq)]
+    return _alias(p, 0, shape), _alias(grad, 0, shape), *moments[0], *moments[1]
 
 
 class CompiledUpdates:
@@ -136,22 +167,23 @@ class CompiledUpdates:
             precision = StatePrecision.FP32  # too small to quantise: its moments stay FP32
         if not self._on or settings.amsgrad or not self._covers(p, grad, state, precision):
             return False
-        if self.path is UpdatePath.AUTO and p.device.type == "cpu" and not stochastic:
-            return False  # moments alone: the eager step is as fast or faster on a CPU (module docstring)
+        if self.path is UpdatePath.AUTO and p.device.type == "cpu" and not stochastic \
+                and precision is not StatePrecision.INT8:
+            return False  # FP32 or BF16 moments alone: the eager step is as fast on a CPU (module docstring)
         state["step"] += 1
         t = float(state["step"])  # a CPU tensor, as torch.optim.Adam keeps it: no device sync
         beta1, beta2 = settings.betas
         decay = settings.weight_decay
-        scalars = (settings.lr, beta1, beta2, settings.eps, 0.0 if settings.decoupled else decay,
-                   settings.lr * decay if settings.decoupled else 0.0, -1.0 if settings.maximize else 1.0,
-                   1.0 - beta1**t, math.sqrt(1.0 - beta2**t), stochastic, rounding_key(self.seed, name, int(t)))
-        flat = tuple(_flat_alias(t) for t in (p.detach(), grad, state["exp_avg"], state["exp_avg_sq"]))
+        hyper = _on_device((-1.0 if settings.maximize else 1.0, 0.0 if settings.decoupled else decay,
+                            1.0 - settings.lr * decay if settings.decoupled else 1.0, 1.0 - beta1, beta2, 1.0 - beta2,
+                            settings.lr / (1.0 - beta1**t), math.sqrt(1.0 - beta2**t), settings.eps), p.device)
+        scalars = (hyper, stochastic, rounding_key(self.seed, name, int(t)))
+        tensors = (p.detach(), grad, state["exp_avg"], state["exp_avg_sq"])
         try:
             if precision is StatePrecision.INT8:
-                maps = (block_quant.value_map(True, p.device), block_quant.value_map(False, p.device))
-                _kernel(precision)(*flat, *maps, *scalars)
+                _kernel(precision)(*_block_aliases(*tensors), *scalars)
             else:
-                _kernel(precision)(*flat, *scalars)
+                _kernel(precision)(*(_flat_alias(t) for t in tensors), *scalars)
         except CoMPError:
             raise
         except Exception as error:  # noqa: BLE001 - a backend's failure to compile, reported below
