@@ -141,6 +141,12 @@ class CoMPPrecision(PlanShell, Precision):
         """
         return self._runtime.request(plan, PlanOrigin.CHOSEN if chosen else PlanOrigin.TRIAL)
 
+    @property
+    def update_path(self) -> UpdatePath:
+        """The code that steps the parameters a plan's ``state``/``master`` entries manage, as configured (under
+        ``"auto"`` it decides per step)."""
+        return self._runtime.optimizer_states.updates.path
+
     def expect_plan(self) -> None:
         """Say that a plan will be put in force during this fit (``CoMPSearch`` says so at its ``setup``), so a fit
         that starts with no plan is not warned about as one that trains all in FP32. Holds until :meth:`teardown`."""

@@ -24,6 +24,7 @@ from torch import nn
 from lightning_comp.execution.adam_step import state_nbytes
 from lightning_comp.execution.optimizer_states import state_bytes
 from lightning_comp.execution.parameter_groups import parameter_owners
+from lightning_comp.execution.update_path import CompiledUpdates
 from lightning_comp.numerics.precision import ComputePrecision, MasterPrecision, StatePrecision
 from lightning_comp.plan.dimensions import Dimension
 from lightning_comp.plan.plan import PrecisionPlan
@@ -106,7 +107,8 @@ class ParameterStage:
             configs[MASTER] = UpdateConfig(self.config.tried(Dimension.STATE)[-1] if
                                              self.config.tried(Dimension.STATE) else StatePrecision.FP32, master=True)
         rounds, warmup = self.config.measurement.profile_steps, self.config.measurement.profile_warmup
-        times = time_updates(optimizer, groups, configs, ctx.clock, rounds, warmup)
+        times = time_updates(optimizer, groups, configs, ctx.clock, rounds, warmup,
+                             CompiledUpdates(ctx.plugin.update_path))
         times = ctx.agree({g: {k: [ctx.reduce_mean(v) for v in vs] for k, vs in s.items()} for g, s in times.items()})
         fp32_update = sum(statistics.median(s[FP32]) for s in times.values())
         pace_ms = fp32_ms * ctx.policy.pace.ratio_to_fp32  # the fastest fixed policy's forward and backward

@@ -1,0 +1,54 @@
+"""The search times each optimizer-state and master variant on the code the plugin steps it with in training."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_comp.execution.update_path import CompiledUpdates
+from lightning_comp.numerics.precision import StatePrecision
+from lightning_comp.search.measurement.clocks import WallClock
+from lightning_comp.search.measurement.optimizer_timing import UpdateConfig, UpdateVariant, time_updates
+
+CONFIGS = {UpdateVariant.FP32: UpdateConfig(None), UpdateVariant.INT8: UpdateConfig(StatePrecision.INT8),
+           UpdateVariant.MASTER: UpdateConfig(StatePrecision.INT8, master=True)}
+
+
+def _optimizer() -> tuple[torch.optim.Optimizer, dict[str, list[nn.Parameter]]]:
+    torch.manual_seed(0)
+    groups = {"a": [nn.Parameter(torch.randn(64, 128)), nn.Parameter(torch.randn(64))],
+              "b": [nn.Parameter(torch.randn(128, 64))]}
+    params = [p for ps in groups.values() for p in ps]
+    optimizer = torch.optim.AdamW(params, lr=1e-3)
+    for p in params:
+        p.grad = torch.randn_like(p) * 1e-2
+    optimizer.step()  # the run's own state, as after the search's warm-up
+    return optimizer, groups
+
+
+@pytest.mark.parametrize("path", ["eager", "compiled"])
+def test_managed_variants_run_on_the_plugins_update_path_and_leave_the_run_untouched(path: str) -> None:
+    optimizer, groups = _optimizer()
+    before = {id(p): (p.detach().clone(), {k: v.clone() for k, v in optimizer.state[p].items()})
+              for ps in groups.values() for p in ps}
+    updates = CompiledUpdates(path)
+    times = time_updates(optimizer, groups, CONFIGS, WallClock(), rounds=2, warmup=0, updates=updates)
+    assert set(times) == {"a", "b"}
+    assert all(len(series) == 2 and all(t > 0 for t in series) for group in times.values()
+               for series in group.values())
+    # per managed variant (8-bit, master), 4 runs (2 prepared, 2 measured): the weights step compiled from the second
+    # run on (the first converts their moments to 8 bits), a's bias (too small to quantise: FP32 moments, as the
+    # run's own) from the first: (3 + 3 + 4) x 2
+    assert updates.compiled_steps == (20 if path == "compiled" else 0)
+    for ps in groups.values():  # copies were stepped: the run's parameters and state are as they were
+        for p in ps:
+            weights, state = before[id(p)]
+            assert torch.equal(p.detach(), weights)
+            assert all(torch.equal(optimizer.state[p][k], v) for k, v in state.items())
+
+
+def test_without_an_update_path_the_managed_variants_run_eagerly() -> None:
+    optimizer, groups = _optimizer()
+    times = time_updates(optimizer, groups, CONFIGS, WallClock(), rounds=1, warmup=1)
+    assert set(times["a"]) == set(CONFIGS)
