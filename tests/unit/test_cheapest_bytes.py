@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from lightning_comp.search.decisions.cheapest_bytes import Lever, LeverOption, take_cheapest
+from lightning_comp.search.decisions.cheapest_bytes import Lever, LeverOption, levers_past, take_cheapest
 
 MiB = 2**20
 
@@ -60,6 +60,21 @@ def test_free_levers_come_first_and_a_forced_lever_is_taken_whatever_it_costs() 
     assert picked.frontier[-1].step_ms == pytest.approx(39.9)
 
 
+def test_a_step_already_past_the_bound_still_takes_what_costs_no_time() -> None:
+    """The base plan can end just past the allowance (measured once more, with the update added): a lever that adds
+    no time cannot carry it further past, so it is taken; one that adds time is not."""
+    levers = [_lever("state:fc", ("bf16", 12, 0.0), ("8bit", 18, 3.0)), _lever("saved:act", ("recompute", 20, 1.0)),
+              _lever("state:head", ("bf16", 1, -0.2))]
+    picked = take_cheapest(levers, 100 * MiB, step_ms=232.0, max_ms=231.5)
+    assert {label: option.value for label, option in picked.chosen.items()} == {"state:fc": "bf16",
+                                                                                "state:head": "bf16"}
+    assert picked.frontier[-1].step_bytes == 87 * MiB and picked.frontier[-1].step_ms == pytest.approx(231.8)
+    assert "saved:act" in picked.skipped and "state:fc" in picked.skipped  # its 8-bit increment adds 3 ms
+    assert not any(point.past_bound for point in picked.frontier[1:])  # the levers did not carry it past
+    # timed whole it runs past the bound, as its base did: what adds no time is not given back
+    assert levers_past(picked, start_ms=232.0, max_ms=231.5, measured_ms=233.0) == {}
+
+
 def test_nothing_to_take_keeps_the_step_as_it_is() -> None:
     picked = take_cheapest([_lever("none", ("fp8", 0, 1.0))], 100 * MiB, 10.0, 20.0)
     assert picked.chosen == {} and len(picked.frontier) == 1 and "every lever" in picked.stopped
@@ -78,8 +93,6 @@ def test_a_budget_goes_past_the_bound_only_when_asked_and_marks_those_points() -
 
 
 def test_a_forecast_too_kind_gives_back_the_increments_past_the_shrunk_allowance() -> None:
-    from lightning_comp.search.decisions.cheapest_bytes import levers_past
-
     state = _lever("state:w", ("bf16", 16, 1.0), ("8bit", 24, 1.8))
     saved = _lever("saved:y", ("fp8", 10, 0.8))
     forced = _lever("saved:z", ("fp8", 5, 3.0), forced=True)

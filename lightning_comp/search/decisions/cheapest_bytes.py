@@ -5,6 +5,8 @@ optimizer state and master weights) is a :class:`Lever`: a few mutually exclusiv
 with the bytes it frees from the step's peak and the time it adds per step (the median of its paired
 rounds). :func:`take_cheapest` ranks the options of all levers together by bytes freed per millisecond added and
 takes them, cheapest bytes first, while the step stays within the time allowed, until the bytes wanted are freed.
+An option that adds no time is taken even where the step starts past the allowance (the base plan, timed once more
+with the update added, can end just past it): it cannot carry the step further past.
 
 The options of one lever are climbed as increments along their lower convex hull (bytes against time): a larger
 option is reached through the smaller ones when that is the cheaper way to its bytes, and an option that frees fewer
@@ -199,7 +201,7 @@ def take_cheapest(levers: list[Lever], step_bytes: float, step_ms: float, max_ms
         negative, index, at = heapq.heappop(queue)
         lever = levers[index]
         option, added_bytes, added_ms = steps[index][at]
-        if step_ms + max(added_ms, 0.0) > bound:
+        if added_ms > 0 and step_ms + added_ms > bound:  # one that adds no time is taken even past the bound
             selection.skipped[lever.label] = (f"{option.value} would add {added_ms:.3f} ms, past the"
                                               f" {max_ms:.3f} ms allowed (the step at {step_ms:.3f} ms)")
             deferred.append((negative, index, at))  # its larger options cost more still: the lever stays there
@@ -213,7 +215,7 @@ def take_cheapest(levers: list[Lever], step_bytes: float, step_ms: float, max_ms
         step_ms += added_ms
         selection.chosen[lever.label] = option
         selection.frontier.append(FrontierPoint(lever.label, option.value, step_bytes, step_ms, -negative,
-                                                past_bound=step_ms > max_ms))
+                                                past_bound=added_ms > 0 and step_ms > max_ms))
         if at + 1 < len(steps[index]):
             _, more_bytes, more_ms = steps[index][at + 1]
             heapq.heappush(queue, (-_value(more_bytes, more_ms), index, at + 1))
@@ -237,7 +239,8 @@ def take_cheapest(levers: list[Lever], step_bytes: float, step_ms: float, max_ms
 def levers_past(selection: Selection, start_ms: float, max_ms: float, measured_ms: float) -> dict[str, str | None]:
     """The levers to step back when the plan, timed whole, ran at ``measured_ms`` rather than the frontier's
     forecast: the forecast's error (the time the levers added, measured over forecast) shrinks the time allowance in
-    proportion, and every increment taken past the shrunk allowance is given back (forced levers stay).
+    proportion, and every increment taken past the shrunk allowance is given back (forced levers stay, and so do
+    increments measured to add no time).
 
     Returns:
         lever label -> the value it falls back to (its last increment within the allowance), or ``None`` where it
@@ -253,7 +256,7 @@ def levers_past(selection: Selection, start_ms: float, max_ms: float, measured_m
     for point in selection.frontier[1:]:
         if math.isnan(point.bytes_per_ms):
             continue  # forced
-        if point.step_ms - start_ms <= allowance:
+        if math.isinf(point.bytes_per_ms) or point.step_ms - start_ms <= allowance:
             within[point.lever] = point.value
         else:
             past[point.lever] = within.get(point.lever)
