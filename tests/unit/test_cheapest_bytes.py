@@ -189,3 +189,18 @@ def test_weighing_time_takes_only_what_makes_the_step_better_in_time_x_memory() 
     # within a bound that stops the dear one first, the bound is what the record says stopped it
     bounded = take_cheapest(levers, 200 * MiB, 100.0, 106.0, weigh_time=True)
     assert list(bounded.chosen) == ["state:fc", "saved:act"] and "time allowed is spent" in bounded.stopped
+
+
+def test_the_base_plans_step_is_on_the_scale_of_the_pace_it_was_judged_against() -> None:
+    from lightning_comp.search.decisions.whole_step import ComparedPlan, PlanStep
+    from lightning_comp.search.measurement.estimates import RatioEstimate
+    from lightning_comp.search.stages.memory_stage import on_pace_scale
+
+    fp32, amp, low = ComparedPlan.FP32, ComparedPlan.AMP, ComparedPlan.ALL_LOW
+    steps = {fp32: PlanStep(ms=304.6, wall_ms=304.6),
+             # its fastest round (224.76) against FP32's, 0.738, is not the median of its paired ratios (0.7174)
+             low: PlanStep(ms=224.76, wall_ms=224.76, ratio=RatioEstimate(0.7174, 0.6605, 0.7472, 4, 0.875)),
+             amp: PlanStep(ms=220.4, wall_ms=220.4)}
+    assert on_pace_scale(steps, low) == pytest.approx(304.6 * 0.7174)
+    assert on_pace_scale(steps, amp) == 220.4  # no paired ratio: its own round
+    assert on_pace_scale(steps, ComparedPlan.COMPUTE) == 304.6  # not timed: FP32's
