@@ -113,19 +113,18 @@ def test_levers_of_repeated_blocks_pool_per_dimension_and_keep_other_dimensions_
     from torch import nn
 
     from lightning_comp.plan.dimensions import Dimension
-    from lightning_comp.search.stages.memory_stage import CheapestBytesStage, _Change
+    from lightning_comp.search.stages.memory_lever_options import LeverBuilder, LeverChange
 
     modules = {f"blocks.{i}.fc": nn.Linear(4, 4) for i in range(3)} | {"head": nn.Linear(4, 2)}
-    stage = CheapestBytesStage.__new__(CheapestBytesStage)
-    stage.ctx = SimpleNamespace(modules=modules)  # type: ignore[assignment]
+    builder = LeverBuilder(SimpleNamespace(modules=modules, config=None))  # type: ignore[arg-type]
     levers, changes, firsts = [], {}, {}
     for name in modules:
         for dimension, value, nbytes, ms in (("saved", "bf16", 10, 1.0), ("state", "8bit", 30, 2.0)):
             label = f"{dimension}:{name}"
             levers.append(_lever(label, (value, nbytes, ms)))
-            changes[label] = {value: _Change({name: {Dimension(dimension): value}})}
+            changes[label] = {value: LeverChange({name: {Dimension(dimension): value}})}
             firsts[label] = name
-    pooled, writes = stage._pooled(levers, changes, firsts)
+    pooled, writes = builder._pooled(levers, changes, firsts)
     by_label = {lever.label: lever for lever in pooled}
     assert set(by_label) == {"saved:blocks.*.fc (x3)", "state:blocks.*.fc (x3)", "saved:head", "state:head"}
     saved, state = by_label["saved:blocks.*.fc (x3)"], by_label["state:blocks.*.fc (x3)"]
@@ -147,13 +146,11 @@ def test_a_recompute_unit_is_priced_over_every_operator_it_timed_and_not_pooled_
     from lightning_comp.search.decisions.operators import OperatorDecision
     from lightning_comp.search.decisions.saved import SavedDecision
     from lightning_comp.search.measurement.profiling import OperatorMeasurement
-    from lightning_comp.search.stages.memory_stage import CheapestBytesStage
+    from lightning_comp.search.stages.memory_lever_options import LeverBuilder
 
     names = ["blocks.0.fc", "blocks.0.act", "blocks.1.fc", "blocks.1.act"]
     modules = {n: nn.Linear(4, 4) if n.endswith("fc") else nn.ReLU() for n in names}
-    stage = CheapestBytesStage.__new__(CheapestBytesStage)
-    stage.ctx = SimpleNamespace(modules=modules)  # type: ignore[assignment]
-    stage.config = SearchConfig(objective="memory")
+    builder = LeverBuilder(SimpleNamespace(modules=modules, config=SearchConfig(objective="memory")))  # type: ignore[arg-type]
     decisions = {n: OperatorDecision(type(m).__name__, OperatorKind.COMPUTE if n.endswith("fc") else OperatorKind.OTHER,
                                      16, fp32=OperatorMeasurement(forward_ms=1.0, compute_ms=1.0, backward_ms=1.0))
                  for n, m in modules.items()}
@@ -163,7 +160,7 @@ def test_a_recompute_unit_is_priced_over_every_operator_it_timed_and_not_pooled_
         decisions[act].saved = SavedDecision(bytes={"fp32": 4 * MiB, "recompute": 0},
                                              time_ratios={"recompute": [ratio, ratio, ratio]},
                                              unit=act, timed=(act, f"blocks.{block}.fc"))
-    levers, _ = stage._levers(PrecisionPlan(), decisions)
+    levers, _ = builder.build(PrecisionPlan(), decisions)
     by_label = {lever.label: lever for lever in levers}
     assert set(by_label) == {"saved:blocks.0.act", "saved:blocks.1.act"}  # not one pooled lever
     # 4 ms of forward and backward timed (2 ms each, the activation and its consumer): x1.1 -> 0.4 ms, x3.0 -> 8 ms

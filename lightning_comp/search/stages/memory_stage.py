@@ -1,5 +1,6 @@
 """The batch stage's memory dimensions (:func:`memory_levers`: the saved and parameter stages in turn) and the
-memory and balanced objectives' last step on them: every memory lever measured, cheapest bytes first.
+memory and balanced objectives' last step on them: every memory lever measured
+(:mod:`~lightning_comp.search.stages.memory_lever_options`), cheapest bytes first.
 
 The saved stage (:mod:`lightning_comp.search.stages.saved_stage`) and the parameter stage
 (:mod:`lightning_comp.search.stages.parameter_stage`) measure, per operator (or unit), what each saved precision,
@@ -25,45 +26,36 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from lightning_comp.devices.device_classes import model_device
 from lightning_comp.execution.optimizer_states import state_bytes
-from lightning_comp.numerics.precision import ComputePrecision, MasterPrecision, SavedPrecision, StatePrecision
+from lightning_comp.numerics.precision import MasterPrecision, SavedPrecision, StatePrecision
 from lightning_comp.plan.dimensions import Dimension
 from lightning_comp.plan.plan import PrecisionPlan
 from lightning_comp.search.candidates import Candidate
 from lightning_comp.search.config import Objective
 from lightning_comp.search.decisions.batch_result import ParameterStageResult, SavedStageResult
 from lightning_comp.search.decisions.cheapest_bytes import (
-    Lever,
     LeverOption,
     MemorySpending,
     Selection,
     levers_past,
     take_cheapest,
 )
-from lightning_comp.search.decisions.groups import group_operators
 from lightning_comp.search.decisions.operators import OperatorDecision
 from lightning_comp.search.decisions.whole_step import ComparedPlan, PlanStep
 from lightning_comp.search.measurement.estimates import paired_ratio
 from lightning_comp.search.measurement.optimizer_timing import UpdateVariant
 from lightning_comp.search.measurement.step_timing import StepTimer
 from lightning_comp.search.stages.context import StageContext
+from lightning_comp.search.stages.memory_lever_options import LeverBuilder, LeverChange
 from lightning_comp.search.stages.parameter_stage import ParameterStage
 from lightning_comp.search.stages.saved_stage import SavedStage
 
 __all__ = ["CheapestBytesStage", "memory_levers", "on_pace_scale"]
 
 CANDIDATES, PARAMETERS = ComparedPlan.CANDIDATES, ComparedPlan.PARAMETERS
-
-
-@dataclass(frozen=True)
-class _Change:
-    """What taking one option of a lever writes: per operator, the value of each dimension it sets."""
-
-    values: dict[str, dict[Dimension, str]]
 
 
 class CheapestBytesStage:
@@ -105,7 +97,7 @@ class CheapestBytesStage:
         pace_ms = fp32_ms * ctx.policy.pace.ratio_to_fp32 + update_ms
         max_ms = self.config.slowdown_vs_fastest * pace_ms
         start_bytes, start_ms = persistent + candidates_saved, candidates_ms + update_ms
-        levers, changes = self._levers(base, decisions)
+        levers, changes = LeverBuilder(self.ctx).build(base, decisions)
         # a budget the job needs goes past the default bound, not past one the user set
         past = self.config.max_slowdown_vs_fastest is None
         weigh = self.config.objective is Objective.BALANCED
@@ -129,7 +121,7 @@ class CheapestBytesStage:
             self._process_excess(spending, base, saved, parameters)
         return spending
 
-    def _spend(self, spending: MemorySpending, base: PrecisionPlan, changes: dict[str, dict[str, _Change]],
+    def _spend(self, spending: MemorySpending, base: PrecisionPlan, changes: dict[str, dict[str, LeverChange]],
                decisions: dict[str, OperatorDecision], saved: SavedStageResult, parameters: ParameterStageResult,
                update_ms: float) -> None:
         """Write the selection's levers into the stages' choices, and time the plan whole once."""
@@ -167,117 +159,8 @@ class CheapestBytesStage:
         return excess
 
     # ------------------------------------------------------------------------------------------------ levers
-    def _levers(self, base: PrecisionPlan, decisions: dict[str, OperatorDecision],
-                ) -> tuple[list[Lever], dict[str, dict[str, _Change]]]:
-        """Every lever measured: its options, and per option what it writes into the plan."""
-        keep = 1 - self.config.measurement.speed_margin
-        levers: list[Lever] = []
-        changes: dict[str, dict[str, _Change]] = {}
-        firsts: dict[str, str] = {}  # lever label -> the first operator it changes
-        seen: set[tuple[str, ...]] = set()
-        for name, decision in decisions.items():
-            entry = decision.saved
-            if entry is not None and entry.time_ratios:
-                members = entry.group or (name,)
-                if members not in seen:
-                    seen.add(members)
-                    # the ratio is of every operator it timed: a recompute unit's consumers run its recomputation
-                    timed = entry.timed or members
-                    base_ms = sum(_compute_ms(m, decisions[m], base, self.ctx) for m in timed if m in decisions)
-                    own = float(entry.bytes.get("fp32", 0))
-                    options, writes = [], {}
-                    for value, (median, _, _) in entry.time_ratios.items():
-                        nbytes = float(entry.bytes.get(value, own))
-                        if own <= 0 or nbytes > own * keep:
-                            continue  # saves too little
-                        options.append(LeverOption(value, own - nbytes, base_ms * max(median - 1.0, 0.0)))
-                        writes[value] = _Change({m: {Dimension.SAVED: value} for m in members})
-                    if options:
-                        label = f"saved:{_shown(members)}"
-                        levers.append(Lever(label, tuple(options), forced=entry.forced))
-                        changes[label] = writes
-                        if entry.unit is None:  # a recompute unit is pooled across blocks already
-                            firsts[label] = members[0]
-            params = decision.parameters
-            if params is not None and params.update_ms:
-                lever, writes = self._parameter_lever(name, params, base)
-                if lever is not None:
-                    levers.append(lever)
-                    changes[lever.label] = writes
-                    firsts[lever.label] = name
-        return self._pooled(levers, changes, firsts)
-
-    def _pooled(self, levers: list[Lever], changes: dict[str, dict[str, _Change]], firsts: dict[str, str],
-                ) -> tuple[list[Lever], dict[str, dict[str, _Change]]]:
-        """The levers of operators playing the same part in repeated blocks
-        (:mod:`lightning_comp.search.decisions.groups`) as one: their bytes and times summed, one decision for
-        every block, as their compute precision is decided. Levers of one group that were measured with other
-        options (or one forced) stay apart, and so do recompute units (``firsts`` leaves them out): the saved stage
-        pooled them by all their members' parts, which their first member alone does not tell."""
-        pooled: list[Lever] = []
-        merged: set[str] = set()
-        for dimension in ("saved:", "state:"):
-            by_first = {firsts[lever.label]: lever for lever in levers
-                        if lever.label.startswith(dimension) and lever.label in firsts}
-            for group in group_operators(list(by_first), self.ctx.modules):
-                members = [by_first[n] for n in group.members]
-                values = {tuple(sorted(o.value for o in lever.options)) for lever in members}
-                if group.size < 2 or len(values) != 1 or any(lever.forced for lever in members):
-                    continue
-                options = tuple(
-                    LeverOption(value, sum(_option(lever, value).bytes_saved for lever in members),
-                                sum(_option(lever, value).extra_ms for lever in members))
-                    for value in next(iter(values)))
-                label = f"{dimension}{group.label}"
-                pooled.append(Lever(label, options))
-                changes[label] = {value: _Change({n: v for lever in members
-                                                  for n, v in changes[lever.label][value].values.items()})
-                                  for value in next(iter(values))}
-                merged.update(lever.label for lever in members)
-        for label in merged:
-            del changes[label]
-        return [lever for lever in levers if lever.label not in merged] + pooled, changes
-
-    def _parameter_lever(self, name: str, params: Any, base: PrecisionPlan) -> tuple[Lever | None, dict[str, _Change]]:
-        """One operator's optimizer-state formats (and bf16 master, where it computes in bf16) as one lever."""
-        keep = 1 - self.config.measurement.speed_margin
-        fp32_ms = params.update_ms.get(UpdateVariant.FP32, 0.0)
-        own = float(params.bytes.get(UpdateVariant.FP32, 0))
-        options, writes = [], {}
-
-        def extra(variant: UpdateVariant) -> float:
-            return fp32_ms * max(params.time_ratios[variant][0] - 1.0, 0.0)
-
-        for variant in params.time_ratios:
-            if variant in (UpdateVariant.FP32, UpdateVariant.MASTER):
-                continue
-            nbytes = float(params.bytes[variant])
-            if own > 0 and nbytes <= own * keep:
-                options.append(LeverOption(variant.value, own - nbytes, extra(variant)))
-                writes[variant.value] = _Change({name: {Dimension.STATE: variant.value}})
-        module = self.ctx.modules.get(name)
-        computes = base.of(Dimension.COMPUTE, name, None if module is None else type(module))
-        if UpdateVariant.MASTER in params.time_ratios and computes is ComputePrecision.BF16:
-            tried = self.config.tried(Dimension.STATE)
-            timed = tried[-1] if tried else StatePrecision.FP32  # the state the master update was timed with
-            master_saved = float(params.bytes[UpdateVariant.MASTER])  # half of the weights and gradients
-            master_ms = extra(UpdateVariant.MASTER) - (extra(UpdateVariant.of(timed)) if timed.managed else 0.0)
-            for state in tried or (StatePrecision.FP32,):
-                # each state format with a bf16 master: the master's own cost added to that format's
-                state_saved = own - float(params.bytes.get(UpdateVariant.of(state), own))
-                state_ms = extra(UpdateVariant.of(state)) if state.managed else 0.0
-                value = f"{state.value}+master bf16"
-                options.append(LeverOption(value, state_saved + master_saved, max(state_ms + master_ms, 0.0)))
-                write = {Dimension.MASTER: MasterPrecision.BF16.value}
-                if state.managed:
-                    write[Dimension.STATE] = state.value
-                writes[value] = _Change({name: write})
-        if not options:
-            return None, {}
-        return Lever(f"state:{name}", tuple(options), forced=bool(params.forced)), writes
-
     # ------------------------------------------------------------------------------------------------ applying
-    def _apply(self, selection: Selection, changes: dict[str, dict[str, _Change]],
+    def _apply(self, selection: Selection, changes: dict[str, dict[str, LeverChange]],
                decisions: dict[str, OperatorDecision], saved: SavedStageResult,
                parameters: ParameterStageResult) -> None:
         """Rewrite the stages' choices to what is taken; each operator's decision says why."""
@@ -344,7 +227,7 @@ class CheapestBytesStage:
             params.keep_fp32(f"optimizer's own state, fp32 master: {why}; measured: {params.reason}")
 
     # ------------------------------------------------------------------------------------------------ checking
-    def _check(self, base: PrecisionPlan, spending: MemorySpending, changes: dict[str, dict[str, _Change]],
+    def _check(self, base: PrecisionPlan, spending: MemorySpending, changes: dict[str, dict[str, LeverChange]],
                decisions: dict[str, OperatorDecision], saved: SavedStageResult, parameters: ParameterStageResult,
                update_ms: float) -> None:
         """Time the chosen plan whole beside the candidate plan; give back the levers past the bound if it is
@@ -437,25 +320,13 @@ def on_pace_scale(steps: dict[ComparedPlan, PlanStep], plan: ComparedPlan) -> fl
     return step.ms if step.ratio is None else fp32_ms * step.ratio.ratio
 
 
-def _option(lever: Lever, value: str) -> LeverOption:
-    return next(option for option in lever.options if option.value == value)
-
-
-def _compute_ms(name: str, decision: OperatorDecision, base: PrecisionPlan, ctx: StageContext) -> float:
-    """The operator's forward and backward (ms) at the precision it computes in under ``base``."""
-    module = ctx.modules.get(name)
-    low = base.of(Dimension.COMPUTE, name, None if module is None else type(module)).is_low
-    measured = decision.low if low and decision.low is not None else decision.fp32
-    return measured.total_ms if measured is not None else 0.0
-
-
 def _with_choices(base: PrecisionPlan, saved: SavedStageResult, parameters: ParameterStageResult) -> PrecisionPlan:
     plan = base.with_assignment(Dimension.SAVED, {n: s.value for n, s in saved.choices.items()})
     plan = plan.with_assignment(Dimension.STATE, {n: s.value for n, s in parameters.state_choices.items()})
     return plan.with_assignment(Dimension.MASTER, {n: m.value for n, m in parameters.master_choices.items()})
 
 
-def _candidates(writes: dict[str, _Change]) -> list[Candidate]:
+def _candidates(writes: dict[str, LeverChange]) -> list[Candidate]:
     out: list[Candidate] = []
     for change in writes.values():
         for name, values in change.values.items():
@@ -466,17 +337,13 @@ def _candidates(writes: dict[str, _Change]) -> list[Candidate]:
     return out
 
 
-def _saved_lever_operators(changes: dict[str, dict[str, _Change]]) -> set[str]:
+def _saved_lever_operators(changes: dict[str, dict[str, LeverChange]]) -> set[str]:
     return {n for label, writes in changes.items() if label.startswith("saved:") for n in _candidates_of(writes)}
 
 
-def _parameter_lever_operators(changes: dict[str, dict[str, _Change]]) -> set[str]:
+def _parameter_lever_operators(changes: dict[str, dict[str, LeverChange]]) -> set[str]:
     return {n for label, writes in changes.items() if label.startswith("state:") for n in _candidates_of(writes)}
 
 
-def _candidates_of(writes: dict[str, _Change]) -> list[str]:
+def _candidates_of(writes: dict[str, LeverChange]) -> list[str]:
     return sorted({name for change in writes.values() for name in change.values})
-
-
-def _shown(members: tuple[str, ...]) -> str:
-    return members[0] if len(members) == 1 else f"{members[0]} (+{len(members) - 1} judged with it)"

@@ -1,0 +1,171 @@
+"""The memory levers the saved and parameter stages measured, as the spending takes them: each a
+:class:`~lightning_comp.search.decisions.cheapest_bytes.Lever` of mutually exclusive options (bytes freed, time
+added), with what each option writes into the plan (:class:`LeverChange`).
+
+:class:`LeverBuilder` reads the operators' decisions: an operator's (or recompute unit's) saved precisions, priced
+over every operator it timed at the precision each computes in under the base plan; an operator's optimizer-state
+formats, and its bf16 master where it computes in bf16, priced by the update timings. Levers of operators playing
+the same part in repeated blocks are pooled into one (their bytes and times summed), as their compute precision is
+decided. :mod:`lightning_comp.search.stages.memory_stage` ranks and takes them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from lightning_comp.numerics.precision import ComputePrecision, MasterPrecision, StatePrecision
+from lightning_comp.plan.dimensions import Dimension
+from lightning_comp.plan.plan import PrecisionPlan
+from lightning_comp.search.decisions.cheapest_bytes import Lever, LeverOption
+from lightning_comp.search.decisions.groups import group_operators
+from lightning_comp.search.decisions.operators import OperatorDecision
+from lightning_comp.search.measurement.optimizer_timing import UpdateVariant
+from lightning_comp.search.stages.context import StageContext
+
+__all__ = ["LeverBuilder", "LeverChange"]
+
+
+@dataclass(frozen=True)
+class LeverChange:
+    """What taking one option of a lever writes: per operator, the value of each dimension it sets."""
+
+    values: dict[str, dict[Dimension, str]]
+
+
+class LeverBuilder:
+    """Builds the memory levers of a batch stage's run (see the module docstring).
+
+    Args:
+        ctx: the batch stage's run (its modules and the search's settings).
+    """
+
+    def __init__(self, ctx: StageContext) -> None:
+        self.ctx = ctx
+        self.config = ctx.config
+
+    def build(self, base: PrecisionPlan, decisions: dict[str, OperatorDecision],
+              ) -> tuple[list[Lever], dict[str, dict[str, LeverChange]]]:
+        """Every lever measured: its options, and per option what it writes into the plan."""
+        keep = 1 - self.config.measurement.speed_margin
+        levers: list[Lever] = []
+        changes: dict[str, dict[str, LeverChange]] = {}
+        firsts: dict[str, str] = {}  # lever label -> the first operator it changes
+        seen: set[tuple[str, ...]] = set()
+        for name, decision in decisions.items():
+            entry = decision.saved
+            if entry is not None and entry.time_ratios:
+                members = entry.group or (name,)
+                if members not in seen:
+                    seen.add(members)
+                    # the ratio is of every operator it timed: a recompute unit's consumers run its recomputation
+                    timed = entry.timed or members
+                    base_ms = sum(_compute_ms(m, decisions[m], base, self.ctx) for m in timed if m in decisions)
+                    own = float(entry.bytes.get("fp32", 0))
+                    options, writes = [], {}
+                    for value, (median, _, _) in entry.time_ratios.items():
+                        nbytes = float(entry.bytes.get(value, own))
+                        if own <= 0 or nbytes > own * keep:
+                            continue  # saves too little
+                        options.append(LeverOption(value, own - nbytes, base_ms * max(median - 1.0, 0.0)))
+                        writes[value] = LeverChange({m: {Dimension.SAVED: value} for m in members})
+                    if options:
+                        label = f"saved:{_shown(members)}"
+                        levers.append(Lever(label, tuple(options), forced=entry.forced))
+                        changes[label] = writes
+                        if entry.unit is None:  # a recompute unit is pooled across blocks already
+                            firsts[label] = members[0]
+            params = decision.parameters
+            if params is not None and params.update_ms:
+                lever, writes = self._parameter_lever(name, params, base)
+                if lever is not None:
+                    levers.append(lever)
+                    changes[lever.label] = writes
+                    firsts[lever.label] = name
+        return self._pooled(levers, changes, firsts)
+
+    def _pooled(self, levers: list[Lever], changes: dict[str, dict[str, LeverChange]], firsts: dict[str, str],
+                ) -> tuple[list[Lever], dict[str, dict[str, LeverChange]]]:
+        """The levers of operators playing the same part in repeated blocks
+        (:mod:`lightning_comp.search.decisions.groups`) as one: their bytes and times summed, one decision for
+        every block, as their compute precision is decided. Levers of one group that were measured with other
+        options (or one forced) stay apart, and so do recompute units (``firsts`` leaves them out): the saved stage
+        pooled them by all their members' parts, which their first member alone does not tell."""
+        pooled: list[Lever] = []
+        merged: set[str] = set()
+        for dimension in ("saved:", "state:"):
+            by_first = {firsts[lever.label]: lever for lever in levers
+                        if lever.label.startswith(dimension) and lever.label in firsts}
+            for group in group_operators(list(by_first), self.ctx.modules):
+                members = [by_first[n] for n in group.members]
+                values = {tuple(sorted(o.value for o in lever.options)) for lever in members}
+                if group.size < 2 or len(values) != 1 or any(lever.forced for lever in members):
+                    continue
+                options = tuple(
+                    LeverOption(value, sum(_option(lever, value).bytes_saved for lever in members),
+                                sum(_option(lever, value).extra_ms for lever in members))
+                    for value in next(iter(values)))
+                label = f"{dimension}{group.label}"
+                pooled.append(Lever(label, options))
+                changes[label] = {value: LeverChange({n: v for lever in members
+                                                      for n, v in changes[lever.label][value].values.items()})
+                                  for value in next(iter(values))}
+                merged.update(lever.label for lever in members)
+        for label in merged:
+            del changes[label]
+        return [lever for lever in levers if lever.label not in merged] + pooled, changes
+
+    def _parameter_lever(self, name: str, params: Any, base: PrecisionPlan
+                         ) -> tuple[Lever | None, dict[str, LeverChange]]:
+        """One operator's optimizer-state formats (and bf16 master, where it computes in bf16) as one lever."""
+        keep = 1 - self.config.measurement.speed_margin
+        fp32_ms = params.update_ms.get(UpdateVariant.FP32, 0.0)
+        own = float(params.bytes.get(UpdateVariant.FP32, 0))
+        options, writes = [], {}
+
+        def extra(variant: UpdateVariant) -> float:
+            return fp32_ms * max(params.time_ratios[variant][0] - 1.0, 0.0)
+
+        for variant in params.time_ratios:
+            if variant in (UpdateVariant.FP32, UpdateVariant.MASTER):
+                continue
+            nbytes = float(params.bytes[variant])
+            if own > 0 and nbytes <= own * keep:
+                options.append(LeverOption(variant.value, own - nbytes, extra(variant)))
+                writes[variant.value] = LeverChange({name: {Dimension.STATE: variant.value}})
+        module = self.ctx.modules.get(name)
+        computes = base.of(Dimension.COMPUTE, name, None if module is None else type(module))
+        if UpdateVariant.MASTER in params.time_ratios and computes is ComputePrecision.BF16:
+            tried = self.config.tried(Dimension.STATE)
+            timed = tried[-1] if tried else StatePrecision.FP32  # the state the master update was timed with
+            master_saved = float(params.bytes[UpdateVariant.MASTER])  # half of the weights and gradients
+            master_ms = extra(UpdateVariant.MASTER) - (extra(UpdateVariant.of(timed)) if timed.managed else 0.0)
+            for state in tried or (StatePrecision.FP32,):
+                # each state format with a bf16 master: the master's own cost added to that format's
+                state_saved = own - float(params.bytes.get(UpdateVariant.of(state), own))
+                state_ms = extra(UpdateVariant.of(state)) if state.managed else 0.0
+                value = f"{state.value}+master bf16"
+                options.append(LeverOption(value, state_saved + master_saved, max(state_ms + master_ms, 0.0)))
+                write = {Dimension.MASTER: MasterPrecision.BF16.value}
+                if state.managed:
+                    write[Dimension.STATE] = state.value
+                writes[value] = LeverChange({name: write})
+        if not options:
+            return None, {}
+        return Lever(f"state:{name}", tuple(options), forced=bool(params.forced)), writes
+
+
+def _option(lever: Lever, value: str) -> LeverOption:
+    return next(option for option in lever.options if option.value == value)
+
+
+def _compute_ms(name: str, decision: OperatorDecision, base: PrecisionPlan, ctx: StageContext) -> float:
+    """The operator's forward and backward (ms) at the precision it computes in under ``base``."""
+    module = ctx.modules.get(name)
+    low = base.of(Dimension.COMPUTE, name, None if module is None else type(module)).is_low
+    measured = decision.low if low and decision.low is not None else decision.fp32
+    return measured.total_ms if measured is not None else 0.0
+
+
+def _shown(members: tuple[str, ...]) -> str:
+    return members[0] if len(members) == 1 else f"{members[0]} (+{len(members) - 1} judged with it)"
