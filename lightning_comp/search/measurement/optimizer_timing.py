@@ -18,7 +18,7 @@ magnitudes; gradients are the parameters' own from the profiled step when presen
 The managed variants run on the code the plugin steps them with in training (``updates``: a
 :class:`~lightning_comp.execution.update_path.CompiledUpdates` of the plugin's update path, deciding as the plugin
 does for a step that manages every timed group): compiled where training compiles them, so a lever is priced at
-what it costs there (on a CPU the compiled 8-bit step is 1.4x the eager one's speed, with BF16 masters 2.3x). Two
+what it costs there (:mod:`~lightning_comp.execution.update_path` says where that is and how much it gains). Two
 unmeasured updates come first then: the first converts the state, the second compiles.
 """
 
@@ -148,7 +148,7 @@ def _update(optimizer: Optimizer, name: str, params: Sequence[nn.Parameter], hyp
                     continue
                 adam_step(target, grad, state, step_settings, precision, generator)
 
-    if updates is not None:
+    if updates is not None and updates.begin(managed, copies[0].device):
         run()  # the state converted to its format
-        run()  # compiled, where it is
+        run()  # compiled
     return run
