@@ -23,8 +23,14 @@ def _steps(ms: dict[ComparedPlan, float], rounds: int = 6) -> StepComparison:
     return StepComparison({plan: [v * w for w in wiggle] for plan, v in ms.items()})
 
 
-def _policy(objective: str, **settings: float) -> object:
-    return policy_for(SearchConfig(objective=objective, **settings))  # type: ignore[arg-type]
+NO_LEVERS = {"saved": "off", "state": "off", "master": "off"}
+
+
+def _policy(objective: str, levers: bool = False, **settings: float) -> object:
+    """The policy of ``objective``; without ``levers`` the memory dimensions are off (the plan's bytes are the whole
+    step's: the leanest within the bound wins), with them on (the plan is chosen for the levers' room)."""
+    precisions = {} if levers else {"precisions": NO_LEVERS}
+    return policy_for(SearchConfig(objective=objective, **precisions, **settings))  # type: ignore[arg-type]
 
 
 def test_the_pace_is_the_fastest_fixed_policy_never_the_candidates_or_all_low() -> None:
@@ -81,6 +87,41 @@ def test_past_the_bound_a_plan_faster_only_within_the_noise_does_not_displace_a_
     fast = StepComparison({**noisy.ms, COMPUTE: [78, 79, 77, 78, 80, 78]})  # x1.2 of the pace: past it too
     policy.set_pace(fast.pace())  # type: ignore[attr-defined]
     assert policy.winner(fast, saved, [COMPUTE], True) is COMPUTE  # type: ignore[attr-defined]
+
+
+def test_with_levers_memory_builds_on_the_fastest_plan_not_the_leanest_within_the_bound() -> None:
+    # the default example's seed-1 run: all-low leanest (x1.11 of the pace, within 1.15), the compute-only plan and
+    # the candidates fastest; the levers would have 14 ms left on all-low, 40 ms on the candidates
+    policy = _policy("memory", levers=True)
+    assert policy.spends_levers  # type: ignore[attr-defined]
+    steps = _steps({FP32: 316, CANDIDATES: 201, AMP: 220, ALL_LOW: 219, COMPUTE: 198})
+    policy.set_pace(steps.pace())  # type: ignore[attr-defined]
+    assert policy.pace.plan is COMPUTE  # type: ignore[attr-defined]
+    saved = {FP32: 140.0, CANDIDATES: 98.0, AMP: 81.0, ALL_LOW: 72.0, COMPUTE: 119.0}
+    # the candidates are within 1.5 % of the fastest (not beaten by the margin): the leaner of the two is built on
+    assert policy.winner(steps, saved, [AMP, ALL_LOW, COMPUTE], True) is None  # type: ignore[attr-defined]
+    # where the compute-only plan is the leaner of the two fastest, it is the base
+    assert policy.winner(steps, {**saved, COMPUTE: 90.0}, [AMP, ALL_LOW, COMPUTE], True) is COMPUTE  # type: ignore[attr-defined]
+    # the rule without levers: the leanest within the bound (all-low)
+    plain = _policy("memory")
+    plain.set_pace(steps.pace())  # type: ignore[attr-defined]
+    assert plain.winner(steps, saved, [AMP, ALL_LOW, COMPUTE], True) is ALL_LOW  # type: ignore[attr-defined]
+
+
+def test_with_levers_a_plan_past_the_bound_is_no_base_and_noise_buys_rounds() -> None:
+    policy = _policy("memory", levers=True)
+    # the candidates are the fastest of the contenders but past the bound beyond doubt (a global autocast region is
+    # the pace): AMP's plan, within it, is the base
+    steps = _steps({FP32: 100, CANDIDATES: 70, AMP: 58, AUTOCAST: 50})
+    policy.set_pace(steps.pace())  # type: ignore[attr-defined]
+    assert policy.candidates_pay(steps) is Verdict.ABOVE  # type: ignore[attr-defined]
+    assert policy.winner(steps, {FP32: 100.0, CANDIDATES: 40.0, AMP: 60.0, AUTOCAST: 60.0}, [AMP], True) is AMP  # type: ignore[attr-defined]
+    # which of two plans is faster cannot be told: both (and no other) get more rounds
+    noisy = StepComparison({FP32: [100.0] * 6, AMP: [50.0] * 6, ALL_LOW: [80.0] * 6,
+                            CANDIDATES: [46.0, 53.0, 47.0, 52.0, 48.0, 51.0]})
+    policy.set_pace(noisy.pace())  # type: ignore[attr-defined]
+    assert policy.undecided(noisy, [AMP, ALL_LOW]) == {CANDIDATES, AMP}  # type: ignore[attr-defined]
+    assert policy.undecided(_steps({FP32: 100, AMP: 50, CANDIDATES: 40}), [AMP]) == frozenset()  # type: ignore[attr-defined]
 
 
 def test_balanced_holds_its_score_to_the_bound_too() -> None:

@@ -22,6 +22,13 @@ memory         it saves the margin's share of the bytes kept for backward, withi
 balanced       the geometric mean of its time and memory ratios to FP32 (the *balanced score*) beats the margin,
                within ``max_slowdown_vs_fastest``
 =============  ===========================================================================================
+
+Where the memory objective spends memory levers on its plan (a ``saved``, ``state`` or ``master`` dimension is
+searched), the whole-step plan it builds on is chosen for *room*, not for its own bytes: the fastest plan, or the
+leanest of those it does not beat by the margin beyond doubt. The levers then buy bytes with the time left under the
+bound, cheapest bytes first, which a base chosen as the leanest within the bound leaves little of: on the default
+example, all-low's plan (x1.10-1.19 of the pace, near the bound) left the levers 14 ms where the candidates' left
+43 ms, and which of the two a run took decided its plan (three runs, three bases).
 """
 
 from __future__ import annotations
@@ -192,16 +199,34 @@ class MemoryPolicy(ObjectivePolicy):
 
     def candidates_pay(self, steps: StepComparison) -> Verdict:
         """Each candidate saves memory within the slowdown (per operator); as a whole the plan must stay within it
-        of the pace."""
-        return steps.within(CANDIDATES, self.pace, self.slowdown)
+        of the pace (where levers are spent, not past it beyond doubt: the levers' own check holds the bound)."""
+        verdict = steps.within(CANDIDATES, self.pace, self.slowdown)
+        return Verdict.BELOW if self.spends_levers and verdict is Verdict.UNDECIDED else verdict
+
+    @property
+    def spends_levers(self) -> bool:
+        """Whether memory levers (saved precisions, recompute, optimizer state, masters) are spent on the plan
+        :meth:`winner` chooses: then it chooses for room (see the module docstring)."""
+        return any(self.config.tried(dimension) for dimension in (Dimension.SAVED, Dimension.STATE, Dimension.MASTER))
 
     def winner(self, steps: StepComparison, saved: dict[ComparedPlan, float], labels: list[ComparedPlan],
                have_candidates: bool) -> ComparedPlan | None:
-        """The leanest plan within the slowdown of the pace: an alternative when it saves the margin's share of the
-        candidates' bytes (or the candidates are past the bound), or when it saves as much as they do and is faster
-        beyond doubt; when no plan is within the bound, the leanest of the plans the fastest one does not beat by
-        the margin beyond doubt (a plan a few per cent faster by the median, within the rounds' noise, does not
+        """Where levers are spent (:attr:`spends_levers`), the plan that leaves them the most room: the leanest of
+        the plans the fastest one does not beat by the margin beyond doubt (:func:`_leanest_of_the_fastest`).
+
+        Otherwise the leanest plan within the slowdown of the pace: an alternative when it saves the margin's share
+        of the candidates' bytes (or the candidates are past the bound), or when it saves as much as they do and is
+        faster beyond doubt; when no plan is within the bound, the leanest of the plans the fastest one does not beat
+        by the margin beyond doubt (a plan a few per cent faster by the median, within the rounds' noise, does not
         displace one that saves half the bytes). So the plan is never both slower and fatter than AMP's."""
+        margin = self.config.measurement.speed_margin
+        if self.spends_levers:
+            # of the plans not past the bound beyond doubt (all of them where every one is)
+            kept = [plan for plan in labels if steps.within(plan, self.pace, self.slowdown) is not Verdict.ABOVE]
+            candidates_kept = have_candidates and self.candidates_pay(steps) is not Verdict.ABOVE
+            if kept or candidates_kept:
+                return _leanest_of_the_fastest(steps, saved, kept, candidates_kept, margin)
+            return _leanest_of_the_fastest(steps, saved, labels, have_candidates, margin)
         within = [plan for plan in ([CANDIDATES] if have_candidates else []) + labels
                   if steps.within(plan, self.pace, self.slowdown) is Verdict.BELOW]
         if within:
@@ -211,23 +236,17 @@ class MemoryPolicy(ObjectivePolicy):
             if best == CANDIDATES:
                 # never slower and no leaner than a fixed policy: one that saves as little and is faster wins
                 dominating = [plan for plan in labels if saved[plan] <= saved[CANDIDATES]
-                              and steps.faster(plan, CANDIDATES, self.config.measurement.speed_margin)
-                              is Verdict.BELOW and plan in within]
+                              and steps.faster(plan, CANDIDATES, margin) is Verdict.BELOW and plan in within]
                 return min(dominating, key=lambda plan: saved[plan]) if dominating else None
             return best
-        if not labels:
-            return None
-        incumbent = CANDIDATES if have_candidates else FP32
-        contenders = [incumbent, *labels]
-        fastest = min(contenders, key=steps.median_to_fp32)
-        margin = self.config.measurement.speed_margin
-        tied = [plan for plan in contenders if plan == fastest
-                or steps.faster(fastest, plan, margin) is not Verdict.BELOW]
-        best = min(tied, key=lambda plan: (saved[plan], plan != incumbent))
-        return None if best == incumbent else best
+        return _leanest_of_the_fastest(steps, saved, labels, have_candidates, margin)
 
     def undecided(self, steps: StepComparison, labels: list[ComparedPlan]) -> frozenset[ComparedPlan]:
-        return _bound_involved(steps, [CANDIDATES, *labels], steps.pace(), self.slowdown)
+        bound = _bound_involved(steps, [CANDIDATES, *labels], steps.pace(), self.slowdown)
+        if self.spends_levers:
+            plans = [plan for plan in [CANDIDATES, *labels] if plan in steps.ms]
+            return bound | _tie_involved(steps, plans or [FP32], self.config.measurement.speed_margin)
+        return bound
 
     def saved(self, time: RatioEstimate, memory_ratio: float, bytes_saved: float) -> Judgement:
         return Judgement(time.against(self.slowdown), "", bytes_saved)
@@ -287,6 +306,30 @@ _POLICIES: dict[Objective, type[ObjectivePolicy]] = {
 def policy_for(config: SearchConfig) -> ObjectivePolicy:
     """The policy of ``config.objective``."""
     return _POLICIES[config.objective](config)
+
+
+def _leanest_of_the_fastest(steps: StepComparison, saved: dict[ComparedPlan, float], labels: list[ComparedPlan],
+                            have_candidates: bool, margin: float) -> ComparedPlan | None:
+    """The leanest of the plans (the candidates, or FP32 without them, and ``labels``) that the fastest of them does
+    not beat by ``margin`` beyond doubt; a tie in bytes goes to the candidates (``None``: they, or FP32, win)."""
+    if not labels:
+        return None
+    incumbent = CANDIDATES if have_candidates else FP32
+    contenders = [incumbent, *labels]
+    fastest = min(contenders, key=steps.median_to_fp32)
+    tied = [plan for plan in contenders if plan == fastest
+            or steps.faster(fastest, plan, margin) is not Verdict.BELOW]
+    best = min(tied, key=lambda plan: (saved[plan], plan != incumbent))
+    return None if best == incumbent else best
+
+
+def _tie_involved(steps: StepComparison, plans: list[ComparedPlan], margin: float) -> frozenset[ComparedPlan]:
+    """The plans (of ``plans``) whose comparison with the fastest of them against ``margin`` cannot be told yet (and
+    the fastest with them; empty: every one is decided)."""
+    fastest = min(plans, key=steps.median_to_fp32)
+    close = {plan for plan in plans if plan != fastest
+             and steps.faster(fastest, plan, margin) is Verdict.UNDECIDED}
+    return frozenset(close | {fastest}) if close else frozenset()
 
 
 def _slowdown_involved(steps: StepComparison, labels: list[ComparedPlan], limit: float) -> frozenset[ComparedPlan]:
