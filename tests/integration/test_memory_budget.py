@@ -59,6 +59,12 @@ def test_a_budget_is_met_with_the_cheapest_levers_and_no_more(tmp_path: Path) ->
     assert amp["amp_step_mib"] is not None
     assert amp["target_mib"] == pytest.approx(0.05 * amp["amp_step_mib"], abs=0.01)
     assert not amp["met"] and "the budget is not met" in amp["stopped"]
+    # judged by measured steps too: the plan's tensor peak against AMP's plan's, both measured
+    peaks = amp["process_peaks"]
+    assert set(peaks) == {"start", "plan", "amp"} and amp["process_reference"] == "amp"
+    if peaks["amp"]["tensor_mib"] is not None:  # (glibc: the CPU's live heap is measured)
+        assert amp["process_limit_mib"] == pytest.approx(0.05 * peaks["amp"]["tensor_mib"], abs=0.01)
+        assert amp["process_met"] is False
     # compute left FP32: a fraction is of the FP32 step's bytes (no AMP is timed)
     far = _fit(tmp_path / "far", memory_budget=0.05)["memory_spending"]
     start, end = far["frontier"][0]["step_mib"], far["frontier"][-1]["step_mib"]
@@ -71,6 +77,15 @@ def test_a_budget_is_met_with_the_cheapest_levers_and_no_more(tmp_path: Path) ->
     assert spending["frontier"][0]["step_mib"] == start
     assert spending["target_mib"] == pytest.approx(budget * start, abs=1e-3)
     assert spending["met"] and spending["stopped"].startswith("the budget is met")
+    # the measured check: no AMP here, so a fraction of the plan's measured peak before the levers; the 8-bit state
+    # the plan frees is taken off its measured step (a forward and backward on the run's own FP32 state)
+    peaks = spending["process_peaks"]
+    assert spending["process_reference"] == "start" and "amp" not in peaks
+    if peaks["plan"]["tensor_mib"] is not None:
+        assert "optimizer state the plan's formats free" in peaks["plan"]["how"]
+        assert peaks["plan"]["tensor_mib"] < peaks["start"]["tensor_mib"]
+        assert spending["process_limit_mib"] == pytest.approx(budget * peaks["start"]["tensor_mib"], abs=0.01)
+        assert spending["process_met"] is not None
     frontier = spending["frontier"]
     assert frontier[-1]["step_mib"] <= spending["target_mib"] < frontier[-2]["step_mib"]  # stopped once met
     # cheapest bytes first: what each increment freed per ms falls along the frontier, within the time allowed and
@@ -108,7 +123,7 @@ def test_a_budget_in_bytes_is_judged_by_the_peak_the_process_needs(tmp_path: Pat
     searched = {f"state:{n}" for n, op in record["operators"].items() if "parameters" in op}
     assert set(spending["taken"]) == searched
     text = format_record(record)
-    assert "judged by the process's peak: not met" in text and "the process's peak over one step" in text.lower()
+    assert "judged by the process's peak (held to 64.0 MiB): not met" in text and "the process's peak over one step" in text.lower()
     assert set(record["step_process_peaks"]) == {"fp32"}  # compute not searched: the FP32 plan alone timed whole
 
 

@@ -108,6 +108,21 @@ def test_with_levers_memory_builds_on_the_fastest_plan_not_the_leanest_within_th
     assert plain.winner(steps, saved, [AMP, ALL_LOW, COMPUTE], True) is ALL_LOW  # type: ignore[attr-defined]
 
 
+def test_with_levers_a_load_spike_does_not_tie_a_slow_lean_plan_with_the_fastest() -> None:
+    # the default example's second run: load spikes stretched the plans' intervals (one to x2.6 of its median); by
+    # their intervals nothing was beaten beyond doubt and the leanest, all-low at x1.12 of the candidates' median, was
+    # built on; by the median the candidates lead it (and AMP's plan, within the margin of them and leaner, wins)
+    policy = _policy("memory", levers=True)
+    fp32 = [295.0, 296.0, 294.0, 297.0, 295.0, 296.0]
+    steps = StepComparison({FP32: fp32, CANDIDATES: [183.0, 185.0, 520.0, 186.0, 610.0, 183.0],
+                            AMP: [191.0, 193.0, 192.0, 194.0, 190.0, 192.0],
+                            ALL_LOW: [206.0, 207.0, 205.0, 207.0, 206.0, 206.0]})
+    policy.set_pace(steps.pace())  # type: ignore[attr-defined]
+    saved = {FP32: 134.0, CANDIDATES: 93.0, AMP: 77.0, ALL_LOW: 68.0}
+    assert steps.faster(CANDIDATES, ALL_LOW, 0.05) is not Verdict.BELOW  # not beyond doubt
+    assert policy.winner(steps, saved, [AMP, ALL_LOW], True) is AMP  # type: ignore[attr-defined]  # x1.04: tied, leaner
+
+
 def test_with_levers_a_plan_past_the_bound_is_no_base_and_noise_buys_rounds() -> None:
     policy = _policy("memory", levers=True)
     # the candidates are the fastest of the contenders but past the bound beyond doubt (a global autocast region is

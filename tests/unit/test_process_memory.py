@@ -96,3 +96,34 @@ def test_step_memory_round_trips_and_the_record_text_prints_the_process_peaks() 
                                               "how": memory.how}}})
     assert "reserved 4.0 MiB" in text and "live peak 10.0 MiB" in text
     assert "OS peak 12.0 MiB (allocator adds 2.0 MiB)" in text
+
+
+def test_held_tensor_bytes_counts_weights_gradients_and_state_once() -> None:
+    from lightning_comp.search.measurement.process_memory import held_tensor_bytes
+
+    model = torch.nn.Linear(100, 10)  # 1010 parameters
+    optimizer = torch.optim.AdamW(model.parameters())
+    assert held_tensor_bytes(model, [optimizer]) == 1010 * 4  # no gradient, no state yet
+    model(torch.ones(3, 100)).sum().backward()
+    optimizer.step()
+    # weights, gradients, two moments each, and the two scalar step counters
+    assert held_tensor_bytes(model, [optimizer]) == 4 * 1010 * 4 + 2 * 4
+    tied = torch.nn.Sequential(model, torch.nn.Linear(10, 10))
+    tied[1].weight = torch.nn.Parameter(model.weight.data[:, :10])  # shares model.weight's storage
+    assert held_tensor_bytes(tied, []) == 2 * 1010 * 4 + 10 * 4  # model's weights and grads, and the new bias
+
+
+@pytest.mark.skipif(heap_in_use() is None, reason="needs glibc mallinfo2")
+def test_the_tensor_peak_is_what_the_step_starts_with_plus_its_rise() -> None:
+    from lightning_comp.search.measurement.step_timing import StepTimer
+
+    held = torch.ones(SIZE // 4)  # held across the step: counted once, by what the step starts with
+    peaks = StepTimer("cpu").step_peaks({"big": lambda: None, "small": lambda: None}, lambda: _big(),
+                                        held=lambda: held.nbytes)
+    peak = peaks["big"]
+    assert peak.held_bytes == SIZE and peak.rise_bytes is not None
+    # _big makes two SIZE tensors live at once: its rise is about 2 SIZE, however large the interpreter's heap
+    assert 2 * SIZE * 0.95 <= peak.rise_bytes <= 2 * SIZE * 1.05
+    assert peak.tensor_bytes == SIZE + peak.rise_bytes
+    assert peak.live_bytes is not None and peak.live_bytes > peak.tensor_bytes  # the heap holds more than tensors
+    assert measure_step_peak(_big).tensor_bytes is None  # nothing said what the step starts with

@@ -130,10 +130,12 @@ class SearchConfig:
             it as a whole step.
         memory_budget: (``objective="memory"``) the step peak to reach: a float is a fraction of AMP's step peak
             (``0.5``: half of it; with ``low_precision="off"``, which times no AMP, of the FP32 step's), judged by
-            the search's accounting of the step (weights, gradients, optimizer state, saved for backward); an int is
-            the bytes the job must fit in, judged by the peak the process needs for a step of the plan (the CUDA
-            allocator's reserved peak, or a CPU's live heap, everything in the process included): where that peak
-            misses it, the levers are taken further by the difference. The search ranks every memory lever it
+            the step's measured tensor peak against AMP's plan's (CUDA's allocated peak; on a CPU what the step
+            starts with plus the live heap's rise over it); an int is the bytes the job must fit in, judged by the
+            peak the process needs for a step of the plan (the CUDA allocator's reserved peak, or a CPU's live heap,
+            everything in the process included). The levers are ranked and taken by the search's accounting of the
+            step (weights, gradients, optimizer state, saved for backward); where the measured peak misses the
+            budget, they are taken further by the difference. The search ranks every memory lever it
             measured (saved precision and recompute per operator or unit, optimizer state and master weights per
             operator) by bytes freed per millisecond added and takes the cheapest until the budget is met, then
             stops. Where the levers within ``max_slowdown_vs_fastest`` do not meet it, it goes on past that bound,

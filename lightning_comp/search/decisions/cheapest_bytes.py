@@ -129,12 +129,19 @@ class MemorySpending:
         levers: lever label -> the candidates (dimension and operator) it changes.
         options: lever label -> its options, as measured.
         process_peaks: the peak the process needed for one step (rank 0's), of the plan before the levers
-            (``"start"``) and with them (``"plan"``); empty where nothing was taken and no budget in bytes is set.
-        process_target_bytes: a budget in bytes is judged by the plan's process peak (the allocator's reserved peak
-            on CUDA, the live heap on a CPU): the step bytes the levers were taken down to so that the process peak
-            meets it (``None``: no such budget, or the accounting's target sufficed).
-        process_met: whether the plan's process peak meets a budget in bytes (``None``: no such budget, or the
-            peak could not be measured here).
+            (``"start"``), with them (``"plan"``) and, for a fractional budget, of AMP's plan (``"amp"``); empty
+            where nothing was taken and no budget is set.
+        process_target_bytes: a budget is judged by the plan's measured peak (a budget in bytes by the allocator's
+            reserved peak on CUDA, the live heap on a CPU; a fraction by the tensor peaks of the plan's and AMP's
+            steps): the step bytes the levers were taken down to so that the measured peak meets it (``None``: no
+            budget, or the accounting's target sufficed).
+        process_met: whether the plan's measured peak meets the budget (``None``: no budget, or the peak could not
+            be measured here).
+        process_limit_bytes: what the plan's measured peak was held to: a budget in bytes, or the fraction of AMP's
+            step's measured tensor peak (``None``: not judged by a measured peak).
+        process_reference: whose measured tensor peak a fractional budget was a fraction of: ``"amp"`` (AMP's plan)
+            or ``"start"`` (the plan before the levers, where AMP's was not timed); ``None``: a budget in bytes, or
+            none judged.
     """
 
     start_bytes: float
@@ -152,6 +159,8 @@ class MemorySpending:
     process_peaks: dict[str, StepPeak] = field(default_factory=dict)
     process_target_bytes: float | None = None
     process_met: bool | None = None
+    process_limit_bytes: float | None = None
+    process_reference: str | None = None
 
 
 def take_cheapest(levers: list[Lever], step_bytes: float, step_ms: float, max_ms: float,

@@ -25,10 +25,10 @@ balanced       the geometric mean of its time and memory ratios to FP32 (the *ba
 
 Where the memory objective spends memory levers on its plan (a ``saved``, ``state`` or ``master`` dimension is
 searched), the whole-step plan it builds on is chosen for *room*, not for its own bytes: the fastest plan, or the
-leanest of those it does not beat by the margin beyond doubt. The levers then buy bytes with the time left under the
-bound, cheapest bytes first, which a base chosen as the leanest within the bound leaves little of: on the default
-example, all-low's plan (x1.10-1.19 of the pace, near the bound) left the levers 14 ms where the candidates' left
-43 ms, and which of the two a run took decided its plan (three runs, three bases).
+leanest of those it does not beat by the margin (by the median of their paired rounds). The levers then buy bytes
+with the time left under the bound, cheapest bytes first, which a base chosen as the leanest within the bound leaves
+little of: on the default example, all-low's plan (x1.10-1.19 of the pace, near the bound) left the levers 14 ms
+where the candidates' left 43 ms, and which of the two a run took decided its plan (three runs, three bases).
 """
 
 from __future__ import annotations
@@ -225,8 +225,8 @@ class MemoryPolicy(ObjectivePolicy):
             kept = [plan for plan in labels if steps.within(plan, self.pace, self.slowdown) is not Verdict.ABOVE]
             candidates_kept = have_candidates and self.candidates_pay(steps) is not Verdict.ABOVE
             if kept or candidates_kept:
-                return _leanest_of_the_fastest(steps, saved, kept, candidates_kept, margin)
-            return _leanest_of_the_fastest(steps, saved, labels, have_candidates, margin)
+                return _leanest_of_the_fastest(steps, saved, kept, candidates_kept, margin, by_median=True)
+            return _leanest_of_the_fastest(steps, saved, labels, have_candidates, margin, by_median=True)
         within = [plan for plan in ([CANDIDATES] if have_candidates else []) + labels
                   if steps.within(plan, self.pace, self.slowdown) is Verdict.BELOW]
         if within:
@@ -309,16 +309,25 @@ def policy_for(config: SearchConfig) -> ObjectivePolicy:
 
 
 def _leanest_of_the_fastest(steps: StepComparison, saved: dict[ComparedPlan, float], labels: list[ComparedPlan],
-                            have_candidates: bool, margin: float) -> ComparedPlan | None:
+                            have_candidates: bool, margin: float, by_median: bool = False) -> ComparedPlan | None:
     """The leanest of the plans (the candidates, or FP32 without them, and ``labels``) that the fastest of them does
-    not beat by ``margin`` beyond doubt; a tie in bytes goes to the candidates (``None``: they, or FP32, win)."""
+    not beat by ``margin`` beyond doubt (``by_median``: by the median of their paired rounds); a tie in bytes goes to
+    the candidates (``None``: they, or FP32, win).
+
+    Beyond doubt, a load spike in a few rounds ties every plan (their intervals reached x2.6 of the median in one run
+    of the default example) and the leanest wins however slow; the median holds the fastest's lead through them."""
     if not labels:
         return None
     incumbent = CANDIDATES if have_candidates else FP32
     contenders = [incumbent, *labels]
     fastest = min(contenders, key=steps.median_to_fp32)
-    tied = [plan for plan in contenders if plan == fastest
-            or steps.faster(fastest, plan, margin) is not Verdict.BELOW]
+
+    def beaten(plan: ComparedPlan) -> bool:
+        if by_median:
+            return steps.ratio(fastest, plan).ratio < 1 - margin
+        return steps.faster(fastest, plan, margin) is Verdict.BELOW
+
+    tied = [plan for plan in contenders if plan == fastest or not beaten(plan)]
     best = min(tied, key=lambda plan: (saved[plan], plan != incumbent))
     return None if best == incumbent else best
 

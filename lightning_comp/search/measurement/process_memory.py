@@ -5,13 +5,18 @@ CUDA: the caching allocator's allocated and reserved peaks side by side. CPU: th
 (``VmHWM`` after resetting it through ``/proc/self/clear_refs``; the largest sampled RSS where the reset is
 not allowed). The allocator's addition is ``os_bytes - live_bytes``. Anything missing degrades to ``None``
 with the reason in ``how``; nothing here raises on an unsupported platform.
+
+The step's *tensor* peak (:attr:`StepPeak.tensor_bytes`, what a budget as a fraction of AMP's step peak is judged
+by) is CUDA's allocated peak; on a CPU, the tensors held on entering the step (:func:`held_tensor_bytes`: weights,
+gradients, optimizer state) plus the live heap's rise over the step, so the interpreter's own heap, the same for
+every plan, does not dilute the fraction.
 """
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +44,18 @@ class StepPeak:
     reserved_bytes: int | None
     allocated_bytes: int | None
     how: str
+    rise_bytes: int | None = None
+    held_bytes: int | None = None
+
+    @property
+    def tensor_bytes(self) -> int | None:
+        """The step's tensor peak: CUDA's allocated peak; on a CPU the tensors held on entering (``held_bytes``) plus
+        the live heap's rise over the step (``rise_bytes``); ``None`` where either is unknown."""
+        if self.allocated_bytes is not None:
+            return self.allocated_bytes
+        if self.held_bytes is None or self.rise_bytes is None:
+            return None
+        return self.held_bytes + self.rise_bytes
 
     @property
     def allocator_bytes(self) -> int | None:
@@ -100,6 +117,7 @@ class _LiveSampler(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.live = heap_in_use() or 0
+        self.entry = self.live  # what was live on entering
         self.rss = _status_bytes("VmRSS") or 0
 
     def sample(self) -> None:
@@ -155,12 +173,14 @@ class StepPeakRecorder:
         self.peak: StepPeak | None = None
         self._cuda = device is not None and torch.device(device).type == "cuda" and torch.cuda.is_available()
         self._reset = False
+        self._allocated_on_entry = 0
         self._sampler = _LiveSampler()
 
     def __enter__(self) -> StepPeakRecorder:
         if self._cuda:
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
+            self._allocated_on_entry = int(torch.cuda.memory_allocated(self.device))
         self._reset = self.reset_hwm and _reset_hwm()
         self._sampler = _LiveSampler()
         self._sampler.sample_rss = not self._reset
@@ -189,11 +209,40 @@ class StepPeakRecorder:
             os_peak = None
             notes.append(f"os: unavailable (no {PROC_STATUS})")
         allocated = reserved = None
+        rise = None if live is None else live - sampler.entry
         if self._cuda:
             allocated = int(torch.cuda.max_memory_allocated(self.device))
             reserved = int(torch.cuda.max_memory_reserved(self.device))
+            rise = allocated - self._allocated_on_entry
             notes.append("cuda: max_memory_allocated / max_memory_reserved")
-        self.peak = StepPeak(live, os_peak, reserved, allocated, "; ".join(notes))
+        self.peak = StepPeak(live, os_peak, reserved, allocated, "; ".join(notes), rise_bytes=rise)
+
+
+def held_tensor_bytes(module: torch.nn.Module, optimizers: Iterable[torch.optim.Optimizer]) -> int:
+    """Bytes of the tensors a step starts with: ``module``'s parameters, their gradients and every tensor in the
+    optimizers' state, each storage counted once."""
+    seen: set[tuple[str, int]] = set()
+    total = 0
+
+    def add(tensor: object) -> None:
+        nonlocal total
+        if not isinstance(tensor, torch.Tensor):
+            return
+        storage = tensor.untyped_storage()
+        key = (str(tensor.device), storage.data_ptr())
+        if key in seen or storage.nbytes() == 0:
+            return
+        seen.add(key)
+        total += storage.nbytes()
+
+    for parameter in module.parameters():
+        add(parameter)
+        add(parameter.grad)
+    for optimizer in optimizers:
+        for state in optimizer.state.values():
+            for value in state.values():
+                add(value)
+    return total
 
 
 def set_malloc_thresholds(trim_bytes: int = 128 * 1024, mmap_bytes: int = 128 * 1024) -> bool:

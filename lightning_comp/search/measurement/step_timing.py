@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Iterator, Mapping
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Generic, TypeVar
 
 import lightning.pytorch as pl
@@ -171,7 +171,8 @@ class StepTimer:
         return out
 
     def step_peaks(self, configs: Mapping[L, Callable[[], Any]], step: Callable[[], None],
-                   device: torch.device | str | None = None) -> dict[L, StepPeak]:
+                   device: torch.device | str | None = None,
+                   held: Callable[[], int] | None = None) -> dict[L, StepPeak]:
         """The peak the process needs for one step of each configuration (one extra step each).
 
         Run after :meth:`time`, so every configuration is warm and its peak is a steady step's.
@@ -180,11 +181,15 @@ class StepTimer:
             configs: label -> a function that puts the configuration into effect.
             step: one training step.
             device: where the step runs (a CUDA device also reads the allocator's peaks).
+            held: the bytes of tensors the step starts with (e.g. :func:`held_tensor_bytes`), read with the
+                configuration in effect; it completes each peak's :attr:`StepPeak.tensor_bytes` on a CPU.
         """
         out: dict[L, StepPeak] = {}
         for label, activate in configs.items():
             with _activated(activate):
-                out[label] = measure_step_peak(step, device)
+                start = None if held is None else held()
+                peak = measure_step_peak(step, device)
+                out[label] = peak if start is None else replace(peak, held_bytes=start)
         return out
 
 

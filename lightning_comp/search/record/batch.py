@@ -60,7 +60,7 @@ def peak_record(peak: StepPeak) -> dict[str, Any]:
 
     return {"live_mib": mib(peak.live_bytes), "os_mib": mib(peak.os_bytes), "reserved_mib": mib(peak.reserved_bytes),
             "allocated_mib": mib(peak.allocated_bytes), "allocator_adds_mib": mib(peak.allocator_bytes),
-            "how": peak.how}
+            "tensor_mib": mib(peak.tensor_bytes), "how": peak.how}
 
 
 def _trialled(trialled: TrialledPlan) -> dict[str, Any]:

@@ -44,6 +44,9 @@ def spending_record(batch: BatchStageResult | None) -> dict[str, Any] | None:
         "process_target_mib": (None if spending.process_target_bytes is None
                                else _mib(spending.process_target_bytes)),
         "process_met": spending.process_met,
+        "process_limit_mib": (None if spending.process_limit_bytes is None
+                              else _mib(spending.process_limit_bytes)),
+        "process_reference": spending.process_reference,
         "frontier": [{"lever": p.lever or None, "value": p.value or None, "step_mib": _mib(p.step_bytes),
                       "step_ms": round(p.step_ms, 4), "mib_per_ms": _finite(p.bytes_per_ms / MiB),
                       "forced": math.isnan(p.bytes_per_ms), "past_bound": p.past_bound}

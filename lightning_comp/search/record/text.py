@@ -274,24 +274,34 @@ def _spending_section(spending: dict[str, Any] | None) -> list[str]:
     peaks = spending.get("process_peaks") or {}
     if peaks:
         lines.append("The process's peak over one step (MiB: live heap / OS, or CUDA reserved / allocated): "
-                     + ", ".join(f"{'before the levers' if k == 'start' else 'the plan'} {_peak_text(v)}"
-                                 for k, v in peaks.items()) + ".")
+                     + ", ".join(f"{_PEAK_NAMES.get(k, k)} {_peak_text(v)}" for k, v in peaks.items()) + ".")
     if spending.get("process_met") is not None:
         retaken = spending.get("process_target_mib")
         again = "" if retaken is None else f"; the levers were taken down to {retaken:.1f} MiB of step bytes for it"
         verdict = "met" if spending["process_met"] else "not met"
-        lines.append(f"The budget in bytes, judged by the process's peak: {verdict}{again}.")
+        limit = spending.get("process_limit_mib")
+        held = "" if limit is None else f" (held to {limit:.1f} MiB)"
+        reference = spending.get("process_reference")
+        how = ("the process's peak" if reference is None else "the step's tensor peak against "
+               + ("AMP's plan's" if reference == "amp" else "the plan's before the levers"))
+        lines.append(f"The budget, judged by {how}{held}: {verdict}{again}.")
     return lines
 
 
+_PEAK_NAMES = {"start": "before the levers", "plan": "the plan", "amp": "AMP's plan"}
+
+
 def _peak_text(peak: dict[str, Any]) -> str:
-    """``482.1 / 863.0`` (live heap / OS peak; with what the allocator adds), or CUDA's reserved / allocated."""
+    """``482.1 / 863.0`` (live heap / OS peak; with what the allocator adds, and the step's tensor peak where
+    measured), or CUDA's reserved / allocated."""
     if peak.get("reserved_mib") is not None:
         return f"{peak['reserved_mib']:.1f} / {peak.get('allocated_mib') or 0:.1f}"
     live, os_peak = peak.get("live_mib"), peak.get("os_mib")
     text = f"{'n/a' if live is None else f'{live:.1f}'} / {'n/a' if os_peak is None else f'{os_peak:.1f}'}"
-    adds = peak.get("allocator_adds_mib")
-    return text if adds is None else f"{text} (allocator adds {adds:.1f})"
+    adds, tensors = peak.get("allocator_adds_mib"), peak.get("tensor_mib")
+    notes = ([] if adds is None else [f"allocator adds {adds:.1f}"]) + (
+        [] if tensors is None else [f"tensor peak {tensors:.1f}"])
+    return f"{text} ({', '.join(notes)})" if notes else text
 
 
 def _ratio(op: dict[str, Any]) -> str:

@@ -223,7 +223,9 @@ class BatchStage:
             with single_intra_op_thread(timing.single_thread):
                 fp8 = Fp8Stage(ctx, self.fp8).measure(base, compute, groups, decisions)
         with single_intra_op_thread(timing.single_thread):
-            saved, parameters, spending = memory_levers(ctx, base, order, decisions, steps, step_saved, source)
+            amp_plan = self._fixed_plan(ComparedPlan.AMP, modules, lowerable, order, decisions, set(amp))
+            saved, parameters, spending = memory_levers(ctx, base, order, decisions, steps, step_saved, source,
+                                                        amp_plan)
         candidates = in_execution_order(order, compute, groups, saved, parameters,
                                         [Candidate.in_fp8(name) for name in fp8.choices])
         benefits = {candidate: sum(decisions[m].benefit for m in members_of(candidate, groups))
@@ -376,23 +378,31 @@ class BatchStage:
         attention and recurrent modules, embeddings and other modules with weights). Only plans that differ from the
         candidate plan and from each other are timed; ``CoMPSearch(exclude=...)`` holds in each.
         """
-        low = self.low.value
-        allowed = [n for n in order if n in lowerable and not decisions[n].excluded]
-        # by class, as a user's type rule names them (a leaf judged as compute for the kernels it runs, such as a
-        # parameter-free attention, is lowered here only when it pays by itself: as a candidate)
-        heavy = [n for n in allowed if classify(modules[n]) in COMPUTE_CLASS_KINDS]
-        lowered = {ComparedPlan.AMP: [n for n in allowed if n in amp], ComparedPlan.ALL_LOW: allowed,
-                   ComparedPlan.COMPUTE: heavy}
         seen = {PrecisionPlan()[Dimension.COMPUTE].entries}
         if candidate_plan is not None:
             seen.add(candidate_plan[Dimension.COMPUTE].entries)
         out: dict[ComparedPlan, PrecisionPlan] = {}
         for label in ALTERNATIVES:
-            plan = PrecisionPlan.from_dict(dict.fromkeys(lowered[label], low))
+            plan = self._fixed_plan(label, modules, lowerable, order, decisions, amp)
             if plan[Dimension.COMPUTE].entries not in seen:
                 seen.add(plan[Dimension.COMPUTE].entries)
                 out[label] = plan
         return out
+
+    def _fixed_plan(self, label: ComparedPlan, modules: dict[str, nn.Module], lowerable: list[str], order: list[str],
+                    decisions: dict[str, OperatorDecision], amp: set[str]) -> PrecisionPlan:
+        """The whole-step alternative ``label`` (of :data:`ALTERNATIVES`), built whether or not it is timed (see
+        :meth:`_alternatives`)."""
+        allowed = [n for n in order if n in lowerable and not decisions[n].excluded]
+        if label is ComparedPlan.AMP:
+            lowered = [n for n in allowed if n in amp]
+        elif label is ComparedPlan.COMPUTE:
+            # by class, as a user's type rule names them (a leaf judged as compute for the kernels it runs, such as
+            # a parameter-free attention, is lowered here only when it pays by itself: as a candidate)
+            lowered = [n for n in allowed if classify(modules[n]) in COMPUTE_CLASS_KINDS]
+        else:
+            lowered = allowed
+        return PrecisionPlan.from_dict(dict.fromkeys(lowered, self.low.value))
 
     def _adopt(self, ctx: StageContext, winner: ComparedPlan, plan: PrecisionPlan, order: list[str],
                decisions: dict[str, OperatorDecision], steps: dict[ComparedPlan, PlanStep]) -> list[str]:

@@ -28,7 +28,6 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from lightning_comp.devices.device_classes import model_device
 from lightning_comp.execution.optimizer_states import state_bytes
 from lightning_comp.numerics.precision import MasterPrecision, SavedPrecision, StatePrecision
 from lightning_comp.plan.dimensions import Dimension
@@ -49,6 +48,7 @@ from lightning_comp.search.measurement.estimates import paired_ratio
 from lightning_comp.search.measurement.optimizer_timing import UpdateVariant
 from lightning_comp.search.measurement.step_timing import StepTimer
 from lightning_comp.search.stages.context import StageContext
+from lightning_comp.search.stages.measured_peaks import measure_excess
 from lightning_comp.search.stages.memory_lever_options import LeverBuilder, LeverChange
 from lightning_comp.search.stages.parameter_stage import ParameterStage
 from lightning_comp.search.stages.saved_stage import SavedStage
@@ -71,7 +71,8 @@ class CheapestBytesStage:
 
     def run(self, base: PrecisionPlan, decisions: dict[str, OperatorDecision], saved: SavedStageResult,
             parameters: ParameterStageResult, fp32_ms: float, candidates_ms: float,
-            step_saved: dict[ComparedPlan, float], candidates_saved: float) -> MemorySpending:
+            step_saved: dict[ComparedPlan, float], candidates_saved: float,
+            amp_plan: PrecisionPlan | None = None) -> MemorySpending:
         """Take levers into ``saved`` and ``parameters`` (whose choices are rewritten), decisions updated.
 
         Args:
@@ -83,6 +84,8 @@ class CheapestBytesStage:
             candidates_ms: the candidate plan's forward and backward.
             step_saved: bytes saved for backward per whole-step plan timed.
             candidates_saved: bytes the candidate plan saves for backward.
+            amp_plan: AMP's plan (the operators one autocast region lowers): a fractional ``memory_budget`` is judged
+                against its step's measured tensor peak (``None``: by the accounting alone).
         """
         ctx = self.ctx
         model = ctx.pl_module
@@ -108,17 +111,20 @@ class CheapestBytesStage:
                                   levers={label: _candidates(change) for label, change in changes.items()},
                                   options={lever.label: list(lever.options) for lever in levers})
         self._spend(spending, base, changes, decisions, saved, parameters, update_ms)
-        excess = self._process_excess(spending, base, saved, parameters)
+        amp_plan = amp_plan if amp_bytes is not None else None  # AMP's not timed: a fraction is of the start's
+        excess = measure_excess(ctx, spending, base, _with_choices(base, saved, parameters), amp_plan,
+                                parameters.state_choices)
         if excess > 0 and spending.selection.met:
-            # a budget in bytes is what the job must fit in: the process needs more than the accounting counts
-            # (the allocator, temporaries), so the levers are taken further by what it needs beyond the budget
+            # a budget is judged by what the step needs: the process needs more than the accounting counts (the
+            # allocator, temporaries), so the levers are taken further by what it needs beyond the budget
             spending.process_target_bytes = spending.final_bytes - excess
             spending.selection = ctx.agree(take_cheapest(levers, start_bytes, start_ms, max_ms,
                                                          spending.process_target_bytes, past_bound=past,
                                                          weigh_time=weigh))
             spending.given_back = []
             self._spend(spending, base, changes, decisions, saved, parameters, update_ms)
-            self._process_excess(spending, base, saved, parameters)
+            measure_excess(ctx, spending, base, _with_choices(base, saved, parameters), amp_plan,
+                           parameters.state_choices)
         return spending
 
     def _spend(self, spending: MemorySpending, base: PrecisionPlan, changes: dict[str, dict[str, LeverChange]],
@@ -133,30 +139,6 @@ class CheapestBytesStage:
             self._check(base, spending, changes, decisions, saved, parameters, update_ms)
             spending.final_bytes = spending.start_bytes - sum(o.bytes_saved
                                                               for o in spending.selection.chosen.values())
-
-    def _process_excess(self, spending: MemorySpending, base: PrecisionPlan, saved: SavedStageResult,
-                        parameters: ParameterStageResult) -> float:
-        """Measure the peak the process needs for a step of the plan before and after the levers (where any were
-        taken, or a budget in bytes is set); return by how many bytes that peak (CUDA's reserved peak, a CPU's live
-        heap) misses a budget in bytes (0: met, measured in no other way, or no such budget)."""
-        ctx = self.ctx
-        budget = ctx.config.memory_budget
-        limit = float(budget) if isinstance(budget, int) and not isinstance(budget, bool) else None
-        if not (spending.selection.chosen or limit is not None):
-            return 0.0
-        plans = {"start": base, "plan": _with_choices(base, saved, parameters)}
-        timer = StepTimer(ctx.clock, 1, 0)
-        peaks = timer.step_peaks({label: ctx.measured(plan) for label, plan in plans.items()}, ctx.step,
-                                 model_device(ctx.pl_module))
-        ctx.plugin.try_plan(base)  # the masters back in fp32 before anything else runs
-        spending.process_peaks = ctx.agree(peaks)
-        peak = spending.process_peaks["plan"]
-        needed = peak.reserved_bytes if peak.reserved_bytes is not None else peak.live_bytes
-        if limit is None or needed is None:
-            return 0.0
-        excess = float(ctx.agree(max(needed - limit, 0.0)))
-        spending.process_met = excess == 0
-        return excess
 
     # ------------------------------------------------------------------------------------------------ levers
     # ------------------------------------------------------------------------------------------------ applying
@@ -278,11 +260,15 @@ def _options(spending: MemorySpending, label: str, value: str) -> list[LeverOpti
 
 def memory_levers(ctx: StageContext, base: PrecisionPlan, order: list[str], decisions: dict[str, OperatorDecision],
                   steps: dict[ComparedPlan, PlanStep], step_saved: dict[ComparedPlan, float], source: ComparedPlan,
+                  amp_plan: PrecisionPlan | None = None,
                   ) -> tuple[SavedStageResult, ParameterStageResult, MemorySpending | None]:
     """The batch stage's memory dimensions on top of the trialled plan ``base`` (timed whole as ``source``): the
     saved stage and the parameter stage, for the objectives that weigh memory; their levers are then taken cheapest
     bytes first (:class:`CheapestBytesStage`; for ``"balanced"`` only while each makes the step better in time x
     memory).
+
+    ``amp_plan`` (AMP's plan, the operators one autocast region lowers) is what a fractional ``memory_budget`` is
+    measured against (:meth:`CheapestBytesStage.run`).
 
     Returns:
         The saved and parameter stages' results (as taken) and the spending (``None``: an objective that weighs no
@@ -300,7 +286,7 @@ def memory_levers(ctx: StageContext, base: PrecisionPlan, order: list[str], deci
     source_ms = on_pace_scale(steps, source)
     parameters = ParameterStage(ctx).measure(with_saved, decisions, fp32_ms, source_ms, candidates_saved)
     spending = CheapestBytesStage(ctx).run(base, decisions, saved, parameters, fp32_ms, source_ms, step_saved,
-                                           candidates_saved)
+                                           candidates_saved, amp_plan)
     return saved, parameters, spending
 
 
