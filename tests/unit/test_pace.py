@@ -125,9 +125,9 @@ def test_with_levers_a_load_spike_does_not_tie_a_slow_lean_plan_with_the_fastest
 
 def test_with_levers_a_plan_past_the_bound_is_no_base_and_noise_buys_rounds() -> None:
     policy = _policy("memory", levers=True)
-    # the candidates are the fastest of the contenders but past the bound beyond doubt (a global autocast region is
-    # the pace): AMP's plan, within it, is the base
-    steps = _steps({FP32: 100, CANDIDATES: 70, AMP: 58, AUTOCAST: 50})
+    # the candidates are past the bound beyond doubt (a global autocast region is the pace): AMP's plan, within it,
+    # is the base
+    steps = _steps({FP32: 100, CANDIDATES: 70, AMP: 56, AUTOCAST: 50})  # AMP's plan at x1.12 of the pace
     policy.set_pace(steps.pace())  # type: ignore[attr-defined]
     assert policy.candidates_pay(steps) is Verdict.ABOVE  # type: ignore[attr-defined]
     assert policy.winner(steps, {FP32: 100.0, CANDIDATES: 40.0, AMP: 60.0, AUTOCAST: 60.0}, [AMP], True) is AMP  # type: ignore[attr-defined]
@@ -149,6 +149,31 @@ def test_balanced_holds_its_score_to_the_bound_too() -> None:
     loose = _policy("balanced", max_slowdown_vs_fastest=1.2)
     loose.set_pace(steps.pace())  # type: ignore[attr-defined]
     assert loose.winner(steps, saved, [COMPUTE, ALL_LOW], True) is ALL_LOW  # type: ignore[attr-defined]
+
+
+def test_a_bound_no_plan_reaches_holds_back_no_plan() -> None:
+    # the cnn seed-0 run: one global autocast region (a reference, never trialled) ran x0.93 of AMP's plan's step,
+    # so every plan was past 1.05x of it; balanced then trialled FP32 (0.53x AMP's throughput, 1.95x its peak). Here
+    # past memory's 1.15x too
+    steps = _steps({FP32: 226, CANDIDATES: 136, AMP: 125, COMPUTE: 170, AUTOCAST: 100})
+    saved = {FP32: 134.0, CANDIDATES: 130.0, AMP: 74.0, COMPUTE: 144.0, AUTOCAST: 74.0}
+    for objective in ("balanced", "memory"):
+        for levers in (False, True):
+            policy = _policy(objective, levers=levers)
+            policy.set_pace(steps.pace())  # type: ignore[attr-defined]
+            assert policy.pace.plan is AUTOCAST  # type: ignore[attr-defined]
+            assert steps.within(AMP, policy.pace, policy.slowdown) is Verdict.ABOVE  # type: ignore[attr-defined]
+            assert policy.bound_holds(steps, AMP) is Verdict.BELOW  # type: ignore[attr-defined]
+            # AMP's plan, fastest and leanest (and best in time x memory), is trialled instead of the candidates
+            assert policy.winner(steps, saved, [AMP, COMPUTE], True) is AMP  # type: ignore[attr-defined]
+            # with no alternative the candidates are kept, not dropped for FP32 (past the bound the most)
+            alone = _steps({FP32: 226, CANDIDATES: 136, AUTOCAST: 100})
+            assert policy.candidates_pay(alone) is not Verdict.ABOVE  # type: ignore[attr-defined]
+    # where one plan is within the bound, it holds for the others
+    near = _steps({FP32: 226, CANDIDATES: 136, AMP: 120, AUTOCAST: 116})
+    policy = _policy("balanced")
+    policy.set_pace(near.pace())  # type: ignore[attr-defined]
+    assert policy.bound_holds(near, CANDIDATES) is Verdict.ABOVE  # type: ignore[attr-defined]
 
 
 def test_undecided_names_the_plans_that_straddle_the_bound_with_the_pace() -> None:

@@ -99,6 +99,21 @@ class ObjectivePolicy(ABC):
         """Bound later judgements by ``pace`` (the batch stage's fastest fixed policy, once whole steps are timed)."""
         self.pace = pace
 
+    def bound_holds(self, steps: StepComparison, plan: ComparedPlan) -> Verdict:
+        """Whether ``plan``'s step is within ``max_slowdown_vs_fastest`` of the pace (:meth:`StepComparison.within`),
+        the bound waived (``BELOW``) where every other plan timed, FP32 included, is past it beyond doubt.
+
+        The pace can be a reference no plan reaches (one global autocast region, never trialled: on cnn it ran
+        x0.93 of AMP's plan's step in one run, so every plan was past 1.05x of it); the bound would then hold back
+        every plan and leave FP32, the furthest past it of all."""
+        verdict = steps.within(plan, self.pace, self.slowdown)
+        if verdict is Verdict.BELOW:
+            return verdict
+        others = [other for other in steps.plans if other != plan]
+        if others and all(steps.within(other, self.pace, self.slowdown) is Verdict.ABOVE for other in others):
+            return Verdict.BELOW
+        return verdict
+
     @property
     def saved_options(self) -> tuple[SavedPrecision, ...]:
         """The saved precisions this objective tries for what operators save, smallest first (empty: none)."""
@@ -200,7 +215,7 @@ class MemoryPolicy(ObjectivePolicy):
     def candidates_pay(self, steps: StepComparison) -> Verdict:
         """Each candidate saves memory within the slowdown (per operator); as a whole the plan must stay within it
         of the pace (where levers are spent, not past it beyond doubt: the levers' own check holds the bound)."""
-        verdict = steps.within(CANDIDATES, self.pace, self.slowdown)
+        verdict = self.bound_holds(steps, CANDIDATES)
         return Verdict.BELOW if self.spends_levers and verdict is Verdict.UNDECIDED else verdict
 
     @property
@@ -222,7 +237,7 @@ class MemoryPolicy(ObjectivePolicy):
         margin = self.config.measurement.speed_margin
         if self.spends_levers:
             # of the plans not past the bound beyond doubt (all of them where every one is)
-            kept = [plan for plan in labels if steps.within(plan, self.pace, self.slowdown) is not Verdict.ABOVE]
+            kept = [plan for plan in labels if self.bound_holds(steps, plan) is not Verdict.ABOVE]
             candidates_kept = have_candidates and self.candidates_pay(steps) is not Verdict.ABOVE
             if kept or candidates_kept:
                 return _leanest_of_the_fastest(steps, saved, kept, candidates_kept, margin, by_median=True)
@@ -268,7 +283,7 @@ class BalancedPolicy(ObjectivePolicy):
 
     def candidates_pay(self, steps: StepComparison) -> Verdict:
         verdicts = {steps.faster(CANDIDATES, FP32, self.config.measurement.speed_margin),
-                    steps.within(CANDIDATES, self.pace, self.slowdown)}
+                    self.bound_holds(steps, CANDIDATES)}
         for verdict in (Verdict.ABOVE, Verdict.UNDECIDED):
             if verdict in verdicts:
                 return verdict
@@ -284,10 +299,10 @@ class BalancedPolicy(ObjectivePolicy):
             return balanced_score(getattr(steps.ratio(label, FP32), end), saved[label] / max(saved[FP32], 1.0))
 
         bar = score(incumbent, "low") * self.keep  # the incumbent at its best
-        if have_candidates and steps.within(CANDIDATES, self.pace, self.slowdown) is Verdict.ABOVE:
+        if have_candidates and self.bound_holds(steps, CANDIDATES) is Verdict.ABOVE:
             bar = math.inf  # the candidates are past the bound: any alternative within it is better
         winners = [label for label in labels if score(label, "high") <= bar
-                   and steps.within(label, self.pace, self.slowdown) is Verdict.BELOW]
+                   and self.bound_holds(steps, label) is Verdict.BELOW]
         return min(winners, key=score) if winners else None
 
     def undecided(self, steps: StepComparison, labels: list[ComparedPlan]) -> frozenset[ComparedPlan]:
