@@ -227,7 +227,8 @@ class MemoryPolicy(ObjectivePolicy):
     def winner(self, steps: StepComparison, saved: dict[ComparedPlan, float], labels: list[ComparedPlan],
                have_candidates: bool) -> ComparedPlan | None:
         """Where levers are spent (:attr:`spends_levers`), the plan that leaves them the most room: the leanest of
-        the plans the fastest one does not beat by the margin beyond doubt (:func:`_leanest_of_the_fastest`).
+        the plans (not past the bound beyond doubt) the fastest one does not beat by the margin by the median of
+        their paired rounds (:func:`_leanest_of_the_fastest`).
 
         Otherwise the leanest plan within the slowdown of the pace: an alternative when it saves the margin's share
         of the candidates' bytes (or the candidates are past the bound), or when it saves as much as they do and is
@@ -257,11 +258,8 @@ class MemoryPolicy(ObjectivePolicy):
         return _leanest_of_the_fastest(steps, saved, labels, have_candidates, margin)
 
     def undecided(self, steps: StepComparison, labels: list[ComparedPlan]) -> frozenset[ComparedPlan]:
-        bound = _bound_involved(steps, [CANDIDATES, *labels], steps.pace(), self.slowdown)
-        if self.spends_levers:
-            plans = [plan for plan in [CANDIDATES, *labels] if plan in steps.ms]
-            return bound | _tie_involved(steps, plans or [FP32], self.config.measurement.speed_margin)
-        return bound
+        # (where levers are spent the base is decided by medians, which more rounds refine but need not settle)
+        return _bound_involved(steps, [CANDIDATES, *labels], steps.pace(), self.slowdown)
 
     def saved(self, time: RatioEstimate, memory_ratio: float, bytes_saved: float) -> Judgement:
         return Judgement(time.against(self.slowdown), "", bytes_saved)
@@ -345,15 +343,6 @@ def _leanest_of_the_fastest(steps: StepComparison, saved: dict[ComparedPlan, flo
     tied = [plan for plan in contenders if plan == fastest or not beaten(plan)]
     best = min(tied, key=lambda plan: (saved[plan], plan != incumbent))
     return None if best == incumbent else best
-
-
-def _tie_involved(steps: StepComparison, plans: list[ComparedPlan], margin: float) -> frozenset[ComparedPlan]:
-    """The plans (of ``plans``) whose comparison with the fastest of them against ``margin`` cannot be told yet (and
-    the fastest with them; empty: every one is decided)."""
-    fastest = min(plans, key=steps.median_to_fp32)
-    close = {plan for plan in plans if plan != fastest
-             and steps.faster(fastest, plan, margin) is Verdict.UNDECIDED}
-    return frozenset(close | {fastest}) if close else frozenset()
 
 
 def _slowdown_involved(steps: StepComparison, labels: list[ComparedPlan], limit: float) -> frozenset[ComparedPlan]:
