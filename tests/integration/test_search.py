@@ -245,9 +245,10 @@ def test_bad_search_arguments_name_the_value(kwargs: dict[str, Any], message: st
 @pytest.mark.slow
 def test_memory_objective_records_whole_step_saved_bytes_on_the_trainer_path(tmp_path: Path) -> None:
     pl.seed_everything(0)
-    # any slowdown accepted: what is tested is the memory comparison, not whether bf16 is fast on this CPU
+    # any slowdown accepted: what is tested is the memory comparison, not whether bf16 is fast on this CPU; no memory
+    # levers, so the leanest whole step is trialled (with levers the fastest is built on, which timing decides)
     search = fixed_search(objective="memory", include=["l2", "l4"], exclude=["l1", "l3", "head"],
-                          max_slowdown_vs_fastest=1e3)
+                          max_slowdown_vs_fastest=1e3, precisions={"saved": "off", "state": "off", "master": "off"})
     trainer = search_trainer(tmp_path, [search], max_epochs=3, plugin=CoMPPrecision())
     train, val = loaders()
     trainer.fit(WideMLP(), train, val)
