@@ -241,7 +241,7 @@ class MemoryPolicy(ObjectivePolicy):
             kept = [plan for plan in labels if self.bound_holds(steps, plan) is not Verdict.ABOVE]
             candidates_kept = have_candidates and self.candidates_pay(steps) is not Verdict.ABOVE
             if kept or candidates_kept:
-                return _leanest_of_the_fastest(steps, saved, kept, candidates_kept, margin, by_median=True)
+                labels, have_candidates = kept, candidates_kept
             return _leanest_of_the_fastest(steps, saved, labels, have_candidates, margin, by_median=True)
         within = [plan for plan in ([CANDIDATES] if have_candidates else []) + labels
                   if steps.within(plan, self.pace, self.slowdown) is Verdict.BELOW]

@@ -66,6 +66,7 @@ def measure_excess(ctx: StageContext, spending: MemorySpending, base: PrecisionP
     plans = {"start": base, "plan": plan}
     if fraction is not None and amp_plan is not None:
         plans["amp"] = amp_plan
+    reference = "amp" if "amp" in plans else "start"  # what a fraction is of
     model, optimizers = ctx.pl_module, ctx.trainer.optimizers
     timer = StepTimer(ctx.clock, 1, 0)
     peaks = timer.step_peaks({label: ctx.measured(p) for label, p in plans.items()}, ctx.step, model_device(model),
@@ -77,24 +78,26 @@ def measure_excess(ctx: StageContext, spending: MemorySpending, base: PrecisionP
     if limit is not None:
         needed = peak.reserved_bytes if peak.reserved_bytes is not None else peak.live_bytes
     elif fraction is not None:
-        reference = spending.process_peaks["amp" if "amp" in plans else "start"].tensor_bytes
-        needed, limit = peak.tensor_bytes, None if reference is None else fraction * reference
+        whole = spending.process_peaks[reference].tensor_bytes
+        needed, limit = peak.tensor_bytes, None if whole is None else fraction * whole
     else:
         needed = None
     if limit is None or needed is None:
         return 0.0
     spending.process_limit_bytes = limit
-    spending.process_reference = None if fraction is None else "amp" if "amp" in plans else "start"
+    spending.process_reference = None if fraction is None else reference
     excess = float(ctx.agree(max(needed - limit, 0.0)))
     spending.process_met = excess == 0
     return excess
 
 
 def _less(peak: StepPeak, nbytes: int) -> StepPeak:
-    """``peak`` without ``nbytes`` of optimizer state that the plan frees and its measured step held (the CPU's live
-    heap and what the step starts with; CUDA's allocator peaks as measured, the state counted in them too)."""
+    """``peak`` without ``nbytes`` of optimizer state that the plan frees and its measured step held: off every figure
+    that counted it (the CPU's live heap and what the step starts with; CUDA's allocated and reserved peaks, the state
+    being on the device); the OS peak is left as measured."""
     if nbytes <= 0:
         return peak
+
     def minus(value: int | None) -> int | None:
         return None if value is None else value - nbytes
 
