@@ -57,13 +57,32 @@ def test_fp8_codec_of_16_bit_tensors_keeps_their_dtype_at_the_ends_of_their_rang
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_fp8_table_decoding_is_bit_exact_for_every_code(dtype: torch.dtype) -> None:
-    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).reshape(16, 16)
-    reference = codes.to(dtype)
-    decoded = decode_fp8(codes, dtype)
+@pytest.mark.parametrize("flush_denormal", [False, True])
+def test_fp8_decoding_is_bit_exact_for_every_code(dtype: torch.dtype, flush_denormal: bool) -> None:
+    # bit-moving for bfloat16/float32 where subnormals are kept, the table where they are flushed and for float16
+    if flush_denormal and not torch.set_flush_denormal(True):
+        pytest.skip("this CPU cannot flush subnormals")
+    try:
+        codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).reshape(16, 16)
+        reference = codes.to(dtype)
+        decoded = decode_fp8(codes, dtype)
+    finally:
+        torch.set_flush_denormal(False)
     assert decoded.dtype == dtype and decoded.shape == (16, 16)
-    assert torch.equal(decoded.view(-1)[~reference.view(-1).isnan()], reference.view(-1)[~reference.view(-1).isnan()])
-    assert torch.equal(decoded.isnan(), reference.isnan()) and torch.equal(decoded.signbit(), reference.signbit())
+    number = ~reference.isnan()
+    assert torch.equal(decoded[number], reference[number]) and torch.equal(decoded.isnan(), reference.isnan())
+    assert torch.equal(decoded[number].signbit(), reference[number].signbit())  # -0 stays -0; a NaN's sign is moot
+    assert (reference[number] != 0).sum() == 252  # the subnormal codes are among those compared
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_decoding_of_large_tensors_matches_torch(dtype: torch.dtype) -> None:
+    # the multithreaded path: every code many times over, in a tensor large enough to be split across threads
+    codes = torch.randint(0, 256, (1 << 18,), generator=torch.Generator().manual_seed(0), dtype=torch.uint8)
+    data = codes.view(torch.float8_e4m3fn)
+    reference, decoded = data.to(dtype), decode_fp8(data, dtype)
+    number = ~reference.isnan()
+    assert torch.equal(decoded[number], reference[number]) and torch.equal(decoded.isnan(), reference.isnan())
 
 
 def test_fp8_codec_is_zero_safe_and_scales_exactly_into_the_top_binade() -> None:
