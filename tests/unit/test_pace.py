@@ -108,6 +108,28 @@ def test_with_levers_memory_builds_on_the_fastest_plan_not_the_leanest_within_th
     assert plain.winner(steps, saved, [AMP, ALL_LOW, COMPUTE], True) is ALL_LOW  # type: ignore[attr-defined]
 
 
+def test_with_levers_a_faster_base_must_buy_back_the_bytes_it_keeps() -> None:
+    # the default example's run at 2026-12-06 13:45: the compute-only plan ran x0.945 of the candidates' step and
+    # keeps 20 MiB more for backward; the levers buy bytes at about the candidates' own bytes per millisecond, so
+    # its 12 ms buy back ~5 MiB, not 20: the candidates stay (the rule before took the fastest, 22 MiB fatter at the
+    # end)
+    policy = _policy("memory", levers=True)
+    steps = _steps({FP32: 323.3, CANDIDATES: 228.1, AMP: 244.2, ALL_LOW: 257.4, COMPUTE: 215.5})
+    policy.set_pace(steps.pace())  # type: ignore[attr-defined]
+    saved = {FP32: 134.3, CANDIDATES: 93.3, AMP: 77.3, ALL_LOW: 68.3, COMPUTE: 113.3}
+    assert policy.winner(steps, saved, [AMP, ALL_LOW, COMPUTE], True) is None  # type: ignore[attr-defined]
+    # at x0.75 of the candidates' step its 57 ms would buy more than the 20 MiB it keeps: it is the base
+    fast = _steps({FP32: 323.3, CANDIDATES: 228.1, AMP: 244.2, ALL_LOW: 257.4, COMPUTE: 171.0})
+    policy.set_pace(fast.pace())  # type: ignore[attr-defined]
+    assert policy.winner(fast, saved, [AMP, ALL_LOW, COMPUTE], True) is COMPUTE  # type: ignore[attr-defined]
+    # a leaner plan slower by more than the margin is no base, however lean (all-low at x1.13)
+    assert policy.winner(steps, {**saved, ALL_LOW: 10.0}, [AMP, ALL_LOW], True) is None  # type: ignore[attr-defined]
+    # within the margin, a leaner plan is (AMP's at x1.04 of the candidates', 16 MiB leaner)
+    near = _steps({FP32: 323.3, CANDIDATES: 228.1, AMP: 237.2, ALL_LOW: 257.4, COMPUTE: 215.5})
+    policy.set_pace(near.pace())  # type: ignore[attr-defined]
+    assert policy.winner(near, saved, [AMP, ALL_LOW, COMPUTE], True) is AMP  # type: ignore[attr-defined]
+
+
 def test_with_levers_a_load_spike_does_not_tie_a_slow_lean_plan_with_the_fastest() -> None:
     # the default example's second run: load spikes stretched the plans' intervals (one to x2.6 of its median); by
     # their intervals nothing was beaten beyond doubt and the leanest, all-low at x1.12 of the candidates' median, was

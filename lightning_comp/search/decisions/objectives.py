@@ -24,11 +24,17 @@ balanced       the geometric mean of its time and memory ratios to FP32 (the *ba
 =============  ===========================================================================================
 
 Where the memory objective spends memory levers on its plan (a ``saved``, ``state`` or ``master`` dimension is
-searched), the whole-step plan it builds on is chosen for *room*, not for its own bytes: the fastest plan, or the
-leanest of those it does not beat by the margin (by the median of their paired rounds). The levers then buy bytes
-with the time left under the bound, cheapest bytes first, which a base chosen as the leanest within the bound leaves
-little of: on the default example, all-low's plan (x1.10-1.19 of the pace, near the bound) left the levers 14 ms
-where the candidates' left 43 ms, and which of the two a run took decided its plan (three runs, three bases).
+searched), the whole-step plan it builds on is chosen for what it will end at once the levers are spent, not for its
+own bytes alone: the levers buy bytes with the time left under the bound, so a faster plan is worth the bytes that
+time buys. :func:`_base_for_the_levers` prices that time at the incumbent's (the candidates') own saved bytes per
+millisecond of its step, a plan's *cost* being its saved bytes plus the incumbent's times its step relative to the
+incumbent's (by the median of their paired rounds): a plan displaces the candidates where it costs less and is not
+slower than them by more than the margin. Bytes are exact and only the time is noisy, and it is weighed by the
+bytes it buys: on the default example the compute-only plan keeps 21 MiB more than the candidates and would have
+to be x0.79 of their step to displace them, where the rule before (the leanest of the plans the fastest does not
+beat by the margin) took it at x0.93 in one of four runs and ended 22 MiB fatter. A base chosen as the leanest within
+the bound (the rule before that) left the levers little time: all-low's plan (x1.10-1.19 of the pace) left them
+14 ms where the candidates' left 43 ms.
 """
 
 from __future__ import annotations
@@ -226,9 +232,8 @@ class MemoryPolicy(ObjectivePolicy):
 
     def winner(self, steps: StepComparison, saved: dict[ComparedPlan, float], labels: list[ComparedPlan],
                have_candidates: bool) -> ComparedPlan | None:
-        """Where levers are spent (:attr:`spends_levers`), the plan that leaves them the most room: the leanest of
-        the plans (not past the bound beyond doubt) the fastest one does not beat by the margin by the median of
-        their paired rounds (:func:`_leanest_of_the_fastest`).
+        """Where levers are spent (:attr:`spends_levers`), the plan (not past the bound beyond doubt) that should end
+        leanest once they are (:func:`_base_for_the_levers`).
 
         Otherwise the leanest plan within the slowdown of the pace: an alternative when it saves the margin's share
         of the candidates' bytes (or the candidates are past the bound), or when it saves as much as they do and is
@@ -242,7 +247,7 @@ class MemoryPolicy(ObjectivePolicy):
             candidates_kept = have_candidates and self.candidates_pay(steps) is not Verdict.ABOVE
             if kept or candidates_kept:
                 labels, have_candidates = kept, candidates_kept
-            return _leanest_of_the_fastest(steps, saved, labels, have_candidates, margin, by_median=True)
+            return _base_for_the_levers(steps, saved, labels, have_candidates, margin)
         within = [plan for plan in ([CANDIDATES] if have_candidates else []) + labels
                   if steps.within(plan, self.pace, self.slowdown) is Verdict.BELOW]
         if within:
@@ -322,26 +327,39 @@ def policy_for(config: SearchConfig) -> ObjectivePolicy:
 
 
 def _leanest_of_the_fastest(steps: StepComparison, saved: dict[ComparedPlan, float], labels: list[ComparedPlan],
-                            have_candidates: bool, margin: float, by_median: bool = False) -> ComparedPlan | None:
+                            have_candidates: bool, margin: float) -> ComparedPlan | None:
     """The leanest of the plans (the candidates, or FP32 without them, and ``labels``) that the fastest of them does
-    not beat by ``margin`` beyond doubt (``by_median``: by the median of their paired rounds); a tie in bytes goes to
-    the candidates (``None``: they, or FP32, win).
-
-    Beyond doubt, a load spike in a few rounds ties every plan (their intervals reached x2.6 of the median in one run
-    of the default example) and the leanest wins however slow; the median holds the fastest's lead through them."""
+    not beat by ``margin`` beyond doubt; a tie in bytes goes to the candidates (``None``: they, or FP32, win)."""
     if not labels:
         return None
     incumbent = CANDIDATES if have_candidates else FP32
     contenders = [incumbent, *labels]
     fastest = min(contenders, key=steps.median_to_fp32)
-
-    def beaten(plan: ComparedPlan) -> bool:
-        if by_median:
-            return steps.ratio(fastest, plan).ratio < 1 - margin
-        return steps.faster(fastest, plan, margin) is Verdict.BELOW
-
-    tied = [plan for plan in contenders if plan == fastest or not beaten(plan)]
+    tied = [plan for plan in contenders if plan == fastest or steps.faster(fastest, plan, margin) is not Verdict.BELOW]
     best = min(tied, key=lambda plan: (saved[plan], plan != incumbent))
+    return None if best == incumbent else best
+
+
+def _base_for_the_levers(steps: StepComparison, saved: dict[ComparedPlan, float], labels: list[ComparedPlan],
+                         have_candidates: bool, margin: float) -> ComparedPlan | None:
+    """The plan to spend memory levers on: of the incumbent (the candidates, or FP32 without them) and the plans of
+    ``labels`` not slower than it by more than ``margin`` (by the median of their paired rounds), the one of least
+    *cost*: its saved bytes plus the incumbent's saved bytes times its step relative to the incumbent's. The time a
+    plan gains is priced at the incumbent's own bytes per millisecond, as the levers will buy bytes with it; a tie goes
+    to the incumbent (``None``: it wins).
+
+    By the median, not beyond doubt: a load spike in a few rounds widens every interval (to x2.6 of the median in one
+    run of the default example), and a slow plan's would then reach the incumbent's."""
+    if not labels:
+        return None
+    incumbent = CANDIDATES if have_candidates else FP32
+    price = saved[incumbent]  # bytes per step of the incumbent's
+
+    def relative(plan: ComparedPlan) -> float:
+        return 1.0 if plan == incumbent else steps.ratio(plan, incumbent).ratio
+
+    contenders = [incumbent, *(plan for plan in labels if relative(plan) <= 1 + margin)]
+    best = min(contenders, key=lambda plan: (saved[plan] + price * relative(plan), plan != incumbent))
     return None if best == incumbent else best
 
 
