@@ -19,7 +19,7 @@ from torch import nn
 from lightning_comp import PrecisionPlan
 from lightning_comp.errors import PlanError, PlanMismatchError
 from lightning_comp.execution.executor import PlanExecutor, StepKind
-from lightning_comp.numerics.codecs import FP8_MAX, compress, decode_fp8, decompress
+from lightning_comp.numerics.codecs import FP8_MAX, CompressedTensor, compress, decode_fp8, decompress
 from lightning_comp.numerics.precision import SavedPrecision, parse_saved_precision
 from lightning_comp.operators.discovery import iter_operators
 from lightning_comp.plan import PLAN_VERSION
@@ -333,3 +333,15 @@ def test_a_bad_size_threshold_names_the_value_and_what_is_valid(bad: object) -> 
 
     with pytest.raises(ValueError, match=rf"min_saved_bytes={bad!r} is invalid: it must be an integer >= 0"):
         CoMPPrecision(min_saved_bytes=bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_nan_code_in_stored_data_decodes_to_nan_even_with_a_finite_scale(dtype: torch.dtype) -> None:
+    # a codec fault (NaN where compress never writes one) must not decode to a finite value: the bit-moving decode
+    # would give 480 there, so a NaN code sends the tensor through the exact table
+    packed = compress(torch.randn(1 << 16, generator=torch.Generator().manual_seed(3)).to(dtype), SavedPrecision.FP8)
+    codes = packed.data.view(torch.uint8).clone()
+    codes[[5, 77]] = torch.tensor([0x7F, 0xFF], dtype=torch.uint8)
+    broken = CompressedTensor(codes.view(torch.float8_e4m3fn), packed.dtype, packed.inverse_scale)
+    back = decompress(broken)
+    assert back[5].isnan() and back[77].isnan() and int(back.isnan().sum()) == 2
