@@ -479,3 +479,38 @@ def test_the_batch_stage_result_travels_through_a_checkpoint_typed() -> None:
     broken = {**plain, "batch": {k: v for k, v in plain["batch"].items() if k != "order"}}
     with pytest.raises(SearchConfigError, match=r"batch stage's result.*missing keys \['order'\]"):
         SearchState.from_dict(broken)
+
+
+def test_a_cheap_operator_that_saves_bytes_within_the_bound_is_a_fill_for_the_memory_objective() -> None:
+    # the default example's GELU in one run: x0.96 [0.87, 1.11] of its fp32 time, its bf16 output half the bytes it
+    # keeps for backward; judged at the slow end of its rounds it is no fill for speed, but the memory objective
+    # accepts it as it would a compute operator (within its 1.15x bound, saving the margin's share)
+    from lightning_comp.numerics.precision import ComputePrecision
+    from lightning_comp.search.decisions.operators import decide_operators
+
+    modules = {"fc": nn.Linear(4, 8), "act": nn.GELU(), "proj": nn.Linear(8, 4)}
+    fp32_ms = {"fc": [2.0] * 4, "act": [1.0] * 4, "proj": [2.0] * 4}  # four rounds, as there
+    low_ms = {"fc": [1.2] * 4, "act": [0.87, 1.11, 0.96, 0.95], "proj": [1.2] * 4}
+
+    def profile(ms: dict[str, list[float]], act_bytes: int) -> ProfileResult:
+        rounds = [{n: _measured(s[i], act_bytes if n == "act" else 0) for n, s in ms.items()} for i in range(4)]
+        return ProfileResult(operators={n: _measured(min(s), act_bytes if n == "act" else 0) for n, s in ms.items()},
+                             rounds=rounds)
+
+    profiles = {ProfiledPlan.FP32: profile(fp32_ms, 8 << 20), ProfiledPlan.LOW: profile(low_ms, 4 << 20)}
+    names = list(modules)
+
+    def decided(objective: str) -> OperatorDecision:
+        config = SearchConfig(objective=objective)  # type: ignore[arg-type]
+        return decide_operators(config, policy_for(config), ComputePrecision.BF16, modules, names, profiles)["act"]
+
+    assert not fills(SearchConfig(), profiles[ProfiledPlan.FP32].operators["act"],
+                     profiles[ProfiledPlan.LOW].operators["act"],
+                     paired_ratio(fp32_ms["act"], low_ms["act"]))  # slower at the slow end: no fill for speed
+    memory = decided("memory")
+    assert memory.decision is Choice.FILL and "lowered only between lowered operators: pays" in memory.reason
+    assert decided("throughput").decision is Choice.FP32
+    # past the memory objective's bound at the slow end, it stays FP32 there too
+    low_ms["act"] = [0.87, 1.31, 0.96, 1.2]
+    profiles[ProfiledPlan.LOW] = profile(low_ms, 4 << 20)
+    assert decided("memory").decision is Choice.FP32
