@@ -23,6 +23,7 @@ import math
 from dataclasses import dataclass, field
 
 from lightning_comp.search.candidates import Candidate
+from lightning_comp.search.decisions.update_costs import UpdateCost
 from lightning_comp.search.measurement.process_memory import StepPeak
 
 __all__ = ["FrontierPoint", "Lever", "LeverOption", "MemorySpending", "Selection", "levers_past", "take_cheapest"]
@@ -142,6 +143,9 @@ class MemorySpending:
         process_reference: whose measured tensor peak a fractional budget was a fraction of: ``"amp"`` (AMP's plan)
             or ``"start"`` (the plan before the levers, where AMP's was not timed); ``None``: a budget in bytes, or
             none judged.
+        update_costs: update variant (``"8bit"``, ``"bf16"``, ``"master"``) -> what it adds to an update, fitted
+            over every operator (:mod:`~lightning_comp.search.decisions.update_costs`): the state and master levers'
+            prices.
     """
 
     start_bytes: float
@@ -161,6 +165,7 @@ class MemorySpending:
     process_met: bool | None = None
     process_limit_bytes: float | None = None
     process_reference: str | None = None
+    update_costs: dict[str, UpdateCost] = field(default_factory=dict)
 
 
 def take_cheapest(levers: list[Lever], step_bytes: float, step_ms: float, max_ms: float,

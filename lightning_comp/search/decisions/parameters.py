@@ -57,6 +57,7 @@ class ParameterDecision:
         master: the master-weight precision chosen.
         reason: why, in words.
         params: parameter elements of the operator.
+        tensors: its parameter tensors (a weight and a bias: 2).
         bytes: bytes per update variant (``FP32``: state and master as today; ``INT8``/``BF16``: the state at that
             format; ``MASTER``: the weights and gradients with a bf16 master).
         update_ms: the median update time per variant (``FP32``: the optimizer's own).
@@ -71,6 +72,7 @@ class ParameterDecision:
     master: MasterPrecision = MasterPrecision.FP32
     reason: str = ""
     params: int = 0
+    tensors: int = 0
     bytes: dict[UpdateVariant, int] = field(default_factory=dict)
     update_ms: dict[UpdateVariant, float] = field(default_factory=dict)
     time_ratios: dict[UpdateVariant, list[float]] = field(default_factory=dict)

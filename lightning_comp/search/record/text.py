@@ -271,6 +271,11 @@ def _spending_section(spending: dict[str, Any] | None) -> list[str]:
     measured = "" if spending["measured_ms"] is None else f", timed whole {spending['measured_ms']:.2f} ms"
     lines.append(f"Stopped: {spending['stopped']}. The plan's step: {spending.get('final_mib', 0):.1f} MiB{amp},"
                  f" forecast {spending['forecast_ms']:.2f} ms{measured}.")
+    costs = spending.get("update_costs") or {}
+    if costs:
+        lines.append("State and master levers priced by the update's cost model over every operator: " + ", ".join(
+            f"{variant} +{1000 * cost['per_tensor_ms']:.0f} us per tensor + {cost['per_million_elements_ms']:.3f} ms"
+            f" per million elements ({cost['operators']} operators)" for variant, cost in costs.items()) + ".")
     peaks = spending.get("process_peaks") or {}
     if peaks:
         lines.append("The process's peak over one step (MiB: live heap / OS, or CUDA reserved / allocated): "

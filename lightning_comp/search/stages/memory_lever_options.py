@@ -4,7 +4,8 @@ added), with what each option writes into the plan (:class:`LeverChange`).
 
 :class:`LeverBuilder` reads the operators' decisions: an operator's (or recompute unit's) saved precisions, priced
 over every operator it timed at the precision each computes in under the base plan; an operator's optimizer-state
-formats, and its bf16 master where it computes in bf16, priced by the update timings. Levers of operators playing
+formats, and its bf16 master where it computes in bf16, priced by the update's cost model fitted over every
+operator's timings (:mod:`lightning_comp.search.decisions.update_costs`). Levers of operators playing
 the same part in repeated blocks are pooled into one (their bytes and times summed), as their compute precision is
 decided. :mod:`lightning_comp.search.stages.memory_stage` ranks and takes them.
 """
@@ -20,6 +21,7 @@ from lightning_comp.plan.plan import PrecisionPlan
 from lightning_comp.search.decisions.cheapest_bytes import Lever, LeverOption
 from lightning_comp.search.decisions.groups import group_operators
 from lightning_comp.search.decisions.operators import OperatorDecision
+from lightning_comp.search.decisions.update_costs import UpdateCost, UpdateSample, fit_update_cost
 from lightning_comp.search.measurement.optimizer_timing import UpdateVariant
 from lightning_comp.search.stages.context import StageContext
 
@@ -43,11 +45,13 @@ class LeverBuilder:
     def __init__(self, ctx: StageContext) -> None:
         self.ctx = ctx
         self.config = ctx.config
+        self.update_costs: dict[UpdateVariant, UpdateCost] = {}  # what each update variant adds, fitted in build()
 
     def build(self, base: PrecisionPlan, decisions: dict[str, OperatorDecision],
               ) -> tuple[list[Lever], dict[str, dict[str, LeverChange]]]:
         """Every lever measured: its options, and per option what it writes into the plan."""
         keep = 1 - self.config.measurement.speed_margin
+        self.update_costs = _fitted_update_costs(decisions)
         levers: list[Lever] = []
         changes: dict[str, dict[str, LeverChange]] = {}
         firsts: dict[str, str] = {}  # lever label -> the first operator it changes
@@ -124,6 +128,9 @@ class LeverBuilder:
         options, writes = [], {}
 
         def extra(variant: UpdateVariant) -> float:
+            model = self.update_costs.get(variant)
+            if model is not None and params.tensors > 0:  # one price for one shape: the model over every operator
+                return max(model.extra_ms(params.tensors, params.params), 0.0)
             return fp32_ms * max(params.time_ratios[variant][0] - 1.0, 0.0)
 
         for variant in params.time_ratios:
@@ -153,6 +160,21 @@ class LeverBuilder:
         if not options:
             return None, {}
         return Lever(f"state:{name}", tuple(options), forced=bool(params.forced)), writes
+
+
+def _fitted_update_costs(decisions: dict[str, OperatorDecision]) -> dict[UpdateVariant, UpdateCost]:
+    """Per update variant, what it adds to an update, fitted over every operator whose update was timed (a variant
+    measured on too few operators is left out: each of those is priced by its own rounds)."""
+    samples: dict[UpdateVariant, list[UpdateSample]] = {}
+    for decision in decisions.values():
+        params = decision.parameters
+        if params is None or params.tensors <= 0 or UpdateVariant.FP32 not in params.update_ms:
+            continue
+        fp32_ms = params.update_ms[UpdateVariant.FP32]
+        for variant, (ratio, *_) in params.time_ratios.items():
+            samples.setdefault(variant, []).append(UpdateSample(params.tensors, params.params, fp32_ms * (ratio - 1)))
+    fitted = {variant: fit_update_cost(measured) for variant, measured in samples.items()}
+    return {variant: model for variant, model in fitted.items() if model is not None}
 
 
 def _option(lever: Lever, value: str) -> LeverOption:

@@ -100,7 +100,8 @@ class CheapestBytesStage:
         pace_ms = fp32_ms * ctx.policy.pace.ratio_to_fp32 + update_ms
         max_ms = self.config.slowdown_vs_fastest * pace_ms
         start_bytes, start_ms = persistent + candidates_saved, candidates_ms + update_ms
-        levers, changes = LeverBuilder(self.ctx).build(base, decisions)
+        builder = LeverBuilder(self.ctx)
+        levers, changes = builder.build(base, decisions)
         # a budget the job needs goes past the default bound, not past one the user set
         past = self.config.max_slowdown_vs_fastest is None
         weigh = self.config.objective is Objective.BALANCED
@@ -109,7 +110,8 @@ class CheapestBytesStage:
         spending = MemorySpending(start_bytes=start_bytes, start_ms=start_ms, max_ms=max_ms, target_bytes=target,
                                   amp_step_bytes=amp_bytes, selection=selection,
                                   levers={label: _candidates(change) for label, change in changes.items()},
-                                  options={lever.label: list(lever.options) for lever in levers})
+                                  options={lever.label: list(lever.options) for lever in levers},
+                                  update_costs={variant.value: cost for variant, cost in builder.update_costs.items()})
         self._spend(spending, base, changes, decisions, saved, parameters, update_ms)
         amp_plan = amp_plan if amp_bytes is not None else None  # AMP's not timed: a fraction is of the start's
         excess = measure_excess(ctx, spending, base, _with_choices(base, saved, parameters), amp_plan,

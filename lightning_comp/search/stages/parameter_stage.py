@@ -148,7 +148,8 @@ class ParameterStage:
         amsgrad = any(group.get("amsgrad", False) for group in optimizer.param_groups)
         numel = sum(p.numel() for p in params)
         fp32_ms = statistics.median(times[FP32])
-        decision = ParameterDecision(params=numel, update_ms={k: statistics.median(v) for k, v in times.items()})
+        decision = ParameterDecision(params=numel, tensors=len(params),
+                                     update_ms={k: statistics.median(v) for k, v in times.items()})
         own_state = sum(state_nbytes(p, StatePrecision.FP32, amsgrad) for p in params)
         decision.bytes[FP32] = own_state
         reasons = []
