@@ -201,3 +201,47 @@ def test_the_base_plans_step_is_on_the_scale_of_the_pace_it_was_judged_against()
     assert on_pace_scale(steps, low) == pytest.approx(304.6 * 0.7174)
     assert on_pace_scale(steps, amp) == 220.4  # no paired ratio: its own round
     assert on_pace_scale(steps, ComparedPlan.COMPUTE) == 304.6  # not timed: FP32's
+
+
+def test_a_recompute_unit_and_its_consumers_codec_are_one_lever_of_exclusive_options() -> None:
+    """Recomputed, the GELU's output is a recipe wherever it is saved, so the next Linear's fp8 copy of it frees
+    nothing more; as two levers both were taken in a run of the default example, and the accounting counted the
+    8 MiB twice. As one lever, the codec and the recomputation are alternatives: the hull climbs from one to the
+    other, and what is written is one of them."""
+    from types import SimpleNamespace
+
+    from torch import nn
+
+    from lightning_comp.operators.kinds import OperatorKind
+    from lightning_comp.plan.dimensions import Dimension
+    from lightning_comp.plan.plan import PrecisionPlan
+    from lightning_comp.search.config import SearchConfig
+    from lightning_comp.search.decisions.operators import OperatorDecision
+    from lightning_comp.search.decisions.saved import SavedDecision
+    from lightning_comp.search.measurement.profiling import OperatorMeasurement
+    from lightning_comp.search.stages.memory_lever_options import LeverBuilder
+
+    modules = {"fc": nn.Linear(4, 16), "act": nn.GELU(), "proj": nn.Linear(16, 4), "norm": nn.LayerNorm(4)}
+    ctx = SimpleNamespace(modules=modules, config=SearchConfig(objective="memory"))
+    decisions = {n: OperatorDecision(type(m).__name__, OperatorKind.COMPUTE, 16,
+                                     fp32=OperatorMeasurement(forward_ms=1.0, compute_ms=1.0, backward_ms=1.0))
+                 for n, m in modules.items()}
+    decisions["act"].saved = SavedDecision(bytes={"fp32": 16 * MiB, "recompute": 8 * MiB},
+                                           time_ratios={"recompute": [1.5, 1.4, 1.6]}, unit="act",
+                                           timed=("act", "proj"))
+    decisions["proj"].saved = SavedDecision(bytes={"fp32": 8 * MiB, "fp8": 4 * MiB},
+                                            time_ratios={"fp8": [1.2, 1.1, 1.3]})
+    decisions["norm"].saved = SavedDecision(bytes={"fp32": 4 * MiB, "fp8": 1 * MiB},
+                                            time_ratios={"fp8": [1.1, 1.0, 1.2]})
+    levers, changes = LeverBuilder(ctx).build(PrecisionPlan(), decisions)  # type: ignore[arg-type]
+    by_label = {lever.label: lever for lever in levers}
+    assert set(by_label) == {"saved:act / proj", "saved:norm"}  # the norm's codec feeds no unit: apart
+    both = by_label["saved:act / proj"]
+    assert [(o.value, o.bytes_saved / MiB, o.extra_ms) for o in both.options] == [
+        ("fp8", 4.0, pytest.approx(0.4)), ("recompute", 8.0, pytest.approx(2.0))]
+    assert changes["saved:act / proj"]["recompute"].values == {"act": {Dimension.SAVED: "recompute"}}
+    assert changes["saved:act / proj"]["fp8"].values == {"proj": {Dimension.SAVED: "fp8"}}
+    # with no bound, the recomputation is taken through the codec (never both): 8 MiB freed, not 12
+    picked = take_cheapest([both], 100 * MiB, 10.0, math.inf)
+    assert picked.chosen["saved:act / proj"].value == "recompute"
+    assert picked.frontier[-1].step_bytes == pytest.approx(92 * MiB)

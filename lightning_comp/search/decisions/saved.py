@@ -4,9 +4,10 @@ Operators that save the same tensor (a ReLU's output is the next Linear's saved 
 (:func:`sharing_groups`): only together do they free it. A saved lowering qualifies when it saves at least
 ``speed_margin`` of the bytes and the objective's policy accepts its time (:func:`judge_saved`); of two that qualify
 the smaller wins. Recomputation is judged by the same rule, per unit of cheap operators
-(:mod:`lightning_comp.search.decisions.recompute_units`). A lowering another operator would still hold as computed is
-dropped (:func:`unshared_choices`: both forms would be held). What is taken of them is decided with every other
-memory lever, cheapest bytes first (:mod:`lightning_comp.search.stages.memory_stage`).
+(:mod:`lightning_comp.search.decisions.recompute_units`). A lowering another operator would still hold as computed,
+or may recompute, is dropped (:func:`unshared_choices`: both forms would be held, or the recipe replaces it). What is
+taken of them is decided with every other memory lever, cheapest bytes first
+(:mod:`lightning_comp.search.stages.memory_stage`).
 """
 
 from __future__ import annotations
@@ -105,14 +106,28 @@ def unshared_choices(choices: dict[str, SavedPrecision], sharing: dict[str, set[
     while changed:
         changed = False
         for name in sorted(kept):
+            if name in forced:
+                continue
             holders = sorted(other for other in sharing.get(name, ()) if other not in kept)
-            if holders and name not in forced:
-                shown = ", ".join(holders[:3]) + (f" and {len(holders) - 3} more" if len(holders) > 3 else "")
-                dropped[name] = (f"saves as computed: a tensor it saves is also saved by {shown}, which keep(s) it"
-                                 " as computed, so both forms would be held")
-                del kept[name]
-                changed = True
+            recomputing = [] if kept[name].recomputes else sorted(
+                other for other in sharing.get(name, ()) if other in kept and kept[other].recomputes)
+            if holders:
+                dropped[name] = (f"saves as computed: a tensor it saves is also saved by {_shown(holders)}, which"
+                                 " keep(s) it as computed, so both forms would be held")
+            elif recomputing:
+                dropped[name] = (f"saves as computed: a tensor it saves is also saved by {_shown(recomputing)}, which"
+                                 " may recompute it: then its recipe is stored in place of any compressed form (and"
+                                 " the bytes are the recomputation's), else it is kept as computed beside the"
+                                 " compressed one; either way compressing it frees nothing")
+            else:
+                continue
+            del kept[name]
+            changed = True
     return dropped
+
+
+def _shown(names: list[str]) -> str:
+    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
 
 
 def judge_saved(policy: ObjectivePolicy, base_bytes: int,

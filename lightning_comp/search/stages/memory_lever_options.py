@@ -7,7 +7,11 @@ over every operator it timed at the precision each computes in under the base pl
 formats, and its bf16 master where it computes in bf16, priced by the update's cost model fitted over every
 operator's timings (:mod:`lightning_comp.search.decisions.update_costs`). Levers of operators playing
 the same part in repeated blocks are pooled into one (their bytes and times summed), as their compute precision is
-decided. :mod:`lightning_comp.search.stages.memory_stage` ranks and takes them.
+decided. A recompute unit and the codec lever of the operators that consume its output (and save it for backward)
+are one lever of exclusive options (:meth:`LeverBuilder._with_consumers`): recomputed, the unit's output is stored
+as a recipe wherever it is saved, so the consumers' compressed copy would free nothing more (two levers would count
+those bytes twice, and the codec's time, which is then never spent).
+:mod:`lightning_comp.search.stages.memory_stage` ranks and takes them.
 """
 
 from __future__ import annotations
@@ -55,6 +59,7 @@ class LeverBuilder:
         levers: list[Lever] = []
         changes: dict[str, dict[str, LeverChange]] = {}
         firsts: dict[str, str] = {}  # lever label -> the first operator it changes
+        consumers: dict[str, set[str]] = {}  # recompute unit lever -> the operators consuming (and saving) its output
         seen: set[tuple[str, ...]] = set()
         for name, decision in decisions.items():
             entry = decision.saved
@@ -79,6 +84,8 @@ class LeverBuilder:
                         changes[label] = writes
                         if entry.unit is None:  # a recompute unit is pooled across blocks already
                             firsts[label] = members[0]
+                        else:
+                            consumers[label] = set(timed) - set(members)
             params = decision.parameters
             if params is not None and params.update_ms:
                 lever, writes = self._parameter_lever(name, params, base)
@@ -86,7 +93,7 @@ class LeverBuilder:
                     levers.append(lever)
                     changes[lever.label] = writes
                     firsts[lever.label] = name
-        return self._pooled(levers, changes, firsts)
+        return self._with_consumers(*self._pooled(levers, changes, firsts), consumers)
 
     def _pooled(self, levers: list[Lever], changes: dict[str, dict[str, LeverChange]], firsts: dict[str, str],
                 ) -> tuple[list[Lever], dict[str, dict[str, LeverChange]]]:
@@ -118,6 +125,33 @@ class LeverBuilder:
         for label in merged:
             del changes[label]
         return [lever for lever in levers if lever.label not in merged] + pooled, changes
+
+    @staticmethod
+    def _with_consumers(levers: list[Lever], changes: dict[str, dict[str, LeverChange]],
+                        consumers: dict[str, set[str]]) -> tuple[list[Lever], dict[str, dict[str, LeverChange]]]:
+        """Each recompute unit's lever merged with the one codec lever whose operators all consume its output: one
+        lever, its options the codec's (the consumers' compressed copy) and the recomputation (a recipe in its place),
+        exclusive. Where several codec levers, or one reaching beyond the consumers, would merge, or an option's name
+        is taken, or either is forced, they stay apart."""
+        by_label = {lever.label: lever for lever in levers}
+        operators = {label: {n for change in writes.values() for n in change.values}
+                     for label, writes in changes.items()}
+        codecs = [lever.label for lever in levers if lever.label.startswith("saved:") and lever.label not in consumers]
+        merged: dict[str, Lever] = {}  # the unit's label -> the merged lever
+        gone: set[str] = set()
+        for label, fed in consumers.items():
+            unit = by_label.get(label)
+            hits = [c for c in codecs if c not in gone and operators[c] & fed]
+            if unit is None or unit.forced or len(hits) != 1 or not operators[hits[0]] <= fed:
+                continue
+            codec = by_label[hits[0]]
+            if codec.forced or {o.value for o in codec.options} & {o.value for o in unit.options}:
+                continue
+            both = f"{label} / {codec.label.removeprefix('saved:')}"
+            merged[label] = Lever(both, codec.options + unit.options)
+            changes[both] = {**changes.pop(codec.label), **changes.pop(label)}
+            gone.add(codec.label)
+        return [merged.get(lever.label, lever) for lever in levers if lever.label not in gone], changes
 
     def _parameter_lever(self, name: str, params: Any, base: PrecisionPlan
                          ) -> tuple[Lever | None, dict[str, LeverChange]]:
