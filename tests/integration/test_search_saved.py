@@ -155,8 +155,9 @@ def test_batch_stage_decides_saved_precision_from_measured_bytes(tmp_path: Path)
         # an operator lowered to bf16 already saves bf16: fp8 halves it, bf16 saves nothing
         full = entry["bytes"]["fp32"]
         assert full > 0 and entry["bytes"]["fp8"] <= full // 2 + 64, (name, computed, entry)
-        # with a 100x slowdown accepted, time never stops it: what saves bytes is lowered to fp8
-        assert entry["decision"] == "fp8", (name, entry)
+        # its saved input is the ReLU's output, which the ReLU saves too and may recompute: recomputed, the recipe
+        # replaces every form of it; not, the ReLU keeps it as computed. The fp8 copy frees nothing either way
+        assert entry["decision"] == "fp32" and "may recompute it" in entry["reason"], (name, entry)
     for name in ("a1", "a2", "a3", "a4"):  # the cheap ones recompute (precisions saved "auto"), judged together
         entry = record["operators"][name]["saved"]
         assert entry["decision"] == "recompute" and entry["bytes"]["recompute"] < entry["bytes"]["fp32"], entry
