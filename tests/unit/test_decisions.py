@@ -519,7 +519,18 @@ def test_a_cheap_operator_that_saves_bytes_within_the_bound_is_a_fill_for_the_me
     memory = decided("memory")
     assert memory.decision is Choice.FILL and "lowered only between lowered operators: pays" in memory.reason
     assert decided("throughput").decision is Choice.FP32
-    # past the memory objective's bound at the slow end, it stays FP32 there too
-    low_ms["act"] = [0.87, 1.31, 0.96, 1.2]
+    # one slow round (x0.93 [0.75, 1.28], a gpt search on a loaded machine): the rounds cannot tell, the median
+    # decides for the memory objective (the whole step holds the bound), not for throughput
+    low_ms["act"] = [0.75, 1.28, 0.92, 0.94]
+    profiles[ProfiledPlan.LOW] = profile(low_ms, 4 << 20)
+    noisy = decided("memory")
+    assert noisy.decision is Choice.FILL and "by the median of its rounds" in noisy.reason
+    assert decided("throughput").decision is Choice.FP32
+    # past the memory objective's bound by the median, it stays FP32
+    low_ms["act"] = [0.87, 1.31, 1.2, 1.25]
+    profiles[ProfiledPlan.LOW] = profile(low_ms, 4 << 20)
+    assert decided("memory").decision is Choice.FP32
+    # past it beyond doubt, too
+    low_ms["act"] = [1.21, 1.31, 1.2, 1.25]
     profiles[ProfiledPlan.LOW] = profile(low_ms, 4 << 20)
     assert decided("memory").decision is Choice.FP32
