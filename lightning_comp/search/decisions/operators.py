@@ -195,7 +195,7 @@ def fills(config: SearchConfig, fp32: OperatorMeasurement, low: OperatorMeasurem
 
 
 def _fill_reason(config: SearchConfig, policy: ObjectivePolicy, fp32: OperatorMeasurement, low: OperatorMeasurement,
-                 time: RatioEstimate, precision: object) -> str | None:
+                 time: RatioEstimate, precision: ComputePrecision) -> str | None:
     """Why a cheap operator (or group) is a fill (``None``: it is not): it :func:`fills`, or it pays by the
     objective's own rule (the memory objective: it saves the margin's share of its bytes for backward within the
     slowdown bound), as a compute operator would. A GELU whose bf16 output halves the 16 MiB the default example's
