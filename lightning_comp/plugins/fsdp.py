@@ -42,16 +42,18 @@ class CoMPFSDPPrecision(CoMPPrecision, FSDPPrecision):  # type: ignore[misc]  # 
         scaler: a ``ShardedGradScaler`` for FP16 plans instead of a default one.
         min_saved_bytes: as :class:`~lightning_comp.CoMPPrecision`.
         update_path: as :class:`~lightning_comp.CoMPPrecision`.
+        release_gradients_after_step: as :class:`~lightning_comp.CoMPPrecision` (FSDP1's flat parameters' gradient
+            shards are released).
     """
 
     def __init__(self, plan: PlanLike = None, *, allow_slow_fp16: bool = False,
                  scaler: torch.amp.GradScaler | None = None, min_saved_bytes: int = DEFAULT_MIN_SAVED_BYTES,
-                 update_path: UpdatePath | str = UpdatePath.AUTO) -> None:
+                 update_path: UpdatePath | str = UpdatePath.AUTO, release_gradients_after_step: bool = True) -> None:
         # FSDPPrecision.__init__ is not run: it would assign ``scaler``, which is CoMPPrecision's (read-only) property
         # (CoMPPrecision's own chain ends in Lightning's Precision, which takes no argument)
         CoMPPrecision.__init__(self, plan, allow_slow_fp16=allow_slow_fp16, scaler=scaler,
                                recast_weights_in_backward=False, min_saved_bytes=min_saved_bytes,
-                               update_path=update_path)
+                               update_path=update_path, release_gradients_after_step=release_gradients_after_step)
         self._desired_input_dtype = torch.float32  # what FSDPPrecision's init contexts read
 
     @override
