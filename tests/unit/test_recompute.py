@@ -23,6 +23,7 @@ from lightning_comp.adapters.torch_internals import top_saved_tensors_hooks
 from lightning_comp.errors import CoMPError, PlanError, UsageError
 from lightning_comp.execution.executor import PlanExecutor, StepKind
 from lightning_comp.execution.recompute import recompute_unsuitable
+from lightning_comp.execution.recompute.recipe import FormKey, Recipe
 from lightning_comp.operators.kinds import register_atomic
 from lightning_comp.search.measurement.clocks import single_intra_op_thread
 
@@ -346,6 +347,29 @@ def test_a_consumers_cast_of_a_recomputed_output_is_recomputed_and_cast_again(
     for p, r in zip(plain.probes, recomputed.probes):  # the first, calibrating, step too
         assert p.nbytes - r.nbytes == cast_bytes
         assert (torch.bfloat16, (32, 64)) not in r.dtypes and (torch.bfloat16, (4, 8, 64)) not in r.dtypes
+
+
+def test_a_recomputation_holds_only_the_forms_backward_still_asks_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GELU's FP32 output is recomputed to make the BF16 Linear's cast of it; only the cast is held after that
+    (the FP32 output used to be held until the Linear's backward ended), and it is freed with the Linear's node."""
+    held: list[dict[Any, tuple[torch.dtype, tuple[int, ...]]]] = []
+    recipes: list[Recipe] = []
+    original = Recipe.form
+
+    def watched(self: Recipe, key: FormKey) -> torch.Tensor:
+        made = original(self, key)
+        held.append({k: (t.dtype, tuple(t.shape)) for k, t in self.forms.items()})
+        recipes.append(self)
+        return made
+
+    monkeypatch.setattr(Recipe, "form", watched)
+    plain = train(mlp(), {"2": "bf16"}, flat_batch())
+    recomputed = train(mlp(), {"2": "bf16", "1": {"saved": "recompute"}}, flat_batch())
+    assert_same(plain, recomputed)
+    assert held, "nothing was recomputed"
+    for forms in held:
+        assert list(forms.values()) == [(torch.bfloat16, (32, 64))]
+    assert not any(recipe.forms or recipe.wanted for recipe in recipes)  # nothing held once backward is done
 
 
 def test_a_recompute_operators_input_cast_from_another_ones_output_is_recomputed_from_it() -> None:

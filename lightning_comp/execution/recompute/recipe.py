@@ -9,15 +9,21 @@ stored.
 
 Each output is known at two stages: as the forward returned it (:data:`RAW`) and as the post-hook handed it on
 (:data:`FINAL`, cast back to FP32 where the output does not stay low). What a saved tensor is of an output is the
-output itself, a view of it, or a cast of it a consumer made (:class:`OutputCast`), or a view of that cast
-(:func:`form`): recomputing the output and casting it again is the same conversion kernel on the same values, so
-bit-identical to the cast made in forward.
+output itself, a view of it, or a cast of it a consumer made (:class:`OutputCast`), or a view of that cast:
+recomputing the output and casting it again is the same conversion kernel on the same values, so bit-identical to
+the cast made in forward.
 
-:meth:`Recipe.value` recomputes the outputs by calling the operator again under ``torch.no_grad()``, through its
-hooks (so it computes in the precision it did in the step), and caches them for as long as a reference saved for
-one is alive (:meth:`Recipe.release`): a LayerNorm output read by three projections is computed once per backward
-and freed after the last of them; a recipe needed only as another recipe's input is computed and dropped. Where the
-recomputation would be wrong it raises :class:`~lightning_comp.errors.UsageError`: an input modified in place after
+:meth:`Recipe.form` recomputes the outputs by calling the operator again under ``torch.no_grad()``, through its
+hooks (so it computes in the precision it did in the step). What it keeps is only what backward will ask for again:
+each reference saved for backward wants one *form* (an output at a stage, or a cast of it: :data:`FormKey`,
+:meth:`Recipe.want`); at the recomputation every wanted form is made at once, the outputs themselves are dropped,
+and each form is freed when the last reference wanting it dies (:meth:`Recipe.release`). A LayerNorm output read by
+three projections is computed once per backward and freed after the last of them; a GELU whose output only a BF16
+projection saves keeps that projection's BF16 cast through backward, not the FP32 output it was cast from as well
+(that copy had been held until the projection's backward ended, at the peak of a transformer's step). A recipe
+needed only as another recipe's input is computed and dropped (if that input is not itself a wanted form, a recipe
+that is also wanted recomputes once more for it: time, not memory). Where the recomputation would be wrong it
+raises :class:`~lightning_comp.errors.UsageError`: an input modified in place after
 the forward, hooks taken off before backward, an output of another shape, layout or dtype.
 """
 
@@ -39,6 +45,7 @@ from lightning_comp.execution.recompute.forward_state import AutocastState, RngS
 __all__ = [
     "FINAL",
     "KEEP_AS_COMPUTED",
+    "FormKey",
     "RAW",
     "Derived",
     "Held",
@@ -49,7 +56,6 @@ __all__ = [
     "RecomputedOperator",
     "View",
     "describe",
-    "form",
     "outputs_of",
     "view_of",
 ]
@@ -138,11 +144,16 @@ class OutputCast:
             return torch.empty_strided(self.size, self.stride, dtype=self.dtype, device=self.device).copy_(source)
 
 
-def form(out: torch.Tensor, cast: OutputCast | None, view: View | None) -> torch.Tensor:
-    """What was saved of (recomputed) output ``out``: it, its cast, or a view of either."""
-    if cast is not None:
-        out = cast.apply(out)
-    return out if view is None else out.as_strided(*view)
+#: What a reference saved for backward is of a recipe's outputs, before its view: (stage, position, cast or None).
+FormKey = tuple[int, int, "OutputCast | None"]
+
+
+def _make(outs: Outputs, key: FormKey) -> torch.Tensor:
+    """Form ``key`` of a recomputation's outputs ``outs``."""
+    stage, index, cast = key
+    out = outs[stage][index]
+    assert out is not None
+    return out if cast is None else cast.apply(out)
 
 
 @dataclass(frozen=True)
@@ -166,7 +177,9 @@ class Derived:
 
     def value(self) -> torch.Tensor:
         """The input, recomputed."""
-        return form(self.recipe.value(self.stage, self.index), self.cast, self.view)
+        view = self.view
+        made = self.recipe.form((self.stage, self.index, self.cast))
+        return made if view is None else made.as_strided(*view)
 
 
 class Recipe:
@@ -188,7 +201,7 @@ class Recipe:
     """
 
     __slots__ = ("recomputing", "op", "args", "kwargs", "chained", "regions", "autocast", "rng", "buffers", "metas",
-                 "users", "cache", "captured")
+                 "wanted", "forms", "captured")
 
     def __init__(self, recomputing: Callable[[Recipe], AbstractContextManager[None]], op: RecomputedOperator,
                  args: Any, kwargs: Any, chained: frozenset[str], regions: int, autocast: AutocastState,
@@ -203,8 +216,8 @@ class Recipe:
         self.rng = rng
         self.buffers = buffers
         self.metas = metas
-        self.users = 0  # references saved for backward alive now (the cache lives as long as one is)
-        self.cache: Outputs | None = None
+        self.wanted: dict[FormKey, int] = {}  # form -> references saved for backward alive now that want it
+        self.forms: dict[FormKey, torch.Tensor] = {}  # the wanted forms, once recomputed
         self.captured: Outputs | None = None  # set by the operator's post-hook while it is re-run
 
     def version(self, stage: int, index: int) -> int:
@@ -217,22 +230,35 @@ class Recipe:
         meta = self.metas[stage][index]
         return None if meta is None else meta.dtype
 
-    def value(self, stage: int, index: int) -> torch.Tensor:
-        """The output ``index`` at ``stage``, recomputed (once while references to it are alive)."""
-        outs = self.cache
-        if outs is None:
-            outs = self._recompute()
-            if self.users > 0:
-                self.cache = outs
-        out = outs[stage][index]
-        assert out is not None
-        return out
+    def want(self, key: FormKey) -> None:
+        """A reference saved for backward wants form ``key``: it is kept from the recomputation until released."""
+        self.wanted[key] = self.wanted.get(key, 0) + 1
 
-    def release(self) -> None:
-        """A reference saved for backward died: drop the cached outputs once none is left."""
-        self.users -= 1
-        if self.users <= 0:
-            self.cache = None
+    def release(self, key: FormKey) -> None:
+        """A reference saved for backward that wanted form ``key`` died: free the form once none wants it."""
+        left = self.wanted.get(key, 0) - 1
+        if left > 0:
+            self.wanted[key] = left
+        else:
+            self.wanted.pop(key, None)
+            self.forms.pop(key, None)
+
+    def form(self, key: FormKey) -> torch.Tensor:
+        """Form ``key`` of the outputs (recomputed once while references wanting forms are alive; see the module
+        docstring)."""
+        made = self.forms.get(key)
+        if made is not None:
+            return made
+        stage, index, cast = key
+        base = self.forms.get((stage, index, None))
+        if base is not None and cast is not None:  # a cast of a form kept anyway: no recomputation
+            return cast.apply(base)
+        outs = self._recompute()
+        for wanted in self.wanted:
+            if wanted not in self.forms:
+                self.forms[wanted] = _make(outs, wanted)
+        made = self.forms.get(key)
+        return made if made is not None else _make(outs, key)
 
     def _inputs(self) -> tuple[Any, Any]:
         def get(item: Held | Derived) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """What autograd keeps for a tensor the recompute hooks pack, and how backward gets the tensor back: :func:`unpack`.
 
-- :class:`Saved`: a reference to a recipe's output (or a view or cast of it, or a view of that cast). It counts as a
-  user of the recipe while alive, so the recomputed outputs stay cached until autograd dropped its last reference.
+- :class:`Saved`: a reference to a recipe's output (or a view or cast of it, or a view of that cast). While alive it
+  wants its form of the outputs (the output or its cast), so that form stays cached from the recomputation until
+  autograd dropped the last reference wanting it.
 - :class:`Pending`: a placeholder for a non-leaf tensor saved inside a recompute operator's forward, before its
   output exists. The operator's post-hook resolves it: into a :class:`Saved` if the tensor is (a view of) one of the
   outputs, dropping the tensor, else into what the outer saved-tensor hooks packed of it.
@@ -15,7 +16,7 @@ from typing import Any
 import torch
 
 from lightning_comp.adapters.torch_internals import tensor_version
-from lightning_comp.execution.recompute.recipe import OutputCast, Recipe, View, form
+from lightning_comp.execution.recompute.recipe import OutputCast, Recipe, View
 from lightning_comp.execution.saved_hooks import OuterHooks, take_back
 
 __all__ = ["Pending", "Saved", "unpack"]
@@ -29,14 +30,15 @@ class Saved:
     def __init__(self, recipe: Recipe, stage: int, index: int, view: View | None,
                  cast: OutputCast | None = None) -> None:
         self.recipe, self.stage, self.index, self.view, self.cast = recipe, stage, index, view, cast
-        recipe.users += 1
+        recipe.want((stage, index, cast))
 
     def __del__(self) -> None:
-        self.recipe.release()
+        self.recipe.release((self.stage, self.index, self.cast))
 
     def unpack(self) -> torch.Tensor:
         """The saved tensor, recomputed."""
-        return form(self.recipe.value(self.stage, self.index), self.cast, self.view)
+        made = self.recipe.form((self.stage, self.index, self.cast))
+        return made if self.view is None else made.as_strided(*self.view)
 
 
 class Pending:
