@@ -238,3 +238,21 @@ def test_memory_never_keeps_candidates_that_amp_beats_on_both_speed_and_bytes() 
     assert policy.winner(steps, {FP32: 100.0, CANDIDATES: 60.0, AMP: 59.0}, [AMP], True) is AMP  # type: ignore[attr-defined]
     # the candidates are leaner by more than the margin: they stay, though slower (within the bound)
     assert policy.winner(steps, {FP32: 100.0, CANDIDATES: 40.0, AMP: 59.0}, [AMP], True) is None  # type: ignore[attr-defined]
+
+
+def test_a_bound_the_rounds_cannot_tell_does_not_drop_the_candidates_for_fp32_surely_past_it() -> None:
+    # the default example's balanced search (compare, seed 0): the candidates at x0.68 [0.64, 0.73] of FP32's step,
+    # the pace the compute-only plan at x0.64, so the 1.05x bound was undecided for them; they were dropped for FP32
+    # (x1.0: past the bound beyond doubt, and 1.9x AMP's saved bytes)
+    wiggle = [0.93, 1.07, 0.95, 1.05, 0.97, 1.03]
+    rounds = {FP32: [270.5] * 6, COMPUTE: [173.2] * 6, AMP: [182.8] * 6, CANDIDATES: [182.0 * w for w in wiggle]}
+    steps = StepComparison(rounds)
+    for policy in (_policy("balanced"), _policy("memory", max_slowdown_vs_fastest=1.05)):
+        policy.set_pace(steps.pace())  # type: ignore[attr-defined]
+        assert policy.bound_holds(steps, CANDIDATES) is Verdict.UNDECIDED  # type: ignore[attr-defined]
+        assert policy.candidates_pay(steps) is Verdict.BELOW  # type: ignore[attr-defined]
+    # where FP32 itself is within the bound (bf16 does not pay), an undecided bound still decides nothing
+    slow_low = StepComparison({FP32: [100.0] * 6, AMP: [104.0] * 6, CANDIDATES: [98.0 * w for w in wiggle]})
+    policy = _policy("balanced")
+    policy.set_pace(slow_low.pace())  # type: ignore[attr-defined]
+    assert policy.candidates_pay(slow_low) is not Verdict.BELOW  # type: ignore[attr-defined]
