@@ -49,6 +49,7 @@ from lightning_comp.execution.compiled_regions import compiling, enter_autocast,
 from lightning_comp.execution.float8_calls import Float8Calls
 from lightning_comp.execution.recompute import Recomputer
 from lightning_comp.execution.saved_tensors import SavedTensorCompressor
+from lightning_comp.execution.upcast_saving import UpcastSaver
 from lightning_comp.execution.weight_casts import WeightCastRecorder
 from lightning_comp.numerics.precision import ComputePrecision, SavedPrecision
 from lightning_comp.operators.kinds import OperatorKind, is_recurrent, weight_reading
@@ -107,12 +108,14 @@ class StepState:
         device: the device the hooks were built for (for error notes).
         regions: how many ``FUNCTIONAL`` operators' autocast regions are open now (child operators shield their own
             call from them).
+        upcasts: where post-hooks note the FP32 copies they make of low outputs (``None``: nowhere).
     """
 
     tracer: ConsumerTracer | None = None
     chained: frozenset[str] = frozenset()
     device: torch.device | None = field(default=None)
     regions: int = 0
+    upcasts: UpcastSaver | None = None
 
 
 def make_hooks(op: HookedOperator, state: StepState, casts: WeightCastRecorder,
@@ -250,7 +253,10 @@ def _post_hook(op: HookedOperator, state: StepState) -> PostHook:
             if tracer is not None and not tracer.had_effect(op, output):
                 tracer.ineffective.add(op.name)
             if op.name not in state.chained:
+                low_output = output
                 output = cast_floating(output, torch.float32, LOW_DTYPES)
+                if state.upcasts is not None:
+                    state.upcasts.note(low_output, output)
         if tracer is not None:
             tracer.exit(op, output)
         return output

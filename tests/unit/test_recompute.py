@@ -501,7 +501,8 @@ def test_plans_without_recompute_run_without_its_hooks() -> None:
     ex = PlanExecutor()
     ex.apply(model, PrecisionPlan.from_dict({"*": "bf16", "2": {"compute": "bf16", "saved": "fp8"}}))
     with ex.step(StepKind.TRAIN):
-        assert top_saved_tensors_hooks() is None  # no step-wide hooks
+        top = top_saved_tensors_hooks()  # the only step-wide hooks: those storing FP32 copies as their bf16 sources
+        assert top is not None and top[0].__qualname__.startswith("UpcastSaver.")
         model(torch.randn(4, 16)).sum().backward()
     assert ex.saved_tensors._defers is None  # compressing operators consult nothing
     hooked = {m: (m._forward_pre_hooks, m._forward_hooks) for m in model}

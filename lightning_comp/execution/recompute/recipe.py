@@ -158,10 +158,13 @@ def _make(outs: Outputs, key: FormKey) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class Held:
-    """An input kept by reference (it shares storage with whoever else keeps it), and its version then."""
+    """An input kept by reference (it shares storage with whoever else keeps it), and its version then; with
+    ``dtype``, the input is an FP32 copy of ``tensor`` (a lowered output a post-hook cast up), which keeping
+    ``tensor`` and casting it again reproduces exactly (:mod:`~lightning_comp.execution.upcast_saving`)."""
 
     tensor: torch.Tensor
     version: int
+    dtype: torch.dtype | None = None
 
 
 @dataclass(frozen=True)
@@ -272,7 +275,7 @@ class Recipe:
                     f" its output can no longer be recomputed. {KEEP_AS_COMPUTED}, or do not modify that tensor in"
                     " place before backward."
                 )
-            return item.tensor
+            return item.tensor if item.dtype is None else item.tensor.to(item.dtype)
 
         return (apply_to_collection(self.args, (Held, Derived), get),
                 apply_to_collection(self.kwargs, (Held, Derived), get))

@@ -71,6 +71,7 @@ class _StepState(Protocol):
     chained: frozenset[str]
     regions: int
     device: torch.device | None
+    upcasts: Any  # an UpcastSaver, or None
 
 
 @dataclass(frozen=True)
@@ -203,7 +204,13 @@ class Recomputer:
 
     def _held(self, tensor: torch.Tensor) -> Held | Derived:
         found = self._recorded.find(tensor)
-        return Held(tensor, tensor_version(tensor)) if found is None else Derived(*found)
+        if found is not None:
+            return Derived(*found)
+        upcasts = self._state.upcasts
+        low = None if upcasts is None else upcasts.source(tensor)
+        if low is not None:  # an FP32 copy of a lowered output: its source, cast again, is the same input
+            return Held(low, tensor_version(low), tensor.dtype)
+        return Held(tensor, tensor_version(tensor))
 
     # -------------------------------------------------------------------------------------------------- hooks
     def wrap(self, op: RecomputedOperator, pre_hook: Hook, post_hook: Hook) -> tuple[Hook, Hook]:
