@@ -156,8 +156,11 @@ def test_batch_stage_decides_saved_precision_from_measured_bytes(tmp_path: Path)
         full = entry["bytes"]["fp32"]
         assert full > 0 and entry["bytes"]["fp8"] <= full // 2 + 64, (name, computed, entry)
         # its saved input is the ReLU's output, which the ReLU saves too and may recompute: recomputed, the recipe
-        # replaces every form of it; not, the ReLU keeps it as computed. The fp8 copy frees nothing either way
-        assert entry["decision"] == "fp32" and "may recompute it" in entry["reason"], (name, entry)
+        # replaces every form of it; not, the ReLU keeps it as computed. The fp8 copy frees nothing either way, and
+        # says so where its time did not refuse it first (a load spike can: "x2.20 [1.71, 1967.91] ... undecided in
+        # time" in one suite run; the sharing rule itself is unit-tested in test_decisions.py)
+        assert entry["decision"] == "fp32", (name, entry)
+        assert "may recompute it" in entry["reason"] or "in time" in entry["reason"], (name, entry)
     for name in ("a1", "a2", "a3", "a4"):  # the cheap ones recompute (precisions saved "auto"), judged together
         entry = record["operators"][name]["saved"]
         assert entry["decision"] == "recompute" and entry["bytes"]["recompute"] < entry["bytes"]["fp32"], entry
