@@ -56,8 +56,8 @@ class UpcastSaver:
         self._active = False
 
     def __getstate__(self) -> dict[str, Any]:
-        # ddp_spawn pickles the plugin: the step's tensors belong to this process
-        return {"_active": False}
+        # ddp_spawn pickles the plugin: the step's tensors belong to this process, nothing travels
+        return {}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__()  # type: ignore[misc]

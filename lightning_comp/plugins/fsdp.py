@@ -42,8 +42,8 @@ class CoMPFSDPPrecision(CoMPPrecision, FSDPPrecision):  # type: ignore[misc]  # 
         scaler: a ``ShardedGradScaler`` for FP16 plans instead of a default one.
         min_saved_bytes: as :class:`~lightning_comp.CoMPPrecision`.
         update_path: as :class:`~lightning_comp.CoMPPrecision`.
-        release_gradients_after_step: as :class:`~lightning_comp.CoMPPrecision` (FSDP1's flat parameters' gradient
-            shards are released).
+        release_gradients_after_step: as :class:`~lightning_comp.CoMPPrecision` (the parameters the optimizer
+            steps, FSDP1's flat ones or FSDP2's sharded ones, get ``None`` as their ``zero_grad`` would give them).
     """
 
     def __init__(self, plan: PlanLike = None, *, allow_slow_fp16: bool = False,
