@@ -256,3 +256,24 @@ def test_a_bound_the_rounds_cannot_tell_does_not_drop_the_candidates_for_fp32_su
     policy = _policy("balanced")
     policy.set_pace(slow_low.pace())  # type: ignore[attr-defined]
     assert policy.candidates_pay(slow_low) is not Verdict.BELOW  # type: ignore[attr-defined]
+
+
+def test_with_levers_balanced_builds_on_a_plan_as_fast_and_leaner_than_the_candidates() -> None:
+    # the cnn seed-0 compare at b47979b: the candidates (125.3 ms, 77.8 MiB saved) and AMP's plan (125.5 ms, 73.8 MiB)
+    # tie on time; by score alone (no doubt-free win) the candidates stayed, the levers had 2.4 ms of room and ended
+    # 1.02x AMP's step bytes at x1.04 of its step: worse than AMP's plan on both
+    steps = _steps({FP32: 226.4, CANDIDATES: 125.3, AMP: 125.5, COMPUTE: 171.4, AUTOCAST: 123.2})
+    saved = {FP32: 133.6, CANDIDATES: 77.8, AMP: 73.8, COMPUTE: 143.8, AUTOCAST: 74.3}
+    levers = _policy("balanced", levers=True)
+    assert levers.spends_levers  # type: ignore[attr-defined]
+    levers.set_pace(steps.pace())  # type: ignore[attr-defined]
+    assert levers.winner(steps, saved, [AMP, COMPUTE], True) is AMP  # type: ignore[attr-defined]
+    # where the candidates are the leaner of the two, they stay
+    assert levers.winner(steps, {**saved, CANDIDATES: 70.0}, [AMP, COMPUTE], True) is None  # type: ignore[attr-defined]
+    # a plan past the bound is no base, however lean (the compute-only plan at x1.39 of the pace)
+    assert levers.winner(steps, {**saved, COMPUTE: 10.0}, [COMPUTE], True) is None  # type: ignore[attr-defined]
+    # without levers the score rule keeps the candidates: AMP's plan is not better beyond doubt by the margin
+    plain = _policy("balanced")
+    assert not plain.spends_levers  # type: ignore[attr-defined]
+    plain.set_pace(steps.pace())  # type: ignore[attr-defined]
+    assert plain.winner(steps, saved, [AMP, COMPUTE], True) is None  # type: ignore[attr-defined]

@@ -23,18 +23,17 @@ balanced       the geometric mean of its time and memory ratios to FP32 (the *ba
                within ``max_slowdown_vs_fastest``
 =============  ===========================================================================================
 
-Where the memory objective spends memory levers on its plan (a ``saved``, ``state`` or ``master`` dimension is
-searched), the whole-step plan it builds on is chosen for what it will end at once the levers are spent, not for its
-own bytes alone: the levers buy bytes with the time left under the bound, so a faster plan is worth the bytes that
-time buys. :func:`_base_for_the_levers` prices that time at the incumbent's (the candidates') own saved bytes per
-millisecond of its step, a plan's *cost* being its saved bytes plus the incumbent's times its step relative to the
-incumbent's (by the median of their paired rounds): a plan displaces the candidates where it costs less and is not
-slower than them by more than the margin. Bytes are exact and only the time is noisy, and it is weighed by the
-bytes it buys: on the default example the compute-only plan keeps 21 MiB more than the candidates and would have
-to be x0.79 of their step to displace them, where the rule before (the leanest of the plans the fastest does not
-beat by the margin) took it at x0.93 in one of four runs and ended 22 MiB fatter. A base chosen as the leanest within
-the bound (the rule before that) left the levers little time: all-low's plan (x1.10-1.19 of the pace) left them
-14 ms where the candidates' left 43 ms.
+Where the memory or balanced objective spends memory levers on its plan (a ``saved``, ``state`` or ``master`` dimension
+is searched), the whole-step plan it builds on is chosen for what it will end at once the levers are spent, not for its
+own bytes alone: the levers buy bytes with the time left under the bound, so a faster plan is worth the bytes that time
+buys. :func:`_base_for_the_levers` prices that time at the incumbent's (the candidates') own saved bytes per millisecond
+of its step, a plan's *cost* being its saved bytes plus the incumbent's times its step relative to the incumbent's (by
+the median of their paired rounds): a plan displaces the candidates where it costs less and is not slower than them by
+more than the margin. Bytes are exact and only the time is noisy, and it is weighed by the bytes it buys: on the default
+example the compute-only plan keeps 21 MiB more than the candidates and would have to be x0.79 of their step to displace
+them, where the rule before (the leanest of the plans the fastest does not beat by the margin) took it at x0.93 in one
+of four runs and ended 22 MiB fatter. A base chosen as the leanest within the bound (the rule before that) left the
+levers little time: all-low's plan (x1.10-1.19 of the pace) left them 14 ms where the candidates' left 43 ms.
 """
 
 from __future__ import annotations
@@ -135,6 +134,24 @@ class ObjectivePolicy(ABC):
                 and steps.faster(plan, FP32, self.config.measurement.speed_margin) is Verdict.BELOW):
             return Verdict.BELOW
         return verdict
+
+    @property
+    def spends_levers(self) -> bool:
+        """Whether memory levers (saved precisions, recompute, optimizer state, masters) are spent on the plan
+        :meth:`winner` chooses: then the memory and balanced objectives choose it for room (see the module
+        docstring)."""
+        return self.weighs_memory and any(
+            self.config.tried(dimension) for dimension in (Dimension.SAVED, Dimension.STATE, Dimension.MASTER))
+
+    def base_for_the_levers(self, steps: StepComparison, saved: dict[ComparedPlan, float],
+                            labels: list[ComparedPlan], have_candidates: bool) -> ComparedPlan | None:
+        """Where levers are spent, the plan (of those not past the bound beyond doubt; of all where every one is)
+        that should end leanest once they are (:func:`_base_for_the_levers`; ``None``: the candidates, or FP32)."""
+        kept = [plan for plan in labels if self.bound_holds(steps, plan) is not Verdict.ABOVE]
+        candidates_kept = have_candidates and self.candidates_pay(steps) is not Verdict.ABOVE
+        if kept or candidates_kept:
+            labels, have_candidates = kept, candidates_kept
+        return _base_for_the_levers(steps, saved, labels, have_candidates, self.config.measurement.speed_margin)
 
     @property
     def saved_options(self) -> tuple[SavedPrecision, ...]:
@@ -240,12 +257,6 @@ class MemoryPolicy(ObjectivePolicy):
         verdict = self.bound_against_fp32(steps, CANDIDATES)
         return Verdict.BELOW if self.spends_levers and verdict is Verdict.UNDECIDED else verdict
 
-    @property
-    def spends_levers(self) -> bool:
-        """Whether memory levers (saved precisions, recompute, optimizer state, masters) are spent on the plan
-        :meth:`winner` chooses: then it chooses for room (see the module docstring)."""
-        return any(self.config.tried(dimension) for dimension in (Dimension.SAVED, Dimension.STATE, Dimension.MASTER))
-
     def winner(self, steps: StepComparison, saved: dict[ComparedPlan, float], labels: list[ComparedPlan],
                have_candidates: bool) -> ComparedPlan | None:
         """Where levers are spent (:attr:`spends_levers`), the plan (not past the bound beyond doubt) that should end
@@ -258,12 +269,7 @@ class MemoryPolicy(ObjectivePolicy):
         displace one that saves half the bytes). So the plan is never both slower and fatter than AMP's."""
         margin = self.config.measurement.speed_margin
         if self.spends_levers:
-            # of the plans not past the bound beyond doubt (all of them where every one is)
-            kept = [plan for plan in labels if self.bound_holds(steps, plan) is not Verdict.ABOVE]
-            candidates_kept = have_candidates and self.candidates_pay(steps) is not Verdict.ABOVE
-            if kept or candidates_kept:
-                labels, have_candidates = kept, candidates_kept
-            return _base_for_the_levers(steps, saved, labels, have_candidates, margin)
+            return self.base_for_the_levers(steps, saved, labels, have_candidates)
         within = [plan for plan in ([CANDIDATES] if have_candidates else []) + labels
                   if steps.within(plan, self.pace, self.slowdown) is Verdict.BELOW]
         if within:
@@ -310,6 +316,18 @@ class BalancedPolicy(ObjectivePolicy):
 
     def winner(self, steps: StepComparison, saved: dict[ComparedPlan, float], labels: list[ComparedPlan],
                have_candidates: bool) -> ComparedPlan | None:
+        """Where levers are spent (:attr:`spends_levers`), the plan that should end best once they are
+        (:meth:`base_for_the_levers`): the levers take bytes only while each frees a larger share of the step's bytes
+        than the share of time it adds, so time and bytes trade at the incumbent's own bytes per millisecond, which
+        is the cost that rule minimises (to first order, the balanced score's product). The rule without levers
+        (below) keeps the candidates unless an alternative's score beats theirs beyond doubt: on cnn the candidates
+        (125.3 ms, 77.8 MiB saved) and AMP's plan (125.5 ms, 73.8 MiB) tied on time, the candidates stayed, and the
+        levers (2.4 ms of room) ended 1.02x AMP's step bytes at x1.04 of its step: worse than AMP's plan on both.
+
+        Otherwise an alternative whose balanced score at its worst beats the incumbent's at its best by the margin,
+        within the bound."""
+        if self.spends_levers:
+            return self.base_for_the_levers(steps, saved, labels, have_candidates)
         incumbent = CANDIDATES if have_candidates else FP32
 
         def score(label: ComparedPlan, end: str = "ratio") -> float:
