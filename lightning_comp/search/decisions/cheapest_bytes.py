@@ -23,6 +23,7 @@ import math
 from dataclasses import dataclass, field
 
 from lightning_comp.search.candidates import Candidate
+from lightning_comp.search.decisions.codec_costs import CodecCost
 from lightning_comp.search.decisions.update_costs import UpdateCost
 from lightning_comp.search.measurement.process_memory import StepPeak
 
@@ -146,6 +147,8 @@ class MemorySpending:
         update_costs: update variant (``"8bit"``, ``"bf16"``, ``"master"``) -> what it adds to an update, fitted
             over every operator (:mod:`~lightning_comp.search.decisions.update_costs`): the state and master levers'
             prices.
+        codec_costs: saved codec (``"bf16"``, ``"fp8"``) -> what it adds to a step, fitted over every operator
+            (:mod:`~lightning_comp.search.decisions.codec_costs`): the codec levers' prices.
     """
 
     start_bytes: float
@@ -166,6 +169,7 @@ class MemorySpending:
     process_limit_bytes: float | None = None
     process_reference: str | None = None
     update_costs: dict[str, UpdateCost] = field(default_factory=dict)
+    codec_costs: dict[str, CodecCost] = field(default_factory=dict)
 
 
 def take_cheapest(levers: list[Lever], step_bytes: float, step_ms: float, max_ms: float,

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["UpdateCost", "UpdateSample", "fit_update_cost"]
+__all__ = ["UpdateCost", "UpdateSample", "fit_two_terms", "fit_update_cost"]
 
 MIN_SAMPLES = 3  # operators measured: fewer, and each is priced by its own measurement
 
@@ -59,28 +59,31 @@ class UpdateCost:
 
 def fit_update_cost(samples: Sequence[UpdateSample]) -> UpdateCost | None:
     """The non-negative least-squares fit of ``extra_ms`` on tensors and elements (``None``: fewer than
-    :data:`MIN_SAMPLES` operators, too few to spread one's noise over the others).
-
-    Where the unconstrained fit gives a coefficient below zero, that term is dropped and the other refitted alone
-    (through the origin); where both would be, the variant adds nothing measurable.
-    """
+    :data:`MIN_SAMPLES` operators, too few to spread one's noise over the others; :func:`fit_two_terms`)."""
     if len(samples) < MIN_SAMPLES:
         return None
-    t = [float(s.tensors) for s in samples]
-    e = [float(s.elements) for s in samples]
-    y = [s.extra_ms for s in samples]
+    a, b = fit_two_terms([float(s.tensors) for s in samples], [float(s.elements) for s in samples],
+                         [s.extra_ms for s in samples])
+    return UpdateCost(a, b, len(samples))
+
+
+def fit_two_terms(x1: Sequence[float], x2: Sequence[float], y: Sequence[float]) -> tuple[float, float]:
+    """The non-negative least-squares fit ``y ~ a * x1 + b * x2`` (no intercept): ``(a, b)``.
+
+    Where the unconstrained fit gives a coefficient below zero, that term is dropped and the other refitted alone
+    (through the origin); where both would be, ``(0, 0)``: the samples add nothing measurable."""
+    t, e = list(x1), list(x2)
     stt, see, ste = _dot(t, t), _dot(e, e), _dot(t, e)
     sty, sey = _dot(t, y), _dot(e, y)
     det = stt * see - ste * ste
     if det > 1e-12 * stt * see:
         a, b = (sty * see - sey * ste) / det, (sey * stt - sty * ste) / det
         if a >= 0 and b >= 0:
-            return UpdateCost(a, b, len(samples))
+            return a, b
     # one term alone: the better of the two single-term fits that stays non-negative
     fits = [(max(sty / stt, 0.0), 0.0), (0.0, max(sey / see, 0.0))] if stt > 0 and see > 0 else [(0.0, 0.0)]
-    a, b = min(fits, key=lambda ab: sum((yi - ab[0] * ti - ab[1] * ei) ** 2 for ti, ei, yi in zip(t, e, y)))
-    return UpdateCost(a, b, len(samples))
+    return min(fits, key=lambda ab: sum((yi - ab[0] * ti - ab[1] * ei) ** 2 for ti, ei, yi in zip(t, e, y)))
 
 
-def _dot(a: list[float], b: list[float]) -> float:
+def _dot(a: Sequence[float], b: Sequence[float]) -> float:
     return sum(x * y for x, y in zip(a, b))

@@ -50,6 +50,9 @@ def spending_record(batch: BatchStageResult | None) -> dict[str, Any] | None:
         "update_costs": {variant: {"per_tensor_ms": round(cost.per_tensor_ms, 5),
                                    "per_million_elements_ms": round(cost.per_element_ms * 1e6, 4),
                                    "operators": cost.samples} for variant, cost in spending.update_costs.items()},
+        "codec_costs": {codec: {"per_operator_ms": round(cost.per_operator_ms, 5),
+                                "per_mib_ms": round(cost.per_byte_ms * MiB, 4),
+                                "operators": cost.samples} for codec, cost in spending.codec_costs.items()},
         "frontier": [{"lever": p.lever or None, "value": p.value or None, "step_mib": _mib(p.step_bytes),
                       "step_ms": round(p.step_ms, 4), "mib_per_ms": _finite(p.bytes_per_ms / MiB),
                       "forced": math.isnan(p.bytes_per_ms), "past_bound": p.past_bound}

@@ -276,6 +276,11 @@ def _spending_section(spending: dict[str, Any] | None) -> list[str]:
         lines.append("State and master levers priced by the update's cost model over every operator: " + ", ".join(
             f"{variant} +{1000 * cost['per_tensor_ms']:.0f} us per tensor + {cost['per_million_elements_ms']:.3f} ms"
             f" per million elements ({cost['operators']} operators)" for variant, cost in costs.items()) + ".")
+    codecs = spending.get("codec_costs") or {}
+    if codecs:
+        lines.append("Saved codecs priced by their cost model over every operator: " + ", ".join(
+            f"{codec} +{1000 * cost['per_operator_ms']:.0f} us per operator + {cost['per_mib_ms']:.3f} ms per MiB"
+            f" saved as computed ({cost['operators']} operators)" for codec, cost in codecs.items()) + ".")
     peaks = spending.get("process_peaks") or {}
     if peaks:
         lines.append("The process's peak over one step (MiB: live heap / OS, or CUDA reserved / allocated): "

@@ -2,27 +2,31 @@
 :class:`~lightning_comp.search.decisions.cheapest_bytes.Lever` of mutually exclusive options (bytes freed, time
 added), with what each option writes into the plan (:class:`LeverChange`).
 
-:class:`LeverBuilder` reads the operators' decisions: an operator's (or recompute unit's) saved precisions, priced
-over every operator it timed at the precision each computes in under the base plan; an operator's optimizer-state
-formats, and its bf16 master where it computes in bf16, priced by the update's cost model fitted over every
-operator's timings (:mod:`lightning_comp.search.decisions.update_costs`). Levers of operators playing
-the same part in repeated blocks are pooled into one (their bytes and times summed), as their compute precision is
-decided. A recompute unit and the codec lever of the operators that consume its output (and save it for backward)
-are one lever of exclusive options (:meth:`LeverBuilder._with_consumers`): recomputed, the unit's output is stored
-as a recipe wherever it is saved, so the consumers' compressed copy would free nothing more (two levers would count
-those bytes twice, and the codec's time, which is then never spent).
+:class:`LeverBuilder` reads the operators' decisions: an operator's (or recompute unit's) saved precisions, priced over
+every operator it timed at the precision each computes in under the base plan; an operator's optimizer-state formats,
+and its bf16 master where it computes in bf16, priced by the update's cost model fitted over every operator's timings
+(:mod:`lightning_comp.search.decisions.update_costs`). A saved codec (bf16, fp8) is priced by a model of the same kind,
+fitted per codec over every operator (or group) whose codec was timed
+(:mod:`lightning_comp.search.decisions.codec_costs`), so operators saving tensors of one size get one price. Levers of
+operators playing the same part in repeated blocks are pooled into one (their bytes and times summed), as their compute
+precision is decided. A recompute unit and the codec lever of the operators that consume its output (and save it for
+backward) are one lever of exclusive options (:meth:`LeverBuilder._with_consumers`): recomputed, the unit's output is
+stored as a recipe wherever it is saved, so the consumers' compressed copy would free nothing more (two levers would
+count those bytes twice, and the codec's time, which is then never spent).
 :mod:`lightning_comp.search.stages.memory_stage` ranks and takes them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from lightning_comp.numerics.precision import ComputePrecision, MasterPrecision, StatePrecision
+from lightning_comp.numerics.precision import ComputePrecision, MasterPrecision, SavedPrecision, StatePrecision
 from lightning_comp.plan.dimensions import Dimension
 from lightning_comp.plan.plan import PrecisionPlan
 from lightning_comp.search.decisions.cheapest_bytes import Lever, LeverOption
+from lightning_comp.search.decisions.codec_costs import CodecCost, CodecSample, fit_codec_cost
 from lightning_comp.search.decisions.groups import group_operators
 from lightning_comp.search.decisions.operators import OperatorDecision
 from lightning_comp.search.decisions.update_costs import UpdateCost, UpdateSample, fit_update_cost
@@ -50,12 +54,14 @@ class LeverBuilder:
         self.ctx = ctx
         self.config = ctx.config
         self.update_costs: dict[UpdateVariant, UpdateCost] = {}  # what each update variant adds, fitted in build()
+        self.codec_costs: dict[SavedPrecision, CodecCost] = {}  # what each saved codec adds, fitted in build()
 
     def build(self, base: PrecisionPlan, decisions: dict[str, OperatorDecision],
               ) -> tuple[list[Lever], dict[str, dict[str, LeverChange]]]:
         """Every lever measured: its options, and per option what it writes into the plan."""
         keep = 1 - self.config.measurement.speed_margin
         self.update_costs = _fitted_update_costs(decisions)
+        self.codec_costs = _fitted_codec_costs(decisions, lambda timed: self._timed_ms(timed, decisions, base))
         levers: list[Lever] = []
         changes: dict[str, dict[str, LeverChange]] = {}
         firsts: dict[str, str] = {}  # lever label -> the first operator it changes
@@ -69,14 +75,17 @@ class LeverBuilder:
                     seen.add(members)
                     # the ratio is of every operator it timed: a recompute unit's consumers run its recomputation
                     timed = entry.timed or members
-                    base_ms = sum(_compute_ms(m, decisions[m], base, self.ctx) for m in timed if m in decisions)
+                    base_ms = self._timed_ms(timed, decisions, base)
                     own = float(entry.bytes.get("fp32", 0))
                     options, writes = [], {}
                     for value, (median, _, _) in entry.time_ratios.items():
                         nbytes = float(entry.bytes.get(value, own))
                         if own <= 0 or nbytes > own * keep:
                             continue  # saves too little
-                        options.append(LeverOption(value, own - nbytes, base_ms * max(median - 1.0, 0.0)))
+                        model = self.codec_costs.get(SavedPrecision(value))
+                        extra_ms = (model.extra_ms(len(timed), int(own)) if model is not None
+                                    else base_ms * max(median - 1.0, 0.0))
+                        options.append(LeverOption(value, own - nbytes, max(extra_ms, 0.0)))
                         writes[value] = LeverChange({m: {Dimension.SAVED: value} for m in members})
                     if options:
                         label = f"saved:{_shown(members)}"
@@ -94,6 +103,11 @@ class LeverBuilder:
                     changes[lever.label] = writes
                     firsts[lever.label] = name
         return self._with_consumers(*self._pooled(levers, changes, firsts), consumers)
+
+    def _timed_ms(self, timed: tuple[str, ...], decisions: dict[str, OperatorDecision], base: PrecisionPlan) -> float:
+        """The forward and backward (ms) of the operators ``timed`` at the precisions they compute in under ``base``:
+        what a saved precision's time ratio is of."""
+        return sum(_compute_ms(m, decisions[m], base, self.ctx) for m in timed if m in decisions)
 
     def _pooled(self, levers: list[Lever], changes: dict[str, dict[str, LeverChange]], firsts: dict[str, str],
                 ) -> tuple[list[Lever], dict[str, dict[str, LeverChange]]]:
@@ -209,6 +223,29 @@ def _fitted_update_costs(decisions: dict[str, OperatorDecision]) -> dict[UpdateV
             samples.setdefault(variant, []).append(UpdateSample(params.tensors, params.params, fp32_ms * (ratio - 1)))
     fitted = {variant: fit_update_cost(measured) for variant, measured in samples.items()}
     return {variant: model for variant, model in fitted.items() if model is not None}
+
+
+def _fitted_codec_costs(decisions: dict[str, OperatorDecision],
+                        timed_ms: Callable[[tuple[str, ...]], float]) -> dict[SavedPrecision, CodecCost]:
+    """Per saved codec (bf16, fp8), what it adds to a step (:mod:`~lightning_comp.search.decisions.codec_costs`),
+    fitted over every operator or sharing group whose codec was timed and frees bytes (a codec timed on too few is
+    left out: each is priced by its own rounds)."""
+    samples: dict[SavedPrecision, list[CodecSample]] = {}
+    seen: set[tuple[str, ...]] = set()
+    for name, decision in decisions.items():
+        entry = decision.saved
+        if entry is None or not entry.time_ratios or (entry.group or (name,)) in seen:
+            continue
+        members = entry.group or (name,)
+        seen.add(members)
+        own = entry.bytes.get(SavedPrecision.FP32.value, 0)
+        timed = entry.timed or members
+        for value, (median, *_) in entry.time_ratios.items():
+            codec = SavedPrecision(value)
+            if codec.compresses and 0 < entry.bytes.get(value, own) < own:
+                samples.setdefault(codec, []).append(CodecSample(len(timed), own, timed_ms(timed) * (median - 1)))
+    fitted = {codec: fit_codec_cost(measured) for codec, measured in samples.items()}
+    return {codec: model for codec, model in fitted.items() if model is not None}
 
 
 def _option(lever: Lever, value: str) -> LeverOption:

@@ -111,7 +111,8 @@ class CheapestBytesStage:
                                   amp_step_bytes=amp_bytes, selection=selection,
                                   levers={label: _candidates(change) for label, change in changes.items()},
                                   options={lever.label: list(lever.options) for lever in levers},
-                                  update_costs={variant.value: cost for variant, cost in builder.update_costs.items()})
+                                  update_costs={variant.value: cost for variant, cost in builder.update_costs.items()},
+                                  codec_costs={codec.value: cost for codec, cost in builder.codec_costs.items()})
         self._spend(spending, base, changes, decisions, saved, parameters, update_ms)
         amp_plan = amp_plan if amp_bytes is not None else None  # AMP's not timed: a fraction is of the start's
         excess = measure_excess(ctx, spending, base, _with_choices(base, saved, parameters), amp_plan,
