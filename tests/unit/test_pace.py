@@ -277,3 +277,31 @@ def test_with_levers_balanced_builds_on_a_plan_as_fast_and_leaner_than_the_candi
     assert not plain.spends_levers  # type: ignore[attr-defined]
     plain.set_pace(steps.pace())  # type: ignore[attr-defined]
     assert plain.winner(steps, saved, [AMP, COMPUTE], True) is None  # type: ignore[attr-defined]
+
+
+def test_candidates_dropped_by_the_bound_say_so_not_that_fp32_ties() -> None:
+    # the message said "cannot be told apart from fp32 as a whole step" where it was the bound the rounds decided
+    from types import SimpleNamespace
+
+    from lightning_comp.numerics.precision import ComputePrecision
+    from lightning_comp.operators.kinds import OperatorKind
+    from lightning_comp.search.decisions.operators import OperatorDecision
+    from lightning_comp.search.stages.batch_stage import BatchStage
+
+    stage = BatchStage(SearchConfig(objective="memory"), ComputePrecision.BF16, None)  # type: ignore[arg-type]
+    steps = _steps({FP32: 100, CANDIDATES: 68, AMP: 50, AUTOCAST: 49})  # the candidates x1.39 of the pace
+    for objective, levers in (("memory", False), ("balanced", True)):
+        policy = _policy(objective, levers=levers)
+        policy.set_pace(steps.pace())  # type: ignore[attr-defined]
+        ctx = SimpleNamespace(policy=policy, agree=lambda value: value)
+        decisions = {"fc": OperatorDecision("Linear", OperatorKind.COMPUTE, 16)}
+        assert stage._check_candidates(ctx, steps, ["fc"], decisions) == []  # type: ignore[arg-type]
+        reason = decisions["fc"].reason
+        assert "past" in reason and "of the fastest fixed policy's step" in reason and "x0.49" in reason, reason
+    # where FP32 decides (balanced: the candidates no faster than FP32 by the margin), it says that
+    policy = _policy("balanced")
+    slow = _steps({FP32: 100, CANDIDATES: 99, AMP: 101})
+    policy.set_pace(slow.pace())  # type: ignore[attr-defined]
+    decisions = {"fc": OperatorDecision("Linear", OperatorKind.COMPUTE, 16)}
+    stage._check_candidates(SimpleNamespace(policy=policy, agree=lambda value: value), slow, ["fc"], decisions)  # type: ignore[arg-type]
+    assert "not better than fp32" in decisions["fc"].reason

@@ -433,8 +433,15 @@ class BatchStage:
         if verdict is Verdict.BELOW:
             return names
         ratio = steps.ratio(CANDIDATES, FP32).describe()
-        why = ("cannot be told apart from fp32 as a whole step" if verdict is Verdict.UNDECIDED
-               else "candidate plan as a whole not better than fp32")
+        policy = ctx.policy
+        bound = policy.bound_against_fp32(steps, CANDIDATES) if policy.weighs_memory else Verdict.BELOW
+        if bound is not Verdict.BELOW:  # the slowdown bound decided (or could not), not the comparison with fp32
+            within = "cannot be told within" if bound is Verdict.UNDECIDED else "past"
+            why = (f"candidate plan as a whole {within} {policy.slowdown:g}x of the fastest fixed policy's step"
+                   f" ({policy.pace.describe(self.low)})")
+        else:
+            why = ("cannot be told apart from fp32 as a whole step" if verdict is Verdict.UNDECIDED
+                   else "candidate plan as a whole not better than fp32")
         for name in names:
             decisions[name].keep_fp32(f"{why} (step time {ratio})")
         return [n for n in names if decisions[n].forced]
