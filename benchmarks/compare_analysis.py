@@ -32,13 +32,14 @@ TARGET_PER_MODEL_VS_FP32 = 1.0
 TARGET_VS_BF16_TRUE = 0.95
 TARGET_MEMORY_VS_AMP = 0.8
 MEMORY_TARGET_MODELS = ("cnn", "gpt")
+AXIS_TARGET_MODELS = ("cnn", "gpt", "litgpt")  # the memory and balanced objectives' targets (issue 34)
 TARGET_SEARCH_SHARE = 0.10
 TARGET_VS_BEST_FIXED = 0.98  # CoMP / the best fixed policy that converges like FP32, per model
 TARGET_TRIALLED_VS_FASTEST = 0.98  # the batch stage's trialled plan / the fastest whole-step plan it measured
 TARGET_FORECAST_GAP_PCT = 3.0  # |training CoMP/AMP over the batch stage's forecast CoMP/AMP - 1|, in %
-# The memory axis (MEMORY_TARGET_MODELS): per CoMP mode, the largest step peak tensor memory and the smallest
-# throughput relative to AMP, and whether its final val_loss must stay within the search's tolerance of FP32
-# (issue 26's targets, with optimizer state, master weights and recomputation as plan dimensions).
+# The memory axis (AXIS_TARGET_MODELS): per CoMP mode, the largest step peak tensor memory and the smallest
+# throughput relative to AMP, and whether its final val_loss must stay within the search's tolerance of FP32, or of
+# AMP where FP32 itself is noisy (AMP past that tolerance of FP32) (issue 34's targets).
 AXIS_TARGETS: dict[str, dict[str, Any]] = {
     "comp-memory": {"memory_vs_amp": 0.60, "throughput_vs_amp": 0.85, "val_within_tolerance": True},
     "comp-balanced": {"memory_vs_amp": 0.75, "throughput_vs_amp": 0.95, "val_within_tolerance": False},
@@ -260,10 +261,13 @@ def ratios_by_mode(modes: dict[str, Any], fp32_loss: float, tolerance_mode: str)
         if "throughput" not in entry:
             continue
         val = entry["final_validation"].get("val_loss", math.nan)
+        amp_loss = (amp.get("final_validation") or {}).get("val_loss", math.nan)
         r: dict[str, Any] = {
-            "val_loss_vs_fp32": (val / fp32_loss if fp32_loss else math.nan) if tolerance_mode == "relative"
-            else val - fp32_loss,
+            "val_loss_vs_fp32": _versus(val, fp32_loss, tolerance_mode),
             "converges_like_fp32": bool(entry.get("converges_like_fp32")) if math.isfinite(fp32_loss) else None,
+            # FP32 is noisy where AMP's own val_loss is past the tolerance of FP32's: then AMP's is the reference too
+            "fp32_noisy": (not amp.get("converges_like_fp32")) if "converges_like_fp32" in amp else None,
+            "val_loss_vs_amp": _versus(val, amp_loss, tolerance_mode),
         }
         if "throughput" in amp:
             r["throughput_vs_bf16-mixed"] = round_ratio(entry["throughput"], amp["throughput"])
@@ -300,9 +304,24 @@ def _axis_targets(key: str, model: dict[str, Any], tolerance: float, tolerance_m
                 ">=", key)
         if target["val_within_tolerance"] and r["converges_like_fp32"] is not None:
             relative = tolerance_mode == "relative"
-            add(f"val_loss {label}/FP32" if relative else f"val_loss {label} - FP32", r["val_loss_vs_fp32"],
-                1 + tolerance if relative else tolerance, "<=", key, note="within the search's tolerance of FP32")
+            limit = 1 + tolerance if relative else tolerance
+            versus_amp = r.get("val_loss_vs_amp", math.nan)
+            if not r["converges_like_fp32"] and r.get("fp32_noisy") and math.isfinite(versus_amp):
+                # the issue's target: within the tolerance of FP32 or, where FP32 itself is noisy, of AMP
+                add(f"val_loss {label}/AMP" if relative else f"val_loss {label} - AMP", versus_amp, limit, "<=", key,
+                    note=f"within the search's tolerance of AMP: FP32 itself is noisy here (AMP is past its tolerance"
+                         f" of FP32; {label}/FP32 {_number_text(r['val_loss_vs_fp32'])})")
+            else:
+                add(f"val_loss {label}/FP32" if relative else f"val_loss {label} - FP32", r["val_loss_vs_fp32"],
+                    limit, "<=", key, note="within the search's tolerance of FP32")
 
+
+
+def _versus(val: float, reference: float, tolerance_mode: str) -> float:
+    """``val`` against ``reference``: their ratio (``relative``) or difference (NaN where either is missing)."""
+    if tolerance_mode == "relative":
+        return val / reference if reference and math.isfinite(reference) else math.nan
+    return val - reference
 
 
 def _number_text(value: Any, spec: str = ".3f") -> str:
@@ -383,7 +402,7 @@ def evaluate_targets(models: dict[str, Any], tolerance: float, tolerance_mode: s
             add("peak tensor memory of a training step CoMP/AMP", r["memory_step_peak_vs_bf16-mixed"],
                 TARGET_MEMORY_VS_AMP, "<=", key,
                 note=f"process RSS increment ratio {r['memory_increment_vs_bf16-mixed']:.2f}")
-        if key in MEMORY_TARGET_MODELS:
+        if key in AXIS_TARGET_MODELS:
             _axis_targets(key, m, tolerance, tolerance_mode, add)
         comp = m["modes"].get("comp", {})
         fp32 = m["modes"].get("fp32", {})

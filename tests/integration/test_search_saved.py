@@ -26,6 +26,7 @@ from lightning_comp.search.config import SearchConfig
 from lightning_comp.search.decisions.objectives import policy_for
 from lightning_comp.search.measurement.clocks import single_intra_op_thread
 from lightning_comp.search.measurement.estimates import RatioEstimate
+from lightning_comp.search.record.text import format_record
 from tests.helpers.search_models import Classifier, WideMLP, loaders, search_trainer
 
 
@@ -170,6 +171,9 @@ def test_batch_stage_decides_saved_precision_from_measured_bytes(tmp_path: Path)
     assert spending["measured_ms"] is not None and spending["measured_ms"] <= spending["max_ms"]
     assert spending["given_back"] == []
     assert set(record["saved_lowered"]) <= {n for n in record["operators"]}
+    # the codecs are priced by one model over every operator that timed them (l2, l3, l4 and head: fp8)
+    assert spending["codec_costs"]["fp8"]["operators"] >= 4, spending["codec_costs"]
+    assert "Saved codecs priced by their cost model over every operator: fp8" in format_record(record)
 
 
 def test_cheap_operators_recompute_unit_by_unit_when_the_step_pays(tmp_path: Path) -> None:
