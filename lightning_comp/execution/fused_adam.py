@@ -16,7 +16,8 @@ precision and rounded once, as the eager step's Python scalars are: ``sign`` (-1
 decay, added to the gradient), ``keep`` (``1 - lr * weight_decay``, AdamW's, applied to the weights), ``beta1_rest``
 and ``beta2_rest`` (``1 - beta``), ``step_size`` (``lr / (1 - beta1^t)``), ``bias2_sqrt`` (``sqrt(1 - beta2^t)``).
 The weights are FP32 (updated in place), or a BF16 master rounded stochastically (``stochastic``, with
-:func:`~lightning_comp.numerics.stochastic_rounding.round_to_bf16_hashed`'s ``key``) or to nearest.
+:func:`~lightning_comp.numerics.stochastic_rounding.round_to_bf16_hashed`'s ``key``) or to nearest; BF16 moments are
+always rounded stochastically, from streams of the same key.
 """
 
 from __future__ import annotations
@@ -27,6 +28,10 @@ from lightning_comp.numerics.dynamic_codec import decode, encode
 from lightning_comp.numerics.stochastic_rounding import round_to_bf16_hashed
 
 __all__ = ["HYPER_PARAMETERS", "step_8bit_moments", "step_bf16_moments", "step_fp32_moments"]
+
+# offsets of the BF16 moments' rounding streams from the weights' key (the hash's input is the key plus the element's
+# index: odd offsets far apart, so that the three streams do not overlap for any tensor under 2**29 elements)
+_EXP_AVG_STREAM, _EXP_AVG_SQ_STREAM = 0x5BD1E995, 0x9E3779B1
 
 HYPER_PARAMETERS = ("sign", "l2", "keep", "beta1_rest", "beta2", "beta2_rest", "step_size", "bias2_sqrt", "eps")
 """The values of the ``hyper`` tensor every step function takes, in order."""
@@ -63,10 +68,11 @@ def step_fp32_moments(p: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor
 
 def step_bf16_moments(p: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                       hyper: torch.Tensor, stochastic: bool, key: int) -> None:
-    """One step of ``p`` whose moments are BF16 tensors of its shape (read in FP32, written rounded to nearest)."""
+    """One step of ``p`` whose moments are BF16 tensors of its shape (read in FP32, written rounded stochastically,
+    each from its own stream of ``key``'s hash: :mod:`lightning_comp.execution.adam_step` says why not to nearest)."""
     w, m, v = _adam(p.float(), grad.float(), exp_avg.float(), exp_avg_sq.float(), hyper)
-    exp_avg.copy_(m)
-    exp_avg_sq.copy_(v)
+    exp_avg.copy_(round_to_bf16_hashed(m, key + _EXP_AVG_STREAM))
+    exp_avg_sq.copy_(round_to_bf16_hashed(v, key + _EXP_AVG_SQ_STREAM))
     _store_weights(p, w, stochastic, key)
 
 

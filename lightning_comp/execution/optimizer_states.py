@@ -3,7 +3,9 @@
 A plan's ``state`` and ``master`` entries (:class:`~lightning_comp.PrecisionPlan`) apply to the parameters each
 operator owns (:mod:`lightning_comp.execution.parameter_groups`):
 
-- ``state="bf16"`` keeps Adam's two moments in bfloat16 (4 bytes per parameter instead of 8); ``state="8bit"``
+- ``state="bf16"`` keeps Adam's two moments in bfloat16 (4 bytes per parameter instead of 8), rounded
+  stochastically at every write (rounded to nearest, the second moment stops decaying:
+  :mod:`lightning_comp.execution.adam_step`); ``state="8bit"``
   keeps them as block-quantised codes (:mod:`lightning_comp.numerics.block_quant`, about 2 bytes per parameter;
   tensors under 4096 elements stay FP32, as in torchao).
 - ``master="bf16"`` holds the parameter itself in bfloat16 (2 bytes instead of 4, and its gradient too) with no FP32
@@ -308,4 +310,7 @@ class OptimizerStates:
         stochastic = p.dtype == torch.bfloat16 and treatment.master.managed
         if self.updates.step(p, grad, state, settings, treatment.state, stochastic, self._names[id(p)]):
             return
-        adam_step(p, grad, state, settings, treatment.state, self._generator(p.device) if stochastic else None)
+        bf16_moments = treatment.state is StatePrecision.BF16
+        generator = self._generator(p.device) if stochastic or bf16_moments else None
+        adam_step(p, grad, state, settings, treatment.state, generator if stochastic else None,
+                  generator if bf16_moments else None)

@@ -168,8 +168,8 @@ class CompiledUpdates:
         if not self._on or settings.amsgrad or not self._covers(p, grad, state, precision):
             return False
         if self.path is UpdatePath.AUTO and p.device.type == "cpu" and not stochastic \
-                and precision is not StatePrecision.INT8:
-            return False  # FP32 or BF16 moments alone: the eager step is as fast on a CPU (module docstring)
+                and precision is StatePrecision.FP32:
+            return False  # FP32 moments alone: the eager step is as fast on a CPU (module docstring)
         state["step"] += 1
         t = float(state["step"])  # a CPU tensor, as torch.optim.Adam keeps it: no device sync
         beta1, beta2 = settings.betas

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import inspect
 import io
+import math
 
 import pytest
 import torch
@@ -285,3 +286,59 @@ def test_states_survive_a_deep_copy() -> None:
     index = [id(p) for p in model.parameters()].index(id(model.big.weight))
     assert copied["state"][index]["exp_avg"].dtype == torch.uint8
     assert torch.equal(copied["state"][index]["exp_avg"], opt.state[model.big.weight]["exp_avg"])
+
+
+def _second_moment(step: object, steps: int = 2000, n: int = 4096) -> float:
+    """The bias-corrected second moment's mean after ``steps`` Adam steps of unit-variance gradients, each applied by
+    ``step(p, grad, state, t)`` (the learning rate 0: only the moments move)."""
+    torch.manual_seed(0)
+    p, state = torch.zeros(n), {}
+    for t in range(1, steps + 1):
+        step(p, torch.randn(n), state, t)  # type: ignore[operator]
+    return float(state["exp_avg_sq"].float().mean()) / (1 - 0.999**steps)
+
+
+def test_bf16_moments_follow_the_squared_gradients_not_their_high_water_mark() -> None:
+    # rounded to nearest, a BF16 second moment changes only where the squared gradient is 3x it or more (beta2 =
+    # 0.999): it rises on spikes and never decays (1.30 over 3000 steps); rounded stochastically it follows FP32's
+    settings = AdamSettings(lr=0.0, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, decoupled=True)
+    generator = torch.Generator().manual_seed(0)
+
+    def eager(precision: StatePrecision, rounding: torch.Generator | None) -> object:
+        return lambda p, g, state, t: adam_step(p, g, state, settings, precision, None, rounding)
+
+    fp32 = _second_moment(eager(StatePrecision.FP32, None))
+    assert fp32 == pytest.approx(1.0, abs=0.03)
+    assert _second_moment(eager(StatePrecision.BF16, generator)) == pytest.approx(fp32, rel=0.01)
+    assert _second_moment(eager(StatePrecision.BF16, None)) > 1.15 * fp32  # what rounding to nearest did
+
+    # the compiled path's function, run as plain torch: hashed bits of its own stream per moment
+    from lightning_comp.execution.fused_adam import step_bf16_moments
+    from lightning_comp.numerics.stochastic_rounding import rounding_key
+
+    def fused(p: torch.Tensor, g: torch.Tensor, state: dict[str, torch.Tensor], t: int) -> None:
+        if not state:
+            state.update(exp_avg=torch.zeros_like(p, dtype=torch.bfloat16),
+                         exp_avg_sq=torch.zeros_like(p, dtype=torch.bfloat16))
+        hyper = torch.tensor([1.0, 0.0, 1.0, 0.1, 0.999, 0.001, 0.0, math.sqrt(1 - 0.999**t), 1e-8])
+        step_bf16_moments(p, g, state["exp_avg"], state["exp_avg_sq"], hyper, False, rounding_key(0, "w", t))
+
+    assert _second_moment(fused) == pytest.approx(fp32, rel=0.01)
+
+
+def test_the_plugin_rounds_bf16_moments_stochastically() -> None:
+    # through the manager: a plan's state="bf16" draws its moments' rounding from the checkpointed generator
+    net = nn.Sequential(nn.Linear(64, 64, bias=False))
+    weight = net[0].weight
+    opt = torch.optim.AdamW(net.parameters(), lr=0.0)
+    states = OptimizerStates("eager")
+    states.watch(opt)
+    states.assign(net, PrecisionPlan.from_dict({"0": {"state": "bf16"}}))
+    torch.manual_seed(0)
+    for _ in range(2000):
+        weight.grad = torch.randn(64, 64)
+        states.step(opt, opt.step)
+    v = opt.state[weight]["exp_avg_sq"]
+    assert v.dtype == torch.bfloat16
+    assert float(v.float().mean()) / (1 - 0.999**2000) == pytest.approx(1.0, abs=0.03)
+    assert states.rounding_state()  # the generator's state goes into the checkpoint

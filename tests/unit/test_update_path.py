@@ -86,10 +86,11 @@ def test_hashed_rounding_is_unbiased_deterministic_and_keyed() -> None:
     assert out[0].isnan() and out[1] == float("inf") and out[2] == -float("inf") and out[3] == 0.0
 
 
-def test_auto_compiles_8bit_moments_and_bf16_masters_on_a_cpu_and_leaves_bf16_moments_alone_eager(
+def test_auto_compiles_every_rounded_format_on_a_cpu_and_leaves_fp32_moments_eager(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """On a CPU the compiled step measured faster than the eager one with 8-bit moments (1.5x in training) and bf16
-    masters (2.7x), and no faster with bf16 moments alone (1.0x): ``"auto"`` compiles the former two there."""
+    """On a CPU the compiled step measured faster than the eager one with 8-bit moments (1.5x in training), bf16
+    masters (2.7x) and bf16 moments (their stochastic rounding: random bits hashed in the kernel, where the eager step
+    draws them from a generator): ``"auto"`` compiles those there; FP32 moments (too small to quantise) stay eager."""
     monkeypatch.setattr(update_path_module, "AUTO_MIN_ELEMENTS", 1)
     calls: list[StatePrecision] = []
 
@@ -101,7 +102,10 @@ def test_auto_compiles_8bit_moments_and_bf16_masters_on_a_cpu_and_leaves_bf16_mo
 
     monkeypatch.setattr(update_path_module, "_kernel", recording_kernel)
     _, _, moments = _run("auto", StatePrecision.BF16, MasterPrecision.FP32, steps=3)
-    assert moments.updates.compiled_steps == 0 and not calls
+    assert moments.updates.compiled_steps == 2 and calls == [StatePrecision.BF16] * 2
+    calls.clear()
+    _, _, small = _run("auto", StatePrecision.INT8, MasterPrecision.FP32, steps=3, size=1024)
+    assert small.updates.compiled_steps == 0 and not calls  # too small to quantise: FP32 moments, eager
     _, _, codes = _run("auto", StatePrecision.INT8, MasterPrecision.FP32, steps=3)
     assert codes.updates.compiled_steps == 2 and calls == [StatePrecision.INT8] * 2  # the first step creates state
     calls.clear()
@@ -125,11 +129,11 @@ def test_auto_compiles_where_a_step_is_worth_a_compilation() -> None:
 
 
 def _run(path: str, state: StatePrecision, master: MasterPrecision, steps: int = 6, amsgrad: bool = False,
-         maximize: bool = False, weight_decay: float = 0.1, optimizer: type = torch.optim.AdamW
+         maximize: bool = False, weight_decay: float = 0.1, optimizer: type = torch.optim.AdamW, size: int = N
          ) -> tuple[torch.Tensor, dict[str, Any], OptimizerStates]:
-    """``steps`` steps of one parameter of :data:`N` elements, the LR changing every step."""
+    """``steps`` steps of one parameter of ``size`` elements (:data:`N`), the LR changing every step."""
     torch.manual_seed(0)
-    p = nn.Parameter(torch.randn(N) * 0.1)
+    p = nn.Parameter(torch.randn(size) * 0.1)
     opt = optimizer([p], lr=1e-2, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize)
     states = OptimizerStates(path)
     if master is MasterPrecision.BF16:
@@ -138,7 +142,7 @@ def _run(path: str, state: StatePrecision, master: MasterPrecision, steps: int =
     states._names = {id(p): "w"}
     gradients = torch.Generator().manual_seed(1)
     for i in range(steps):
-        p.grad = torch.randn(N, generator=gradients).to(p.dtype)
+        p.grad = torch.randn(size, generator=gradients).to(p.dtype)
         opt.param_groups[0]["lr"] = 1e-2 / (i + 1)
         states.step(opt, opt.step)
     return p.detach().float().clone(), opt.state[p], states
@@ -176,6 +180,12 @@ def test_the_compiled_step_follows_the_eager_one(state: StatePrecision, master: 
         assert float(compiled_error.mean()) <= 1.05 * float(eager_error.mean())
         assert float(compiled_error.max()) <= 1.5 * float(eager_error.max())
         assert float(difference.max()) < 1e-2  # the steps' size: no weight goes its own way
+    elif state is StatePrecision.BF16:
+        # BF16 moments are rounded stochastically, each path from its own random bits: against FP32 moments, as near
+        exact, _, _ = _run("eager", StatePrecision.FP32, MasterPrecision.FP32)  # unmanaged: torch's own step
+        eager_error, compiled_error = eager - exact, compiled - exact
+        assert float(compiled_error.abs().mean()) <= 1.2 * float(eager_error.abs().mean())
+        assert float(difference.max()) < 1e-3  # a few 1e-5 here: a tenth of the smallest step's size
     else:
         assert float(difference.max()) < 1e-6
 
@@ -244,7 +254,10 @@ def test_amsgrad_and_maximize() -> None:
     compiled, _, states = _run("compiled", StatePrecision.BF16, MasterPrecision.FP32, maximize=True,
                                optimizer=torch.optim.Adam)
     assert states.updates.compiled_steps == 5
-    torch.testing.assert_close(compiled, eager, rtol=0, atol=1e-6)
+    # the two round the BF16 moments from their own random bits (a few 1e-5 apart); not maximising moves 5e-2 away
+    torch.testing.assert_close(compiled, eager, rtol=0, atol=1e-3)
+    minimised, _, _ = _run("eager", StatePrecision.BF16, MasterPrecision.FP32, optimizer=torch.optim.Adam)
+    assert float((minimised - eager).abs().max()) > 1e-2
     _, _, states = _run("compiled", StatePrecision.BF16, MasterPrecision.FP32, amsgrad=True)
     assert states.updates.compiled_steps == 0  # AMSGrad is stepped eagerly
 

@@ -132,8 +132,9 @@ def _update(optimizer: Optimizer, name: str, params: Sequence[nn.Parameter], hyp
     for source in params:
         own = optimizer.state.get(source)
         states.append(copy.deepcopy(dict(own)) if own else {})
-    generator = torch.Generator(device=copies[0].device).manual_seed(0) if config.master else None
     precision = config.state
+    rounds = config.master or precision is StatePrecision.BF16  # BF16 masters and moments round stochastically
+    generator = torch.Generator(device=copies[0].device).manual_seed(0) if rounds else None
     settings = {id(source): AdamSettings.of(optimizer, hyper[id(source)]) for source in params}
 
     def run() -> None:
@@ -146,7 +147,8 @@ def _update(optimizer: Optimizer, name: str, params: Sequence[nn.Parameter], hyp
                 if compiled and updates is not None and updates.step(
                         target, grad, state, step_settings, precision, config.master, f"{name}.{index}"):
                     continue
-                adam_step(target, grad, state, step_settings, precision, generator)
+                adam_step(target, grad, state, step_settings, precision, generator if config.master else None,
+                          generator if precision is StatePrecision.BF16 else None)
 
     if updates is not None and updates.begin(managed, copies[0].device):
         run()  # the state converted to its format

@@ -1,5 +1,5 @@
-"""The managed optimizer step reads nothing back from the device: 8-bit moments and a bf16 master rounded
-stochastically, on the eager path and through the functions the compiled path traces.
+"""The managed optimizer step reads nothing back from the device: 8-bit moments, bf16 moments and a bf16 master
+rounded stochastically, on the eager path and through the functions the compiled path traces.
 
 A read back (``.item()``, ``bool(tensor)``) is an ``aten._local_scalar_dense`` call; on CUDA it waits for the device.
 The checks record every such call during the step, on real CPU tensors (the simulation's fake tensors raise at any
@@ -50,7 +50,7 @@ def test_the_managed_step_reads_back_only_the_cpu_step_counters(path: str, monke
     optimizer = torch.optim.AdamW([big, small], lr=1e-3)
     states = OptimizerStates(path)
     states._treatments = {id(big): ParameterTreatment(StatePrecision.INT8, MasterPrecision.BF16),
-                          id(small): ParameterTreatment(StatePrecision.INT8, MasterPrecision.FP32)}
+                          id(small): ParameterTreatment(StatePrecision.BF16, MasterPrecision.FP32)}
     states._names = {id(big): "big", id(small): "small"}
     for step in range(3):
         big.grad, small.grad = torch.randn_like(big), torch.randn_like(small)
@@ -62,4 +62,5 @@ def test_the_managed_step_reads_back_only_the_cpu_step_counters(path: str, monke
         others = [t for t in recorder.read if not any(t.data_ptr() == c.data_ptr() for c in counters)]
         assert not others, f"step {step}: read back {[(tuple(t.shape), t.dtype) for t in others]}"
     assert optimizer.state[big]["exp_avg"].dtype == torch.uint8 and big.dtype == torch.bfloat16
+    assert optimizer.state[small]["exp_avg_sq"].dtype == torch.bfloat16  # rounded stochastically: no read either
     assert states.updates.compiled_steps == (4 if path == "compiled" else 0)
