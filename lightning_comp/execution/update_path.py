@@ -2,8 +2,9 @@
 
 The eager update (:func:`~lightning_comp.execution.adam_step.adam_step`) runs every op of the step as its own pass
 over memory: in training on 2 CPU cores (the default example, every Linear managed, the whole update of its 3.3 M
-parameters) 2.6 ns per parameter with BF16 moments, 8.1 with 8-bit moments, 7.4 with BF16 masters rounded
-stochastically, against 2.2 ns for ``torch.optim.AdamW``'s own FP32 step; on CUDA, a dozen kernel launches per
+parameters) 14.7 ns per parameter with BF16 moments (rounded stochastically, the random bits drawn from a generator:
+2.6 ns when they were rounded to nearest), 8.1 with 8-bit moments, 7.4 with BF16 masters rounded stochastically,
+against 2.2-2.7 ns for ``torch.optim.AdamW``'s own FP32 step; on CUDA, a dozen kernel launches per
 parameter. The compiled update traces the same step, per state format, as one pure function
 (:mod:`~lightning_comp.execution.fused_adam`) with ``torch.compile(dynamic=True, fullgraph=True)`` into one kernel
 (two loops over each block of 8-bit codes: its scale, then its codes): one graph per format serves every shape and
@@ -12,19 +13,19 @@ every learning rate (the hyper-parameters come in a tensor), and it reads nothin
 its size.
 
 :class:`UpdatePath` chooses: ``"eager"``; ``"compiled"`` (an error, naming the cause, where it cannot compile);
-``"auto"`` (the default) compiles where the step is worth a compilation: on CUDA always; on a CPU the steps of
-8-bit moments and of parameters held in BF16 (stochastically rounded masters), once the managed parameters of a step
-hold at least :data:`AUTO_MIN_ELEMENTS` elements, since each format's first compilation takes a few seconds there.
-Measured in training on the default example (2 EPYC cores with AVX512-BF16, ``benchmarks/update_speed.py``,
-2026-12-06), the compiled step was 1.4x the eager one's speed with 8-bit moments (5.7 ns per parameter), 2.3x with
-BF16 masters, 2.1x with both, and 0.96x with BF16 moments alone: those stay eager on a CPU, as do FP32 moments
-(tensors too small to quantise), where a compiled call's fixed cost (about 85 us) exceeds the eager step's. Where
-compiling fails (no C++ compiler, say) ``"auto"`` falls back to eager, with a warning naming why. A step the compiled
-functions do not cover runs eagerly: the first step of a parameter (its state is created) and the step after its
-format changed (the state is converted), AMSGrad, non-contiguous parameters.
+``"auto"`` (the default) compiles where the step is worth a compilation: on CUDA always; on a CPU the steps of 8-bit and
+BF16 moments and of parameters held in BF16 (stochastically rounded masters), once the managed parameters of a step hold
+at least :data:`AUTO_MIN_ELEMENTS` elements, since each format's first compilation takes a few seconds there. Measured
+in training on the default example (2 EPYC cores with AVX512-BF16, ``benchmarks/update_speed.py``, 2026-12-06), the
+compiled step was 1.4x the eager one's speed with 8-bit moments (5.7 ns per parameter), 2.3x with BF16 masters, 2.1x
+with both, and 3.8x with BF16 moments alone (3.5 ns per parameter, 2026-12-06 20:50; rounded to nearest they were 0.96x
+and stayed eager); FP32 moments (tensors too small to quantise) stay eager on a CPU, where a compiled call's fixed cost
+(about 85 us) exceeds the eager step's. Where compiling fails (no C++ compiler, say) ``"auto"`` falls back to eager,
+with a warning naming why. A step the compiled functions do not cover runs eagerly: the first step of a parameter (its
+state is created) and the step after its format changed (the state is converted), AMSGrad, non-contiguous parameters.
 
-The two paths agree to FP32 rounding, except in two places. A BF16 master is rounded stochastically from the
-generator the plugin checkpoints by the eager path, and from a counter-based hash of (seed, parameter name, step,
+The two paths agree to FP32 rounding, except in two places. A BF16 master and BF16 moments are rounded
+stochastically from the generator the plugin checkpoints by the eager path, and from a counter-based hash of (seed, parameter name, step,
 element) by the compiled one (:mod:`~lightning_comp.numerics.stochastic_rounding`): each is unbiased and each resumes
 bit-exactly, from different random bits. 8-bit codes are looked up in tables by the eager path and computed by
 :mod:`~lightning_comp.numerics.dynamic_codec` by the compiled one: the codes differ for about one value in a million,
