@@ -24,12 +24,12 @@ and stayed eager); FP32 moments (tensors too small to quantise) stay eager on a 
 with a warning naming why. A step the compiled functions do not cover runs eagerly: the first step of a parameter (its
 state is created) and the step after its format changed (the state is converted), AMSGrad, non-contiguous parameters.
 
-The two paths agree to FP32 rounding, except in two places. A BF16 master and BF16 moments are rounded
-stochastically from the generator the plugin checkpoints by the eager path, and from a counter-based hash of (seed, parameter name, step,
-element) by the compiled one (:mod:`~lightning_comp.numerics.stochastic_rounding`): each is unbiased and each resumes
-bit-exactly, from different random bits. 8-bit codes are looked up in tables by the eager path and computed by
-:mod:`~lightning_comp.numerics.dynamic_codec` by the compiled one: the codes differ for about one value in a million,
-at a midpoint between two codes, and the decoded values by at most a relative 2e-7.
+The two paths agree to FP32 rounding, except in two places. A BF16 master and BF16 moments are rounded stochastically
+from the generator the plugin checkpoints by the eager path, and from a counter-based hash of (seed, parameter name,
+step, element) by the compiled one (:mod:`~lightning_comp.numerics.stochastic_rounding`): each is unbiased and each
+resumes bit-exactly, from different random bits. 8-bit codes are looked up in tables by the eager path and computed by
+:mod:`~lightning_comp.numerics.dynamic_codec` by the compiled one: the codes differ for about one value in a million, at
+a midpoint between two codes, and the decoded values by at most a relative 2e-7.
 """
 
 from __future__ import annotations
