@@ -92,3 +92,22 @@ def test_the_record_says_how_the_codecs_were_priced() -> None:
     record = spending_record(SimpleNamespace(memory_spending=spending))  # type: ignore[arg-type]
     assert record is not None
     assert record["codec_costs"] == {"fp8": {"per_operator_ms": 0.5, "per_mib_ms": 0.4, "operators": 17}}
+
+
+def test_a_codec_of_a_tensor_another_operator_holds_is_not_a_lever() -> None:
+    # cnn (seed 1): the conv after a BatchNorm-ReLU unit saves the ReLU's output, which the ReLU saves too; its fp8
+    # option was merged with the unit's recomputation as an alternative, taken alone when the unit was given back,
+    # and the step saved 4 MiB more, not less (the ReLU kept its output as computed beside the conv's fp8 copy)
+    modules: dict[str, nn.Module] = {"relu": nn.ReLU(), "conv": nn.Conv2d(4, 4, 3), "norm": nn.LayerNorm(4)}
+    decisions = {n: _decision(OperatorKind.COMPUTE, 4.0) for n in modules}
+    decisions["relu"].saved = SavedDecision(bytes={"fp32": 8 * MiB, "recompute": 0},
+                                            time_ratios={"recompute": [1.3, 1.2, 1.4]}, unit="relu",
+                                            timed=("relu", "conv"))
+    decisions["conv"].saved = SavedDecision(bytes={"fp32": 8 * MiB, "fp8": 4 * MiB},
+                                            time_ratios={"fp8": [1.2, 1.1, 1.3]}, held_by=("relu",))
+    decisions["norm"].saved = SavedDecision(bytes={"fp32": 4 * MiB, "fp8": 1 * MiB},
+                                            time_ratios={"fp8": [1.1, 1.0, 1.2]})
+    ctx = SimpleNamespace(modules=modules, config=SearchConfig(objective="memory"))
+    levers, _ = LeverBuilder(ctx).build(PrecisionPlan(), decisions)  # type: ignore[arg-type]
+    options = {lever.label: [o.value for o in lever.options] for lever in levers}
+    assert options == {"saved:relu": ["recompute"], "saved:norm": ["fp8"]}  # the recomputation alone frees it

@@ -42,6 +42,10 @@ class SavedDecision:
         timed: for a recompute decision, the operators whose forward and backward ``time_ratios`` are of: the unit's
             members and its consumers, whose backward runs the recomputation (``None``: those in ``group``, or the
             operator alone).
+        held_by: operators outside its group that save one of the same tensors and have no codec of their own (a
+            ReLU, in a recompute unit, saving the output the next convolution saves as its input): they keep it as
+            computed, or their recomputation replaces every form of it, so a codec of this operator frees nothing
+            and its codec options are not offered to the memory levers (empty: none).
     """
 
     decision: SavedPrecision = SavedPrecision.FP32
@@ -54,6 +58,7 @@ class SavedDecision:
     forced: bool = False
     unit: str | None = None
     timed: tuple[str, ...] | None = None
+    held_by: tuple[str, ...] = ()
 
     @property
     def lowers(self) -> bool:

@@ -149,6 +149,8 @@ def saved_record(decision: SavedDecision) -> dict[str, Any]:
                            "gain_bytes": int(decision.gain_bytes), "benefit": float(decision.benefit)}
     if decision.group is not None:
         out["group"] = list(decision.group)
+    if decision.held_by:
+        out["held_by"] = list(decision.held_by)
     if decision.forced:
         out["forced"] = True
     return out

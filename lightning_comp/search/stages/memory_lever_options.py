@@ -82,6 +82,8 @@ class LeverBuilder:
                         nbytes = float(entry.bytes.get(value, own))
                         if own <= 0 or nbytes > own * keep:
                             continue  # saves too little
+                        if entry.held_by and SavedPrecision(value).compresses and not entry.forced:
+                            continue  # another operator keeps the tensor (or recomputes it): frees nothing
                         model = self.codec_costs.get(SavedPrecision(value))
                         extra_ms = (model.extra_ms(len(timed), int(own)) if model is not None
                                     else base_ms * max(median - 1.0, 0.0))
@@ -242,7 +244,7 @@ def _fitted_codec_costs(decisions: dict[str, OperatorDecision],
         timed = entry.timed or members
         for value, (median, *_) in entry.time_ratios.items():
             codec = SavedPrecision(value)
-            if codec.compresses and 0 < entry.bytes.get(value, own) < own:
+            if codec.compresses and 0 < entry.bytes.get(value, own) < own:  # its time is the codec's, held or not
                 samples.setdefault(codec, []).append(CodecSample(len(timed), own, timed_ms(timed) * (median - 1)))
     fitted = {codec: fit_codec_cost(measured) for codec, measured in samples.items()}
     return {codec: model for codec, model in fitted.items() if model is not None}

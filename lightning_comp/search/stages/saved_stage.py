@@ -179,8 +179,10 @@ class SavedStage:
                     paired_ratio(base.summed_series(group), results[s].summed_series(group)))
                 for s in options if all(n in results[s].operators for n in group)}
             shared = judge_saved(self.policy, sum(base.operators[n].own_saved_bytes for n in group), measured)
+            held_by = tuple(sorted({s for n in group for s in base.sharing.get(n, ())} - set(group)))
             for name in group:
                 decision = _share_of(shared, group)
+                decision.held_by = held_by
                 if included.matches(name, modules[name]):
                     decision.forced = True
                     if not decision.lowers:
@@ -203,6 +205,12 @@ class SavedStage:
             assert saved is not None
             saved.keep_as_computed(why)
             result.drop(name)
+        for name in ran:  # measured but not chosen: why its codec is not offered to the levers either
+            saved = decisions[name].saved
+            if saved is not None and saved.held_by and not saved.lowers and not saved.forced:
+                saved.reason = (f"{saved.reason}; not offered to the memory levers: a tensor it saves is also saved"
+                                f" by {', '.join(saved.held_by)}, which keep(s) it as computed or may recompute it,"
+                                " so compressing it frees nothing")
         return result
 
 
