@@ -37,7 +37,15 @@ _GOLDEN = 0x9E3779B9  # spreads consecutive steps over the 32-bit space
 
 def round_to_bf16(values: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     """``values`` (FP32) rounded stochastically to BF16 with random bits from ``generator``: unbiased,
-    ``E[result] == values`` up to BF16's range."""
+    ``E[result] == values`` up to BF16's range. A ``DTensor`` (FSDP2's shards of Adam's moments) is rounded shard by
+    shard, each rank drawing from its own generator, and stays a ``DTensor`` on the same mesh and placements."""
+    to_local = getattr(values, "to_local", None)
+    if callable(to_local):
+        from torch.distributed.tensor import DTensor
+
+        rounded = round_to_bf16(to_local(), generator)
+        return DTensor.from_local(rounded, values.device_mesh, values.placements,  # type: ignore[attr-defined]
+                                  run_check=False, shape=values.shape, stride=values.stride())
     noise = torch.randint(0, _LOW, values.shape, dtype=torch.int32, device=values.device, generator=generator)
     return _rounded(values, noise)
 

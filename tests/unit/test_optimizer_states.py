@@ -342,3 +342,39 @@ def test_the_plugin_rounds_bf16_moments_stochastically() -> None:
     assert v.dtype == torch.bfloat16
     assert float(v.float().mean()) / (1 - 0.999**2000) == pytest.approx(1.0, abs=0.03)
     assert states.rounding_state()  # the generator's state goes into the checkpoint
+
+
+@pytest.mark.slow
+def test_bf16_moments_of_fsdp2_shards_stay_dtensors() -> None:
+    # FSDP2's parameters and moments are DTensors: each rank rounds its own shard (a plain tensor of random bits
+    # against a DTensor raised "mixed torch.Tensor and DTensor" at the first step)
+    import subprocess
+    import sys
+
+    script = """
+import os, socket, torch, torch.distributed as dist
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+dist.init_process_group("gloo", rank=0, world_size=1)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from lightning_comp.execution.adam_step import AdamSettings, adam_step
+from lightning_comp.numerics.precision import StatePrecision
+mesh = init_device_mesh("cpu", (1,))
+p = distribute_tensor(torch.zeros(64, 8), mesh, [Shard(0)])
+settings = AdamSettings(lr=0.0, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, decoupled=True)
+state, generator = {}, torch.Generator().manual_seed(0)
+torch.manual_seed(0)
+for _ in range(300):
+    adam_step(p, distribute_tensor(torch.randn(64, 8), mesh, [Shard(0)]), state, settings, StatePrecision.BF16, None,
+              generator)
+v = state["exp_avg_sq"]
+assert isinstance(v, DTensor) and v.dtype == torch.bfloat16 and v.placements == (Shard(0),), v
+mean = float(v.to_local().float().mean()) / (1 - 0.999 ** 300)
+assert 0.8 < mean < 1.2, mean
+dist.destroy_process_group()
+print("ok")
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stdout[-2000:] + proc.stderr[-2000:]
