@@ -179,6 +179,9 @@ def test_batch_stage_decides_saved_precision_from_measured_bytes(tmp_path: Path)
     # the codecs are priced by one model over every operator that timed them (l2, l3, l4 and head: fp8)
     assert spending["codec_costs"]["fp8"]["operators"] >= 4, spending["codec_costs"]
     assert "Saved codecs priced by their cost model over every operator: fp8" in format_record(record)
+    # what the bound is a multiple of is said (the pace's step, or the base's where the rounds cannot tell them apart)
+    assert spending["bound_of"].startswith("the pace") or "could not tell from the pace" in spending["bound_of"]
+    assert f"the bound of {spending['bound_of']}" in format_record(record)
 
 
 def test_cheap_operators_recompute_unit_by_unit_when_the_step_pays(tmp_path: Path) -> None:

@@ -7,11 +7,13 @@ import pytest
 
 from lightning_comp import CoMPSearch
 from lightning_comp.errors import SearchConfigError
+from lightning_comp.numerics.precision import ComputePrecision
 from lightning_comp.search.config import SearchConfig
 from lightning_comp.search.decisions.objectives import policy_for
 from lightning_comp.search.decisions.parameters import StepBudget, judge_lowering
-from lightning_comp.search.decisions.whole_step import ComparedPlan, Pace, StepComparison
+from lightning_comp.search.decisions.whole_step import ComparedPlan, Pace, PlanStep, StepComparison
 from lightning_comp.search.measurement.estimates import RatioEstimate, Verdict
+from lightning_comp.search.stages.memory_stage import bound_step, on_pace_scale
 
 FP32, CANDIDATES, AMP = ComparedPlan.FP32, ComparedPlan.CANDIDATES, ComparedPlan.AMP
 COMPUTE, ALL_LOW, AUTOCAST = ComparedPlan.COMPUTE, ComparedPlan.ALL_LOW, ComparedPlan.AUTOCAST
@@ -305,3 +307,38 @@ def test_candidates_dropped_by_the_bound_say_so_not_that_fp32_ties() -> None:
     decisions = {"fc": OperatorDecision("Linear", OperatorKind.COMPUTE, 16)}
     stage._check_candidates(SimpleNamespace(policy=policy, agree=lambda value: value), slow, ["fc"], decisions)  # type: ignore[arg-type]
     assert "not better than fp32" in decisions["fc"].reason
+
+
+def _noisy(ms: dict[ComparedPlan, float], wiggles: dict[ComparedPlan, list[float]]) -> StepComparison:
+    return StepComparison({plan: [v * w for w in wiggles[plan]] for plan, v in ms.items()})
+
+
+def _plan_steps(comparison: StepComparison) -> dict[ComparedPlan, PlanStep]:
+    ratios = comparison.ratios()
+    return {plan: PlanStep(ms=min(ms), wall_ms=min(ms), ratio=ratios.get(plan)) for plan, ms in comparison.ms.items()}
+
+
+def test_the_levers_bound_is_of_the_base_where_the_rounds_cannot_tell_it_from_the_pace() -> None:
+    # the default example's third search: candidates x0.708 [0.663, 0.726] of FP32, the compute-only plan (the pace)
+    # x0.682 [0.650, 0.707]: a base 4 % slower by the medians, within the rounds' noise; bounded against the pace the
+    # levers got 25.7 ms of room where the first search (base x1.006 of its pace) got 27.5 and the second (x0.984) 38.1
+    wiggles = {FP32: [1.0, 1.0, 1.0, 1.0], CANDIDATES: [1.0, 0.94, 1.03, 0.97], COMPUTE: [0.96, 1.0, 0.95, 1.03]}
+    comparison = _noisy({FP32: 323.0, CANDIDATES: 228.7, COMPUTE: 220.3}, wiggles)
+    pace = comparison.pace()
+    assert pace.plan is COMPUTE
+    steps = _plan_steps(comparison)
+    assert comparison.ratio(CANDIDATES, COMPUTE).against(1.0) is Verdict.UNDECIDED
+    bound_ms, words = bound_step(comparison, steps, CANDIDATES, pace, ComputePrecision.BF16)
+    assert bound_ms == pytest.approx(on_pace_scale(steps, CANDIDATES))  # the base's own step, on the pace's scale
+    assert bound_ms > 323.0 * pace.ratio_to_fp32  # (here slower than the pace's by the medians)
+    assert "could not tell from the pace" in words and "x1.0" in words
+
+
+def test_the_levers_bound_stays_the_paces_where_the_base_is_surely_slower_or_is_the_pace() -> None:
+    steady = _steps({FP32: 300.0, CANDIDATES: 230.0, COMPUTE: 200.0})
+    steps = _plan_steps(steady)
+    assert steady.ratio(CANDIDATES, COMPUTE).against(1.0) is Verdict.ABOVE
+    bound_ms, words = bound_step(steady, steps, CANDIDATES, steady.pace(), ComputePrecision.BF16)
+    assert bound_ms is None and words.startswith("the pace")
+    assert bound_step(steady, steps, COMPUTE, steady.pace(), ComputePrecision.BF16)[0] is None  # the pace itself
+    assert bound_step(None, steps, CANDIDATES, steady.pace(), ComputePrecision.BF16)[0] is None  # no rounds kept

@@ -121,6 +121,8 @@ class MemorySpending:
         start_bytes: the candidate plan's step bytes (weights, gradients, optimizer state, saved for backward).
         start_ms: its step time (forward, backward and the optimizer's own update), ms.
         max_ms: the slowest step allowed (``inf``: no bound).
+        bound_of: what ``max_ms`` is ``max_slowdown_vs_fastest`` of, in words: the pace (the fastest fixed policy), or
+            the plan before the levers where the batch stage's rounds could not tell its step from the pace's.
         target_bytes: the step bytes ``memory_budget`` asks for (``None``: no budget).
         amp_step_bytes: AMP's step bytes, the same accounting (what a fractional budget is a fraction of).
         selection: what was taken, the frontier, and why it stopped.
@@ -170,6 +172,7 @@ class MemorySpending:
     process_reference: str | None = None
     update_costs: dict[str, UpdateCost] = field(default_factory=dict)
     codec_costs: dict[str, CodecCost] = field(default_factory=dict)
+    bound_of: str = ""
 
 
 def take_cheapest(levers: list[Lever], step_bytes: float, step_ms: float, max_ms: float,

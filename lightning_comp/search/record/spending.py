@@ -27,6 +27,7 @@ def spending_record(batch: BatchStageResult | None) -> dict[str, Any] | None:
         "start_mib": _mib(spending.start_bytes),
         "start_ms": round(spending.start_ms, 4),
         "max_ms": _finite(spending.max_ms),
+        "bound_of": spending.bound_of,
         "target_mib": None if spending.target_bytes is None else _mib(spending.target_bytes),
         "amp_step_mib": None if spending.amp_step_bytes is None else _mib(spending.amp_step_bytes),
         "taken": {label: {"value": option.value, "freed_mib": _mib(option.bytes_saved),

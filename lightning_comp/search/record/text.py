@@ -262,6 +262,8 @@ def _spending_section(spending: dict[str, Any] | None) -> list[str]:
              ("past the bound" if point.get("past_bound") else ""))
             for point in spending["frontier"][1:]]
     bound = "no bound" if spending["max_ms"] is None else f"at most {spending['max_ms']:.2f} ms"
+    if spending["max_ms"] is not None and spending.get("bound_of"):
+        bound += f", the bound of {spending['bound_of']}"
     budget = "" if spending["target_mib"] is None else f", budget {spending['target_mib']:.1f} MiB"
     amp = "" if spending.get("final_vs_amp") is None else f" (x{spending['final_vs_amp']:.2f} AMP's step)"
     lines = ["", f"Memory levers, cheapest bytes first (step {spending['start_mib']:.1f} MiB,"

@@ -225,7 +225,7 @@ class BatchStage:
         with single_intra_op_thread(timing.single_thread):
             amp_plan = self._fixed_plan(ComparedPlan.AMP, modules, lowerable, order, decisions, set(amp))
             saved, parameters, spending = memory_levers(ctx, base, order, decisions, steps, step_saved, source,
-                                                        amp_plan)
+                                                        amp_plan, comparison)
         candidates = in_execution_order(order, compute, groups, saved, parameters,
                                         [Candidate.in_fp8(name) for name in fp8.choices])
         benefits = {candidate: sum(decisions[m].benefit for m in members_of(candidate, groups))

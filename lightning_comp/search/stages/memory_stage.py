@@ -20,6 +20,13 @@ catches a forecast the medians made too kind. The chosen plan is then timed as a
 step beside the candidate plan (forward and backward measured, updates added): if it runs slower than allowed, the
 allowance is shrunk by the forecast's error and the levers past it are given back, so a forecast that was too kind
 does not carry the plan past the bound.
+
+Where the batch stage's paired rounds cannot tell the plan the levers build on from the pace (the interval of their
+step ratio holds 1), the bound is ``max_slowdown_vs_fastest`` of that plan's own step (:func:`bound_step`): the
+rounds measure both as fast, and the room the levers get is then the bound's share of the step, not that share plus
+a difference the rounds cannot tell from noise. On the default example the candidates measured x0.98-x1.04 of the
+compute-only plan (the pace) in three searches, every interval holding 1, and the room swung 25.7-38.1 ms (x0.11-x0.17
+of the step) with that noise; how many levers fit followed it.
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ from collections.abc import Callable
 from typing import Any
 
 from lightning_comp.execution.optimizer_states import state_bytes
-from lightning_comp.numerics.precision import MasterPrecision, SavedPrecision, StatePrecision
+from lightning_comp.numerics.precision import ComputePrecision, MasterPrecision, SavedPrecision, StatePrecision
 from lightning_comp.plan.dimensions import Dimension
 from lightning_comp.plan.plan import PrecisionPlan
 from lightning_comp.search.candidates import Candidate
@@ -43,8 +50,8 @@ from lightning_comp.search.decisions.cheapest_bytes import (
     take_cheapest,
 )
 from lightning_comp.search.decisions.operators import OperatorDecision
-from lightning_comp.search.decisions.whole_step import ComparedPlan, PlanStep
-from lightning_comp.search.measurement.estimates import paired_ratio
+from lightning_comp.search.decisions.whole_step import ComparedPlan, Pace, PlanStep, StepComparison
+from lightning_comp.search.measurement.estimates import Verdict, paired_ratio
 from lightning_comp.search.measurement.optimizer_timing import UpdateVariant
 from lightning_comp.search.measurement.step_timing import StepTimer
 from lightning_comp.search.stages.context import StageContext
@@ -53,7 +60,7 @@ from lightning_comp.search.stages.memory_lever_options import LeverBuilder, Leve
 from lightning_comp.search.stages.parameter_stage import ParameterStage
 from lightning_comp.search.stages.saved_stage import SavedStage
 
-__all__ = ["CheapestBytesStage", "memory_levers", "on_pace_scale"]
+__all__ = ["CheapestBytesStage", "bound_step", "memory_levers", "on_pace_scale"]
 
 CANDIDATES, PARAMETERS = ComparedPlan.CANDIDATES, ComparedPlan.PARAMETERS
 
@@ -72,7 +79,8 @@ class CheapestBytesStage:
     def run(self, base: PrecisionPlan, decisions: dict[str, OperatorDecision], saved: SavedStageResult,
             parameters: ParameterStageResult, fp32_ms: float, candidates_ms: float,
             step_saved: dict[ComparedPlan, float], candidates_saved: float,
-            amp_plan: PrecisionPlan | None = None) -> MemorySpending:
+            amp_plan: PrecisionPlan | None = None, bound_ms: float | None = None,
+            bound_of: str = "") -> MemorySpending:
         """Take levers into ``saved`` and ``parameters`` (whose choices are rewritten), decisions updated.
 
         Args:
@@ -86,6 +94,9 @@ class CheapestBytesStage:
             candidates_saved: bytes the candidate plan saves for backward.
             amp_plan: AMP's plan (the operators one autocast region lowers): a fractional ``memory_budget`` is judged
                 against its step's measured tensor peak (``None``: by the accounting alone).
+            bound_ms: the forward and backward (ms) the slowdown bound is a multiple of (:func:`bound_step`;
+                ``None``: the pace's, FP32's step times the pace's ratio to it).
+            bound_of: what ``bound_ms`` is, in words, for the record.
         """
         ctx = self.ctx
         model = ctx.pl_module
@@ -97,7 +108,7 @@ class CheapestBytesStage:
         amp_saved = next((step_saved[p] for p in (ComparedPlan.AMP, ComparedPlan.AUTOCAST) if p in step_saved), None)
         amp_bytes = None if amp_saved is None else persistent + amp_saved
         target = self.config.budget_bytes(amp_bytes if amp_bytes is not None else persistent + candidates_saved)
-        pace_ms = fp32_ms * ctx.policy.pace.ratio_to_fp32 + update_ms
+        pace_ms = (fp32_ms * ctx.policy.pace.ratio_to_fp32 if bound_ms is None else bound_ms) + update_ms
         max_ms = self.config.slowdown_vs_fastest * pace_ms
         start_bytes, start_ms = persistent + candidates_saved, candidates_ms + update_ms
         builder = LeverBuilder(self.ctx)
@@ -112,7 +123,8 @@ class CheapestBytesStage:
                                   levers={label: _candidates(change) for label, change in changes.items()},
                                   options={lever.label: list(lever.options) for lever in levers},
                                   update_costs={variant.value: cost for variant, cost in builder.update_costs.items()},
-                                  codec_costs={codec.value: cost for codec, cost in builder.codec_costs.items()})
+                                  codec_costs={codec.value: cost for codec, cost in builder.codec_costs.items()},
+                                  bound_of=bound_of)
         self._spend(spending, base, changes, decisions, saved, parameters, update_ms)
         amp_plan = amp_plan if amp_bytes is not None else None  # AMP's not timed: a fraction is of the start's
         excess = measure_excess(ctx, spending, base, _with_choices(base, saved, parameters), amp_plan,
@@ -263,7 +275,7 @@ def _options(spending: MemorySpending, label: str, value: str) -> list[LeverOpti
 
 def memory_levers(ctx: StageContext, base: PrecisionPlan, order: list[str], decisions: dict[str, OperatorDecision],
                   steps: dict[ComparedPlan, PlanStep], step_saved: dict[ComparedPlan, float], source: ComparedPlan,
-                  amp_plan: PrecisionPlan | None = None,
+                  amp_plan: PrecisionPlan | None = None, comparison: StepComparison | None = None,
                   ) -> tuple[SavedStageResult, ParameterStageResult, MemorySpending | None]:
     """The batch stage's memory dimensions on top of the trialled plan ``base`` (timed whole as ``source``): the
     saved stage and the parameter stage, for the objectives that weigh memory; their levers are then taken cheapest
@@ -271,7 +283,8 @@ def memory_levers(ctx: StageContext, base: PrecisionPlan, order: list[str], deci
     memory).
 
     ``amp_plan`` (AMP's plan, the operators one autocast region lowers) is what a fractional ``memory_budget`` is
-    measured against (:meth:`CheapestBytesStage.run`).
+    measured against (:meth:`CheapestBytesStage.run`); ``comparison`` (the whole steps' paired rounds) tells whether
+    the bound is of the pace's step or of ``source``'s (:func:`bound_step`).
 
     Returns:
         The saved and parameter stages' results (as taken) and the spending (``None``: an objective that weighs no
@@ -287,10 +300,34 @@ def memory_levers(ctx: StageContext, base: PrecisionPlan, order: list[str], deci
     fp32_ms = steps[ComparedPlan.FP32].ms
     candidates_saved = step_saved.get(source, step_saved.get(ComparedPlan.FP32, 0.0))
     source_ms = on_pace_scale(steps, source)
-    parameters = ParameterStage(ctx).measure(with_saved, decisions, fp32_ms, source_ms, candidates_saved)
+    bound_ms, bound_of = ctx.agree(bound_step(comparison, steps, source, policy.pace, ctx.low))
+    parameters = ParameterStage(ctx).measure(with_saved, decisions, fp32_ms, source_ms, candidates_saved, bound_ms)
     spending = CheapestBytesStage(ctx).run(base, decisions, saved, parameters, fp32_ms, source_ms, step_saved,
-                                           candidates_saved, amp_plan)
+                                           candidates_saved, amp_plan, bound_ms, bound_of)
     return saved, parameters, spending
+
+
+def bound_step(comparison: StepComparison | None, steps: dict[ComparedPlan, PlanStep], source: ComparedPlan,
+               pace: Pace, low: ComputePrecision) -> tuple[float | None, str]:
+    """The forward and backward (ms, on the pace's scale) the levers' slowdown bound is a multiple of, and what it
+    is in words: ``source``'s own step where the paired rounds cannot tell it from the pace's (the interval of their
+    ratio holds 1), else ``None`` (the pace's).
+
+    Args:
+        comparison: the whole steps' paired rounds (``None``: not kept; the pace's step).
+        steps: the whole steps timed.
+        source: the plan the levers build on, as it was timed whole.
+        pace: the fastest fixed policy timed.
+        low: the 16-bit precision searched (for the words).
+    """
+    pace_words = f"the pace, {pace.describe(low)}"
+    if comparison is None or source == pace.plan or source not in comparison.ms or pace.plan not in comparison.ms:
+        return None, pace_words
+    ratio = comparison.ratio(source, pace.plan)
+    if ratio.against(1.0) is not Verdict.UNDECIDED:
+        return None, pace_words
+    return on_pace_scale(steps, source), (f"{source.describe(low)}, whose step the rounds could not tell from the"
+                                          f" pace's ({pace.describe(low)}: {ratio.describe()})")
 
 
 def on_pace_scale(steps: dict[ComparedPlan, PlanStep], plan: ComparedPlan) -> float:

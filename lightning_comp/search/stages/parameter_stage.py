@@ -81,7 +81,7 @@ class ParameterStage:
         return trainer.world_size == 1
 
     def measure(self, base: PrecisionPlan, decisions: dict[str, OperatorDecision], fp32_ms: float,
-                candidates_ms: float, saved_bytes: float) -> ParameterStageResult:
+                candidates_ms: float, saved_bytes: float, bound_ms: float | None = None) -> ParameterStageResult:
         """Measure and decide per operator (into each ``decisions[name].parameters``); what is taken is decided with
         the other memory levers (:mod:`lightning_comp.search.stages.memory_stage`).
 
@@ -91,6 +91,8 @@ class ParameterStage:
             fp32_ms: the FP32 plan's whole step (forward and backward).
             candidates_ms: the candidate plan's whole step (the FP32 plan's when there are no candidates).
             saved_bytes: bytes the candidate plan saves for backward.
+            bound_ms: the forward and backward the slowdown bound is a multiple of
+                (:func:`~lightning_comp.search.stages.memory_stage.bound_step`; ``None``: the pace's).
         """
         ctx = self.ctx
         trainer, pl_module = ctx.trainer, ctx.pl_module
@@ -111,7 +113,8 @@ class ParameterStage:
                              CompiledUpdates(ctx.plugin.update_path))
         times = ctx.agree({g: {k: [ctx.reduce_mean(v) for v in vs] for k, vs in s.items()} for g, s in times.items()})
         fp32_update = sum(statistics.median(s[FP32]) for s in times.values())
-        pace_ms = fp32_ms * ctx.policy.pace.ratio_to_fp32  # the fastest fixed policy's forward and backward
+        # the fastest fixed policy's forward and backward (or the base's, where the rounds could not tell them apart)
+        pace_ms = fp32_ms * ctx.policy.pace.ratio_to_fp32 if bound_ms is None else bound_ms
         budget = StepBudget(step_ms=candidates_ms + fp32_update, pace_step_ms=pace_ms + fp32_update,
                             step_bytes=_persistent_bytes(pl_module, optimizer) + saved_bytes)
         result = ParameterStageResult()
