@@ -12,11 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.distributed import DIST_VARS, launch_ranks
 from tests.helpers.paths import SCRIPTS
 
 SCRIPT = SCRIPTS / "ddp_search_run.py"
-_DIST_VARS = {"LOCAL_RANK", "RANK", "GLOBAL_RANK", "WORLD_SIZE", "NODE_RANK", "GROUP_RANK", "LOCAL_WORLD_SIZE",
-              "MASTER_ADDR", "MASTER_PORT"}
 
 
 @pytest.mark.slow
@@ -33,13 +32,14 @@ def test_every_rank_runs_the_same_plan(strategy: str, trial_batches: int | None,
             port = sock.getsockname()[1]
         # Earlier in-process DDP runs leave LOCAL_RANK/WORLD_SIZE/... in os.environ; inherited, they make Lightning
         # believe the ranks are launched externally, so it never starts rank 1 and rank 0 waits for it.
-        env = {k: v for k, v in os.environ.items() if k not in _DIST_VARS and not k.startswith(("TORCHELASTIC", "PL_"))}
+        env = {k: v for k, v in os.environ.items() if k not in DIST_VARS and not k.startswith(("TORCHELASTIC", "PL_"))}
         env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         try:
             extra = [str(trial_batches or 0), objective]
             args = [sys.executable, str(SCRIPT), strategy, str(tmp_path), *extra]
-            proc = subprocess.run(args, cwd=tmp_path, env=env,
-                                  capture_output=True, text=True, timeout=300, start_new_session=True)
+            proc = (launch_ranks(args, tmp_path, env, timeout=300) if strategy == "ddp" else  # ranks started at once
+                    subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+                                   start_new_session=True))
         except subprocess.TimeoutExpired as err:
             proc = None
             output = str(err.stdout or "") + str(err.stderr or "")

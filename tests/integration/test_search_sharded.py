@@ -8,9 +8,10 @@ at each trial's start equal the snapshot's, and each rank's live state equals it
 each unit's ``MixedPrecisionPolicy`` ends on the chosen plan. A run killed (SIGKILL) inside a trial resumes from its
 sharded ``last.ckpt`` to the same plan and parameters as the uninterrupted run.
 
-Each fit is one launch of the script (Lightning launches rank 1, which runs the script too; a second fit in the same
-processes re-creates the process group on the same port, and now and then hangs in its first broadcast over gloo);
-the launches are cached for the module: thirteen in all, about 3 minutes on 2 cores.
+Each fit is one launch of the script, both ranks started at once as ``torchrun`` starts them
+(:func:`~tests.helpers.distributed.launch_ranks`; a second fit in the same processes re-creates the process group on
+the same port, and now and then hangs in its first broadcast over gloo); the launches are cached for the module:
+thirteen in all.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests.helpers.distributed import launch_ranks
 from tests.helpers.paths import REPO
 
 SCRIPT = REPO / "tests" / "scripts" / "sharded_search_run.py"
@@ -50,8 +52,7 @@ class Runs:
 
     def _launch(self, out: Path, *args: str) -> subprocess.CompletedProcess[str]:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-        return subprocess.run([sys.executable, str(SCRIPT), *args], cwd=out, env=env, capture_output=True, text=True,
-                              timeout=600)
+        return launch_ranks([sys.executable, str(SCRIPT), *args], out, env, timeout=600)
 
     def _read(self, out: Path) -> list[dict[str, Any]]:
         infos = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]

@@ -7,8 +7,9 @@ its planned dtype, for a bf16 and an fp16 plan. Sharded checkpoints resume bit f
 checkpoint resumes under FSDP1 and FSDP2 with its plan, and an overflow in one rank's gradient shard skips the step
 on every rank.
 
-Each run is ``tests/scripts/sharded_run.py`` in a fresh interpreter (Lightning relaunches it for rank 1); runs are
-cached for the module, so the checkpoint tests resume from the grid's own runs.
+Each run is ``tests/scripts/sharded_run.py`` in fresh interpreters, both ranks started at once as ``torchrun`` starts
+them (:func:`~tests.helpers.distributed.launch_ranks`; the README's example below goes through Lightning's own
+launcher); runs are cached for the module, so the checkpoint tests resume from the grid's own runs.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests.helpers.distributed import launch_ranks
 from tests.helpers.paths import REPO
 
 SCRIPT = REPO / "tests" / "scripts" / "sharded_run.py"
@@ -50,8 +52,9 @@ class Runs:
             out = self.root / "-".join(k.strip("-").replace("/", "_") for k in key)[:120]
             out.mkdir(parents=True, exist_ok=True)
             env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-            proc = subprocess.run([sys.executable, str(SCRIPT), mode, plan, str(out), *extra], cwd=out, env=env,
-                                  capture_output=True, text=True, timeout=240)
+            argv = [sys.executable, str(SCRIPT), mode, plan, str(out), *extra]
+            proc = (subprocess.run(argv, cwd=out, env=env, capture_output=True, text=True, timeout=240)
+                    if mode == "reference" else launch_ranks(argv, out, env, timeout=240))
             assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
             ranks = (0,) if mode == "reference" else (0, 1)
             infos = [json.loads((out / f"rank{r}.json").read_text()) for r in ranks]
