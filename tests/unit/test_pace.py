@@ -342,3 +342,27 @@ def test_the_levers_bound_stays_the_paces_where_the_base_is_surely_slower_or_is_
     assert bound_ms is None and words.startswith("the pace")
     assert bound_step(steady, steps, COMPUTE, steady.pace(), ComputePrecision.BF16)[0] is None  # the pace itself
     assert bound_step(None, steps, CANDIDATES, steady.pace(), ComputePrecision.BF16)[0] is None  # no rounds kept
+
+
+def test_with_levers_a_plan_at_the_bound_by_its_median_is_no_base_however_lean() -> None:
+    # the default example's run b of the seventh pass: all-low's plan 24 MiB leaner than the candidates and within the
+    # margin of their step, at x1.153 of the pace by the median (1.15 allowed) with an interval straddling it: it
+    # displaced the candidates, and the levers, whose room is taken by the medians, had 0.3 ms (118 MiB at the end,
+    # 79 MiB in the run that built on the candidates)
+    policy = _policy("memory", levers=True)
+    steps = StepComparison({FP32: [300.0] * 6, COMPUTE: [190.0] * 6, CANDIDATES: [212.0] * 6,
+                            ALL_LOW: [205.0, 235.0, 210.0, 229.0, 200.0, 240.0]})
+    policy.set_pace(steps.pace())  # type: ignore[attr-defined]
+    assert policy.pace.plan is COMPUTE  # type: ignore[attr-defined]
+    assert policy.bound_holds(steps, ALL_LOW) is Verdict.UNDECIDED  # type: ignore[attr-defined]
+    assert not policy.leaves_room(steps, ALL_LOW) and policy.leaves_room(steps, CANDIDATES)  # type: ignore[attr-defined]
+    saved = {FP32: 134.3, CANDIDATES: 93.3, ALL_LOW: 68.3, COMPUTE: 113.3}
+    assert policy.winner(steps, saved, [ALL_LOW, COMPUTE], True) is None  # type: ignore[attr-defined]
+    # inside the bound by its median (x1.12), the same lean plan is the base
+    inside = StepComparison({FP32: [300.0] * 6, COMPUTE: [190.0] * 6, CANDIDATES: [212.0] * 6,
+                             ALL_LOW: [200.0, 230.0, 205.0, 221.0, 195.0, 235.0]})
+    policy.set_pace(inside.pace())  # type: ignore[attr-defined]
+    assert policy.leaves_room(inside, ALL_LOW)  # type: ignore[attr-defined]
+    assert policy.winner(inside, saved, [ALL_LOW, COMPUTE], True) is ALL_LOW  # type: ignore[attr-defined]
+    # where no plan but it is in the contest it stays the base (something must be built on)
+    assert policy.base_for_the_levers(steps, saved, [ALL_LOW], False) is ALL_LOW  # type: ignore[attr-defined]
