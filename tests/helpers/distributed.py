@@ -50,10 +50,11 @@ def launch_ranks(argv: Sequence[str], cwd: Path, env: Mapping[str, str], timeout
                                   env={**clean, "LOCAL_RANK": str(rank), "NODE_RANK": "0", "WORLD_SIZE": str(ranks),
                                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
                  for rank, (out, err) in enumerate(logs)]
-        timed_out = False
+        timed_out, failed = False, None  # failed: the first rank seen exiting non-zero (before the others are killed)
         try:
-            while any(proc.poll() is None for proc in procs):
-                if any(proc.returncode not in (None, 0) for proc in procs):
+            while [proc.poll() for proc in procs].count(None):  # every rank polled (any() would stop at the first)
+                failed = next((proc.returncode for proc in procs if proc.returncode not in (None, 0)), None)
+                if failed is not None:
                     break
                 if time.monotonic() > deadline:
                     timed_out = True
@@ -71,10 +72,11 @@ def launch_ranks(argv: Sequence[str], cwd: Path, env: Mapping[str, str], timeout
             texts.append((out.read(), err.read()))
     stdout = "".join(f"--- rank {r} ---\n{o}" for r, (o, _) in enumerate(texts))
     stderr = "".join(f"--- rank {r} ---\n{e}" for r, (_, e) in enumerate(texts))
-    codes = [proc.returncode for proc in procs]
     if timed_out:
         raise subprocess.TimeoutExpired(list(argv), timeout, stdout, stderr)
-    return subprocess.CompletedProcess(list(argv), next((c for c in codes if c != 0), 0), stdout, stderr)
+    if failed is None:  # every rank ended by itself
+        failed = next((proc.returncode for proc in procs if proc.returncode != 0), 0)
+    return subprocess.CompletedProcess(list(argv), failed, stdout, stderr)
 
 
 def full_parameters(trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, torch.Tensor]:
