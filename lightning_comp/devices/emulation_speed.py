@@ -1,7 +1,8 @@
 """How much slower than FP32 a 16-bit precision computes on a device where it is emulated, measured once.
 
-Where no 16-bit precision is native (an AVX2-only CPU, a CUDA GPU before sm70 for FP16), the search trains in FP32
-without searching. Its report says why in the device's own terms, with the slowdown measured there: the median of
+Where no 16-bit precision is native (an AVX2-only CPU, a CUDA GPU before sm70 for FP16), the search keeps compute in
+FP32: it trains without searching, or searches the memory dimensions alone for an objective that weighs memory. Its
+report says why in the device's own terms, with the slowdown measured there: the median of
 three timed 256x256 matrix products in each precision, after one untimed one (tens of milliseconds in all, cached per
 process and device). The figure is a statement about the device, not a timing the search decides anything by.
 """
@@ -16,7 +17,7 @@ import torch
 from lightning_comp.devices.device_classes import DeviceClass
 from lightning_comp.numerics.precision import ComputePrecision
 
-__all__ = ["matmul_slowdown", "why_nothing_pays"]
+__all__ = ["matmul_slowdown", "why_compute_stays_fp32", "why_nothing_pays"]
 
 _SIZE = 256
 
@@ -47,6 +48,17 @@ def matmul_slowdown(device: str, precision: ComputePrecision) -> float:
 def why_nothing_pays(device_class: DeviceClass, device: torch.device | str) -> str:
     """Why the search trains in FP32 without searching on ``device``, in its terms, e.g. ``"bf16 is emulated on this
     AVX2 CPU (AMD EPYC, no AVX512-BF16 or AMX): a matrix product runs 52x slower than in fp32 here, ..."``."""
+    return _why_no_16_bit(device_class, device, "it trains in fp32 and searches nothing")
+
+
+def why_compute_stays_fp32(device_class: DeviceClass, device: torch.device | str) -> str:
+    """Why a search that weighs memory keeps every operator's compute in FP32 on ``device`` and searches only the
+    memory dimensions, in the device's terms (as :func:`why_nothing_pays`)."""
+    return _why_no_16_bit(device_class, device, "compute stays fp32 and only the memory dimensions are searched"
+                                                " (saved for backward, optimizer state)")
+
+
+def _why_no_16_bit(device_class: DeviceClass, device: torch.device | str, consequence: str) -> str:
     device = torch.device(device)
     emulated = sorted((p for p in device_class.emulated if not p.is_fp8), key=lambda p: p.value)  # (16-bit ones)
     if device_class.type == "cpu":
@@ -55,8 +67,8 @@ def why_nothing_pays(device_class: DeviceClass, device: torch.device | str) -> s
     else:
         where = device_class.describe()
     if not emulated:
-        return f"no 16-bit precision runs on {where}; it trains in fp32 and searches nothing"
+        return f"no 16-bit precision runs on {where}; {consequence}"
     parts = [f"{p.value} is emulated on {where}: a matrix product runs {matmul_slowdown(str(device), p):.0f}x"
              f" slower than in fp32 here" for p in emulated[:1]]
     parts += [f"{p.value} {matmul_slowdown(str(device), p):.0f}x" for p in emulated[1:]]
-    return "; ".join(parts) + ". No 16-bit precision pays, so it trains in fp32 and searches nothing"
+    return "; ".join(parts) + f". No 16-bit precision pays, so {consequence}"

@@ -86,6 +86,8 @@ class CoMPSearch(Callback):
         objective: ``"throughput"``, ``"memory"`` or ``"balanced"``.
         low_precision: ``"auto"``, ``"bf16"`` or ``"fp16"`` (the compute dimension), or ``"off"`` (compute stays
             FP32; only the saved and state dimensions are searched, with ``objective="memory"`` or ``"balanced"``).
+            ``"auto"`` where no 16-bit precision is native searches as ``"off"`` for those objectives, and nothing
+            for ``"throughput"``.
         precisions: ``{dimension: choice}`` for ``saved``, ``state`` and ``master``: ``"auto"``, ``"off"`` or a
             value of that dimension.
         include: plan selectors of operators to trial in low precision whatever the batch stage measures.
@@ -244,7 +246,8 @@ class CoMPSearch(Callback):
             # fp8 entries train eagerly only (a compiled model's plan has none)
             self._state.fp8_precision = (None if self._plugin.compiled
                                          else self.config.resolve_fp8(device, self._state.low_precision))
-        check_low_precision(self.config, self._state.low_precision, device, self._plugin, starting=starting)
+        check_low_precision(self.config, self._state.low_precision, device, self._plugin, starting=starting,
+                            where=model_device(pl_module))
         self._trials = TrialDriver(self.config, self._state, self._plugin, self._budget, self._early_stopping,
                                    self._checkpoints, self._publish, self._capture)
         self._budget.remember(trainer)

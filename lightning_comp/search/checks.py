@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import lightning.pytorch as pl
-from lightning.pytorch.utilities import rank_zero_warn
+import torch
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lightning_comp.adapters import lightning_internals as lightning
 from lightning_comp.devices.device_classes import DeviceClass, model_device
+from lightning_comp.devices.emulation_speed import why_compute_stays_fp32
 from lightning_comp.devices.lowering import Lowering, fp8_refusal, lowering_for
 from lightning_comp.errors import PlanMismatchError, SearchConfigError, UnsupportedSetupError
 from lightning_comp.numerics.precision import ComputePrecision, SavedPrecision
@@ -14,7 +16,7 @@ from lightning_comp.operators.discovery import iter_operators
 from lightning_comp.plan.dimensions import Dimension
 from lightning_comp.plan.selectors import Selectors
 from lightning_comp.plugins.comp import CoMPPrecision
-from lightning_comp.search.config import SearchConfig
+from lightning_comp.search.config import LowPrecision, SearchConfig
 from lightning_comp.search.decisions.objectives import policy_for
 
 __all__ = ["check_low_precision", "check_monitor", "check_optimization", "check_selectors", "check_trainer",
@@ -84,8 +86,9 @@ def check_optimization(pl_module: pl.LightningModule) -> None:
 
 
 def check_low_precision(config: SearchConfig, low: ComputePrecision | None, device: DeviceClass, plugin: CoMPPrecision,
-                        starting: bool) -> None:
-    """Refuse FP16 where it is slow (unless the user insists); warn when an explicit precision is emulated.
+                        starting: bool, where: torch.device | str = "cpu") -> None:
+    """Refuse FP16 where it is slow (unless the user insists); warn when an explicit precision is emulated; say why
+    ``"auto"`` keeps compute in FP32 and searches the memory dimensions alone (``where``: the model's device).
 
     Raises:
         SearchConfigError: for ``low_precision='fp16'`` on a device without fast FP16.
@@ -102,6 +105,8 @@ def check_low_precision(config: SearchConfig, low: ComputePrecision | None, devi
             f" {low} is emulated: its trials run slower than fp32 and the batch stage will most likely"
             " keep fp32. low_precision='auto' skips the search on such a device."
         )
+    if config.low_precision is LowPrecision.AUTO and low is ComputePrecision.FP32 and starting:
+        rank_zero_info(f"CoMPSearch(objective={config.objective.value!r}): {why_compute_stays_fp32(device, where)}.")
 
 
 def check_compiled(config: SearchConfig, plugin: CoMPPrecision) -> None:

@@ -15,11 +15,15 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
+import lightning_comp.search.callback as callback_module
+import lightning_comp.search.checks as checks_module
 from lightning_comp import CoMPPrecision, CoMPSearch, Dimension
+from lightning_comp.devices.device_classes import DeviceClass
 from lightning_comp.errors import SearchConfigError
-from lightning_comp.numerics.precision import MasterPrecision
+from lightning_comp.numerics.precision import ComputePrecision, MasterPrecision
 from lightning_comp.plan.plan import PrecisionPlan
 from lightning_comp.search.candidates import Candidate
+from lightning_comp.search.config import LowPrecision
 from lightning_comp.search.measurement.clocks import single_intra_op_thread
 from tests.helpers.search_models import StateSensitiveMLP, WideMLP, loaders, search_trainer
 
@@ -143,6 +147,33 @@ def test_low_precision_off_searches_memory_alone(tmp_path: Path) -> None:
     assert record["memory_spending"]["amp_step_mib"] is None
     for trial in search.state.trials:
         assert not PrecisionPlan.from_dict(trial.plan).low_operators(trainer.lightning_module)
+
+
+def test_auto_where_no_16_bit_compute_pays_searches_memory_alone(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a device where no 16-bit precision is native (an AVX2-only CPU here), ``low_precision="auto"`` with an
+    objective that weighs memory searches as ``"off"`` does (it used to search nothing, so a memory search there
+    freed no byte), and says why in the device's terms."""
+    avx2 = DeviceClass("cpu", name="AMD EPYC", capability="AVX2",
+                       emulated=frozenset({ComputePrecision.BF16, ComputePrecision.FP16}))
+    monkeypatch.setattr(callback_module, "device_class", lambda device: avx2)
+    told: list[str] = []
+    monkeypatch.setattr(checks_module, "rank_zero_info", told.append)
+    pl.seed_everything(0)
+    search = CoMPSearch(objective="memory", precisions={"saved": "off", "master": "off"}, max_slowdown_vs_fastest=1e6,
+                        verbose=False, measurement={"profile_steps": 3}, max_trials=2)
+    assert search.config.low_precision is LowPrecision.AUTO
+    plugin = CoMPPrecision()
+    trainer = search_trainer(tmp_path, [search], max_epochs=3, plugin=plugin)
+    trainer.fit(ScheduledAdamW(), *loaders())
+    record = search.record
+    assert record is not None and record["low_precision"] == "fp32" and set(record["step_ms"]) == {"fp32"}
+    assert not plugin.plan.low_operators(trainer.lightning_module)
+    assert {plugin.plan.of("state", n).value for n in ("l1", "l2", "l3", "l4")} == {"8bit"}
+    assert len(told) == 1, told
+    assert told[0].startswith("CoMPSearch(objective='memory'): bf16 is emulated on this AVX2 CPU"), told
+    assert told[0].endswith("so compute stays fp32 and only the memory dimensions are searched (saved for backward,"
+                            " optimizer state)."), told
 
 
 @pytest.mark.parametrize(("settings", "match"), [

@@ -80,6 +80,14 @@ def test_cpu_classes_and_what_auto_searches_with(monkeypatch: pytest.MonkeyPatch
     assert all(cpu.runs(p) for p in ComputePrecision)
     assert SearchConfig().resolve_low_precision(cpu) is auto
     assert SearchConfig(low_precision="bf16").resolve_low_precision(cpu) is BF16  # pinned: searched anyway
+    # an objective that weighs memory still searches the memory dimensions where no 16-bit compute pays
+    for objective in ("memory", "balanced"):
+        assert SearchConfig(objective=objective).resolve_low_precision(cpu) is (auto or FP32), objective
+    # ... unless it may try none of them
+    nothing = SearchConfig(objective="memory", precisions={"saved": "off", "state": "off", "master": "off"})
+    assert nothing.resolve_low_precision(cpu) is auto
+    saved_only = SearchConfig(objective="memory", precisions={"state": "off", "master": "off"})
+    assert saved_only.resolve_low_precision(cpu) is (auto or FP32)
 
 
 @pytest.mark.parametrize(
@@ -98,6 +106,7 @@ def test_cuda_classes_and_what_auto_searches_with(monkeypatch: pytest.MonkeyPatc
     assert gpu.native == native and gpu.emulated == emulated
     assert gpu.runs(FP8) is (FP8 in native)
     assert SearchConfig().resolve_low_precision(gpu) is auto
+    assert SearchConfig(objective="memory").resolve_low_precision(gpu) is (auto or FP32)  # sm60: memory alone
     assert ("fp8 native" in gpu.describe()) is (FP8 in native)
 
 

@@ -75,13 +75,14 @@ class SearchConfig:
             ``"balanced"`` also search the ``saved``, ``state`` and ``master`` dimensions (``precisions``) and trial
             those choices like compute precision.
         low_precision: the compute dimension's choice: ``"auto"`` (BF16 on CPUs with AVX512-BF16/AMX and on CUDA
-            >= sm80, FP16 on CUDA sm70-sm75, FP32 without a search where no 16-bit precision is native, e.g.
-            AVX2-only CPUs), ``"bf16"`` or ``"fp16"``. Decided from the device the model trains on, once Lightning
-            has placed it, and kept by a resumed search. ``"off"``: no operator's compute is lowered (every plan the
-            search times or trials computes in FP32, which is then the pace) and only the saved and state dimensions
-            are searched (``objective="memory"`` or ``"balanced"``): memory without touching the model's numerics
-            of compute, on any device, emulated 16-bit ones included (8-bit state, fp8/bf16 storage and recompute
-            need no 16-bit arithmetic).
+            >= sm80, FP16 on CUDA sm70-sm75; where no 16-bit precision is native, e.g. AVX2-only CPUs, compute
+            stays FP32: ``"memory"`` and ``"balanced"`` then search the saved and state dimensions alone, as with
+            ``"off"``, and ``"throughput"`` trains in FP32 without a search), ``"bf16"`` or ``"fp16"``. Decided
+            from the device the model trains on, once Lightning has placed it, and kept by a resumed search.
+            ``"off"``: no operator's compute is lowered (every plan the search times or trials computes in FP32,
+            which is then the pace) and only the saved and state dimensions are searched (``objective="memory"`` or
+            ``"balanced"``): memory without touching the model's numerics of compute, on any device, emulated 16-bit
+            ones included (8-bit state, fp8/bf16 storage and recompute need no 16-bit arithmetic).
         fp8: fp8 compute on top of the 16-bit one, for the ``nn.Linear`` operators fp8 kernels take (in and out
             features multiples of 16): ``"auto"`` (``"fp8"`` where the device has native fp8 matmuls, CUDA from sm89;
             none elsewhere), ``"off"``, ``"fp8"`` (per-tensor scales, torchao's ``tensorwise``) or ``"fp8-rowwise"``
@@ -389,9 +390,13 @@ class SearchConfig:
         return precision if device.runs(precision) else None
 
     def resolve_low_precision(self, device: DeviceClass) -> ComputePrecision | None:
-        """The 16-bit precision to search with on ``device`` (``None`` when none is native there).
+        """The 16-bit precision to search with on ``device``: FP32 where compute is not searched but the memory
+        dimensions are (``"off"``), ``None`` where nothing is searched.
 
-        ``"auto"`` prefers BF16 (no loss scaling), then FP16; an explicit ``"bf16"``/``"fp16"`` is taken as is.
+        ``"auto"`` prefers BF16 (no loss scaling), then FP16; where neither is native (an AVX2-only CPU, a GPU before
+        sm70), an objective that weighs memory still searches the saved and state dimensions, which need no 16-bit
+        arithmetic (FP32), and ``"throughput"`` nothing (``None``). An explicit ``"bf16"``/``"fp16"`` is taken as
+        is.
         """
         if self.low_precision is LowPrecision.OFF:
             return ComputePrecision.FP32
@@ -400,6 +405,8 @@ class SearchConfig:
         for precision in (ComputePrecision.BF16, ComputePrecision.FP16):
             if device.is_native(precision):
                 return precision
+        if self.objective is not Objective.THROUGHPUT and (self.tried(Dimension.SAVED) or self.tried(Dimension.STATE)):
+            return ComputePrecision.FP32  # the memory dimensions alone: storage, 8-bit state and recompute
         return None
 
 
