@@ -107,6 +107,21 @@ def test_a_forecast_too_kind_gives_back_the_increments_past_the_shrunk_allowance
     assert levers_past(picked, 10.0, 16.0, measured_ms=40.0) == {"state:w": None, "saved:y": None}
 
 
+def test_a_whole_step_within_its_rounds_doubt_of_the_bound_keeps_the_forecast() -> None:
+    """The levers fill the room up to the bound, so the median of a few whole-step rounds reads past it about every
+    other search: only a step past the bound at the rounds' fast end shows the forecast too kind (the default
+    example gave back 20 MiB for a step read 0.65 % past: 1146.5 against 1139.0 ms)."""
+    state = _lever("state:w", ("bf16", 16, 1.0), ("8bit", 24, 1.8))
+    saved = _lever("saved:y", ("fp8", 10, 0.8))
+    picked = take_cheapest([state, saved], 100 * MiB, 10.0, max_ms=13.0)
+    assert picked.frontier[-1].step_ms == pytest.approx(12.6)
+    # the median past the bound, the fast end not: within the rounds' doubt, nothing given back
+    assert levers_past(picked, 10.0, 13.0, measured_ms=13.4, measured_fast_ms=12.9) == {}
+    # past it at the fast end too: the median's error shrinks the allowance, as without the interval
+    past = levers_past(picked, 10.0, 13.0, measured_ms=13.4, measured_fast_ms=13.1)
+    assert past == levers_past(picked, 10.0, 13.0, measured_ms=13.4) == {"state:w": "bf16"}
+
+
 def test_levers_of_repeated_blocks_pool_per_dimension_and_keep_other_dimensions_apart() -> None:
     from types import SimpleNamespace
 

@@ -129,6 +129,8 @@ class MemorySpending:
         final_bytes: the chosen plan's step bytes, after anything given back.
         forecast_ms: the chosen plan's step as the levers' measurements add up.
         measured_ms: the same step timed whole (forward and backward measured, updates added; ``None``: not timed).
+        measured_fast_ms: the same at the fast end of the whole-step rounds' interval: levers are given back only
+            where it is past ``max_ms`` (``None``: not timed).
         given_back: levers the whole-step check gave back (the forecast was too kind), in the order they were taken.
         levers: lever label -> the candidates (dimension and operator) it changes.
         options: lever label -> its options, as measured.
@@ -162,6 +164,7 @@ class MemorySpending:
     final_bytes: float = 0.0
     forecast_ms: float = 0.0
     measured_ms: float | None = None
+    measured_fast_ms: float | None = None
     given_back: list[str] = field(default_factory=list)
     levers: dict[str, list[Candidate]] = field(default_factory=dict)
     options: dict[str, list[LeverOption]] = field(default_factory=dict)
@@ -257,17 +260,19 @@ def take_cheapest(levers: list[Lever], step_bytes: float, step_ms: float, max_ms
     return selection
 
 
-def levers_past(selection: Selection, start_ms: float, max_ms: float, measured_ms: float) -> dict[str, str | None]:
-    """The levers to step back when the plan, timed whole, ran at ``measured_ms`` rather than the frontier's
-    forecast: the forecast's error (the time the levers added, measured over forecast) shrinks the time allowance in
-    proportion, and every increment taken past the shrunk allowance is given back (forced levers stay, and so do
-    increments measured to add no time).
+def levers_past(selection: Selection, start_ms: float, max_ms: float, measured_ms: float,
+                measured_fast_ms: float | None = None) -> dict[str, str | None]:
+    """The levers to step back when the plan, timed whole, ran at ``measured_ms`` (by the median of its rounds;
+    ``measured_fast_ms`` at their interval's fast end) rather than the frontier's forecast: the forecast's error (the
+    time the levers added, measured over forecast) shrinks the time allowance in proportion, and every increment taken
+    past the shrunk allowance is given back (forced levers stay, and so do increments measured to add no time).
 
     Returns:
         lever label -> the value it falls back to (its last increment within the allowance), or ``None`` where it
-        gives back everything; empty when the plan is within ``max_ms`` as measured.
+        gives back everything; empty when the plan is within ``max_ms`` as measured, or within the rounds' doubt of
+        it (``measured_fast_ms`` not past ``max_ms``: the forecast stands).
     """
-    if measured_ms <= max_ms:
+    if measured_ms <= max_ms or (measured_fast_ms is not None and measured_fast_ms <= max_ms):
         return {}
     forecast_ms = selection.frontier[-1].step_ms
     error = max((measured_ms - start_ms) / max(forecast_ms - start_ms, 1e-9), 1.0)

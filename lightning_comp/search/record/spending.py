@@ -40,6 +40,7 @@ def spending_record(batch: BatchStageResult | None) -> dict[str, Any] | None:
                          else round(spending.final_bytes / spending.amp_step_bytes, 4)),
         "forecast_ms": round(spending.forecast_ms, 4),
         "measured_ms": None if spending.measured_ms is None else round(spending.measured_ms, 4),
+        "measured_fast_ms": None if spending.measured_fast_ms is None else round(spending.measured_fast_ms, 4),
         "given_back": list(spending.given_back),
         "process_peaks": {label: peak_record(peak) for label, peak in spending.process_peaks.items()},
         "process_target_mib": (None if spending.process_target_bytes is None

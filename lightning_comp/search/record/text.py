@@ -271,6 +271,8 @@ def _spending_section(spending: dict[str, Any] | None) -> list[str]:
     if rows:
         lines.append(format_table(("lever", "value", "step MiB", "step ms", "MiB per ms", ""), rows))
     measured = "" if spending["measured_ms"] is None else f", timed whole {spending['measured_ms']:.2f} ms"
+    if spending["measured_ms"] is not None and spending.get("measured_fast_ms") is not None:
+        measured += f" (at least {spending['measured_fast_ms']:.2f} ms by the rounds' fast end)"
     lines.append(f"Stopped: {spending['stopped']}. The plan's step: {spending.get('final_mib', 0):.1f} MiB{amp},"
                  f" forecast {spending['forecast_ms']:.2f} ms{measured}.")
     costs = spending.get("update_costs") or {}
