@@ -25,6 +25,7 @@ from lightning_comp.plan.plan import PrecisionPlan
 from lightning_comp.search.candidates import Candidate
 from lightning_comp.search.config import LowPrecision
 from lightning_comp.search.measurement.clocks import single_intra_op_thread
+from lightning_comp.search.record.text import format_record
 from tests.helpers.search_models import StateSensitiveMLP, WideMLP, loaders, search_trainer
 
 
@@ -174,6 +175,8 @@ def test_auto_where_no_16_bit_compute_pays_searches_memory_alone(tmp_path: Path,
     assert told[0].startswith("CoMPSearch(objective='memory'): bf16 is emulated on this AVX2 CPU"), told
     assert told[0].endswith("so compute stays fp32 and only the memory dimensions are searched (saved for backward,"
                             " optimizer state)."), told
+    first = format_record(record).splitlines()[0]
+    assert "compute not searched (all " in first and "operators in fp32), " in first and "in 8bit" in first, first
 
 
 @pytest.mark.parametrize(("settings", "match"), [

@@ -260,3 +260,11 @@ def test_recompute_units_of_repeated_blocks_are_pooled_and_the_record_names_them
             assert entry["bytes"]["fp32"] - entry["bytes"]["recompute"] == 3 * freed, entry
     assert {n for n, v in record["saved_lowered"].items() if v == "recompute"} == {
         f"blocks.{i}.{p}" for i in range(3) for p in ("ln", "act")}
+    # each unit's lever is priced by its re-runs, timed directly in backward, one figure for the pooled unit
+    taken = record["memory_spending"]["taken"]
+    for part in ("ln", "act"):
+        direct = {record["operators"][f"blocks.{i}.{part}"]["saved"]["direct_ms"]["recompute"] for i in range(3)}
+        assert len(direct) == 1 and next(iter(direct)) > 0, direct
+        assert "its re-runs timed directly: +" in record["operators"][f"blocks.0.{part}"]["saved"]["reason"]
+        label = next(label for label in taken if label.startswith(f"saved:blocks.0.{part} "))
+        assert taken[label]["extra_ms"] == pytest.approx(next(iter(direct)), abs=1e-3), (label, taken[label])

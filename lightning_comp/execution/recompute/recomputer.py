@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -54,7 +54,7 @@ from lightning_comp.execution.recompute.recipe import (
     outputs_of,
 )
 from lightning_comp.execution.recompute.recognition import RecordedOutputs, match_in_forward
-from lightning_comp.execution.recompute.saved import Pending, Saved, unpack
+from lightning_comp.execution.recompute.saved import Pending, Saved, timed_unpack, unpack
 from lightning_comp.execution.saved_hooks import OuterHooks, hooks_installable
 from lightning_comp.execution.saved_tensors import is_compressor_pack
 from lightning_comp.numerics.precision import ComputePrecision
@@ -145,11 +145,15 @@ class Recomputer:
         self._pack_hook: Callable[[torch.Tensor], Any] | None = None
         self._warned: set[str] = set()
         self._unseen = _Unseen(state)
+        #: Set by a measurement for the steps it times: entered around each backward unpack that re-runs (or reads the
+        #: re-run of) a recompute operator's forward, with that operator's name; read when a step's forward starts.
+        self.unpack_timer: Callable[[str], AbstractContextManager[Any]] | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         # ddp_spawn pickles the plugin: recipes and weak tables belong to this process
         return {**self.__dict__, "_recorded": None, "_calls": [], "_open_calls": [], "_unseen": None,
-                "_recomputed": None, "_pack_hook": None, "_recording": False, "_outer": None}
+                "_recomputed": None, "_pack_hook": None, "_recording": False, "_outer": None,
+                "unpack_timer": None}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
@@ -167,7 +171,8 @@ class Recomputer:
         pack = self._pack_hook = self._pack  # (one bound method: the innermost-hooks test compares it)
         self._recording = True
         try:
-            with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            with torch.autograd.graph.saved_tensors_hooks(pack, unpack if self.unpack_timer is None
+                                                          else timed_unpack(self.unpack_timer)):
                 yield
         finally:
             self._recording = False

@@ -7,10 +7,15 @@
   output exists. The operator's post-hook resolves it: into a :class:`Saved` if the tensor is (a view of) one of the
   outputs, dropping the tensor, else into what the outer saved-tensor hooks packed of it.
 - Anything else was handed on to the outer hooks (:mod:`lightning_comp.execution.saved_hooks`).
+
+:func:`timed_unpack` is :func:`unpack` with a timer around each recipe read: the search's measurement of what a
+recomputation adds, timed directly rather than as the difference of two whole operators' times.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -19,7 +24,7 @@ from lightning_comp.adapters.torch_internals import tensor_version
 from lightning_comp.execution.recompute.recipe import OutputCast, Recipe, View
 from lightning_comp.execution.saved_hooks import OuterHooks, take_back
 
-__all__ = ["Pending", "Saved", "unpack"]
+__all__ = ["Pending", "Saved", "timed_unpack", "unpack"]
 
 
 class Saved:
@@ -73,3 +78,23 @@ def unpack(saved: Any) -> torch.Tensor:
     if isinstance(saved, (Saved, Pending)):
         return saved.unpack()
     return take_back(saved)  # type: ignore[no-any-return]
+
+
+def timed_unpack(timer: Callable[[str], AbstractContextManager[Any]]) -> Callable[[Any], torch.Tensor]:
+    """:func:`unpack`, with ``timer(name)`` entered around each unpack of a recipe's output (the re-run of operator
+    ``name``'s forward, or the read of a form already re-run): what a measurement charges to recomputing it."""
+
+    def unpack_timed(saved: Any) -> torch.Tensor:
+        recipe = _recipe_of(saved)
+        if recipe is None:
+            return unpack(saved)
+        with timer(recipe.op.name):
+            return unpack(saved)
+
+    return unpack_timed
+
+
+def _recipe_of(saved: Any) -> Recipe | None:
+    if isinstance(saved, Pending):
+        saved = saved.saved
+    return saved.recipe if isinstance(saved, Saved) else None

@@ -46,6 +46,9 @@ class SavedDecision:
             ReLU, in a recompute unit, saving the output the next convolution saves as its input): they keep it as
             computed, or their recomputation replaces every form of it, so a codec of this operator frees nothing
             and its codec options are not offered to the memory levers (empty: none).
+        direct_ms: per precision, what it adds to a step timed directly (the whole unit's, for a recompute unit: the
+            re-runs of its members' forwards in backward, :mod:`~lightning_comp.search.measurement.recompute_timing`),
+            which prices its memory lever instead of ``time_ratios`` (empty: not timed so).
     """
 
     decision: SavedPrecision = SavedPrecision.FP32
@@ -59,6 +62,7 @@ class SavedDecision:
     unit: str | None = None
     timed: tuple[str, ...] | None = None
     held_by: tuple[str, ...] = ()
+    direct_ms: dict[str, float] = field(default_factory=dict)
 
     @property
     def lowers(self) -> bool:

@@ -153,6 +153,8 @@ def saved_record(decision: SavedDecision) -> dict[str, Any]:
         out["held_by"] = list(decision.held_by)
     if decision.forced:
         out["forced"] = True
+    if decision.direct_ms:
+        out["direct_ms"] = {value: round(ms, 4) for value, ms in decision.direct_ms.items()}
     return out
 
 

@@ -16,10 +16,11 @@ def _ms(value: Any) -> str:
 def format_record(record: dict[str, Any]) -> str:
     """The decision record of a :class:`~lightning_comp.CoMPSearch` as text: trials, operators, cost."""
     low = record.get("low_precision") or "16 bits"
+    operators_in = (f"{record.get('lowered_operator_count', len(record.get('lowered_operators', [])))} of"
+                    f" {record.get('num_operators', 0)} operators in {low}" if low != "fp32" else
+                    f"compute not searched (all {record.get('num_operators', 0)} operators in fp32)")
     out = [
-        f"CoMPSearch: chose '{record.get('chosen_trial')}' ({record.get('finish_reason')}):"
-        f" {record.get('lowered_operator_count', len(record.get('lowered_operators', [])))} of"
-        f" {record.get('num_operators', 0)} operators in {low}"
+        f"CoMPSearch: chose '{record.get('chosen_trial')}' ({record.get('finish_reason')}): {operators_in}"
         + (f" ({len(record['lowered_operators'])} plan entries: {', '.join(record['lowered_operators'])})"
            if record.get("lowered_operators") else "")
         + (f", {len(record['saved_lowered'])} save for backward in "

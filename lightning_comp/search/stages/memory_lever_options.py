@@ -7,7 +7,9 @@ every operator it timed at the precision each computes in under the base plan; a
 and its bf16 master where it computes in bf16, priced by the update's cost model fitted over every operator's timings
 (:mod:`lightning_comp.search.decisions.update_costs`). A saved codec (bf16, fp8) is priced by a model of the same kind,
 fitted per codec over every operator (or group) whose codec was timed
-(:mod:`lightning_comp.search.decisions.codec_costs`), so operators saving tensors of one size get one price. Levers of
+(:mod:`lightning_comp.search.decisions.codec_costs`), so operators saving tensors of one size get one price; a
+recompute unit by its re-runs timed directly (:mod:`lightning_comp.search.measurement.recompute_timing`), not by the
+difference its members' and consumers' whole times showed. Levers of
 operators playing the same part in repeated blocks are pooled into one (their bytes and times summed), as their compute
 precision is decided. A recompute unit and the codec lever of the operators that consume its output (and save it for
 backward) are one lever of exclusive options (:meth:`LeverBuilder._with_consumers`): recomputed, the unit's output is
@@ -85,7 +87,9 @@ class LeverBuilder:
                         if entry.held_by and SavedPrecision(value).compresses and not entry.forced:
                             continue  # another operator keeps the tensor (or recomputes it): frees nothing
                         model = self.codec_costs.get(SavedPrecision(value))
-                        extra_ms = (model.extra_ms(len(timed), int(own)) if model is not None
+                        direct = entry.direct_ms.get(value)
+                        extra_ms = (direct if direct is not None else
+                                    model.extra_ms(len(timed), int(own)) if model is not None
                                     else base_ms * max(median - 1.0, 0.0))
                         options.append(LeverOption(value, own - nbytes, max(extra_ms, 0.0)))
                         writes[value] = LeverChange({m: {Dimension.SAVED: value} for m in members})

@@ -49,6 +49,7 @@ from lightning_comp.search.decisions.saved import (
 )
 from lightning_comp.search.measurement.estimates import ExtraRounds, RatioEstimate, paired_ratio
 from lightning_comp.search.measurement.profiling import OperatorProfiler, ProfileResult
+from lightning_comp.search.measurement.recompute_timing import RecomputeTimes
 from lightning_comp.search.ranks import reduce_profile
 from lightning_comp.search.stages.context import StageContext
 
@@ -66,6 +67,7 @@ class SavedStage:
     def __init__(self, ctx: StageContext) -> None:
         self.ctx = ctx
         self.policy = ctx.policy
+        self._recompute_times: RecomputeTimes | None = None  # the recompute configuration's re-runs, once profiled
 
     def eligible(self, order: list[str]) -> list[str]:
         """Operators whose saved precision may be lowered: all that ran, but shape-only and excluded ones."""
@@ -113,6 +115,10 @@ class SavedStage:
             ctx.step()
         configs: dict[SavedPrecision, Callable[[], Any]] = {label: ctx.measured(plan) for label, plan in plans.items()}
         measurement = config.measurement
+        if recomputable:  # what the re-runs add, timed directly: the recompute levers' price
+            self._recompute_times = RecomputeTimes(ctx.clock)
+            configs[SavedPrecision.RECOMPUTE] = self._recompute_times.around(ctx.plugin.executor.recomputer,
+                                                                             configs[SavedPrecision.RECOMPUTE])
         profiler = OperatorProfiler(ctx.pl_module, ctx.clock, measurement.profile_steps, measurement.profile_warmup)
         # the bar counts rounds (each measures every configuration)
         profiler.on_round = ctx.show_rounds(ctx.first_rounds, "saved precision, per operator")
@@ -154,7 +160,19 @@ class SavedStage:
         operators' time ratio is past the step's bound (a ratio of a small part of the step is not the step's: the
         levers weigh its milliseconds against the step's allowance); its members then have no codec decision."""
         keep = self.policy.keep
-        for name, decision in judge_units(self.policy, self._units(results, recomputable)).items():
+        units = self._units(results, recomputable)
+        unit_ms: dict[str, float | None] = {}
+        times = self._recompute_times
+        if times is not None:
+            skip = self.ctx.config.measurement.profile_warmup
+            direct = self.ctx.agree({unit.label: times.median_ms(unit.members, skip) for unit in units})
+            unit_ms = {name: direct[unit.label] for unit in units for name in unit.members}
+        for name, decision in judge_units(self.policy, units).items():
+            timed = unit_ms.get(name)
+            if timed is not None:
+                decision.direct_ms = {SavedPrecision.RECOMPUTE.value: timed}
+                decision.reason = (f"{decision.reason}; its re-runs timed directly: +{timed:.3f} ms a step (the"
+                                   " recompute lever's price)")
             before, after = decision.bytes.get("fp32", 0), decision.bytes.get(SavedPrecision.RECOMPUTE.value)
             if not decision.lowers and after is not None and before > 0 and after <= before * keep:
                 share = (before - after) / max(len(decision.group or (name,)), 1)
