@@ -191,7 +191,7 @@ def _pre_hook(op: HookedOperator, state: StepState, casts: WeightCastRecorder, c
             if saving is not None:
                 contexts.append(saving)
         if saved.compresses:
-            hooks = compressor.context(saved)
+            hooks = compressor.context(saved, op.name)
             if hooks is not None:
                 contexts.append(hooks)
         if contexts:

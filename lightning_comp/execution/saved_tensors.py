@@ -71,13 +71,20 @@ def _from_parameter(tensor: torch.Tensor, depth: int = 4) -> bool:
     return False
 
 
+#: What times a codec's work for a measurement: entered around each compression and decompression, with the name of
+#: the operator whose saved tensor it is.
+CodecTimer = Callable[[str], AbstractContextManager[Any]]
+
+
 @dataclass(frozen=True)
 class _Stored:
-    """A compressed saved tensor: its stored data (handed on to the outer hooks), dtype and scale."""
+    """A compressed saved tensor: its stored data (handed on to the outer hooks), dtype and scale; and, where a
+    measurement times the codec, its timer and the operator that saved it."""
 
     data: Any
     dtype: torch.dtype
     inverse_scale: torch.Tensor | None
+    timed: tuple[CodecTimer, str] | None = None
 
 
 class SavedTensorCompressor:
@@ -101,10 +108,13 @@ class SavedTensorCompressor:
         self._shared: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
         self.compressed_bytes = 0  # bytes of the tensors compressed so far (for inspection and tests)
         self.stored_bytes = 0  # what they take compressed
+        #: Set by a measurement for the steps it times: entered around each compression in the forward and each
+        #: decompression in backward, with the saving operator's name; read when an operator's hooks are entered.
+        self.codec_timer: CodecTimer | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         # ddp_spawn pickles the plugin: shared copies and storage addresses belong to this process
-        return {**self.__dict__, "_shared": None, "_parameters": set()}
+        return {**self.__dict__, "_shared": None, "_parameters": set(), "codec_timer": None}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
@@ -124,12 +134,14 @@ class SavedTensorCompressor:
         """Forget shared compressed tensors (at the end of a step: the graph holds what it needs)."""
         self._shared = WeakTensorKeyDictionary()
 
-    def context(self, saved: SavedPrecision) -> AbstractContextManager[Any] | None:
-        """The hooks of an operator that saves at ``saved``, to enter for its forward (``None``: nothing to do)."""
+    def context(self, saved: SavedPrecision, name: str = "") -> AbstractContextManager[Any] | None:
+        """The hooks of operator ``name`` that saves at ``saved``, to enter for its forward (``None``: nothing to
+        do)."""
         if not saved.compresses or not hooks_installable():
             return None
-        return _EnteredHooks(lambda: torch.autograd.graph.saved_tensors_hooks(self._pack_hook(saved, OuterHooks()),
-                                                                              _unpack))
+        timed = None if self.codec_timer is None else (self.codec_timer, name)
+        return _EnteredHooks(lambda: torch.autograd.graph.saved_tensors_hooks(
+            self._pack_hook(saved, OuterHooks(), timed), _unpack))
 
     def keeps(self, tensor: torch.Tensor, saved: SavedPrecision) -> bool:
         """Whether ``tensor`` is saved as it is (a parameter or a form of one, too small, or no smaller)."""
@@ -145,12 +157,17 @@ class SavedTensorCompressor:
             return True
         return self._defers is not None and self._defers(tensor)
 
-    def _pack_hook(self, saved: SavedPrecision, outer: OuterHooks) -> Callable[[torch.Tensor], Any]:
+    def _pack_hook(self, saved: SavedPrecision, outer: OuterHooks,
+                   timed: tuple[CodecTimer, str] | None = None) -> Callable[[torch.Tensor], Any]:
         def pack(tensor: torch.Tensor) -> Any:
             if self.keeps(tensor, saved):
                 return outer.hand_on(tensor)
-            compressed = self._shared_copy(tensor, saved)
-            return _Stored(outer.hand_on(compressed.data), compressed.dtype, compressed.inverse_scale)
+            if timed is None:
+                compressed = self._shared_copy(tensor, saved)
+            else:
+                with timed[0](timed[1]):
+                    compressed = self._shared_copy(tensor, saved)
+            return _Stored(outer.hand_on(compressed.data), compressed.dtype, compressed.inverse_scale, timed)
 
         setattr(pack, _MARK, True)
         return pack
@@ -172,7 +189,11 @@ class SavedTensorCompressor:
 
 def _unpack(saved: Any) -> torch.Tensor:
     if isinstance(saved, _Stored):
-        return decompress(CompressedTensor(take_back(saved.data), saved.dtype, saved.inverse_scale))
+        stored = CompressedTensor(take_back(saved.data), saved.dtype, saved.inverse_scale)
+        if saved.timed is None:
+            return decompress(stored)
+        with saved.timed[0](saved.timed[1]):
+            return decompress(stored)
     return take_back(saved)
 
 

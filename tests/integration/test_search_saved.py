@@ -164,6 +164,8 @@ def test_batch_stage_decides_saved_precision_from_measured_bytes(tmp_path: Path)
         assert "may recompute it" in entry["reason"] or "in time" in entry["reason"], (name, entry)
         # and its codec is not offered to the levers either (on cnn one was taken: 4 MiB more, not less)
         assert entry["held_by"], (name, entry)
+        # its fp8 casts were timed directly (what the codec model is fitted on)
+        assert entry["direct_ms"]["fp8"] > 0, (name, entry)
     for name in ("a1", "a2", "a3", "a4"):  # the cheap ones recompute (precisions saved "auto"), judged together
         entry = record["operators"][name]["saved"]
         assert entry["decision"] == "recompute" and entry["bytes"]["recompute"] < entry["bytes"]["fp32"], entry

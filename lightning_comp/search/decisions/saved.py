@@ -46,9 +46,10 @@ class SavedDecision:
             ReLU, in a recompute unit, saving the output the next convolution saves as its input): they keep it as
             computed, or their recomputation replaces every form of it, so a codec of this operator frees nothing
             and its codec options are not offered to the memory levers (empty: none).
-        direct_ms: per precision, what it adds to a step timed directly (the whole unit's, for a recompute unit: the
-            re-runs of its members' forwards in backward, :mod:`~lightning_comp.search.measurement.recompute_timing`),
-            which prices its memory lever instead of ``time_ratios`` (empty: not timed so).
+        direct_ms: per precision, what it adds to a step timed directly (its group's or recompute unit's, whole: a
+            codec's casts, or the re-runs of the unit's forwards in backward;
+            :mod:`~lightning_comp.search.measurement.direct_timing`), which prices its memory lever instead of
+            ``time_ratios`` (empty: not timed so).
     """
 
     decision: SavedPrecision = SavedPrecision.FP32

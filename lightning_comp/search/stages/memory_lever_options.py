@@ -1,22 +1,21 @@
 """The memory levers the saved and parameter stages measured, as the spending takes them: each a
-:class:`~lightning_comp.search.decisions.cheapest_bytes.Lever` of mutually exclusive options (bytes freed, time
-added), with what each option writes into the plan (:class:`LeverChange`).
+:class:`~lightning_comp.search.decisions.cheapest_bytes.Lever` of mutually exclusive options (bytes freed, time added),
+with what each option writes into the plan (:class:`LeverChange`).
 
 :class:`LeverBuilder` reads the operators' decisions: an operator's (or recompute unit's) saved precisions, priced over
 every operator it timed at the precision each computes in under the base plan; an operator's optimizer-state formats,
 and its bf16 master where it computes in bf16, priced by the update's cost model fitted over every operator's timings
 (:mod:`lightning_comp.search.decisions.update_costs`). A saved codec (bf16, fp8) is priced by a model of the same kind,
 fitted per codec over every operator (or group) whose codec was timed
-(:mod:`lightning_comp.search.decisions.codec_costs`), so operators saving tensors of one size get one price; a
-recompute unit by its re-runs timed directly (:mod:`lightning_comp.search.measurement.recompute_timing`), not by the
-difference its members' and consumers' whole times showed. Levers of
-operators playing the same part in repeated blocks are pooled into one (their bytes and times summed), as their compute
-precision is decided. A recompute unit and the codec lever of the operators that consume its output (and save it for
-backward) are one lever of exclusive options (:meth:`LeverBuilder._with_consumers`): recomputed, the unit's output is
-stored as a recipe wherever it is saved, so the consumers' compressed copy would free nothing more (two levers would
+(:mod:`lightning_comp.search.decisions.codec_costs`), so operators saving tensors of one size get one price; a recompute
+unit by its re-runs timed directly. The codec model's samples are the casts timed directly too
+(:mod:`lightning_comp.search.measurement.direct_timing`), not the difference the operators' whole times showed. Levers
+of operators playing the same part in repeated blocks are pooled into one (their bytes and times summed), as their
+compute precision is decided. A recompute unit and the codec lever of the operators that consume its output (and save it
+for backward) are one lever of exclusive options (:meth:`LeverBuilder._with_consumers`): recomputed, the unit's output
+is stored as a recipe wherever it is saved, so the consumers' compressed copy would free nothing more (two levers would
 count those bytes twice, and the codec's time, which is then never spent).
-:mod:`lightning_comp.search.stages.memory_stage` ranks and takes them.
-"""
+:mod:`lightning_comp.search.stages.memory_stage` ranks and takes them."""
 
 from __future__ import annotations
 
@@ -86,11 +85,12 @@ class LeverBuilder:
                             continue  # saves too little
                         if entry.held_by and SavedPrecision(value).compresses and not entry.forced:
                             continue  # another operator keeps the tensor (or recomputes it): frees nothing
+                        # a codec by its model (fitted over every operator's directly timed casts), a recompute
+                        # unit by its own re-runs timed directly, else by its time ratio
                         model = self.codec_costs.get(SavedPrecision(value))
                         direct = entry.direct_ms.get(value)
-                        extra_ms = (direct if direct is not None else
-                                    model.extra_ms(len(timed), int(own)) if model is not None
-                                    else base_ms * max(median - 1.0, 0.0))
+                        extra_ms = (model.extra_ms(len(timed), int(own)) if model is not None
+                                    else direct if direct is not None else base_ms * max(median - 1.0, 0.0))
                         options.append(LeverOption(value, own - nbytes, max(extra_ms, 0.0)))
                         writes[value] = LeverChange({m: {Dimension.SAVED: value} for m in members})
                     if options:
@@ -249,7 +249,8 @@ def _fitted_codec_costs(decisions: dict[str, OperatorDecision],
         for value, (median, *_) in entry.time_ratios.items():
             codec = SavedPrecision(value)
             if codec.compresses and 0 < entry.bytes.get(value, own) < own:  # its time is the codec's, held or not
-                samples.setdefault(codec, []).append(CodecSample(len(timed), own, timed_ms(timed) * (median - 1)))
+                extra = entry.direct_ms.get(value, timed_ms(timed) * (median - 1))  # its casts timed, where they were
+                samples.setdefault(codec, []).append(CodecSample(len(timed), own, extra))
     fitted = {codec: fit_codec_cost(measured) for codec, measured in samples.items()}
     return {codec: model for codec, model in fitted.items() if model is not None}
 

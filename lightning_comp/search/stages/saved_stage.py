@@ -47,9 +47,9 @@ from lightning_comp.search.decisions.saved import (
     sharing_groups,
     unshared_choices,
 )
+from lightning_comp.search.measurement.direct_timing import DirectTimes, Timer
 from lightning_comp.search.measurement.estimates import ExtraRounds, RatioEstimate, paired_ratio
 from lightning_comp.search.measurement.profiling import OperatorProfiler, ProfileResult
-from lightning_comp.search.measurement.recompute_timing import RecomputeTimes
 from lightning_comp.search.ranks import reduce_profile
 from lightning_comp.search.stages.context import StageContext
 
@@ -67,7 +67,7 @@ class SavedStage:
     def __init__(self, ctx: StageContext) -> None:
         self.ctx = ctx
         self.policy = ctx.policy
-        self._recompute_times: RecomputeTimes | None = None  # the recompute configuration's re-runs, once profiled
+        self._direct: dict[SavedPrecision, DirectTimes] = {}  # each configuration's codec or re-runs, once profiled
 
     def eligible(self, order: list[str]) -> list[str]:
         """Operators whose saved precision may be lowered: all that ran, but shape-only and excluded ones."""
@@ -115,10 +115,14 @@ class SavedStage:
             ctx.step()
         configs: dict[SavedPrecision, Callable[[], Any]] = {label: ctx.measured(plan) for label, plan in plans.items()}
         measurement = config.measurement
-        if recomputable:  # what the re-runs add, timed directly: the recompute levers' price
-            self._recompute_times = RecomputeTimes(ctx.clock)
-            configs[SavedPrecision.RECOMPUTE] = self._recompute_times.around(ctx.plugin.executor.recomputer,
-                                                                             configs[SavedPrecision.RECOMPUTE])
+        # what the codecs' casts and the re-runs add, timed directly: the levers' prices
+        executor = ctx.plugin.executor
+        for label in configs:
+            if label is not SavedPrecision.FP32:
+                self._direct[label] = DirectTimes(ctx.clock)
+                configs[label] = self._direct[label].around(
+                    _installer(executor.recomputer, "unpack_timer") if label.recomputes
+                    else _installer(executor.saved_tensors, "codec_timer"), configs[label])
         profiler = OperatorProfiler(ctx.pl_module, ctx.clock, measurement.profile_steps, measurement.profile_warmup)
         # the bar counts rounds (each measures every configuration)
         profiler.on_round = ctx.show_rounds(ctx.first_rounds, "saved precision, per operator")
@@ -162,7 +166,7 @@ class SavedStage:
         keep = self.policy.keep
         units = self._units(results, recomputable)
         unit_ms: dict[str, float | None] = {}
-        times = self._recompute_times
+        times = self._direct.get(SavedPrecision.RECOMPUTE)
         if times is not None:
             skip = self.ctx.config.measurement.profile_warmup
             direct = self.ctx.agree({unit.label: times.median_ms(unit.members, skip) for unit in units})
@@ -184,6 +188,19 @@ class SavedStage:
                 result.choices[name] = decision.decision
                 result.benefits[Candidate.saved(name)] = decision.benefit
 
+    def _codec_ms(self, groups: list[tuple[str, ...]], options: tuple[SavedPrecision, ...],
+                  ) -> list[dict[str, float]]:
+        """Per group of operators saving the same tensors, what each codec's casts took per step, timed directly
+        (:mod:`~lightning_comp.search.measurement.direct_timing`; empty where the codec was not profiled so)."""
+        if not any(s in self._direct for s in options):
+            return [{} for _ in groups]
+        skip = self.ctx.config.measurement.profile_warmup
+        measured = []
+        for group in groups:
+            timed = {s.value: self._direct[s].median_ms(group, skip) for s in options if s in self._direct}
+            measured.append({value: ms for value, ms in timed.items() if ms is not None})
+        return list(self.ctx.agree(measured))
+
     def _decide(self, results: dict[SavedPrecision, ProfileResult], eligible: list[str],
                 options: tuple[SavedPrecision, ...], decisions: dict[str, OperatorDecision],
                 result: SavedStageResult) -> SavedStageResult:
@@ -191,7 +208,9 @@ class SavedStage:
         included, modules = self.ctx.config.included(Dimension.SAVED), self.ctx.modules
         base = results[SavedPrecision.FP32]
         ran = [n for n in eligible if n in base.operators]
-        for group in sharing_groups(ran, base.sharing) if options else []:
+        groups = sharing_groups(ran, base.sharing) if options else []
+        direct = self._codec_ms(groups, options)
+        for group, codec_ms in zip(groups, direct):
             measured: dict[SavedPrecision, tuple[int, RatioEstimate]] = {
                 s: (sum(results[s].operators[n].own_saved_bytes for n in group),
                     paired_ratio(base.summed_series(group), results[s].summed_series(group)))
@@ -201,6 +220,7 @@ class SavedStage:
             for name in group:
                 decision = _share_of(shared, group)
                 decision.held_by = held_by
+                decision.direct_ms = dict(codec_ms)
                 if included.matches(name, modules[name]):
                     decision.forced = True
                     if not decision.lowers:
@@ -231,6 +251,11 @@ class SavedStage:
                                 " so compressing it frees nothing")
         return result
 
+
+
+def _installer(hooks: Any, attribute: str) -> Callable[[Timer | None], None]:
+    """What hands a timer to ``hooks`` (the recompute hooks, or the codecs') for the steps a measurement times."""
+    return lambda timer: setattr(hooks, attribute, timer)
 
 
 def _share_of(shared: SavedDecision, group: tuple[str, ...]) -> SavedDecision:

@@ -13,7 +13,7 @@ from torch import nn
 from lightning_comp import PrecisionPlan
 from lightning_comp.execution.executor import PlanExecutor, StepKind
 from lightning_comp.search.measurement.clocks import ThreadCpuClock, WallClock
-from lightning_comp.search.measurement.recompute_timing import RecomputeTimes
+from lightning_comp.search.measurement.direct_timing import DirectTimes
 
 SPIN_S = 0.004
 
@@ -33,13 +33,13 @@ def _model() -> nn.Module:
     return nn.Sequential(nn.Linear(8, 32), SpinningGELU(), nn.Linear(32, 8), nn.GELU(), nn.Linear(8, 2))
 
 
-def _steps(plan: dict[str, Any], steps: int, clock: Any | None) -> tuple[RecomputeTimes | None, list[float]]:
+def _steps(plan: dict[str, Any], steps: int, clock: Any | None) -> tuple[DirectTimes | None, list[float]]:
     """``steps`` training steps of a fresh model under ``plan``, each timed by ``clock`` (``None``: untimed)."""
     model, executor = _model(), PlanExecutor()
     executor.apply(model, PrecisionPlan.from_dict(plan))
-    times = None if clock is None else RecomputeTimes(clock)
+    times = None if clock is None else DirectTimes(clock)
     activate = (lambda: executor.step(StepKind.TRAIN)) if times is None else times.around(
-        executor.recomputer, lambda: executor.step(StepKind.TRAIN))
+        lambda timer: setattr(executor.recomputer, "unpack_timer", timer), lambda: executor.step(StepKind.TRAIN))
     g = torch.Generator().manual_seed(1)
     losses = []
     for _ in range(steps):
@@ -78,5 +78,36 @@ def test_each_re_run_is_charged_to_its_operator_step_by_step() -> None:
 def test_nothing_recomputed_nothing_timed() -> None:
     times, _ = _steps({}, 2, WallClock())
     assert times is not None and times.steps == [{}, {}] and times.median_ms(["1"]) == 0.0
-    assert RecomputeTimes(WallClock()).median_ms(["1"]) is None  # no step timed
+    assert DirectTimes(WallClock()).median_ms(["1"]) is None  # no step timed
     assert times.median_ms(["1"], skip=2) is None
+
+
+def test_a_codec_is_charged_its_compressions_and_decompressions() -> None:
+    """Each operator saving bf16 or fp8 is charged what its own casts took, in the forward and in backward; an
+    operator saving as computed is not charged."""
+    plan = {"0": {"saved": "fp8"}, "2": {"saved": "bf16"}}
+    model, executor = _model(), PlanExecutor(min_saved_bytes=0)
+    executor.apply(model, PrecisionPlan.from_dict(plan))
+    times = DirectTimes(ThreadCpuClock())
+    reads: list[str] = []
+
+    def install(timer: Any) -> None:
+        if timer is None:
+            executor.saved_tensors.codec_timer = None
+            return
+
+        def counted(name: str) -> Any:
+            reads.append(name)
+            return timer(name)
+
+        executor.saved_tensors.codec_timer = counted
+
+    activate = times.around(install, lambda: executor.step(StepKind.TRAIN))
+    x, y = torch.randn(16, 8), torch.randint(0, 2, (16,))
+    with activate():
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+    assert executor.saved_tensors.codec_timer is None and executor.saved_tensors.compressed_bytes > 0
+    # each Linear saves its input: compressed once in the forward, decompressed once in backward
+    assert sorted(reads) == ["0", "0", "2", "2"], reads
+    assert set(times.steps[0]) == {"0", "2"} and all(ms > 0 for ms in times.steps[0].values()), times.steps
