@@ -285,7 +285,8 @@ def _spending_section(spending: dict[str, Any] | None) -> list[str]:
     if codecs:
         lines.append("Saved codecs priced by their cost model over every operator: " + ", ".join(
             f"{codec} +{1000 * cost['per_operator_ms']:.0f} us per operator + {cost['per_mib_ms']:.3f} ms per MiB"
-            f" saved as computed ({cost['operators']} operators)" for codec, cost in codecs.items()) + ".")
+            f" saved as computed ({cost['operators']} operators)" for codec, cost in codecs.items())
+            + ", fitted on the casts timed directly in the profiled steps.")
     peaks = spending.get("process_peaks") or {}
     if peaks:
         lines.append("The process's peak over one step (MiB: live heap / OS, or CUDA reserved / allocated): "

@@ -11,7 +11,9 @@ read from the same two profiles; a unit whose rounds straddle the bound gets mor
 within ``extra_profile_time``), so the cheap part of a model's recomputation is kept when the whole would be too
 slow; a unit that frees enough bytes is offered to the memory levers whatever its own time ratio; the operators not
 recomputed are judged for ``bf16``/``fp8``. What is taken is decided with every other memory lever, cheapest bytes
-first (:mod:`lightning_comp.search.stages.memory_stage`).
+first (:mod:`lightning_comp.search.stages.memory_stage`). In the profiled steps, what each lever adds is also timed
+directly (:mod:`lightning_comp.search.measurement.direct_timing`: a unit's re-runs in backward, a codec's casts): the
+levers' prices, where the time ratios judge.
 
 Saved lowerings join the compute candidates in the epoch stage's group testing as candidates of the ``saved``
 dimension (:class:`~lightning_comp.search.candidates.Candidate`), in execution order beside their operator, so a
