@@ -206,6 +206,9 @@ def test_balanced_takes_each_lever_that_makes_the_step_better_in_time_x_memory(t
     frontier = spending["frontier"]
     for before, after in zip(frontier, frontier[1:]):
         assert after["step_mib"] < before["step_mib"]
-        assert after["step_mib"] * after["step_ms"] <= before["step_mib"] * before["step_ms"] + 1e-6
+        # (the record rounds MiB to 3 decimals and ms to 4: an increment freeing 0.9 % of the bytes for 0.9 % more
+        # time read 36.4922 against 36.4922 MiB x ms, past by rounding alone)
+        slack = 0.0005 * (before["step_ms"] + after["step_ms"]) + 0.00005 * (before["step_mib"] + after["step_mib"])
+        assert after["step_mib"] * after["step_ms"] <= before["step_mib"] * before["step_ms"] + slack
     assert all("time x memory" in why for why in spending["skipped"].values())
     assert "saved_step" not in record and "check" not in record["parameter_step"]
