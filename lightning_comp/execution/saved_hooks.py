@@ -11,6 +11,7 @@ compressed activation still moves to the CPU under ``save_on_cpu``.
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,7 +19,11 @@ import torch
 
 from lightning_comp.adapters.torch_internals import saved_tensors_hooks_enabled, top_saved_tensors_hooks
 
-__all__ = ["OuterHooks", "hooks_installable", "take_back"]
+__all__ = ["HookTimer", "OuterHooks", "hooks_installable", "take_back"]
+
+#: What a measurement enters around a piece of the hooks' work (a codec's cast, a recipe's re-run), with the name of
+#: the operator it is charged to (:mod:`lightning_comp.search.measurement.direct_timing`).
+HookTimer = Callable[[str], AbstractContextManager[Any]]
 
 
 @dataclass(frozen=True)

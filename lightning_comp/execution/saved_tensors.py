@@ -39,7 +39,7 @@ from lightning_comp.adapters.torch_internals import (
     tensor_version,
 )
 from lightning_comp.errors import ConfigError
-from lightning_comp.execution.saved_hooks import OuterHooks, hooks_installable, take_back
+from lightning_comp.execution.saved_hooks import HookTimer, OuterHooks, hooks_installable, take_back
 from lightning_comp.numerics.codecs import CompressedTensor, compress, decompress, shrinks
 from lightning_comp.numerics.precision import SavedPrecision
 
@@ -71,11 +71,6 @@ def _from_parameter(tensor: torch.Tensor, depth: int = 4) -> bool:
     return False
 
 
-#: What times a codec's work for a measurement: entered around each compression and decompression, with the name of
-#: the operator whose saved tensor it is.
-CodecTimer = Callable[[str], AbstractContextManager[Any]]
-
-
 @dataclass(frozen=True)
 class _Stored:
     """A compressed saved tensor: its stored data (handed on to the outer hooks), dtype and scale; and, where a
@@ -84,7 +79,7 @@ class _Stored:
     data: Any
     dtype: torch.dtype
     inverse_scale: torch.Tensor | None
-    timed: tuple[CodecTimer, str] | None = None
+    timed: tuple[HookTimer, str] | None = None
 
 
 class SavedTensorCompressor:
@@ -110,7 +105,7 @@ class SavedTensorCompressor:
         self.stored_bytes = 0  # what they take compressed
         #: Set by a measurement for the steps it times: entered around each compression in the forward and each
         #: decompression in backward, with the saving operator's name; read when an operator's hooks are entered.
-        self.codec_timer: CodecTimer | None = None
+        self.codec_timer: HookTimer | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         # ddp_spawn pickles the plugin: shared copies and storage addresses belong to this process
@@ -158,7 +153,7 @@ class SavedTensorCompressor:
         return self._defers is not None and self._defers(tensor)
 
     def _pack_hook(self, saved: SavedPrecision, outer: OuterHooks,
-                   timed: tuple[CodecTimer, str] | None = None) -> Callable[[torch.Tensor], Any]:
+                   timed: tuple[HookTimer, str] | None = None) -> Callable[[torch.Tensor], Any]:
         def pack(tensor: torch.Tensor) -> Any:
             if self.keeps(tensor, saved):
                 return outer.hand_on(tensor)

@@ -86,7 +86,7 @@ def check_optimization(pl_module: pl.LightningModule) -> None:
 
 
 def check_low_precision(config: SearchConfig, low: ComputePrecision | None, device: DeviceClass, plugin: CoMPPrecision,
-                        starting: bool, where: torch.device | str = "cpu") -> None:
+                        starting: bool, where: torch.device | str) -> None:
     """Refuse FP16 where it is slow (unless the user insists); warn when an explicit precision is emulated; say why
     ``"auto"`` keeps compute in FP32 and searches the memory dimensions alone (``where``: the model's device).
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -55,7 +55,7 @@ from lightning_comp.execution.recompute.recipe import (
 )
 from lightning_comp.execution.recompute.recognition import RecordedOutputs, match_in_forward
 from lightning_comp.execution.recompute.saved import Pending, Saved, timed_unpack, unpack
-from lightning_comp.execution.saved_hooks import OuterHooks, hooks_installable
+from lightning_comp.execution.saved_hooks import HookTimer, OuterHooks, hooks_installable
 from lightning_comp.execution.saved_tensors import is_compressor_pack
 from lightning_comp.numerics.precision import ComputePrecision
 
@@ -147,7 +147,7 @@ class Recomputer:
         self._unseen = _Unseen(state)
         #: Set by a measurement for the steps it times: entered around each backward unpack that re-runs (or reads the
         #: re-run of) a recompute operator's forward, with that operator's name; read when a step's forward starts.
-        self.unpack_timer: Callable[[str], AbstractContextManager[Any]] | None = None
+        self.unpack_timer: HookTimer | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         # ddp_spawn pickles the plugin: recipes and weak tables belong to this process

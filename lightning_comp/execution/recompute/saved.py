@@ -15,14 +15,13 @@ recomputation adds, timed directly rather than as the difference of two whole op
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
 
 from lightning_comp.adapters.torch_internals import tensor_version
 from lightning_comp.execution.recompute.recipe import OutputCast, Recipe, View
-from lightning_comp.execution.saved_hooks import OuterHooks, take_back
+from lightning_comp.execution.saved_hooks import HookTimer, OuterHooks, take_back
 
 __all__ = ["Pending", "Saved", "timed_unpack", "unpack"]
 
@@ -80,7 +79,7 @@ def unpack(saved: Any) -> torch.Tensor:
     return take_back(saved)  # type: ignore[no-any-return]
 
 
-def timed_unpack(timer: Callable[[str], AbstractContextManager[Any]]) -> Callable[[Any], torch.Tensor]:
+def timed_unpack(timer: HookTimer) -> Callable[[Any], torch.Tensor]:
     """:func:`unpack`, with ``timer(name)`` entered around each unpack of a recipe's output (the re-run of operator
     ``name``'s forward, or the read of a form already re-run): what a measurement charges to recomputing it."""
 

@@ -25,13 +25,11 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
+from lightning_comp.execution.saved_hooks import HookTimer
 from lightning_comp.search.measurement.clocks import Clock
 from lightning_comp.search.measurement.step_timing import entered
 
-__all__ = ["DirectTimes", "Timer"]
-
-#: Entered around one timed piece of work, with the name of the operator it is charged to.
-Timer = Callable[[str], AbstractContextManager[None]]
+__all__ = ["DirectTimes"]
 
 
 class DirectTimes:
@@ -45,7 +43,7 @@ class DirectTimes:
         self.clock = clock
         self.steps: list[dict[str, float]] = []
 
-    def around(self, install: Callable[[Timer | None], None], activate: Callable[[], Any],
+    def around(self, install: Callable[[HookTimer | None], None], activate: Callable[[], Any],
                ) -> Callable[[], AbstractContextManager[None]]:
         """``activate`` (what puts a configuration in force for one step, as the profilers take it), with the work
         ``install`` hands its timer to (``None`` after the step) timed in the step run inside, one entry of

@@ -15,7 +15,8 @@ compute precision is decided. A recompute unit and the codec lever of the operat
 for backward) are one lever of exclusive options (:meth:`LeverBuilder._with_consumers`): recomputed, the unit's output
 is stored as a recipe wherever it is saved, so the consumers' compressed copy would free nothing more (two levers would
 count those bytes twice, and the codec's time, which is then never spent).
-:mod:`lightning_comp.search.stages.memory_stage` ranks and takes them."""
+:mod:`lightning_comp.search.stages.memory_stage` ranks and takes them.
+"""
 
 from __future__ import annotations
 

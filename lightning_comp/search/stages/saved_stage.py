@@ -28,6 +28,7 @@ from dataclasses import replace
 from typing import Any
 
 from lightning_comp.execution.recompute import recompute_unsuitable
+from lightning_comp.execution.saved_hooks import HookTimer
 from lightning_comp.numerics.precision import SavedPrecision
 from lightning_comp.operators.kinds import OperatorKind, classify
 from lightning_comp.plan.dimensions import Dimension
@@ -49,7 +50,7 @@ from lightning_comp.search.decisions.saved import (
     sharing_groups,
     unshared_choices,
 )
-from lightning_comp.search.measurement.direct_timing import DirectTimes, Timer
+from lightning_comp.search.measurement.direct_timing import DirectTimes
 from lightning_comp.search.measurement.estimates import ExtraRounds, RatioEstimate, paired_ratio
 from lightning_comp.search.measurement.profiling import OperatorProfiler, ProfileResult
 from lightning_comp.search.ranks import reduce_profile
@@ -255,7 +256,7 @@ class SavedStage:
 
 
 
-def _installer(hooks: Any, attribute: str) -> Callable[[Timer | None], None]:
+def _installer(hooks: Any, attribute: str) -> Callable[[HookTimer | None], None]:
     """What hands a timer to ``hooks`` (the recompute hooks, or the codecs') for the steps a measurement times."""
     return lambda timer: setattr(hooks, attribute, timer)
 
