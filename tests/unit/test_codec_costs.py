@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 from torch import nn
 
+from lightning_comp.numerics.precision import SavedPrecision
 from lightning_comp.operators.kinds import OperatorKind
 from lightning_comp.plan.plan import PrecisionPlan
 from lightning_comp.search.config import SearchConfig
@@ -79,6 +80,30 @@ def test_codec_levers_of_one_size_get_one_price_whatever_their_own_rounds_said()
     assert set(prices) == {"saved:blocks.*.qkv (x4)", "saved:blocks.*.proj (x3)", "saved:blocks.3.proj"}
     assert prices["saved:blocks.3.proj"] == pytest.approx(prices["saved:blocks.*.proj (x3)"] / 3)  # one size
     assert prices["saved:blocks.*.qkv (x4)"] / 4 > prices["saved:blocks.3.proj"] > 0  # more bytes cost more
+
+
+def test_a_codec_timed_directly_is_priced_by_its_casts_and_the_model_by_the_rest() -> None:
+    # the default example: the model over every group priced four attentions' fp8 at 23.7-34.4 ms in three searches
+    # while their casts, timed directly, took 36.0-40.8 ms (9-10 ms each): groups differ by more than their bytes
+    modules: dict[str, nn.Module] = {}
+    decisions: dict[str, OperatorDecision] = {}
+    for block in range(4):
+        for part, own, ms, ratio in (("proj", 4 * MiB, 6.0, 1.3), ("attn", 10 * MiB, 8.0, 1.3)):
+            name = f"blocks.{block}.{part}"
+            modules[name] = nn.Linear(4, 4) if part == "proj" else nn.Linear(4, 6)
+            decisions[name] = _decision(OperatorKind.COMPUTE, ms)
+            decisions[name].saved = SavedDecision(bytes={"fp32": own, "fp8": own // 4},
+                                                  time_ratios={"fp8": [ratio, ratio * 0.95, ratio * 1.05]})
+            if part == "attn":
+                decisions[name].saved.direct_ms = {"fp8": 9.0 + 0.25 * block}
+    ctx = SimpleNamespace(modules=modules, config=SearchConfig(objective="memory"))
+    builder = LeverBuilder(ctx)  # type: ignore[arg-type]
+    levers, _ = builder.build(PrecisionPlan(), decisions)
+    prices = {lever.label: lever.options[0].extra_ms for lever in levers}
+    assert prices["saved:blocks.*.attn (x4)"] == pytest.approx(9.0 + 9.25 + 9.5 + 9.75)  # their casts' own times
+    model = builder.codec_costs[SavedPrecision.FP8]
+    assert model.samples == 4  # fitted over the projections alone, which were judged by their ratios
+    assert prices["saved:blocks.*.proj (x4)"] == pytest.approx(4 * model.extra_ms(1, 4 * MiB))
 
 
 def test_the_record_says_how_the_codecs_were_priced() -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -113,3 +114,19 @@ def test_a_codec_is_charged_its_compressions_and_decompressions() -> None:
     # each Linear saves its input: compressed once in the forward, decompressed once in backward
     assert sorted(reads) == ["0", "0", "2", "2"], reads
     assert set(times.steps[0]) == {"0", "2"} and all(ms > 0 for ms in times.steps[0].values()), times.steps
+
+
+def test_a_price_is_its_share_of_the_step_timed_in_the_same_round() -> None:
+    """The room is a share of a step the whole-step rounds timed: a price taken as a share of the step profiled in its
+    own round does not move with the machine's load between the two measurements, a median time does."""
+    times = DirectTimes(WallClock())
+    # a warm-up step, then two quiet rounds and two in which the machine's load doubles every time
+    times.steps = [{"a": 50.0, "b": 1.0}, {"a": 2.0}, {"a": 2.0, "b": 1.0}, {"a": 4.0}, {"a": 4.0, "b": 2.0}]
+    reference = [100.0, 100.0, 200.0, 200.0]  # the plan without the lever, profiled in the same rounds
+    assert times.median_share(["a"], reference, skip=1) == pytest.approx(0.02)
+    assert times.median_ms(["a"], skip=1) == pytest.approx(3.0)  # the load's midpoint: no share of any one step
+    # steps in which the work did not run count as a share of 0; several operators' work is summed per step
+    assert times.median_share(["b"], reference, skip=1) == pytest.approx(0.005)
+    assert times.median_share(["a", "b"], reference, skip=1) == pytest.approx(0.025)
+    with pytest.raises(ValueError, match="3 reference steps for 4 timed steps"):
+        times.median_share(["a"], reference[:3], skip=1)

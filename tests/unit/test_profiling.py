@@ -59,6 +59,10 @@ def test_every_round_is_kept_paired_and_more_rounds_can_be_added_with_any_clock(
         m = result.operators["0"]
         assert m.total_ms == min(r["0"].total_ms for r in result.rounds) or m.forward_ms > 0
         assert m.wall_ms > 0  # wall time kept beside the CPU time
+        # each measured round's step kept in round order (what a time measured within a round is a share of)
+        assert len(result.step_rounds) == 5 and min(result.step_rounds) == result.step_ms > 0
+        assert min(result.step_rounds) >= sum(r.total_ms for r in result.rounds[result.step_rounds.index(
+            result.step_ms)].values()) * 0.999  # a step holds its operators' times
     assert results["a"].series("missing") == [0.0] * 5
     timer = StepTimer("cpu", rounds=2, warmup=0)
     times = timer.time(configs, step)

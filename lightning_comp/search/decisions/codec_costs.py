@@ -12,6 +12,11 @@ operators save as computed (the bytes the casts read: a tensor computed in FP32 
 bf16 of the same shape, which a cost per element would miss; over three searches of the default example, the fit by
 bytes was off each operator's own measurement by 20-24 % on average, by elements by 23-40 %), both non-negative, over
 every operator whose codec frees bytes; each operator's lever is then priced from the model.
+
+Where the saved stage timed a group's casts directly (:mod:`~lightning_comp.search.measurement.direct_timing`), that
+time prices its lever and the model is not fitted on it: the casts' own times repeat within about 12 % from search to
+search, and the groups differ by more than their bytes, which one model per codec averages away. The model prices what
+was judged by its time ratio alone.
 """
 
 from __future__ import annotations

@@ -48,8 +48,9 @@ class SavedDecision:
             and its codec options are not offered to the memory levers (empty: none).
         direct_ms: per precision, what it adds to a step timed directly (its group's or recompute unit's, whole: a
             codec's casts, or the re-runs of the unit's forwards in backward;
-            :mod:`~lightning_comp.search.measurement.direct_timing`), which prices its memory lever instead of
-            ``time_ratios`` (empty: not timed so).
+            :mod:`~lightning_comp.search.measurement.direct_timing`), on the whole-step rounds' scale (its share of
+            the candidate plan's step in the rounds it was timed in, times that step as the whole-step rounds measured
+            it), which prices its memory lever instead of ``time_ratios`` (empty: not timed so).
     """
 
     decision: SavedPrecision = SavedPrecision.FP32

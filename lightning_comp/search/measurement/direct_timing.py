@@ -21,7 +21,7 @@ traffic, the allocator); the memory levers' whole-step check of the plan they bu
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
@@ -84,6 +84,27 @@ class DirectTimes:
     def median_ms(self, names: Iterable[str], skip: int = 0) -> float | None:
         """The median, over the steps after the first ``skip`` (warm-up), of the time the work of ``names`` took per
         step (ms); ``None`` where no such step was timed."""
-        wanted = set(names)
-        per_step = [sum(ms for name, ms in step.items() if name in wanted) for step in self.steps[skip:]]
+        per_step = self._per_step(names, skip)
         return float(statistics.median(per_step)) if per_step else None
+
+    def median_share(self, names: Iterable[str], reference_ms: Sequence[float], skip: int = 0) -> float | None:
+        """The median, over the steps after the first ``skip``, of the time the work of ``names`` took as a share of
+        the reference step timed in the same round (``reference_ms``, one per step after ``skip``, in order: the
+        plan without the lever, profiled beside it).
+
+        A share is what the bound is in (a multiple of a step): times measured in other rounds than the step the
+        bound is a multiple of follow the machine's load between them, shares measured within one round do not.
+
+        Raises:
+            ValueError: ``reference_ms`` does not hold one step per timed step (rounds not paired).
+        """
+        per_step = self._per_step(names, skip)
+        if len(per_step) != len(reference_ms):
+            raise ValueError(f"{len(reference_ms)} reference steps for {len(per_step)} timed steps (after {skip}"
+                             " warm-up): the reference must be timed in the same rounds, one step each")
+        shares = [ms / ref for ms, ref in zip(per_step, reference_ms, strict=True) if ref > 0]
+        return float(statistics.median(shares)) if shares else None
+
+    def _per_step(self, names: Iterable[str], skip: int) -> list[float]:
+        wanted = set(names)
+        return [sum(ms for name, ms in step.items() if name in wanted) for step in self.steps[skip:]]

@@ -84,6 +84,8 @@ class ProfileResult:
         reserved_bytes: the caching allocator's reserved peak of a step (CUDA only): what the process holds.
         rounds: every measured round's per-operator measurements, in order (paired across configurations).
         sharing: per operator, the other operators that save a tensor it saves too (first measured round).
+        step_rounds: every measured round's step time (with the hooks in place), in the order of ``rounds``: what a
+            time measured inside a round is a share of.
     """
 
     operators: dict[str, OperatorMeasurement] = field(default_factory=dict)
@@ -93,6 +95,7 @@ class ProfileResult:
     reserved_bytes: int | None = None
     rounds: list[dict[str, OperatorMeasurement]] = field(default_factory=list)
     sharing: dict[str, set[str]] = field(default_factory=dict)  # operator -> others that save one of its tensors
+    step_rounds: list[float] = field(default_factory=list)
 
     def series(self, name: str, attribute: str = "total_ms") -> list[float]:
         """One operator's ``attribute`` per round (0.0 in a round where it did not run)."""
@@ -320,6 +323,7 @@ class OperatorProfiler:
                     result.order = result.order or recorder.order
                     result.sharing = result.sharing or recorder.sharing()
                     steps[label].append(self.clock.elapsed_ms(start, end))
+                    result.step_rounds.append(steps[label][-1])
                     if self._cuda:
                         peaks[label].append(int(torch.cuda.max_memory_allocated()))
                         reserved[label].append(int(torch.cuda.max_memory_reserved()))

@@ -5,16 +5,15 @@ with what each option writes into the plan (:class:`LeverChange`).
 :class:`LeverBuilder` reads the operators' decisions: an operator's (or recompute unit's) saved precisions, priced over
 every operator it timed at the precision each computes in under the base plan; an operator's optimizer-state formats,
 and its bf16 master where it computes in bf16, priced by the update's cost model fitted over every operator's timings
-(:mod:`lightning_comp.search.decisions.update_costs`). A saved codec (bf16, fp8) is priced by a model of the same kind,
-fitted per codec over every operator (or group) whose codec was timed
-(:mod:`lightning_comp.search.decisions.codec_costs`), so operators saving tensors of one size get one price; a recompute
-unit by its re-runs timed directly. The codec model's samples are the casts timed directly too
-(:mod:`lightning_comp.search.measurement.direct_timing`), not the difference the operators' whole times showed. Levers
-of operators playing the same part in repeated blocks are pooled into one (their bytes and times summed), as their
-compute precision is decided. A recompute unit and the codec lever of the operators that consume its output (and save it
-for backward) are one lever of exclusive options (:meth:`LeverBuilder._with_consumers`): recomputed, the unit's output
-is stored as a recipe wherever it is saved, so the consumers' compressed copy would free nothing more (two levers would
-count those bytes twice, and the codec's time, which is then never spent).
+(:mod:`lightning_comp.search.decisions.update_costs`). A saved codec (bf16, fp8) is priced by its casts, and a recompute
+unit by its re-runs, timed directly in the profiled steps (:mod:`lightning_comp.search.measurement.direct_timing`), not
+by the difference the operators' whole times showed; a codec judged by its time ratio alone is priced by a model of the
+update's kind fitted per codec over the operators measured so (:mod:`lightning_comp.search.decisions.codec_costs`).
+Levers of operators playing the same part in repeated blocks are pooled into one (their bytes and times summed), as
+their compute precision is decided. A recompute unit and the codec lever of the operators that consume its output (and
+save it for backward) are one lever of exclusive options (:meth:`LeverBuilder._with_consumers`): recomputed, the unit's
+output is stored as a recipe wherever it is saved, so the consumers' compressed copy would free nothing more (two levers
+would count those bytes twice, and the codec's time, which is then never spent).
 :mod:`lightning_comp.search.stages.memory_stage` ranks and takes them.
 """
 
@@ -86,12 +85,13 @@ class LeverBuilder:
                             continue  # saves too little
                         if entry.held_by and SavedPrecision(value).compresses and not entry.forced:
                             continue  # another operator keeps the tensor (or recomputes it): frees nothing
-                        # a codec by its model (fitted over every operator's directly timed casts), a recompute
-                        # unit by its own re-runs timed directly, else by its time ratio
+                        # by what it adds timed directly (a codec's casts, a recompute unit's re-runs), else a
+                        # codec by its model (fitted over the operators whose codec was not timed so), else by
+                        # its time ratio
                         model = self.codec_costs.get(SavedPrecision(value))
                         direct = entry.direct_ms.get(value)
-                        extra_ms = (model.extra_ms(len(timed), int(own)) if model is not None
-                                    else direct if direct is not None else base_ms * max(median - 1.0, 0.0))
+                        extra_ms = (direct if direct is not None else model.extra_ms(len(timed), int(own))
+                                    if model is not None else base_ms * max(median - 1.0, 0.0))
                         options.append(LeverOption(value, own - nbytes, max(extra_ms, 0.0)))
                         writes[value] = LeverChange({m: {Dimension.SAVED: value} for m in members})
                     if options:
@@ -235,8 +235,14 @@ def _fitted_update_costs(decisions: dict[str, OperatorDecision]) -> dict[UpdateV
 def _fitted_codec_costs(decisions: dict[str, OperatorDecision],
                         timed_ms: Callable[[tuple[str, ...]], float]) -> dict[SavedPrecision, CodecCost]:
     """Per saved codec (bf16, fp8), what it adds to a step (:mod:`~lightning_comp.search.decisions.codec_costs`),
-    fitted over every operator or sharing group whose codec was timed and frees bytes (a codec timed on too few is
-    left out: each is priced by its own rounds)."""
+    fitted over every operator or sharing group whose codec frees bytes and was judged by its time ratio alone, not
+    timed directly (a codec measured so on too few is left out: each is priced by its own rounds).
+
+    A group whose casts were timed directly is priced by its own time: on the default example those read within
+    12 % of each other over three searches per group (an attention's fp8 8.65-10.18 ms), while one model over
+    every group, a cost per operator and per byte, priced the four attentions' fp8 at 23.7-34.4 ms against the
+    36.0-40.8 ms their casts took: the groups differ by more than bytes (2 MiB at 0.8 ms per MiB, 8 MiB at 0.56,
+    10 MiB at 0.95)."""
     samples: dict[SavedPrecision, list[CodecSample]] = {}
     seen: set[tuple[str, ...]] = set()
     for name, decision in decisions.items():
@@ -250,8 +256,9 @@ def _fitted_codec_costs(decisions: dict[str, OperatorDecision],
         for value, (median, *_) in entry.time_ratios.items():
             codec = SavedPrecision(value)
             if codec.compresses and 0 < entry.bytes.get(value, own) < own:  # its time is the codec's, held or not
-                extra = entry.direct_ms.get(value, timed_ms(timed) * (median - 1))  # its casts timed, where they were
-                samples.setdefault(codec, []).append(CodecSample(len(timed), own, extra))
+                if value in entry.direct_ms:
+                    continue  # priced by its own casts' time
+                samples.setdefault(codec, []).append(CodecSample(len(timed), own, timed_ms(timed) * (median - 1)))
     fitted = {codec: fit_codec_cost(measured) for codec, measured in samples.items()}
     return {codec: model for codec, model in fitted.items() if model is not None}
 

@@ -303,12 +303,13 @@ def memory_levers(ctx: StageContext, base: PrecisionPlan, order: list[str], deci
     if not policy.weighs_memory:
         return SavedStageResult(), ParameterStageResult(), None
     saved = SavedStageResult()
+    source_ms = on_pace_scale(steps, source)
     if (policy.saved_options or policy.recomputes) and not ctx.plugin.compiled:  # compiled: AOTAutograd decides
-        saved = SavedStage(ctx).measure(base, order, decisions)  # what is saved
+        # what is saved; the prices on the scale of the step the room is a share of
+        saved = SavedStage(ctx).measure(base, order, decisions, step_ms=source_ms)
     with_saved = base.with_assignment(Dimension.SAVED, {n: s.value for n, s in saved.choices.items()})
     fp32_ms = steps[ComparedPlan.FP32].ms
     candidates_saved = step_saved.get(source, step_saved.get(ComparedPlan.FP32, 0.0))
-    source_ms = on_pace_scale(steps, source)
     bound_ms, bound_of = ctx.agree(bound_step(comparison, steps, source, policy.pace, ctx.low))
     parameters = ParameterStage(ctx).measure(with_saved, decisions, fp32_ms, source_ms, candidates_saved, bound_ms)
     spending = CheapestBytesStage(ctx).run(base, decisions, saved, parameters, fp32_ms, source_ms, step_saved,

@@ -13,7 +13,10 @@ slow; a unit that frees enough bytes is offered to the memory levers whatever it
 recomputed are judged for ``bf16``/``fp8``. What is taken is decided with every other memory lever, cheapest bytes
 first (:mod:`lightning_comp.search.stages.memory_stage`). In the profiled steps, what each lever adds is also timed
 directly (:mod:`lightning_comp.search.measurement.direct_timing`: a unit's re-runs in backward, a codec's casts): the
-levers' prices, where the time ratios judge.
+levers' prices, where the time ratios judge. A price is the share of the candidate plan's step the work took in the
+same round (the plan profiled beside it), times that plan's step as the whole-step rounds measured it
+(``step_ms``): the room the levers fill is a share of that step, so the prices and the room are on one basis
+whatever the machine's load did between the two measurements.
 
 Saved lowerings join the compute candidates in the epoch stage's group testing as candidates of the ``saved``
 dimension (:class:`~lightning_comp.search.candidates.Candidate`), in execution order beside their operator, so a
@@ -71,6 +74,8 @@ class SavedStage:
         self.ctx = ctx
         self.policy = ctx.policy
         self._direct: dict[SavedPrecision, DirectTimes] = {}  # each configuration's codec or re-runs, once profiled
+        self._reference: list[float] = []  # the candidate plan's step in each measured round, what they are shares of
+        self._step_ms: float | None = None
 
     def eligible(self, order: list[str]) -> list[str]:
         """Operators whose saved precision may be lowered: all that ran, but shape-only and excluded ones."""
@@ -79,11 +84,21 @@ class SavedStage:
                 and not excluded.matches(n, modules[n])]
 
     def measure(self, base: PrecisionPlan, order: list[str], decisions: dict[str, OperatorDecision],
-                ) -> SavedStageResult:
+                step_ms: float | None = None) -> SavedStageResult:
         """Measure on top of the candidate plan ``base`` and decide per operator (into each
         ``decisions[name].saved``); what is taken is decided with the other memory levers
-        (:mod:`lightning_comp.search.stages.memory_stage`)."""
+        (:mod:`lightning_comp.search.stages.memory_stage`).
+
+        Args:
+            base: the candidate plan (compute precisions only).
+            order: the operators in execution order.
+            decisions: the operators' decisions so far.
+            step_ms: ``base``'s forward and backward as the whole-step rounds measured it (on the scale the levers'
+                bound is in): the directly timed prices are their share of ``base``'s step in their own rounds times
+                this (``None``: the times as measured).
+        """
         modules = self.ctx.modules
+        self._step_ms = step_ms
         eligible = self.eligible(order)
         # bf16 shrinks only what an operator computing in fp32 saves: not worth profiling when every one is lowered
         options = tuple(s for s in self.policy.saved_options if s is not SavedPrecision.BF16
@@ -143,7 +158,17 @@ class SavedStage:
                 with budget.spending():
                     profiler.extend(results, configs, ctx.step, more)
         reduce_profile(ctx.trainer, results)
+        self._reference = list(results[SavedPrecision.FP32].step_rounds)
         return results
+
+    def _price_ms(self, times: DirectTimes, names: tuple[str, ...] | list[str]) -> float | None:
+        """What the timed work of ``names`` adds to a step: its share of the candidate plan's step in the same rounds
+        on the whole-step scale (``step_ms``), or its median time where no scale was given (``None``: not timed)."""
+        skip = self.ctx.config.measurement.profile_warmup
+        if self._step_ms is None:
+            return times.median_ms(names, skip)
+        share = times.median_share(names, self._reference, skip)
+        return None if share is None else share * self._step_ms
 
     def _units(self, results: dict[SavedPrecision, ProfileResult], recomputable: list[str]) -> list[PooledUnit]:
         """The recompute units (:mod:`lightning_comp.search.decisions.recompute_units`) of the operators in
@@ -171,14 +196,15 @@ class SavedStage:
         unit_ms: dict[str, float | None] = {}
         times = self._direct.get(SavedPrecision.RECOMPUTE)
         if times is not None:
-            skip = self.ctx.config.measurement.profile_warmup
-            direct = self.ctx.agree({unit.label: times.median_ms(unit.members, skip) for unit in units})
+            direct = self.ctx.agree({unit.label: self._price_ms(times, unit.members) for unit in units})
             unit_ms = {name: direct[unit.label] for unit in units for name in unit.members}
+        scale = "" if self._step_ms is None else (f" on the whole steps' scale (its share of the candidate plan's"
+                                                   f" step in the same rounds, of {self._step_ms:.1f} ms)")
         for name, decision in judge_units(self.policy, units).items():
             timed = unit_ms.get(name)
             if timed is not None:
                 decision.direct_ms = {SavedPrecision.RECOMPUTE.value: timed}
-                decision.reason = (f"{decision.reason}; its re-runs timed directly: +{timed:.3f} ms a step (the"
+                decision.reason = (f"{decision.reason}; its re-runs timed directly: +{timed:.3f} ms a step{scale} (the"
                                    " recompute lever's price)")
             before, after = decision.bytes.get("fp32", 0), decision.bytes.get(SavedPrecision.RECOMPUTE.value)
             if not decision.lowers and after is not None and before > 0 and after <= before * keep:
@@ -197,10 +223,9 @@ class SavedStage:
         (:mod:`~lightning_comp.search.measurement.direct_timing`; empty where the codec was not profiled so)."""
         if not any(s in self._direct for s in options):
             return [{} for _ in groups]
-        skip = self.ctx.config.measurement.profile_warmup
         measured = []
         for group in groups:
-            timed = {s.value: self._direct[s].median_ms(group, skip) for s in options if s in self._direct}
+            timed = {s.value: self._price_ms(self._direct[s], group) for s in options if s in self._direct}
             measured.append({value: ms for value, ms in timed.items() if ms is not None})
         return list(self.ctx.agree(measured))
 
