@@ -71,7 +71,16 @@ def throughput_stats(result: dict[str, Any], batch_size: int) -> dict[str, Any]:
         "median_step_ms": median(steady),
         "min_step_ms": min(steady) if steady else math.nan,
         "steady_batches": len(steady),
+        "phases_ms": _phases(result["batches"]),
     }
+
+
+def _phases(batches: list[dict[str, Any]]) -> dict[str, float] | None:
+    """The median of each phase of a steady batch (forward, backward, the update and rest; ms), where timed."""
+    timed = [b["phases"] for b in batches if b["round"] >= 1 and not b["special"] and b.get("phases")]
+    if not timed:
+        return None
+    return {name: median([p[name] for p in timed]) for name in timed[0]}
 
 
 def round_ratio(a: dict[str, Any], b: dict[str, Any]) -> dict[str, float]:

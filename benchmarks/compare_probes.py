@@ -1,8 +1,9 @@
 """What a training worker of ``benchmarks/compare.py`` measures inside its own process.
 
 The ``Baton`` callback trains ``segment`` optimizer steps per turn and hands the turn back to the coordinator; it
-times every batch from ``on_train_batch_start`` to ``on_train_batch_end`` (synchronised on CUDA) and records the
-validation points. Around one step it counts the bytes saved for backward (``_SavedBytes``, a
+times every batch from ``on_train_batch_start`` to ``on_train_batch_end`` (synchronised on CUDA), split into its
+phases at ``on_before_backward`` and ``on_after_backward`` (forward, backward, and the rest: clipping and the optimizer
+step), and records the validation points. Around one step it counts the bytes saved for backward (``_SavedBytes``, a
 ``saved_tensors_hooks`` pack hook), around another it runs ``torch.profiler`` for the cast time (``_profile_summary``)
 and the step's peak tensor memory (``_static_bytes`` + ``_tensor_peak_delta``). ``_Memory`` follows the process's
 peak memory (Linux ``VmHWM``, or the CUDA allocator's peak).
@@ -226,6 +227,7 @@ def _make_baton_callback(conn: Any, spec: dict[str, Any], probe_step: int, profi
             self.round = -1
             self.count = 0
             self.t0 = 0.0
+            self.marks: list[float] = []  # the batch's phase boundaries: backward's start, its end
             self.batches: list[dict[str, Any]] = []
             self.vals: list[dict[str, Any]] = []
             self.memory: _Memory | None = None
@@ -287,11 +289,26 @@ def _make_baton_callback(conn: Any, spec: dict[str, Any], probe_step: int, profi
                     self.warmup_peak = self.memory.peak()
                     self.steady_reset_ok = self.memory.reset_peak()
             self._sync()
+            self.marks = []
             self.t0 = time.perf_counter()
+
+        def on_before_backward(self, trainer: Any, pl_module: Any, loss: Any) -> None:
+            self._sync()
+            self.marks.append(time.perf_counter())
+
+        def on_after_backward(self, trainer: Any, pl_module: Any) -> None:
+            self._sync()
+            self.marks.append(time.perf_counter())
 
         def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
             self._sync()
-            ms = (time.perf_counter() - self.t0) * 1e3
+            end = time.perf_counter()
+            ms = (end - self.t0) * 1e3
+            phases = None
+            if len(self.marks) == 2:  # one backward (automatic optimization): forward, backward, the update and rest
+                bounds = [self.t0, *self.marks, end]
+                phases = {name: (b - a) * 1e3 for name, a, b in zip(("forward", "backward", "update"), bounds,
+                                                                    bounds[1:])}
             step = trainer.global_step - 1
             special = ""
             if self._saved_ctx is not None:
@@ -323,7 +340,7 @@ def _make_baton_callback(conn: Any, spec: dict[str, Any], probe_step: int, profi
             loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
             loss_value = float(loss.detach().float()) if isinstance(loss, torch.Tensor) else None
             self.batches.append({"step": step, "round": self.round, "ms": ms, "special": special,
-                                 "loss": loss_value})
+                                 "loss": loss_value, "phases": phases})
             self.count += 1
             if self.count >= self.segment and trainer.global_step < trainer.max_steps:
                 conn.send(("yield", None))

@@ -4,7 +4,9 @@ The Markdown report has the table per model and mode, the throughput search's co
 the fixed policies and the batch stage's own evidence (``## CoMP vs fixed policies and the batch stage's forecast``:
 the best fixed policy that converges, the trialled plan against the fastest plan measured, the forecast against AMP
 next to training's), the memory axis (``## Memory axis``: every mode's step peak and saved-for-backward bytes against
-AMP, and the saved lowerings each CoMP search chose), every CoMP search's cost by objective and the targets.
+AMP, and the saved lowerings each CoMP search chose), where each mode's training step spends its time
+(``## Where a training step's time goes``: forward, backward, the update), every CoMP search's cost by objective and
+the targets.
 """
 
 from __future__ import annotations
@@ -107,7 +109,8 @@ def markdown(report: dict[str, Any]) -> str:
                      f" | {_fmt(x['search_seconds_full_epochs'], '.1f')} | {_fmt(x['run_20_epochs_seconds'], '.0f')} |"
                      f" {_fmt(100 * x['share_of_20_epoch_run'], '.1f')} % | {_real_cell(s.get('real_run'))} |"
                      f" {trials} |")
-    lines += fixed_policy_lines(report) + memory_axis_lines(report) + search_objective_lines(report)
+    lines += (fixed_policy_lines(report) + memory_axis_lines(report) + phase_lines(report)
+              + search_objective_lines(report))
     lines += ["", "## Ratios and targets", "", "| target | model | value | threshold | met |", "|---|---|---|---|---|"]
     for c in report["targets"]["checks"]:
         met = "n/a" if c["met"] is None else "yes" if c["met"] else "**no**"
@@ -248,6 +251,33 @@ def memory_axis_lines(report: dict[str, Any]) -> list[str]:
                 f" {'n/a' if converges is None else 'yes' if converges else 'no'} |"
                 f" {saved_lowerings_cell(model, mode)} |")
     return lines
+
+
+def phase_lines(report: dict[str, Any]) -> list[str]:
+    """The ``## Where a training step's time goes`` section: per model and mode, the median steady batch split at
+    ``on_before_backward`` and ``on_after_backward``, and each phase's difference from FP32's."""
+    lines = ["", "## Where a training step's time goes", "",
+             "Median over steady batches of each phase (ms): forward (from `on_train_batch_start`, the training step"
+             " included), backward, and the rest (clipping, the optimizer's update, Lightning's bookkeeping up to"
+             " `on_train_batch_end`); + FP32 = the phase's median less FP32's (machines shared with other jobs move"
+             " all of them).", "",
+             "| model | mode | forward | backward | update and rest | batch | + FP32: forward | backward |"
+             " update and rest |", "|" + "---|" * 9]
+    rows = 0
+    for key, model in report["models"].items():
+        modes = model["modes"]
+        fp32 = (modes.get("fp32", {}).get("throughput") or {}).get("phases_ms") or {}
+        for mode, e in modes.items():
+            phases = (e.get("throughput") or {}).get("phases_ms") if "error" not in e else None
+            if not phases:
+                continue
+            rows += 1
+            deltas = [_fmt(phases[n] - fp32[n], "+.1f") if n in fp32 else "n/a"
+                      for n in ("forward", "backward", "update")]
+            lines.append(f"| {key} | {MODES[mode].label} | {_fmt(phases['forward'], '.1f')} |"
+                         f" {_fmt(phases['backward'], '.1f')} | {_fmt(phases['update'], '.1f')} |"
+                         f" {_fmt(e['throughput']['median_step_ms'], '.1f')} | {' | '.join(deltas)} |")
+    return lines if rows else []
 
 
 def search_objective_lines(report: dict[str, Any]) -> list[str]:

@@ -109,6 +109,10 @@ def test_compare_smoke(tmp_path: Path) -> None:
     assert {(r["model"], r["mode"]) for r in rows} == {(k, m) for k in MODELS for m in expected_modes - skipped[k]}
     markdown = (out / "compare.md").read_text()
     assert "| model | mode |" in markdown and "Ratios and targets" in markdown
+    # every trained mode's steady batches split into forward, backward and the update
+    phases = markdown.split("## Where a training step's time goes", 1)[1].split("\n## ", 1)[0]
+    assert all(f"| {key} | {label} |" in phases for key in MODELS for label in ("FP32 (32-true)", "CoMP (memory)")), \
+        phases
     fixed = markdown.split("## CoMP vs fixed policies and the batch stage's forecast", 1)[1].split("\n## ", 1)[0]
     assert 'CoMP / Type rule {"type:Linear": "bf16"}' in fixed and "trialled vs fastest" in fixed
     for key in MODELS:

@@ -23,7 +23,12 @@ from compare_analysis import (  # type: ignore[import-not-found]  # noqa: E402
     evaluate_targets,
     forecast_vs_training,
 )
-from compare_report import _comp_columns, csv_rows, fixed_policy_lines  # type: ignore[import-not-found]  # noqa: E402
+from compare_report import (  # type: ignore[import-not-found]  # noqa: E402
+    _comp_columns,
+    csv_rows,
+    fixed_policy_lines,
+    phase_lines,
+)
 from compare_searches import trialled_plan_summary  # type: ignore[import-not-found]  # noqa: E402
 from compare_suite import (  # type: ignore[import-not-found]  # noqa: E402
     COMP_MODES,
@@ -200,3 +205,26 @@ def test_the_memory_objectives_val_target_falls_back_to_amp_where_fp32_is_noisy(
     targets = evaluate_targets({"gpt": model}, 0.02)  # a model with the memory axis's targets
     (check,) = [c for c in targets["checks"] if c["target"].startswith("val_loss CoMP (memory)/")]
     assert check["target"] == f"val_loss CoMP (memory)/{reference}" and check["met"] is met, check
+
+
+def _phased(forward: float, backward: float, update: float) -> dict[str, Any]:
+    """A worker's result whose steady batches are split into phases (round 0, warm-up, far slower)."""
+    run = _run(forward + backward + update, 1.0)
+    for batch in run["batches"]:
+        scale = 10.0 if batch["round"] == 0 else 1.0
+        batch["phases"] = {"forward": forward * scale, "backward": backward * scale, "update": update * scale}
+    return run
+
+
+def test_where_a_training_steps_time_goes() -> None:
+    runs = {"fp32": _phased(3.0, 5.0, 2.0), "comp": _phased(2.0, 3.5, 4.5), "bf16-mixed": _run(8.0, 1.0)}
+    model = analyse_model(SUITE["mlp"], _search(NEW_RECORD), runs, 0.02, "relative")
+    assert model["modes"]["comp"]["throughput"]["phases_ms"] == {"forward": 2.0, "backward": 3.5, "update": 4.5}
+    assert model["modes"]["bf16-mixed"]["throughput"]["phases_ms"] is None  # a worker that did not split its batches
+    lines = phase_lines({"models": {"mlp": model}})
+    header = next(line for line in lines if line.startswith("| model |"))
+    comp = next(line for line in lines if line.startswith(f"| mlp | {MODES['comp'].label} |"))
+    assert comp == f"| mlp | {MODES['comp'].label} | 2.0 | 3.5 | 4.5 | 10.0 | -1.0 | -1.5 | +2.5 |"
+    assert len(comp.split("|")) == len(header.split("|"))
+    assert not any(line.startswith(f"| mlp | {MODES['bf16-mixed'].label} |") for line in lines)
+    assert phase_lines({"models": {"old": _analysed(OLD_RECORD)}}) == []  # no phases timed: no section
