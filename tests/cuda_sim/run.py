@@ -19,6 +19,7 @@ from tests.cuda_sim.shim import ShimUnavailable, build_shim, load_shim
 
 CHECKS = Path(__file__).with_name("checks")
 MODE_VARIABLE = "LIGHTNING_COMP_CUDA_CHECKS"  # "simulated" or "real": read by checks/conftest.py
+SHARD_VARIABLE = "LIGHTNING_COMP_CUDA_SHARD"  # "i/n": every n-th check from the i-th only (checks/conftest.py)
 NO_SHIM = 3
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.cuda_sim.run import SHARD_VARIABLE
 from tests.cuda_sim.shim import ShimUnavailable, build_shim, load_shim
 from tests.helpers.paths import REPO
 
@@ -28,24 +29,38 @@ def test_the_plan_executes_on_simulated_cuda_as_cuda_requires(tmp_path: Path) ->
         build_shim()
     except ShimUnavailable as err:
         pytest.skip(f"the CUDA simulation cannot run here: {err}")
-    report = tmp_path / "cuda_sim.xml"
+    # one process per core (two at most), each over every other check of each file, one thread each: the checks are
+    # small and Python-bound, so two side by side take about half the time of one over all of them
+    shards = max(1, min(2, os.cpu_count() or 1))
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
     started = time.perf_counter()
-    done = subprocess.run([sys.executable, "-m", "tests.cuda_sim.run", "-q", "-p", "no:randomly",
-                           f"--junitxml={report}"], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=900, check=False)
+    processes = []
+    for index in range(shards):
+        report = tmp_path / f"cuda_sim_{index}.xml"
+        shard_env = {**env, SHARD_VARIABLE: f"{index}/{shards}", "OMP_NUM_THREADS": "1"}
+        processes.append((report, subprocess.Popen(
+            [sys.executable, "-m", "tests.cuda_sim.run", "-q", "-p", "no:randomly", f"--junitxml={report}"],
+            cwd=REPO, env=shard_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)))
+    ran, failed = 0, []
+    for report, process in processes:
+        try:
+            stdout, stderr = process.communicate(timeout=900)
+        except subprocess.TimeoutExpired:
+            for _, other in processes:
+                other.kill()
+            raise
+        assert report.exists(), f"the simulation wrote no report (exit {process.returncode}):\n{stderr[-6000:]}"
+        suite = ET.parse(report).getroot()
+        suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
+        assert suite is not None
+        failed += [f"{case.get('classname')}::{case.get('name')}: {(bad.get('message') or '')[:400]}"
+                   for case in suite.iter("testcase") for bad in (*case.findall("failure"), *case.findall("error"))]
+        ran += int(suite.get("tests", 0)) - int(suite.get("skipped", 0))
+        assert failed or process.returncode == 0, stdout[-4000:] + stderr[-4000:]
     seconds = time.perf_counter() - started
-    assert report.exists(), f"the simulation wrote no report (exit {done.returncode}):\n{done.stderr[-6000:]}"
-    suite = ET.parse(report).getroot()
-    suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
-    assert suite is not None
-    failed = [f"{case.get('classname')}::{case.get('name')}: {(bad.get('message') or '')[:400]}"
-              for case in suite.iter("testcase") for bad in (*case.findall("failure"), *case.findall("error"))]
     assert not failed, f"{len(failed)} CUDA check(s) failed:\n" + "\n".join(failed[:30])
-    ran = int(suite.get("tests", 0)) - int(suite.get("skipped", 0))
-    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     assert ran >= MIN_CHECKS, f"only {ran} CUDA checks ran (expected at least {MIN_CHECKS})"
-    print(f"CUDA simulation: {ran} checks in {seconds:.0f} s")
+    print(f"CUDA simulation: {ran} checks in {seconds:.0f} s, {shards} processes")
 
 
 def test_the_shim_refuses_to_load_after_torch() -> None:
