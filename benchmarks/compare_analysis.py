@@ -76,8 +76,10 @@ def throughput_stats(result: dict[str, Any], batch_size: int) -> dict[str, Any]:
 
 
 def _phases(batches: list[dict[str, Any]]) -> dict[str, float] | None:
-    """The median of each phase of a steady batch (forward, backward, the update and rest; ms), where timed."""
+    """The median of each phase of a steady batch (forward, backward, the update and rest; ms), where timed (too few
+    steps for a warm-up round, as ``throughput_stats`` does: every batch but the special ones)."""
     timed = [b["phases"] for b in batches if b["round"] >= 1 and not b["special"] and b.get("phases")]
+    timed = timed or [b["phases"] for b in batches if not b["special"] and b.get("phases")]
     if not timed:
         return None
     return {name: median([p[name] for p in timed]) for name in timed[0]}
