@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_comp import PrecisionPlan
+from lightning_comp.errors import UsageError
 from lightning_comp.execution.executor import PlanExecutor, StepKind
 from lightning_comp.search.measurement.clocks import ThreadCpuClock, WallClock
 from lightning_comp.search.measurement.direct_timing import DirectTimes
@@ -128,5 +129,5 @@ def test_a_price_is_its_share_of_the_step_timed_in_the_same_round() -> None:
     # steps in which the work did not run count as a share of 0; several operators' work is summed per step
     assert times.median_share(["b"], reference, skip=1) == pytest.approx(0.005)
     assert times.median_share(["a", "b"], reference, skip=1) == pytest.approx(0.025)
-    with pytest.raises(ValueError, match="3 reference steps for 4 timed steps"):
+    with pytest.raises(UsageError, match="3 reference steps for 4 timed steps"):
         times.median_share(["a"], reference[:3], skip=1)

@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
+from lightning_comp.errors import UsageError
 from lightning_comp.execution.saved_hooks import HookTimer
 from lightning_comp.search.measurement.clocks import Clock
 from lightning_comp.search.measurement.step_timing import entered
@@ -96,11 +97,11 @@ class DirectTimes:
         bound is a multiple of follow the machine's load between them, shares measured within one round do not.
 
         Raises:
-            ValueError: ``reference_ms`` does not hold one step per timed step (rounds not paired).
+            UsageError: ``reference_ms`` does not hold one step per timed step (rounds not paired).
         """
         per_step = self._per_step(names, skip)
         if len(per_step) != len(reference_ms):
-            raise ValueError(f"{len(reference_ms)} reference steps for {len(per_step)} timed steps (after {skip}"
+            raise UsageError(f"{len(reference_ms)} reference steps for {len(per_step)} timed steps (after {skip}"
                              " warm-up): the reference must be timed in the same rounds, one step each")
         shares = [ms / ref for ms, ref in zip(per_step, reference_ms, strict=True) if ref > 0]
         return float(statistics.median(shares)) if shares else None
