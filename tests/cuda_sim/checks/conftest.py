@@ -44,6 +44,5 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         raise pytest.UsageError(f"{SHARD_VARIABLE}={shard!r}: expected 'i/n' with 0 <= i < n") from None
     if not 0 <= index < count:
         raise pytest.UsageError(f"{SHARD_VARIABLE}={shard!r}: expected 'i/n' with 0 <= i < n")
-    kept = items[index::count]
-    config.hook.pytest_deselected(items=[item for item in items if item not in kept])
-    items[:] = kept
+    config.hook.pytest_deselected(items=[item for i, item in enumerate(items) if i % count != index])
+    items[:] = items[index::count]
