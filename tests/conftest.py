@@ -23,6 +23,9 @@ os.environ.update(inductor_cache_for_capability(dict(os.environ)))  # the suite 
 import lightning.pytorch as pl
 import pytest
 import torch
+
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):  # ``pytest -n N``: each worker gets its share of the cores
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -34,13 +37,17 @@ SEED = 0
 
 @pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects: a test marked slow here is left out of the fast tier
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Mark every ``multiprocess`` test ``slow`` too (the fast tier, ``-m "not slow"``, starts no worker processes);
-    skip ``needs_native_bf16`` tests (their point is speed) where this CPU emulates BF16, saying so."""
+    """Mark every ``multiprocess`` test ``slow`` too (the fast tier, ``-m "not slow"``, starts no worker processes)
+    and put them in one ``xdist_group`` (under ``pytest -n 2 --dist loadgroup`` they run one at a time, each already
+    using both cores, beside the other worker's one-process tests); skip ``needs_native_bf16`` tests (their point is
+    speed) where this CPU emulates BF16, saying so."""
     from lightning_comp.devices import device_class
 
     for item in items:
-        if "multiprocess" in item.keywords and "slow" not in item.keywords:
-            item.add_marker(pytest.mark.slow)
+        if "multiprocess" in item.keywords:
+            item.add_marker(pytest.mark.xdist_group("multiprocess"))
+            if "slow" not in item.keywords:
+                item.add_marker(pytest.mark.slow)
     cpu = device_class("cpu")
     if cpu.is_native("bf16"):
         return

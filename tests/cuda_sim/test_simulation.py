@@ -23,7 +23,7 @@ from tests.helpers.paths import REPO
 MIN_CHECKS = 4 * 14 * 4  # GPUs x cases (litgpt, x-transformers, GPT-2 included: CI installs them) x precisions x saved
 
 
-@pytest.mark.slow
+@pytest.mark.multiprocess  # two shard processes side by side
 def test_the_plan_executes_on_simulated_cuda_as_cuda_requires(tmp_path: Path) -> None:
     try:
         build_shim()
