@@ -8,6 +8,7 @@ from torch import nn
 
 from lightning_comp.execution.update_path import CompiledUpdates
 from lightning_comp.numerics.precision import StatePrecision
+from lightning_comp.search.measurement import optimizer_timing
 from lightning_comp.search.measurement.clocks import WallClock
 from lightning_comp.search.measurement.optimizer_timing import UpdateConfig, UpdateVariant, time_updates
 
@@ -37,10 +38,10 @@ def test_managed_variants_run_on_the_plugins_update_path_and_leave_the_run_untou
     assert set(times) == {"a", "b"}
     assert all(len(series) == 2 and all(t > 0 for t in series) for group in times.values()
                for series in group.values())
-    # per managed variant (8-bit, master), 4 runs (2 prepared, 2 measured): the weights step compiled from the second
-    # run on (the first converts their moments to 8 bits), a's bias (too small to quantise: FP32 moments, as the
-    # run's own) from the first: (3 + 3 + 4) x 2
-    assert updates.compiled_steps == (20 if path == "compiled" else 0)
+    # per managed variant (8-bit, master), 6 runs (2 prepared; 2 rounds of an untimed and a timed one): the weights
+    # step compiled from the second run on (the first converts their moments to 8 bits), a's bias (too small to
+    # quantise: FP32 moments, as the run's own) from the first: (5 + 5 + 6) x 2
+    assert updates.compiled_steps == (32 if path == "compiled" else 0)
     for ps in groups.values():  # copies were stepped: the run's parameters and state are as they were
         for p in ps:
             weights, state = before[id(p)]
@@ -52,3 +53,36 @@ def test_without_an_update_path_the_managed_variants_run_eagerly() -> None:
     optimizer, groups = _optimizer()
     times = time_updates(optimizer, groups, CONFIGS, WallClock(), rounds=1, warmup=1)
     assert set(times["a"]) == set(CONFIGS)
+
+
+class _MarkingClock(WallClock):
+    """A wall clock that marks in ``events`` each time it is read."""
+
+    def __init__(self, events: list[tuple[str, ...]]) -> None:
+        self.events = events
+
+    def now(self) -> float:
+        self.events.append(("clock",))
+        return super().now()
+
+
+def test_each_timed_update_follows_an_untimed_one_of_the_same_configuration(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Timed right after the other variants' updates, the FP32 update read slow (module docstring): every timed
+    update is the second of two in a row of its own configuration, and only it is between the clock's reads."""
+    events: list[tuple[str, ...]] = []
+
+    def update(optimizer: object, name: str, params: object, hyper: object, config: UpdateConfig, updates: object,
+               managed: int) -> object:
+        return lambda: events.append(("run", name, repr(config)))
+
+    monkeypatch.setattr(optimizer_timing, "_update", update)
+    optimizer, groups = _optimizer()
+    times = time_updates(optimizer, groups, CONFIGS, _MarkingClock(events), rounds=2, warmup=1)
+    assert all(len(series) == 2 for group in times.values() for series in group.values())
+    reads = [i for i, event in enumerate(events) if event == ("clock",)]
+    assert len(reads) == 2 * 3 * len(CONFIGS) * len(groups)  # (1 + 2 rounds) x configurations x groups, start and end
+    for start, end in zip(reads[::2], reads[1::2]):
+        timed = events[start + 1:end]
+        assert len(timed) == 1 and timed[0][0] == "run", events[start - 1:end + 1]
+        assert events[start - 1] == timed[0], events[start - 1:end + 1]  # the same configuration of the same group
+        assert start < 2 or events[start - 2] != timed[0]  # once untimed, not more
