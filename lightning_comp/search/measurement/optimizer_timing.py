@@ -12,12 +12,14 @@ update of those parameters is timed in interleaved rounds, like every other comp
 - ``MASTER`` (``"master"``): the same with BF16 parameter copies and stochastic rounding (and the moments of the
   configuration's ``state``).
 
-Each timed update follows an untimed one of the same configuration. Timed right after the other variants' updates
-of the group, the optimizer's own FP32 update read slow: on the default example (19 groups, 2 AVX2 EPYC cores) its
-sum over the groups was 9.6-12.3 ms interleaved with the three managed variants against 6.7-7.6 ms timed alone and
-7.0-7.6 ms for the one call over every group that training makes, while the managed variants' sums did not move
-(26-28 ms 8-bit, as training's managed loop, 26-31 ms); so every state lever, priced by what its variant adds to
-the FP32 update, was priced low by its share of 2-5 ms. With the untimed update first: 8.6-8.9 ms.
+Each timed update follows an untimed one of the same configuration. Timed right after another configuration's,
+every update read slow, the optimizer's own FP32 one most: on the default example (19 groups, 2 AVX2 EPYC cores,
+the four configurations of a memory search) FP32's sum over the groups was 11.4-12.0 ms against 7.9-8.2 ms with an
+untimed update first (6.4-7.3 ms timed alone; training's one call over every group 7.0-7.6 ms), the 8-bit one's
+29.2-30.2 ms against 25.8-26.7 ms (training's managed loop: 26-31 ms). The FP32 update is part of the step the
+memory levers' room is a share of; what a variant adds to it, a state lever's price, moved less (8-bit over FP32:
+17.2-18.7 ms before, 17.9-18.5 ms after, in one run side by side;
+``benchmarks/results/issue34_avx2/tenth_pass/update_timing_order_r1.txt``).
 
 Moments start from the run's own state where it has one (after the warm-up, it does), so 8-bit codes see real
 magnitudes; gradients are the parameters' own from the profiled step when present, else small random ones.
