@@ -23,9 +23,6 @@ os.environ.update(inductor_cache_for_capability(dict(os.environ)))  # the suite 
 import lightning.pytorch as pl
 import pytest
 import torch
-
-if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):  # ``pytest -n N``: each worker gets its share of the cores
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -33,6 +30,9 @@ from tests.helpers.models import MixedNet, TinyMLP, regression_loader, token_loa
 from tests.helpers.recording import DtypeRecorder, count_forward_hooks, sqnr
 
 SEED = 0
+
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):  # ``pytest -n N``: each worker gets its share of the cores
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
 
 @pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects: a test marked slow here is left out of the fast tier
