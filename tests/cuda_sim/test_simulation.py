@@ -42,21 +42,22 @@ def test_the_plan_executes_on_simulated_cuda_as_cuda_requires(tmp_path: Path) ->
             [sys.executable, "-m", "tests.cuda_sim.run", "-q", "-p", "no:randomly", f"--junitxml={report}"],
             cwd=REPO, env=shard_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)))
     ran, failed = 0, []
-    for report, process in processes:
-        try:
+    try:
+        for report, process in processes:
             stdout, stderr = process.communicate(timeout=900)
-        except subprocess.TimeoutExpired:
-            for _, other in processes:
-                other.kill()
-            raise
-        assert report.exists(), f"the simulation wrote no report (exit {process.returncode}):\n{stderr[-6000:]}"
-        suite = ET.parse(report).getroot()
-        suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
-        assert suite is not None
-        failed += [f"{case.get('classname')}::{case.get('name')}: {(bad.get('message') or '')[:400]}"
-                   for case in suite.iter("testcase") for bad in (*case.findall("failure"), *case.findall("error"))]
-        ran += int(suite.get("tests", 0)) - int(suite.get("skipped", 0))
-        assert failed or process.returncode == 0, stdout[-4000:] + stderr[-4000:]
+            assert report.exists(), f"the simulation wrote no report (exit {process.returncode}):\n{stderr[-6000:]}"
+            suite = ET.parse(report).getroot()
+            suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
+            assert suite is not None
+            failed += [f"{case.get('classname')}::{case.get('name')}: {(bad.get('message') or '')[:400]}"
+                       for case in suite.iter("testcase") for bad in (*case.findall("failure"), *case.findall("error"))]
+            ran += int(suite.get("tests", 0)) - int(suite.get("skipped", 0))
+            assert failed or process.returncode == 0, stdout[-4000:] + stderr[-4000:]
+    finally:  # a shard that timed out, or whose sibling failed an assertion, is not left running
+        for _, process in processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
     seconds = time.perf_counter() - started
     assert not failed, f"{len(failed)} CUDA check(s) failed:\n" + "\n".join(failed[:30])
     assert ran >= MIN_CHECKS, f"only {ran} CUDA checks ran (expected at least {MIN_CHECKS})"
