@@ -14,6 +14,7 @@ class                          raised when
 :class:`PlanFileError`         a saved plan cannot be read
 :class:`SearchConfigError`     ``CoMPSearch`` is configured wrongly, or its checkpoint state is (a :class:`ConfigError`)
 :class:`UnsupportedSetupError` the Trainer, strategy, optimizer or backend cannot be served (a ``RuntimeError``)
+:class:`NativeBuildError`      a C source of the package cannot be built or loaded here (an ``UnsupportedSetupError``)
 :class:`SnapshotMismatchError` a training snapshot cannot be restored into the Trainer as it is now
 :class:`UsageError`            a call comes in an order or a state its object does not support (a ``RuntimeError``)
 :class:`MissingExtraError`     an optional dependency is not installed (an ``ImportError``)
@@ -26,6 +27,7 @@ __all__ = [
     "CoMPError",
     "ConfigError",
     "MissingExtraError",
+    "NativeBuildError",
     "PlanError",
     "PlanFileError",
     "PlanMismatchError",
@@ -63,6 +65,11 @@ class SearchConfigError(ConfigError):
 
 class UnsupportedSetupError(CoMPError, RuntimeError):
     """The setup cannot be served: a strategy, optimizer, backend or device lightning-comp cannot drive."""
+
+
+class NativeBuildError(UnsupportedSetupError):
+    """A C source of the package could not be built or loaded here: no C compiler, or every attempt failed (the
+    message names the compiler's error)."""
 
 
 class SnapshotMismatchError(CoMPError, RuntimeError):

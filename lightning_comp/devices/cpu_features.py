@@ -17,7 +17,7 @@ import torch
 
 from lightning_comp.adapters.torch_internals import cpu_feature_probe
 
-__all__ = ["cpu_capability", "cpu_features", "cpu_name", "FEATURES"]
+__all__ = ["cpu_capability", "cpu_features", "cpu_identity", "cpu_name", "FEATURES"]
 
 # feature -> the /proc/cpuinfo flags that imply it (torch's own probe of the feature is tried first)
 _FLAGS: dict[str, tuple[str, ...]] = {
@@ -81,3 +81,9 @@ def cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or "cpu"
+
+
+def cpu_identity() -> str:
+    """What code built for this CPU (``-march=native``) depends on: its architecture, model name and every
+    ``/proc/cpuinfo`` flag, so that machines sharing a build cache never load each other's instructions."""
+    return " ".join([platform.machine(), cpu_name(), *sorted(_proc_flags())])

@@ -12,10 +12,17 @@ every learning rate (the hyper-parameters come in a tensor), and it reads nothin
 ``benchmarks/update_speed.py`` measures both in training, ``benchmarks/update_kernel.py`` one parameter's step by
 its size.
 
+On a CPU, 8-bit moments have a third path, the native one (:mod:`~lightning_comp.execution.native_adam`): the same
+arithmetic as a C loop over the blocks, built on the machine at first use (under a second; cached), 2.0 ns per
+parameter at 1 Mi elements on 2 AVX2 cores against the compiled step's 5.9 (``torch.optim.AdamW``'s FP32 step: 2.1).
+
 :class:`UpdatePath` chooses: ``"eager"``; ``"compiled"`` (an error, naming the cause, where it cannot compile);
-``"auto"`` (the default) compiles where the step is worth a compilation: on CUDA always; on a CPU the steps of 8-bit and
-BF16 moments and of parameters held in BF16 (stochastically rounded masters), once the managed parameters of a step hold
-at least :data:`AUTO_MIN_ELEMENTS` elements, since each format's first compilation takes a few seconds there. Measured
+``"native"`` (8-bit moments on a CPU natively, an error naming the cause where the C loop cannot be built; everything
+else as ``"compiled"``); ``"auto"`` (the default) steps 8-bit moments on a CPU natively at any size (where the C loop
+cannot be built, with a warning, as below), and compiles where the step is worth a compilation: on CUDA always; on a
+CPU the steps of 8-bit and BF16 moments and of parameters held in BF16 (stochastically rounded masters), once the
+managed parameters of a step hold at least :data:`AUTO_MIN_ELEMENTS` elements, since each format's first compilation
+takes a few seconds there. Measured
 in training on the default example (2 EPYC cores with AVX512-BF16, ``benchmarks/update_speed.py``, 2026-12-06), the
 compiled step was 1.4x the eager one's speed with 8-bit moments (5.7 ns per parameter), 2.3x with BF16 masters, 2.1x
 with both, and 3.8x with BF16 moments alone (3.5 ns per parameter, 2026-12-06 20:50; rounded to nearest they were 0.96x
@@ -42,9 +49,10 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_comp.common.spelled_enum import SpelledEnum
-from lightning_comp.errors import CoMPError, UnsupportedSetupError
+from lightning_comp.errors import CoMPError, NativeBuildError, UnsupportedSetupError
 from lightning_comp.execution import fused_adam
 from lightning_comp.execution.adam_step import AdamSettings
+from lightning_comp.execution.native_adam import NativeAdam8bit, native_adam_8bit
 from lightning_comp.numerics import block_quant
 from lightning_comp.numerics.precision import StatePrecision
 from lightning_comp.numerics.stochastic_rounding import rounding_key
@@ -61,6 +69,7 @@ class UpdatePath(SpelledEnum):
 
     EAGER = "eager"
     COMPILED = "compiled"
+    NATIVE = "native"
     AUTO = "auto"
 
     @classmethod
@@ -70,7 +79,8 @@ class UpdatePath(SpelledEnum):
     @classmethod
     def notes(cls) -> Mapping[str, str]:
         return {"eager": "op by op", "compiled": "torch.compile, one kernel per parameter",
-                "auto": "compiled where it pays, else eager"}
+                "native": "8-bit moments on a CPU by a C loop built here, the rest compiled",
+                "auto": "native or compiled where it pays, else eager"}
 
 
 _Step = Callable[..., None]
@@ -142,18 +152,23 @@ class CompiledUpdates:
         self.path = UpdatePath.parse(path)
         self.seed = seed
         self.failure: str | None = None  # why compiling failed under "auto" (the path is eager from then on)
+        self.native_failure: str | None = None  # why the native step could not be built under "auto"
         self.compiled_steps = 0  # parameter steps the compiled functions took
+        self.native_steps = 0  # parameter steps the native C function took
         self._on = False
+        self._native_on = False
 
     def begin(self, elements: int, device: torch.device) -> bool:
         """Decide for the step about to run, whose managed parameters hold ``elements`` elements on ``device``;
-        returns whether it runs compiled."""
+        returns whether it runs compiled (8-bit moments on a CPU may run natively either way: :meth:`step`)."""
         if self.path is UpdatePath.EAGER or self.failure is not None:
             self._on = False
-        elif self.path is UpdatePath.COMPILED:
+        elif self.path in (UpdatePath.COMPILED, UpdatePath.NATIVE):
             self._on = True
         else:
             self._on = device.type == "cuda" or elements >= AUTO_MIN_ELEMENTS
+        self._native_on = device.type == "cpu" and (
+            self.path is UpdatePath.NATIVE or (self.path is UpdatePath.AUTO and self.native_failure is None))
         return self._on
 
     def step(self, p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], settings: AdamSettings,
@@ -166,20 +181,29 @@ class CompiledUpdates:
         """
         if precision is StatePrecision.INT8 and not block_quant.quantisable(p):
             precision = StatePrecision.FP32  # too small to quantise: its moments stay FP32
-        if not self._on or settings.amsgrad or not self._covers(p, grad, state, precision):
+        if settings.amsgrad or not self._covers(p, grad, state, precision):
             return False
-        if self.path is UpdatePath.AUTO and p.device.type == "cpu" and not stochastic \
+        native = self._native_on and precision is StatePrecision.INT8 and NativeAdam8bit.covers(p, grad) \
+            and self._native() is not None
+        if not native and not self._on:
+            return False
+        if not native and self.path is UpdatePath.AUTO and p.device.type == "cpu" and not stochastic \
                 and precision is StatePrecision.FP32:
             return False  # FP32 moments alone: the eager step is as fast on a CPU (module docstring)
         state["step"] += 1
         t = float(state["step"])  # a CPU tensor, as torch.optim.Adam keeps it: no device sync
         beta1, beta2 = settings.betas
         decay = settings.weight_decay
-        hyper = _on_device((-1.0 if settings.maximize else 1.0, 0.0 if settings.decoupled else decay,
-                            1.0 - settings.lr * decay if settings.decoupled else 1.0, 1.0 - beta1, beta2, 1.0 - beta2,
-                            settings.lr / (1.0 - beta1**t), math.sqrt(1.0 - beta2**t), settings.eps), p.device)
-        scalars = (hyper, stochastic, rounding_key(self.seed, name, int(t)))
+        values = (-1.0 if settings.maximize else 1.0, 0.0 if settings.decoupled else decay,
+                  1.0 - settings.lr * decay if settings.decoupled else 1.0, 1.0 - beta1, beta2, 1.0 - beta2,
+                  settings.lr / (1.0 - beta1**t), math.sqrt(1.0 - beta2**t), settings.eps)
+        key = rounding_key(self.seed, name, int(t))
         tensors = (p.detach(), grad, state["exp_avg"], state["exp_avg_sq"])
+        if native:
+            native_adam_8bit().step(*tensors, values, stochastic, key)
+            self.native_steps += 1
+            return True
+        scalars = (_on_device(values, p.device), stochastic, key)
         try:
             if precision is StatePrecision.INT8:
                 _kernel(precision)(*_block_aliases(*tensors), *scalars)
@@ -210,6 +234,25 @@ class CompiledUpdates:
         dtype = torch.bfloat16 if precision is StatePrecision.BF16 else torch.float32
         return all(isinstance(m, torch.Tensor) and m.dtype == dtype and m.shape == p.shape and m.is_contiguous()
                    for m in moments)
+
+    def _native(self) -> NativeAdam8bit | None:
+        """The native step (built on first use); None under ``"auto"`` where it cannot be built (warned once).
+
+        Raises:
+            UnsupportedSetupError: under ``"native"``, if it cannot be built here.
+        """
+        try:
+            return native_adam_8bit()
+        except NativeBuildError as error:
+            if self.path is UpdatePath.NATIVE:
+                raise UnsupportedSetupError(
+                    f"update_path='native': the 8-bit optimizer step could not be built here ({error}). Use"
+                    " update_path='auto' (falls back to the compiled step) or 'compiled'.") from error
+            self.native_failure = str(error)
+            self._native_on = False
+            rank_zero_warn(f"The native 8-bit optimizer step could not be built ({error}); 8-bit moments are stepped"
+                           " by the compiled or eager step instead (about 2.5x slower per parameter on a CPU).")
+            return None
 
     def _failed(self, error: Exception) -> None:
         """Compiling failed: raise under ``"compiled"``; under ``"auto"``, warn and step eagerly from now on."""

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["decode", "encode"]
+__all__ = ["decode", "encode", "encoding_table"]
 
 _DECADES = 7
 
@@ -56,6 +56,22 @@ def _thresholds(signed: bool) -> tuple[float, tuple[float, ...], float]:
     return zero, between, one
 
 
+def encoding_table(signed: bool) -> tuple[float, ...]:
+    """:func:`encode`'s constants in the order the native update's C code reads them
+    (``lightning_comp/execution/native_adam_8bit.c``): per decade its multiplier, offset, first code magnitude and
+    last index within it (seven of each), the six thresholds between decades, the magnitudes below which a value is
+    zero and from which it is one, and the code magnitude of one."""
+    rows = _decades(signed)
+    zero, between, one = _thresholds(signed)
+    columns = tuple(value for column in range(4) for value in (row[column] for row in rows))
+    return (*columns, *between, zero, one, _top(signed))
+
+
+def _top(signed: bool) -> float:
+    """The code magnitude of 1: 128 in the signed map (code 255; -1 gets code 0), 255 in the unsigned one."""
+    return 2.0**_DECADES if signed else 2.0 ** (_DECADES + 1) - 1
+
+
 def encode(scaled: torch.Tensor, signed: bool) -> torch.Tensor:
     """The uint8 code of the map value nearest each element of ``scaled`` (FP32, within [-1, 1]; the signed map for
     the first moment, the unsigned one, of values >= 0, for the second)."""
@@ -75,8 +91,7 @@ def encode(scaled: torch.Tensor, signed: bool) -> torch.Tensor:
         last = torch.where(above, row[3], last)
     within = torch.minimum(torch.floor(y * multiplier - offset).clamp(min=0.0), last)
     magnitude = torch.where(y < zero, 0.0, first + within)
-    top = 2.0 ** (_DECADES + 1) - 1 if not signed else 2.0**_DECADES  # the code magnitude of 1 (255 / 127 + 128)
-    magnitude = torch.where(y >= one, top, magnitude)
+    magnitude = torch.where(y >= one, _top(signed), magnitude)
     if not signed:
         return magnitude.to(torch.uint8)
     # the negative half has no -1: its largest magnitude is that of the value below 1

@@ -79,9 +79,10 @@ class CoMPPrecision(PlanShell, Precision):
             this many bytes as they are (their pack and unpack cost more than the bytes they would save).
         update_path: the code that steps parameters whose plan entry sets ``state``/``master`` precision:
             ``"auto"`` (compiled with ``torch.compile`` where it pays: on CUDA, and on a CPU for parameters held in
-            bf16 once a step's managed parameters hold 2^20 elements; eager where compiling fails, with a warning),
-            ``"compiled"`` (an error where it cannot compile) or ``"eager"`` (op by op). See
-            :mod:`lightning_comp.execution.update_path`.
+            bf16 once a step's managed parameters hold 2^20 elements; 8-bit moments on a CPU by a C loop built here
+            at first use; eager where compiling fails, with a warning), ``"compiled"`` (an error where it cannot
+            compile), ``"native"`` (the C loop for 8-bit moments on a CPU, an error where it cannot be built; the rest
+            compiled) or ``"eager"`` (op by op). See :mod:`lightning_comp.execution.update_path`.
         fsdp2_policies: under FSDP2, every unit's ``MixedPrecisionPolicy`` follows the plan in force (a fixed plan, a
             search's every trial and the plan it chooses, a later :meth:`set_plan`): a unit whose operators with
             parameters all compute in one 16-bit dtype all-gathers in it (half the bytes), gradients reduced in FP32
@@ -101,7 +102,7 @@ class CoMPPrecision(PlanShell, Precision):
 
     Raises:
         PlanError: if ``plan`` cannot be read.
-        ConfigError: if ``min_saved_bytes`` is not an integer >= 0, ``update_path`` not one of the three, or
+        ConfigError: if ``min_saved_bytes`` is not an integer >= 0, ``update_path`` not one of the four, or
             ``release_gradients_after_step`` not a bool.
     """
 

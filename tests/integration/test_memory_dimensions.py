@@ -69,7 +69,7 @@ class Dtypes(pl.Callback):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("update_path", ["eager", "compiled"])
+@pytest.mark.parametrize("update_path", ["eager", "compiled", "native"])
 def test_every_dimension_trains_through_the_trainer(tmp_path: Path, update_path: str) -> None:
     dtypes = Dtypes()
     trainer, model = _fit(tmp_path / "comp", EVERY_DIMENSION, max_epochs=2, callbacks=[dtypes],
@@ -91,14 +91,15 @@ def test_every_dimension_trains_through_the_trainer(tmp_path: Path, update_path:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("update_path", ["eager", "compiled"])
+@pytest.mark.parametrize("update_path", ["eager", "compiled", "native"])
 def test_resume_with_every_dimension_is_bit_exact(tmp_path: Path, update_path: str) -> None:
     """Four epochs straight, against two epochs, a checkpoint, and two more in a fresh Trainer and model: the same
     weights (bf16 masters included), optimizer states (8-bit codes and scales) and stochastic-rounding stream, on
-    either update path (the compiled one's rounding is a function of the step the optimizer state holds)."""
+    every update path (the compiled and native ones' rounding is a function of the step the optimizer state holds)."""
     straight_trainer, straight = _fit(tmp_path / "straight", EVERY_DIMENSION, max_epochs=4, update_path=update_path)
     updates = straight_trainer.precision_plugin._runtime.optimizer_states.updates
-    assert (updates.compiled_steps > 0) == (update_path == "compiled")
+    assert (updates.compiled_steps > 0) == (update_path in ("compiled", "native"))  # bf16 moments: compiled
+    assert (updates.native_steps > 0) == (update_path == "native")  # l1's 8-bit moments
     first, _ = _fit(tmp_path / "first", EVERY_DIMENSION, max_epochs=2, update_path=update_path)
     ckpt = tmp_path / "first.ckpt"
     first.save_checkpoint(ckpt)

@@ -86,11 +86,18 @@ def test_hashed_rounding_is_unbiased_deterministic_and_keyed() -> None:
     assert out[0].isnan() and out[1] == float("inf") and out[2] == -float("inf") and out[3] == 0.0
 
 
+def _unbuildable() -> Any:
+    from lightning_comp.errors import NativeBuildError
+
+    raise NativeBuildError("no C compiler")
+
+
 def test_auto_compiles_every_rounded_format_on_a_cpu_and_leaves_fp32_moments_eager(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """On a CPU the compiled step measured faster than the eager one with 8-bit moments (1.5x in training), bf16
     masters (2.7x) and bf16 moments (their stochastic rounding: random bits hashed in the kernel, where the eager step
-    draws them from a generator): ``"auto"`` compiles those there; FP32 moments (too small to quantise) stay eager."""
+    draws them from a generator): ``"auto"`` compiles those there (8-bit moments where the native step cannot be
+    built); FP32 moments (too small to quantise) stay eager."""
     monkeypatch.setattr(update_path_module, "AUTO_MIN_ELEMENTS", 1)
     calls: list[StatePrecision] = []
 
@@ -107,6 +114,10 @@ def test_auto_compiles_every_rounded_format_on_a_cpu_and_leaves_fp32_moments_eag
     _, _, small = _run("auto", StatePrecision.INT8, MasterPrecision.FP32, steps=3, size=1024)
     assert small.updates.compiled_steps == 0 and not calls  # too small to quantise: FP32 moments, eager
     _, _, codes = _run("auto", StatePrecision.INT8, MasterPrecision.FP32, steps=3)
+    assert codes.updates.native_steps == 2 and not calls  # 8-bit moments: the native step (test_native_adam.py)
+    monkeypatch.setattr(update_path_module, "native_adam_8bit", _unbuildable)
+    with pytest.warns(UserWarning, match="native 8-bit optimizer step could not be built"):
+        _, _, codes = _run("auto", StatePrecision.INT8, MasterPrecision.FP32, steps=3)
     assert codes.updates.compiled_steps == 2 and calls == [StatePrecision.INT8] * 2  # the first step creates state
     calls.clear()
     _, _, masters = _run("auto", StatePrecision.FP32, MasterPrecision.BF16, steps=3)
@@ -122,7 +133,7 @@ def test_auto_compiles_where_a_step_is_worth_a_compilation() -> None:
     assert updates.begin(10, torch.device("cuda"))
     assert not CompiledUpdates("eager").begin(1 << 30, torch.device("cuda"))
     assert CompiledUpdates(UpdatePath.COMPILED).begin(1, torch.device("cpu"))
-    with pytest.raises(ConfigError, match=r"'fused'.*'eager'.*'compiled'.*'auto'"):
+    with pytest.raises(ConfigError, match=r"'fused'.*'eager'.*'compiled'.*'native'.*'auto'"):
         CompiledUpdates("fused")
     with pytest.raises(ConfigError, match="'fused'"):
         CoMPPrecision(update_path="fused")

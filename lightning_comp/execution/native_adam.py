@@ -1,0 +1,88 @@
+"""The native update: Adam(W)'s step of a parameter with 8-bit moments as one C loop over its blocks, on a CPU.
+
+The compiled update (:mod:`lightning_comp.execution.update_path`) runs the 8-bit step as the kernels ``torch.compile``
+generates: four passes over the whole parameter (decode and Adam, each moment's block scales, each moment's codes)
+with the new moments written to memory in FP32 between them, and some 0.3 ms of Python and guards per call. Here
+the same arithmetic (:func:`~lightning_comp.execution.fused_adam.step_8bit_moments`'s, operation for operation) runs
+block by block in ``native_adam_8bit.c``: a block's 256 new moments stay in the core's cache from the decode to their
+codes, and a call costs a few microseconds. Measured on 2 AMD EPYC cores (AVX2) at 1 Mi elements (2026-12-07,
+``benchmarks/update_kernel.py``, side by side): 2.3 ns per parameter against 5.8 compiled and 1.9 for
+``torch.optim.AdamW``'s own FP32 step (``docs/benchmark.md``, "Memory at speed, eleventh pass").
+
+Codes are decoded through the map's own 256 values (:func:`~lightning_comp.numerics.block_quant.value_map`, as the
+eager step does: exact) and encoded by :mod:`~lightning_comp.numerics.dynamic_codec`'s arithmetic, whose constants
+(:func:`~lightning_comp.numerics.dynamic_codec.encoding_table`) are passed in. BF16 weights (stochastically rounded
+masters) are rounded from :func:`~lightning_comp.numerics.stochastic_rounding.round_to_bf16_hashed`'s hash of the same
+key and element index, so the native and compiled steps draw the same random bits. The library is built on first use
+(:mod:`lightning_comp.execution.native_build`); it covers CPU tensors only (CUDA runs the compiled step).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+
+import torch
+
+from lightning_comp.execution.native_build import NativeLibrary, load_library
+from lightning_comp.numerics import block_quant
+from lightning_comp.numerics.dynamic_codec import encoding_table
+
+__all__ = ["SOURCE", "NativeAdam8bit", "native_adam_8bit"]
+
+SOURCE = Path(__file__).with_name("native_adam_8bit.c")
+"""The C source of the step."""
+
+def _floats(values: tuple[float, ...] | list[float]) -> ctypes.Array[ctypes.c_float]:
+    return (ctypes.c_float * len(values))(*values)
+
+
+class NativeAdam8bit:
+    """Steps CPU parameters with 8-bit moments through the built C function.
+
+    Raises (at construction):
+        NativeBuildError: if the source cannot be built or loaded here.
+    """
+
+    def __init__(self) -> None:
+        self.build: NativeLibrary = load_library(SOURCE)
+        function = self.build.library.lc_adam_8bit_step
+        function.restype = ctypes.c_int
+        function.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+                             ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                             ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_int]
+        self._function = function
+        cpu = torch.device("cpu")
+        self._maps = {signed: block_quant.value_map(signed, cpu).contiguous() for signed in (True, False)}
+        self._tables = {signed: _floats(encoding_table(signed)) for signed in (True, False)}
+
+    @staticmethod
+    def covers(p: torch.Tensor, grad: torch.Tensor) -> bool:
+        """Whether the native step applies to ``p`` (on a CPU, FP32 or BF16, contiguous, its gradient alike)."""
+        return (p.device.type == "cpu" and p.dtype in (torch.float32, torch.bfloat16) and grad.dtype == p.dtype
+                and p.is_contiguous() and grad.is_contiguous() and grad.device == p.device)
+
+    def step(self, p: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+             hyper: tuple[float, ...], stochastic: bool, key: int) -> None:
+        """One step of ``p`` (``grad`` its gradient) whose moments are packed 8-bit tensors
+        (:func:`~lightning_comp.numerics.block_quant.pack`), all updated in place; ``hyper`` in the order of
+        :data:`~lightning_comp.execution.fused_adam.HYPER_PARAMETERS`; BF16 weights rounded stochastically from
+        ``key`` if ``stochastic``, else to nearest."""
+        blocks = p.numel() // block_quant.BLOCK_SIZE
+        values = _floats(hyper)  # held here until the call returns
+        self._function(p.data_ptr(), grad.data_ptr(), int(p.dtype == torch.bfloat16), exp_avg.data_ptr(),
+                       exp_avg_sq.data_ptr(), blocks, ctypes.addressof(values),
+                       self._maps[True].data_ptr(), self._maps[False].data_ptr(),
+                       ctypes.addressof(self._tables[True]), ctypes.addressof(self._tables[False]), int(stochastic),
+                       key & 0xFFFFFFFF, torch.get_num_threads() if self.build.threaded else 1)
+
+
+@functools.cache
+def native_adam_8bit() -> NativeAdam8bit:
+    """The process's one :class:`NativeAdam8bit` (building the library on first call).
+
+    Raises:
+        NativeBuildError: if the source cannot be built or loaded here.
+    """
+    return NativeAdam8bit()

@@ -1,0 +1,191 @@
+/* Adam(W)'s step of one parameter whose two moments are 8-bit block-quantised codes, block by block, on a CPU.
+ *
+ * Built at first use by lightning_comp.execution.native_build and called through ctypes by
+ * lightning_comp.execution.native_adam, which documents the arguments and what this file computes. The arithmetic is
+ * lightning_comp.execution.fused_adam.step_8bit_moments's, operation for operation, in FP32 (no contraction into
+ * FMAs: the build passes -ffp-contract=off): decode each code through the map's own 256 values, Adam(W), then each
+ * block's new moments are scaled by their largest magnitude and encoded by lightning_comp.numerics.dynamic_codec's
+ * arithmetic, whose constants come in as arguments (one owner of those numbers: that module). What the compiled
+ * (torch.compile) path does in four passes over the whole tensor, with FP32 moments written to memory between them,
+ * happens here within one block of 256 elements, in the core's cache.
+ *
+ * The loops are written to be vectorised by the compiler (-O3): selects instead of branches, no calls but sqrtf and
+ * floorf (-fno-math-errno makes them instructions). Blocks are shared among `threads` OpenMP threads; built without
+ * OpenMP the pragma is ignored and one thread does every block.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define BLOCK 256
+#define DECADES 7
+#define SELECT(c, a, b) ((c) ? (a) : (b))
+
+/* The layout of an encoding table (lightning_comp.numerics.dynamic_codec.encoding_table): per decade its multiplier,
+ * offset, first code magnitude and last in-decade index; then the six thresholds between decades; then the
+ * magnitudes below which a value is zero and from which it is one; then the code magnitude of one. */
+#define T_MUL 0
+#define T_OFF (DECADES)
+#define T_FIRST (2 * DECADES)
+#define T_LAST (3 * DECADES)
+#define T_BETWEEN (4 * DECADES)
+#define T_ZERO (5 * DECADES - 1)
+#define T_ONE (5 * DECADES)
+#define T_TOP (5 * DECADES + 1)
+
+/* The code magnitude of |y| (y = a block value divided by the block's scale): dynamic_codec.encode's arithmetic. */
+static inline float code_magnitude(float y, const float *restrict t) {
+    float mul = t[T_MUL], off = t[T_OFF], first = t[T_FIRST], last = t[T_LAST];
+    for (int d = 1; d < DECADES; d++) {
+        int above = y >= t[T_BETWEEN + d - 1];
+        mul = SELECT(above, t[T_MUL + d], mul);
+        off = SELECT(above, t[T_OFF + d], off);
+        first = SELECT(above, t[T_FIRST + d], first);
+        last = SELECT(above, t[T_LAST + d], last);
+    }
+    float within = floorf(y * mul - off);
+    within = SELECT(within < 0.0f, 0.0f, within);
+    within = SELECT(within < last, within, last);
+    float magnitude = SELECT(y < t[T_ZERO], 0.0f, first + within);
+    return SELECT(y >= t[T_ONE], t[T_TOP], magnitude);
+}
+
+static void encode_signed(const float *restrict values, float scale, const float *restrict table,
+                          uint8_t *restrict out) {
+    float t[T_TOP + 1]; /* a local copy: its loads leave the loop, which then vectorises */
+    memcpy(t, table, sizeof(t));
+    for (int i = 0; i < BLOCK; i++) {
+        float scaled = values[i] / scale;
+        float magnitude = code_magnitude(fabsf(scaled), t);
+        float negative = 127.0f - SELECT(magnitude < 127.0f, magnitude, 127.0f); /* the negative half has no -1 */
+        out[i] = (uint8_t)(int32_t)SELECT(scaled < 0.0f, negative, 127.0f + magnitude);
+    }
+}
+
+static void encode_unsigned(const float *restrict values, float scale, const float *restrict table,
+                            uint8_t *restrict out) {
+    float t[T_TOP + 1];
+    memcpy(t, table, sizeof(t));
+    for (int i = 0; i < BLOCK; i++) {
+        out[i] = (uint8_t)(int32_t)code_magnitude(fabsf(values[i] / scale), t);
+    }
+}
+
+/* The block's scale: its largest magnitude, at least 1e-12; NaN if any value is NaN (as torch's amax and clamp).
+ * Magnitudes are compared as the integers of their bits (in the same order as the floats, NaN above infinity), which
+ * vectorises where a float maximum that must keep NaN does not. */
+static float block_scale(const float *restrict values) {
+    uint32_t largest = 0u;
+    for (int i = 0; i < BLOCK; i++) {
+        uint32_t bits;
+        memcpy(&bits, values + i, 4);
+        bits &= 0x7FFFFFFFu;
+        largest = SELECT(bits > largest, bits, largest);
+    }
+    if (largest > 0x7F800000u) {
+        return NAN;
+    }
+    float scale;
+    memcpy(&scale, &largest, 4);
+    return SELECT(scale < 1e-12f, 1e-12f, scale);
+}
+
+/* The hyper-parameters, in lightning_comp.execution.fused_adam.HYPER_PARAMETERS's order. */
+typedef struct {
+    float sign, l2, keep, beta1_rest, beta2, beta2_rest, step_size, bias2_sqrt, eps;
+} Hyper;
+
+static inline float adam(float *m, float *v, float w, float g, const Hyper *h) {
+    g = g * h->sign + w * h->l2;
+    w = w * h->keep;
+    *m = *m + (g - *m) * h->beta1_rest;
+    *v = *v * h->beta2 + g * g * h->beta2_rest;
+    return w - h->step_size * *m / (sqrtf(*v) / h->bias2_sqrt + h->eps);
+}
+
+static void step_fp32_block(float *restrict w, const float *restrict g, const uint8_t *restrict m_codes,
+                            const uint8_t *restrict v_codes, float m_scale, float v_scale, const Hyper *h,
+                            const float *restrict m_map, const float *restrict v_map, float *restrict m_out,
+                            float *restrict v_out) {
+    for (int i = 0; i < BLOCK; i++) {
+        float m = m_map[(int32_t)m_codes[i]] * m_scale, v = v_map[(int32_t)v_codes[i]] * v_scale;
+        w[i] = adam(&m, &v, w[i], g[i], h);
+        m_out[i] = m;
+        v_out[i] = v;
+    }
+}
+
+static inline float bf16_to_float(uint16_t bits) {
+    uint32_t wide = (uint32_t)bits << 16;
+    float value;
+    memcpy(&value, &wide, 4);
+    return value;
+}
+
+/* lowbias32 (lightning_comp.numerics.stochastic_rounding._mix). */
+static inline uint32_t mix(uint32_t x) {
+    x ^= x >> 16;
+    x *= 0x7FEB352Du;
+    x ^= x >> 15;
+    x *= 0x846CA68Bu;
+    return x ^ (x >> 16);
+}
+
+/* FP32 -> BF16: with `noise` (< 2^16) added to the low bits and truncated (stochastic_rounding._rounded), or to
+ * nearest even (noise < 0); non-finite values to nearest (NaN to c10's quiet NaN). */
+static inline uint16_t to_bf16(float value, int64_t noise) {
+    uint32_t bits;
+    memcpy(&bits, &value, 4);
+    uint32_t nearest = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+    uint32_t finite = (bits & 0x7F800000u) != 0x7F800000u;
+    uint32_t nan = !finite && (bits & 0x007FFFFFu) != 0u;
+    uint32_t noisy = (bits + (uint32_t)noise) >> 16;
+    uint32_t rounded = SELECT(noise >= 0 && finite, noisy, SELECT(finite, nearest, SELECT(nan, 0x7FC0u, bits >> 16)));
+    return (uint16_t)rounded;
+}
+
+static void step_bf16_block(uint16_t *restrict w, const uint16_t *restrict g, const uint8_t *restrict m_codes,
+                            const uint8_t *restrict v_codes, float m_scale, float v_scale, const Hyper *h,
+                            const float *restrict m_map, const float *restrict v_map, float *restrict m_out,
+                            float *restrict v_out, int stochastic, uint32_t key, int64_t first_index) {
+    for (int i = 0; i < BLOCK; i++) {
+        float m = m_map[(int32_t)m_codes[i]] * m_scale, v = v_map[(int32_t)v_codes[i]] * v_scale;
+        float updated = adam(&m, &v, bf16_to_float(w[i]), bf16_to_float(g[i]), h);
+        int64_t noise = stochastic ? (int64_t)(mix(key + (uint32_t)(first_index + i)) & 0xFFFFu) : -1;
+        w[i] = to_bf16(updated, noise);
+        m_out[i] = m;
+        v_out[i] = v;
+    }
+}
+
+/* One step of a parameter of `blocks` blocks: `weights` FP32 (`bf16_weights` 0) or BF16 (1, its gradient too,
+ * rounded stochastically from `key` if `stochastic`, else to nearest); each moment packed as its codes followed by
+ * its blocks' FP32 scales (lightning_comp.numerics.block_quant.pack), updated in place. Returns 0. */
+int lc_adam_8bit_step(void *weights, const void *grad, int bf16_weights, uint8_t *m_packed, uint8_t *v_packed,
+                      int64_t blocks, const float *hyper, const float *m_map, const float *v_map,
+                      const float *m_table, const float *v_table, int stochastic, uint32_t key, int threads) {
+    Hyper h;
+    memcpy(&h, hyper, sizeof(Hyper));
+    uint8_t *m_scales = m_packed + blocks * BLOCK, *v_scales = v_packed + blocks * BLOCK;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t b = 0; b < blocks; b++) {
+        float m_new[BLOCK], v_new[BLOCK], m_scale, v_scale;
+        memcpy(&m_scale, m_scales + 4 * b, 4);
+        memcpy(&v_scale, v_scales + 4 * b, 4);
+        uint8_t *m_codes = m_packed + b * BLOCK, *v_codes = v_packed + b * BLOCK;
+        if (bf16_weights) {
+            step_bf16_block((uint16_t *)weights + b * BLOCK, (const uint16_t *)grad + b * BLOCK, m_codes, v_codes,
+                            m_scale, v_scale, &h, m_map, v_map, m_new, v_new, stochastic, key, b * BLOCK);
+        } else {
+            step_fp32_block((float *)weights + b * BLOCK, (const float *)grad + b * BLOCK, m_codes, v_codes,
+                            m_scale, v_scale, &h, m_map, v_map, m_new, v_new);
+        }
+        m_scale = block_scale(m_new);
+        v_scale = block_scale(v_new);
+        encode_signed(m_new, m_scale, m_table, m_codes);
+        encode_unsigned(v_new, v_scale, v_table, v_codes);
+        memcpy(m_scales + 4 * b, &m_scale, 4);
+        memcpy(v_scales + 4 * b, &v_scale, 4);
+    }
+    return 0;
+}

@@ -1,0 +1,136 @@
+"""Builds a C source of the package into a shared library for this CPU, once, and loads it with :mod:`ctypes`.
+
+The native update (:mod:`lightning_comp.execution.native_adam`) is C compiled on the machine that runs it, with the
+machine's own instruction set (``-march=native``), as ``torch.compile`` compiles its CPU kernels: it needs a C
+compiler (``$CC``, else ``cc``, ``gcc`` or ``clang`` on the ``PATH``), as Inductor does. A build takes well under a
+second and is kept in a cache directory (``$LIGHTNING_COMP_CACHE_DIR``, else ``$XDG_CACHE_HOME/lightning_comp``, else
+``~/.cache/lightning_comp``) under a name hashed from the source, the compiler and its version, the flags and the CPU
+(:func:`~lightning_comp.devices.cpu_features.cpu_identity`), so a later process loads it without compiling, a changed
+source or compiler builds anew, and machines sharing a home directory never load code built for another CPU. Processes
+building at once (the ranks of a DDP job) each write a file of their own and rename it into place.
+
+Flags are tried in order: with OpenMP (the kernel shares its blocks among threads), then without (one thread; Apple's
+clang has no ``-fopenmp``), then without ``-march=native``. Where every attempt fails, :class:`NativeBuildError`
+names the compiler's first error line.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from lightning_comp.devices.cpu_features import cpu_identity
+from lightning_comp.errors import NativeBuildError
+
+__all__ = ["NativeLibrary", "cache_dir", "load_library"]
+
+_BASE_FLAGS = ("-O3", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off")
+_ATTEMPTS = (("-march=native", "-fopenmp"), ("-march=native",), ())
+_COMPILE_TIMEOUT_S = 300
+
+
+@dataclass(frozen=True)
+class NativeLibrary:
+    """A loaded build: the library, the file it came from, and whether it runs its loops on several threads."""
+
+    library: ctypes.CDLL
+    path: Path
+    threaded: bool
+
+
+def cache_dir() -> Path:
+    """Where builds are kept (see the module docstring)."""
+    explicit = os.environ.get("LIGHTNING_COMP_CACHE_DIR")
+    if explicit:
+        return Path(explicit).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base).expanduser() / "lightning_comp"
+
+
+def _compiler() -> str:
+    """The C compiler: ``$CC`` if set (it must exist), else the first of cc, gcc, clang on the PATH."""
+    explicit = os.environ.get("CC")
+    if explicit:
+        found = shutil.which(explicit)
+        if found is None:
+            raise NativeBuildError(f"CC={explicit!r} names no executable; set CC to a C compiler (gcc or clang).")
+        return found
+    for name in ("cc", "gcc", "clang"):
+        found = shutil.which(name)
+        if found is not None:
+            return found
+    raise NativeBuildError("No C compiler found (tried $CC, cc, gcc, clang on the PATH); install gcc or clang, or"
+                           " set CC.")
+
+
+@functools.cache
+def _compiler_version(compiler: str) -> str:
+    try:
+        done = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60, check=False)
+    except (OSError, subprocess.TimeoutExpired) as error:
+        raise NativeBuildError(f"The C compiler {compiler!r} could not be run ({error}).") from error
+    return done.stdout.strip()
+
+
+def _target(source: Path, compiler: str, flags: tuple[str, ...]) -> Path:
+    digest = hashlib.sha256()
+    for part in (source.read_bytes(), compiler.encode(), _compiler_version(compiler).encode(), " ".join(flags).encode(),
+                 cpu_identity().encode()):
+        digest.update(part)
+        digest.update(b"\0")
+    return cache_dir() / "kernels" / f"{source.stem}-{digest.hexdigest()[:24]}.so"
+
+
+def _compile(source: Path, compiler: str, flags: tuple[str, ...], target: Path) -> str | None:
+    """Compile ``source`` into ``target`` (atomically); None on success, else the compiler's first error line."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    handle, partial = tempfile.mkstemp(prefix=target.stem, suffix=".so.partial", dir=target.parent)
+    os.close(handle)
+    try:
+        done = subprocess.run([compiler, *flags, str(source), "-o", partial], capture_output=True, text=True,
+                              timeout=_COMPILE_TIMEOUT_S, check=False)
+        if done.returncode != 0:
+            lines = [line for line in (done.stderr or done.stdout).splitlines() if "error" in line.lower()]
+            return (lines or (done.stderr or done.stdout).strip().splitlines() or [f"exit {done.returncode}"])[0]
+        os.replace(partial, target)
+        return None
+    except (OSError, subprocess.TimeoutExpired) as error:
+        return f"{type(error).__name__}: {error}"
+    finally:
+        if os.path.exists(partial):
+            os.unlink(partial)
+
+
+@functools.cache
+def load_library(source: Path) -> NativeLibrary:
+    """``source`` built for this CPU (from the cache, or compiled now) and loaded; once per process and source.
+
+    Raises:
+        NativeBuildError: if no compiler is found, or no attempt builds and loads (the message names the first
+            attempt's error).
+    """
+    compiler = _compiler()
+    failures: list[str] = []
+    for extra in _ATTEMPTS:
+        flags = (*_BASE_FLAGS, *extra)
+        target = _target(source, compiler, flags)
+        if not target.exists():
+            error = _compile(source, compiler, flags, target)
+            if error is not None:
+                failures.append(f"{' '.join(extra) or 'plain'}: {error}")
+                continue
+        try:
+            library = ctypes.CDLL(str(target))
+        except OSError as error:
+            failures.append(f"{' '.join(extra) or 'plain'}: cannot load {target}: {error}")
+            continue
+        return NativeLibrary(library, target, threaded="-fopenmp" in extra)
+    raise NativeBuildError(f"{source.name} could not be built with {compiler} ({failures[0]}; "
+                           f"{len(failures)} attempts failed).")

@@ -1,0 +1,180 @@
+"""The native 8-bit update: its arithmetic against the compiled step's (run eagerly as plain torch), its rounding of
+BF16 masters, NaN, its place among the update paths, and its build (cache, failures)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from lightning_comp.errors import NativeBuildError, UnsupportedSetupError
+from lightning_comp.execution import fused_adam, native_build
+from lightning_comp.execution import update_path as update_path_module
+from lightning_comp.execution.native_adam import native_adam_8bit
+from lightning_comp.execution.native_build import load_library
+from lightning_comp.execution.update_path import _block_aliases
+from lightning_comp.numerics import block_quant
+from lightning_comp.numerics.precision import MasterPrecision, StatePrecision
+from lightning_comp.numerics.stochastic_rounding import rounding_key
+
+N = 1 << 14
+HYPER = (1.0, 0.0, 1.0 - 1e-4, 0.1, 0.999, 1e-3, 3e-3, 0.05, 1e-8)  # fused_adam.HYPER_PARAMETERS' order
+
+
+def _state(dtype: torch.dtype, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    """Weights and gradient of ``dtype``, and two packed 8-bit moments, of :data:`N` elements."""
+    torch.manual_seed(seed)
+    p, g = (torch.randn(N) * 0.1).to(dtype), (torch.randn(N) * 1e-2).to(dtype)
+    m = block_quant.pack(block_quant.QuantisedMoment.quantise(torch.randn(N) * 1e-3, True))
+    v = block_quant.pack(block_quant.QuantisedMoment.quantise(torch.rand(N) * 1e-5, False))
+    return p, g, m, v
+
+
+@pytest.mark.parametrize(("dtype", "stochastic"), [(torch.float32, False), (torch.bfloat16, True),
+                                                   (torch.bfloat16, False)], ids=["fp32", "bf16-sr", "bf16-nearest"])
+def test_the_native_step_is_the_compiled_steps_arithmetic(dtype: torch.dtype, stochastic: bool) -> None:
+    """One step from the same state: the function the compiled path traces, run as plain torch, against the C loop.
+    They differ only where the compiled decode's arithmetic (to a relative 2e-7) meets the map's exact values."""
+    ours, theirs = _state(dtype), _state(dtype)
+    key = rounding_key(7, "w", 3)
+    fused_adam.step_8bit_moments(*_block_aliases(*theirs), torch.tensor(HYPER), stochastic, key)
+    native_adam_8bit().step(*ours, HYPER, stochastic, key)
+    weights, reference = ours[0].float(), theirs[0].float()
+    if dtype == torch.bfloat16:
+        # the same random bits (the same hash of key and index): the same BF16 weights but where an FP32 update
+        # differs in its last bits right at a rounding boundary
+        assert int((weights != reference).sum()) <= N * 1e-3
+        assert torch.allclose(weights, reference, rtol=2.0**-7, atol=0.0)  # at most a BF16 spacing apart
+    else:
+        assert float((weights - reference).abs().max()) <= 2e-8  # an FP32 spacing or two at 0.1; 1e-5 of the step
+    assert not torch.equal(weights, _state(dtype)[0].float())  # it stepped
+    for packed, reference_packed in ((ours[2], theirs[2]), (ours[3], theirs[3])):
+        codes, reference_codes = packed[:N].int(), reference_packed[:N].int()
+        assert int((codes != reference_codes).sum()) <= N * 1e-3  # midpoints between two codes only
+        assert int((codes - reference_codes).abs().max()) <= 1
+        scales, reference_scales = packed[N:].view(torch.float32), reference_packed[N:].view(torch.float32)
+        assert torch.allclose(scales, reference_scales, rtol=1e-6, atol=0.0)
+
+
+def test_the_native_step_rounds_bf16_masters_without_bias() -> None:
+    """Updates a quarter of a BF16 spacing: rounded to nearest they vanish; rounded stochastically they count."""
+    p = torch.full((N,), 1.0, dtype=torch.bfloat16)
+    grad = torch.full((N,), 1.0, dtype=torch.bfloat16)
+    zeros = block_quant.pack(block_quant.QuantisedMoment.quantise(torch.zeros(N), True))
+    spacing = 2.0**-7  # between 1 and the next BF16 value down is 2^-8; the update below moves 2^-10
+    hyper = (1.0, 0.0, 1.0, 1.0, 0.0, 1.0, 2.0**-10, 1.0, 0.0)  # m = v^0.5 = g = 1: w -= step_size exactly
+    nearest = p.clone()
+    native_adam_8bit().step(nearest, grad, zeros.clone(), zeros.clone(), hyper, False, 0)
+    assert torch.equal(nearest, p)  # below half a spacing: rounded away
+    stochastic = p.clone()
+    native_adam_8bit().step(stochastic, grad, zeros.clone(), zeros.clone(), hyper, True, rounding_key(0, "w", 1))
+    assert set(stochastic.float().unique().tolist()) == {1.0 - spacing / 2, 1.0}
+    assert float(stochastic.float().mean()) == pytest.approx(1.0 - 2.0**-10, abs=spacing * 0.02)
+
+
+def test_a_nan_gradient_reaches_the_weights_and_the_block_scales() -> None:
+    p, g, m, v = _state(torch.float32)
+    g[300] = float("nan")  # in the second block
+    native_adam_8bit().step(p, g, m, v, HYPER, False, 0)
+    assert bool(p[300].isnan()) and not bool(p[:256].isnan().any())
+    for packed in (m, v):
+        scales = packed[N:].view(torch.float32)
+        assert bool(scales[1].isnan()) and not bool(scales[0].isnan()) and not bool(scales[2:].isnan().any())
+
+
+def _run(path: str, state: StatePrecision, master: MasterPrecision, steps: int = 3) -> Any:
+    from tests.unit.test_update_path import _run as run
+
+    return run(path, state, master, steps=steps)
+
+
+def test_auto_steps_8bit_moments_natively_on_a_cpu_at_any_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    compiled: list[StatePrecision] = []
+    monkeypatch.setattr(update_path_module, "_kernel", lambda state: lambda *args: compiled.append(state))
+    _, state, states = _run("auto", StatePrecision.INT8, MasterPrecision.FP32)
+    assert states.updates.native_steps == 2 and states.updates.compiled_steps == 0 and not compiled
+    assert state["exp_avg"].dtype == torch.uint8  # the first step created the state eagerly
+    _, _, masters = _run("auto", StatePrecision.INT8, MasterPrecision.BF16)
+    assert masters.updates.native_steps == 2
+    _, _, forced = _run("compiled", StatePrecision.INT8, MasterPrecision.FP32)
+    assert forced.updates.native_steps == 0 and compiled == [StatePrecision.INT8] * 2  # "compiled" is torch.compile
+    _, _, eager = _run("eager", StatePrecision.INT8, MasterPrecision.FP32)
+    assert eager.updates.native_steps == 0
+    _, _, other = _run("native", StatePrecision.BF16, MasterPrecision.FP32)  # not 8-bit: compiled under "native"
+    assert other.updates.native_steps == 0 and other.updates.compiled_steps == 2
+
+
+@pytest.mark.slow
+def test_the_native_step_follows_the_eager_one_over_steps() -> None:
+    """Six steps, the LR changing, against the eager 8-bit step and torch's own FP32 AdamW: as near as eager."""
+    eager, eager_state, _ = _run("eager", StatePrecision.INT8, MasterPrecision.FP32, steps=6)
+    native, native_state, states = _run("native", StatePrecision.INT8, MasterPrecision.FP32, steps=6)
+    exact, _, _ = _run("eager", StatePrecision.FP32, MasterPrecision.FP32, steps=6)  # unmanaged: torch's step
+    assert states.updates.native_steps == 5 and float(native_state["step"]) == 6
+    assert native_state["exp_avg"].dtype == eager_state["exp_avg"].dtype == torch.uint8
+    eager_error, native_error = (eager - exact).abs(), (native - exact).abs()
+    assert float(native_error.mean()) <= 1.05 * float(eager_error.mean())
+    assert float(native_error.max()) <= 1.5 * float(eager_error.max())
+
+
+def _failing_build() -> Any:
+    raise NativeBuildError("No C compiler found (tried $CC, cc, gcc, clang on the PATH)")
+
+
+def test_native_raises_naming_the_cause_when_it_cannot_be_built(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(update_path_module, "native_adam_8bit", _failing_build)
+    with pytest.raises(UnsupportedSetupError, match=r"update_path='native'.*No C compiler found.*'auto'"):
+        _run("native", StatePrecision.INT8, MasterPrecision.FP32)
+
+
+def test_auto_falls_back_with_a_warning_when_the_native_step_cannot_be_built(monkeypatch: pytest.MonkeyPatch
+                                                                            ) -> None:
+    eager, eager_state, _ = _run("eager", StatePrecision.INT8, MasterPrecision.FP32)
+    monkeypatch.setattr(update_path_module, "native_adam_8bit", _failing_build)
+    with pytest.warns(UserWarning, match=r"native 8-bit optimizer step could not be built \(No C compiler found"):
+        fallen, state, states = _run("auto", StatePrecision.INT8, MasterPrecision.FP32)
+    assert states.updates.native_failure is not None and states.updates.native_steps == 0
+    assert torch.equal(fallen, eager) and float(state["step"]) == 3  # eager (small): no step counted twice
+    assert torch.equal(state["exp_avg"], eager_state["exp_avg"])
+
+
+@pytest.fixture
+def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("LIGHTNING_COMP_CACHE_DIR", str(tmp_path / "cache"))
+    load_library.cache_clear()
+    yield tmp_path / "cache"
+    load_library.cache_clear()
+
+
+def test_a_build_is_kept_and_reused_by_the_next_process(cache: Path, tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    source = tmp_path / "answer.c"
+    source.write_text("int answer(void) { return 42; }\n")
+    built = load_library(source)
+    assert built.library.answer() == 42 and built.path.parent == cache / "kernels" and built.path.exists()
+    load_library.cache_clear()  # as a new process: from the cache, not compiled again
+    monkeypatch.setattr(native_build, "_compile", lambda *args: pytest.fail("compiled again"))
+    assert load_library(source).path == built.path
+    load_library.cache_clear()
+    source.write_text("int answer(void) { return 43; }\n")  # a changed source builds anew
+    monkeypatch.undo()
+    monkeypatch.setenv("LIGHTNING_COMP_CACHE_DIR", str(cache))
+    rebuilt = load_library(source)
+    assert rebuilt.path != built.path and rebuilt.library.answer() == 43
+    assert not list(cache.glob("kernels/*.partial"))  # no half-written file left
+
+
+def test_a_build_that_fails_names_the_compilers_error(cache: Path, tmp_path: Path) -> None:
+    source = tmp_path / "broken.c"
+    source.write_text("int broken(void) { return undeclared_name; }\n")
+    with pytest.raises(NativeBuildError, match=r"broken\.c could not be built with .*undeclared_name.*3 attempts"):
+        load_library(source)
+    assert not list(cache.glob("kernels/*"))
+
+
+def test_a_missing_compiler_is_named(cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    with pytest.raises(NativeBuildError, match=r"CC='.*no-such-cc' names no executable"):
+        load_library(tmp_path / "any.c")
