@@ -4,7 +4,8 @@
 script separates the two costs that make it up: a compiled call's fixed cost (Dynamo's guards, the runtime wrapper)
 and its cost per element. For each size it steps one parameter of that many elements through
 :class:`~lightning_comp.execution.optimizer_states.OptimizerStates` (the plugin's own update) with a plan entry per
-format, eagerly and compiled, and through ``torch.optim.AdamW`` (single-tensor and ``foreach``), in interleaved rounds,
+format, eagerly and compiled (8-bit moments natively too: :mod:`lightning_comp.execution.native_adam`), and through
+``torch.optim.AdamW`` (single-tensor and ``foreach``), in interleaved rounds,
 each turn the median of ``--repeats`` steps, the first round left out (it compiles). Reported: microseconds per step
 and nanoseconds per element, medians over rounds.
 
@@ -86,7 +87,7 @@ def run_size(numel: int, args: argparse.Namespace) -> dict[str, Any]:
     plugin_states: dict[str, Any] = {}
     for name in args.formats:
         state, master = FORMATS[name]
-        for path in ("eager", "compiled"):
+        for path in ("eager", "compiled", "native") if state == "8bit" else ("eager", "compiled"):
             steps[f"{name}/{path}"], plugin_states[f"{name}/{path}"] = _plugin_step(numel, state, master, path)
     for step in steps.values():
         step()  # creates the state (eagerly): the compiled path covers the steps after
@@ -97,6 +98,7 @@ def run_size(numel: int, args: argparse.Namespace) -> dict[str, Any]:
         rows[name] = {"us": us, "ns_per_element": us * 1e3 / numel}
         if name in plugin_states:
             rows[name]["compiled_steps"] = plugin_states[name].updates.compiled_steps
+            rows[name]["native_steps"] = plugin_states[name].updates.native_steps
     print(f"[update_kernel] {numel}: " + ", ".join(f"{k} {v['us']:.0f} us" for k, v in rows.items()), flush=True)
     return rows
 

@@ -1,11 +1,12 @@
-"""The managed optimizer step's cost in training: eager against compiled, per state format, against torch's AdamW.
+"""The managed optimizer step's cost in training: eager, compiled, native, per state format, against torch's AdamW.
 
 Each configuration trains the suite's model (default ``gpt``, the default example's CharGPT) through the real
 Trainer with ``CoMPPrecision(plan, update_path=...)``, in one process, in interleaved rounds (the first round, which
 compiles, left out). A callback times every optimizer step from ``on_before_optimizer_step`` (the gradients are
 ready) to ``on_train_batch_end`` (the managed update plus the optimizer's own step of the rest), and the whole
 step from ``on_train_batch_start``. Reported per configuration: the update's median ms, ns per trainable parameter,
-and the ratio of eager to compiled measured in the same round. The plans put every ``Linear`` in one format:
+and the ratios of eager to compiled and of compiled to native (8-bit moments only) measured in the same round. The
+plans put every ``Linear`` in one format:
 
 - ``state-bf16``: BF16 moments; ``state-8bit``: 8-bit moments (FP32 compute, FP32 weights);
 - ``master-bf16``: BF16 compute and BF16 masters rounded stochastically (FP32 moments);
@@ -66,8 +67,13 @@ class Config:
 
 def configurations(plans: list[str]) -> list[Config]:
     configs = [Config("torch-adamw", None), Config("torch-adamw-foreach", None, foreach=True)]
-    configs += [Config(f"{plan}/{path}", plan, path) for plan in plans for path in PATHS]
+    configs += [Config(f"{plan}/{path}", plan, path) for plan in plans for path in _paths(plan)]
     return configs
+
+
+def _paths(plan: str) -> tuple[str, ...]:
+    """The update paths a plan is run on: 8-bit moments natively too (on a CPU; on CUDA "native" compiles)."""
+    return (*PATHS, "native") if "8bit" in plan else PATHS
 
 
 class _StepClock:
@@ -133,7 +139,9 @@ def _turn(spec: dict[str, Any], config: Config, args: argparse.Namespace) -> dic
     if config.plan is not None:
         states = trainer.precision_plugin._runtime.optimizer_states
         out["compiled_steps"] = states.updates.compiled_steps
+        out["native_steps"] = states.updates.native_steps
         out["fallback"] = states.updates.failure
+        out["native_fallback"] = states.updates.native_failure
     del trainer, model, datamodule
     torch.cuda.empty_cache() if torch.cuda.is_available() else None
     return out
@@ -162,6 +170,9 @@ def run_model(key: str, args: argparse.Namespace) -> dict[str, Any]:
         eager, compiled = measured[f"{plan}/eager"], measured[f"{plan}/compiled"]
         rows[f"{plan}/compiled"]["eager_over_compiled"] = ratio_summary(
             [e["update_ms"] / c["update_ms"] for e, c in zip(eager, compiled)])
+        if "native" in _paths(plan):
+            rows[f"{plan}/native"]["compiled_over_native"] = ratio_summary(
+                [c["update_ms"] / n["update_ms"] for c, n in zip(compiled, measured[f"{plan}/native"])])
     foreach = measured["torch-adamw-foreach"]
     for c in configs:
         rows[c.key]["over_torch_foreach"] = ratio_summary(
@@ -177,14 +188,17 @@ def markdown(report: dict[str, Any]) -> str:
              f" {report['settings']['rounds']} measured rounds of {report['settings']['steps']} steps.", ""]
     for key, model in report["models"].items():
         lines += [f"## {key}: {model['title']} ({model['params'] / 1e6:.2f} M parameters)", "",
-                  "| configuration | update ms | ns / param | x torch foreach | eager / compiled | step ms |",
-                  "|---|---|---|---|---|---|"]
+                  "| configuration | update ms | ns / param | x torch foreach | eager / compiled | compiled / native"
+                  " | step ms |",
+                  "|---|---|---|---|---|---|---|"]
         for name, row in model["configs"].items():
-            ratio = row.get("eager_over_compiled")
-            cell = "" if ratio is None else f"{ratio['median']:.2f} [{ratio['min']:.2f}, {ratio['max']:.2f}]"
+            cells = []
+            for column in ("eager_over_compiled", "compiled_over_native"):
+                ratio = row.get(column)
+                cells.append("" if ratio is None else f"{ratio['median']:.2f} [{ratio['min']:.2f}, {ratio['max']:.2f}]")
             torch_ratio = row["over_torch_foreach"]["median"]
             lines.append(f"| {name} | {row['update_ms']:.2f} | {row['ns_per_param']:.2f} | {torch_ratio:.2f} |"
-                         f" {cell} | {row['step_ms']:.1f} |")
+                         f" {cells[0]} | {cells[1]} | {row['step_ms']:.1f} |")
         lines.append("")
     return "\n".join(lines) + "\n"
 

@@ -1,5 +1,6 @@
 """Smoke test of ``benchmarks/update_kernel.py``: every configuration steps its parameter, the compiled ones through
-the compiled path (every step after the first), the eager ones never; the report has a row per configuration. It
+the compiled path (every step after the first), the native ones through the native step, the eager ones through
+neither; the report has a row per configuration. It
 never asserts timings (they depend on the machine)."""
 
 from __future__ import annotations
@@ -26,13 +27,16 @@ def test_update_kernel_smoke(tmp_path: Path) -> None:
     report = json.loads((out / "update_kernel.json").read_text())
     assert set(report["sizes"]) == {"4096", "65536"}
     for size, rows in report["sizes"].items():
-        assert {"torch-adamw", "torch-adamw-foreach", "8bit+master/compiled", "state-8bit/eager"} <= set(rows)
+        assert {"torch-adamw", "torch-adamw-foreach", "8bit+master/compiled", "state-8bit/eager",
+                "state-8bit/native", "8bit+master/native"} <= set(rows)
         for name, row in rows.items():
             assert math.isfinite(row["us"]) and row["us"] > 0, (size, name)
             if name.endswith("/compiled"):
-                assert row["compiled_steps"] > 0, (size, name)
+                assert row["compiled_steps"] > 0 and row["native_steps"] == 0, (size, name)
+            elif name.endswith("/native"):
+                assert row["native_steps"] > 0 and row["compiled_steps"] == 0, (size, name)
             elif name.endswith("/eager"):
-                assert row["compiled_steps"] == 0, (size, name)
+                assert row["compiled_steps"] == row["native_steps"] == 0, (size, name)
     text = (out / "update_kernel.md").read_text()
     assert "| 8bit+master/compiled |" in text and "65,536 elements" in text
 
