@@ -89,10 +89,14 @@ def _target(source: Path, compiler: str, flags: tuple[str, ...]) -> Path:
 
 
 def _compile(source: Path, compiler: str, flags: tuple[str, ...], target: Path) -> str | None:
-    """Compile ``source`` into ``target`` (atomically); None on success, else the compiler's first error line."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    handle, partial = tempfile.mkstemp(prefix=target.stem, suffix=".so.partial", dir=target.parent)
-    os.close(handle)
+    """Compile ``source`` into ``target`` (atomically); None on success, else the compiler's first error line (or
+    why the cache directory cannot take the file)."""
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        handle, partial = tempfile.mkstemp(prefix=target.stem, suffix=".so.partial", dir=target.parent)
+        os.close(handle)
+    except OSError as error:
+        return f"cache directory {target.parent} not writable ({error}); set LIGHTNING_COMP_CACHE_DIR"
     try:
         done = subprocess.run([compiler, *flags, str(source), "-o", partial], capture_output=True, text=True,
                               timeout=_COMPILE_TIMEOUT_S, check=False)

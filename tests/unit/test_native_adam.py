@@ -178,3 +178,17 @@ def test_a_missing_compiler_is_named(cache: Path, tmp_path: Path, monkeypatch: p
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     with pytest.raises(NativeBuildError, match=r"CC='.*no-such-cc' names no executable"):
         load_library(tmp_path / "any.c")
+
+
+def test_an_unwritable_cache_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    blocked = tmp_path / "a-file"
+    blocked.write_text("not a directory")
+    monkeypatch.setenv("LIGHTNING_COMP_CACHE_DIR", str(blocked))
+    load_library.cache_clear()
+    source = tmp_path / "answer.c"
+    source.write_text("int answer(void) { return 42; }\n")
+    try:
+        with pytest.raises(NativeBuildError, match=r"cache directory .*a-file.* not writable.*CACHE_DIR"):
+            load_library(source)
+    finally:
+        load_library.cache_clear()
