@@ -13,8 +13,9 @@ every learning rate (the hyper-parameters come in a tensor), and it reads nothin
 its size.
 
 On a CPU, 8-bit moments have a third path, the native one (:mod:`~lightning_comp.execution.native_adam`): the same
-arithmetic as a C loop over the blocks, built on the machine at first use (under a second; cached), 2.0 ns per
-parameter at 1 Mi elements on 2 AVX2 cores against the compiled step's 5.9 (``torch.optim.AdamW``'s FP32 step: 2.1).
+arithmetic as a C loop over the blocks, built on the machine at first use (under a second; cached): 2.10 ns per
+parameter at 1 Mi elements on 2 AVX2 cores against the compiled step's 6.66 and 1.83 for ``torch.optim.AdamW``'s FP32
+step (``benchmarks/update_kernel.py``, side by side, 2026-12-07).
 
 :class:`UpdatePath` chooses: ``"eager"``; ``"compiled"`` (an error, naming the cause, where it cannot compile);
 ``"native"`` (8-bit moments on a CPU natively, an error naming the cause where the C loop cannot be built; everything
@@ -230,7 +231,8 @@ class CompiledUpdates:
         if precision is StatePrecision.INT8:
             size = block_quant.packed_size(p.numel())
             return block_quant.quantisable(p) and all(
-                isinstance(m, torch.Tensor) and m.dtype == torch.uint8 and m.numel() == size for m in moments)
+                isinstance(m, torch.Tensor) and m.dtype == torch.uint8 and m.numel() == size and m.is_contiguous()
+                for m in moments)
         dtype = torch.bfloat16 if precision is StatePrecision.BF16 else torch.float32
         return all(isinstance(m, torch.Tensor) and m.dtype == dtype and m.shape == p.shape and m.is_contiguous()
                    for m in moments)

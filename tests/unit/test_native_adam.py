@@ -192,3 +192,20 @@ def test_an_unwritable_cache_is_named(tmp_path: Path, monkeypatch: pytest.Monkey
             load_library(source)
     finally:
         load_library.cache_clear()
+
+
+def test_moments_not_laid_out_flat_are_left_to_the_eager_step() -> None:
+    from lightning_comp.execution.adam_step import AdamSettings
+    from lightning_comp.execution.update_path import CompiledUpdates
+
+    p, g, m, v = _state(torch.float32)
+    strided = torch.empty(2 * m.numel(), dtype=torch.uint8)[::2]
+    strided.copy_(m)
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(p)], lr=1e-3)
+    settings = AdamSettings.of(optimizer, optimizer.param_groups[0])
+    updates = CompiledUpdates("native")
+    updates.begin(N, p.device)
+    state = {"step": torch.tensor(1.0), "exp_avg": strided, "exp_avg_sq": v}
+    assert not updates.step(p, g, state, settings, StatePrecision.INT8, False, "w")
+    state["exp_avg"] = m
+    assert updates.step(p, g, state, settings, StatePrecision.INT8, False, "w") and updates.native_steps == 1
