@@ -4,7 +4,7 @@
 script separates the two costs that make it up: a compiled call's fixed cost (Dynamo's guards, the runtime wrapper)
 and its cost per element. For each size it steps one parameter of that many elements through
 :class:`~lightning_comp.execution.optimizer_states.OptimizerStates` (the plugin's own update) with a plan entry per
-format, eagerly and compiled (8-bit moments natively too: :mod:`lightning_comp.execution.native_adam`), and through
+format, eagerly, compiled and natively (:mod:`lightning_comp.execution.native_adam`), and through
 ``torch.optim.AdamW`` (single-tensor and ``foreach``), in interleaved rounds,
 each turn the median of ``--repeats`` steps, the first round left out (it compiles). Reported: microseconds per step
 and nanoseconds per element, medians over rounds.
@@ -87,7 +87,7 @@ def run_size(numel: int, args: argparse.Namespace) -> dict[str, Any]:
     plugin_states: dict[str, Any] = {}
     for name in args.formats:
         state, master = FORMATS[name]
-        for path in ("eager", "compiled", "native") if state == "8bit" else ("eager", "compiled"):
+        for path in ("eager", "compiled", "native"):
             steps[f"{name}/{path}"], plugin_states[f"{name}/{path}"] = _plugin_step(numel, state, master, path)
     for step in steps.values():
         step()  # creates the state (eagerly): the compiled path covers the steps after

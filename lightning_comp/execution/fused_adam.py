@@ -27,11 +27,12 @@ import torch
 from lightning_comp.numerics.dynamic_codec import decode, encode
 from lightning_comp.numerics.stochastic_rounding import round_to_bf16_hashed
 
-__all__ = ["HYPER_PARAMETERS", "step_8bit_moments", "step_bf16_moments", "step_fp32_moments"]
+__all__ = ["EXP_AVG_SQ_STREAM", "EXP_AVG_STREAM", "HYPER_PARAMETERS", "step_8bit_moments", "step_bf16_moments",
+           "step_fp32_moments"]
 
 # offsets of the BF16 moments' rounding streams from the weights' key (the hash's input is the key plus the element's
 # index: odd offsets far apart, so that the three streams do not overlap for any tensor under 2**29 elements)
-_EXP_AVG_STREAM, _EXP_AVG_SQ_STREAM = 0x5BD1E995, 0x9E3779B1
+EXP_AVG_STREAM, EXP_AVG_SQ_STREAM = 0x5BD1E995, 0x9E3779B1
 
 HYPER_PARAMETERS = ("sign", "l2", "keep", "beta1_rest", "beta2", "beta2_rest", "step_size", "bias2_sqrt", "eps")
 """The values of the ``hyper`` tensor every step function takes, in order."""
@@ -71,8 +72,8 @@ def step_bf16_moments(p: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor
     """One step of ``p`` whose moments are BF16 tensors of its shape (read in FP32, written rounded stochastically,
     each from its own stream of ``key``'s hash: :mod:`lightning_comp.execution.adam_step` says why not to nearest)."""
     w, m, v = _adam(p.float(), grad.float(), exp_avg.float(), exp_avg_sq.float(), hyper)
-    exp_avg.copy_(round_to_bf16_hashed(m, key + _EXP_AVG_STREAM))
-    exp_avg_sq.copy_(round_to_bf16_hashed(v, key + _EXP_AVG_SQ_STREAM))
+    exp_avg.copy_(round_to_bf16_hashed(m, key + EXP_AVG_STREAM))
+    exp_avg_sq.copy_(round_to_bf16_hashed(v, key + EXP_AVG_SQ_STREAM))
     _store_weights(p, w, stochastic, key)
 
 

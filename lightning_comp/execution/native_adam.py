@@ -1,10 +1,10 @@
-"""The native update: Adam(W)'s step of a parameter with 8-bit moments as one C loop over its blocks, on a CPU.
+"""The native update: Adam(W)'s step of a managed parameter as one C loop, on a CPU, for every state format.
 
 The compiled update (:mod:`lightning_comp.execution.update_path`) runs the 8-bit step as the kernels ``torch.compile``
 generates: four passes over the whole parameter (decode and Adam, each moment's block scales, each moment's codes)
 with the new moments written to memory in FP32 between them, and some 0.3 ms of Python and guards per call. Here
 the same arithmetic (:func:`~lightning_comp.execution.fused_adam.step_8bit_moments`'s, operation for operation) runs
-block by block in ``native_adam_8bit.c``: a block's 256 new moments stay in the core's cache from the decode to their
+block by block in ``native_adam.c``: a block's 256 new moments stay in the core's cache from the decode to their
 codes, and a call costs a few microseconds. Measured on 2 AMD EPYC cores (AVX2) at 1 Mi elements (2026-12-07,
 ``benchmarks/update_kernel.py``, side by side): 2.10 ns per parameter against 6.66 compiled and 1.83 for
 ``torch.optim.AdamW``'s own FP32 step (``docs/benchmark.md``, "Memory at speed, eleventh pass").
@@ -13,8 +13,13 @@ Codes are decoded through the map's own 256 values (:func:`~lightning_comp.numer
 eager step does: exact) and encoded by :mod:`~lightning_comp.numerics.dynamic_codec`'s arithmetic, whose constants
 (:func:`~lightning_comp.numerics.dynamic_codec.encoding_table`) are passed in. BF16 weights (stochastically rounded
 masters) are rounded from :func:`~lightning_comp.numerics.stochastic_rounding.round_to_bf16_hashed`'s hash of the same
-key and element index, so the native and compiled steps draw the same random bits. The library is built on first use
-(:mod:`lightning_comp.execution.native_build`); it covers CPU tensors only (CUDA runs the compiled step).
+key and element index, so the native and compiled steps draw the same random bits.
+
+Moments held as FP32 or BF16 tensors (``state="bf16"``, and tensors too small to quantise) take the same Adam(W)
+element by element (:func:`~lightning_comp.execution.fused_adam.step_fp32_moments`'s and ``step_bf16_moments``'s
+arithmetic), BF16 moments rounded stochastically from the weights' key plus each moment's stream offset, as the
+compiled step rounds them. The library is built on first use (:mod:`lightning_comp.execution.native_build`); it covers
+CPU tensors only (CUDA runs the compiled step).
 """
 
 from __future__ import annotations
@@ -22,24 +27,29 @@ from __future__ import annotations
 import ctypes
 import functools
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from lightning_comp.execution import fused_adam
 from lightning_comp.execution.native_build import NativeLibrary, load_library
 from lightning_comp.numerics import block_quant
 from lightning_comp.numerics.dynamic_codec import encoding_table
 
-__all__ = ["SOURCE", "NativeAdam8bit", "native_adam_8bit"]
+__all__ = ["GRAIN_SIZE", "SOURCE", "NativeAdam", "native_adam"]
 
-SOURCE = Path(__file__).with_name("native_adam_8bit.c")
+SOURCE = Path(__file__).with_name("native_adam.c")
 """The C source of the step."""
+
+GRAIN_SIZE = 32768
+"""Steps of fewer elements run on one thread (ATen's grain size for element-wise work)."""
 
 def _floats(values: tuple[float, ...] | list[float]) -> ctypes.Array[ctypes.c_float]:
     return (ctypes.c_float * len(values))(*values)
 
 
-class NativeAdam8bit:
-    """Steps CPU parameters with 8-bit moments through the built C function.
+class NativeAdam:
+    """Steps managed CPU parameters through the built C functions.
 
     Raises (at construction):
         NativeBuildError: if the source cannot be built or loaded here.
@@ -47,15 +57,28 @@ class NativeAdam8bit:
 
     def __init__(self) -> None:
         self.build: NativeLibrary = load_library(SOURCE)
-        function = self.build.library.lc_adam_8bit_step
-        function.restype = ctypes.c_int
-        function.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
-                             ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                             ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_int]
-        self._function = function
+        pointer, integer = ctypes.c_void_p, ctypes.c_int
+        self._8bit = self._bind("lc_adam_8bit_step", [pointer, pointer, integer, pointer, pointer, ctypes.c_int64,
+                                                      pointer, pointer, pointer, pointer, pointer, integer,
+                                                      ctypes.c_uint32, integer])
+        self._dense = self._bind("lc_adam_dense_step", [pointer, pointer, integer, pointer, pointer, integer,
+                                                        ctypes.c_int64, pointer, integer, ctypes.c_uint32,
+                                                        ctypes.c_uint32, ctypes.c_uint32, integer])
         cpu = torch.device("cpu")
         self._maps = {signed: block_quant.value_map(signed, cpu).contiguous() for signed in (True, False)}
         self._tables = {signed: _floats(encoding_table(signed)) for signed in (True, False)}
+
+    def _bind(self, name: str, argtypes: list[Any]) -> Any:
+        function = getattr(self.build.library, name)
+        function.restype = ctypes.c_int
+        function.argtypes = argtypes
+        return function
+
+    def _threads(self, numel: int) -> int:
+        """Threads for a step of ``numel`` elements: torch's count from :data:`GRAIN_SIZE` elements on, else one (a
+        parallel region costs more than it shares below that, and much more on a busy machine, where the region
+        waits for its slowest thread)."""
+        return torch.get_num_threads() if self.build.threaded and numel >= GRAIN_SIZE else 1
 
     @staticmethod
     def covers(p: torch.Tensor, grad: torch.Tensor) -> bool:
@@ -63,26 +86,36 @@ class NativeAdam8bit:
         return (p.device.type == "cpu" and p.dtype in (torch.float32, torch.bfloat16) and grad.dtype == p.dtype
                 and p.is_contiguous() and grad.is_contiguous() and grad.device == p.device)
 
-    def step(self, p: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-             hyper: tuple[float, ...], stochastic: bool, key: int) -> None:
+    def step_8bit(self, p: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                  hyper: tuple[float, ...], stochastic: bool, key: int) -> None:
         """One step of ``p`` (``grad`` its gradient) whose moments are packed 8-bit tensors
         (:func:`~lightning_comp.numerics.block_quant.pack`), all updated in place; ``hyper`` in the order of
         :data:`~lightning_comp.execution.fused_adam.HYPER_PARAMETERS`; BF16 weights rounded stochastically from
         ``key`` if ``stochastic``, else to nearest."""
         blocks = p.numel() // block_quant.BLOCK_SIZE
         values = _floats(hyper)  # held here until the call returns
-        self._function(p.data_ptr(), grad.data_ptr(), int(p.dtype == torch.bfloat16), exp_avg.data_ptr(),
-                       exp_avg_sq.data_ptr(), blocks, ctypes.addressof(values),
-                       self._maps[True].data_ptr(), self._maps[False].data_ptr(),
-                       ctypes.addressof(self._tables[True]), ctypes.addressof(self._tables[False]), int(stochastic),
-                       key & 0xFFFFFFFF, torch.get_num_threads() if self.build.threaded else 1)
+        self._8bit(p.data_ptr(), grad.data_ptr(), int(p.dtype == torch.bfloat16), exp_avg.data_ptr(),
+                   exp_avg_sq.data_ptr(), blocks, ctypes.addressof(values), self._maps[True].data_ptr(),
+                   self._maps[False].data_ptr(), ctypes.addressof(self._tables[True]),
+                   ctypes.addressof(self._tables[False]), int(stochastic), key & 0xFFFFFFFF, self._threads(p.numel()))
+
+    def step_dense(self, p: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                   hyper: tuple[float, ...], stochastic: bool, key: int) -> None:
+        """One step of ``p`` whose moments are contiguous tensors of its shape, FP32 or BF16 (both of one dtype,
+        BF16 ones rounded stochastically from ``key``'s moment streams), all updated in place; the rest as
+        :meth:`step_8bit`."""
+        values = _floats(hyper)
+        self._dense(p.data_ptr(), grad.data_ptr(), int(p.dtype == torch.bfloat16), exp_avg.data_ptr(),
+                    exp_avg_sq.data_ptr(), int(exp_avg.dtype == torch.bfloat16), p.numel(), ctypes.addressof(values),
+                    int(stochastic), key & 0xFFFFFFFF, fused_adam.EXP_AVG_STREAM, fused_adam.EXP_AVG_SQ_STREAM,
+                    self._threads(p.numel()))
 
 
 @functools.cache
-def native_adam_8bit() -> NativeAdam8bit:
-    """The process's one :class:`NativeAdam8bit` (building the library on first call).
+def native_adam() -> NativeAdam:
+    """The process's one :class:`NativeAdam` (building the library on first call).
 
     Raises:
         NativeBuildError: if the source cannot be built or loaded here.
     """
-    return NativeAdam8bit()
+    return NativeAdam()

@@ -53,7 +53,7 @@ from lightning_comp.common.spelled_enum import SpelledEnum
 from lightning_comp.errors import CoMPError, NativeBuildError, UnsupportedSetupError
 from lightning_comp.execution import fused_adam
 from lightning_comp.execution.adam_step import AdamSettings
-from lightning_comp.execution.native_adam import NativeAdam8bit, native_adam_8bit
+from lightning_comp.execution.native_adam import NativeAdam, native_adam
 from lightning_comp.numerics import block_quant
 from lightning_comp.numerics.precision import StatePrecision
 from lightning_comp.numerics.stochastic_rounding import rounding_key
@@ -184,8 +184,7 @@ class CompiledUpdates:
             precision = StatePrecision.FP32  # too small to quantise: its moments stay FP32
         if settings.amsgrad or not self._covers(p, grad, state, precision):
             return False
-        native = self._native_on and precision is StatePrecision.INT8 and NativeAdam8bit.covers(p, grad) \
-            and self._native() is not None
+        native = self._native_on and NativeAdam.covers(p, grad) and self._native() is not None
         if not native and not self._on:
             return False
         if not native and self.path is UpdatePath.AUTO and p.device.type == "cpu" and not stochastic \
@@ -201,7 +200,9 @@ class CompiledUpdates:
         key = rounding_key(self.seed, name, int(t))
         tensors = (p.detach(), grad, state["exp_avg"], state["exp_avg_sq"])
         if native:
-            native_adam_8bit().step(*tensors, values, stochastic, key)
+            kernel = native_adam()
+            (kernel.step_8bit if precision is StatePrecision.INT8 else kernel.step_dense)(*tensors, values, stochastic,
+                                                                                         key)
             self.native_steps += 1
             return True
         scalars = (_on_device(values, p.device), stochastic, key)
@@ -237,23 +238,23 @@ class CompiledUpdates:
         return all(isinstance(m, torch.Tensor) and m.dtype == dtype and m.shape == p.shape and m.is_contiguous()
                    for m in moments)
 
-    def _native(self) -> NativeAdam8bit | None:
+    def _native(self) -> NativeAdam | None:
         """The native step (built on first use); None under ``"auto"`` where it cannot be built (warned once).
 
         Raises:
             UnsupportedSetupError: under ``"native"``, if it cannot be built here.
         """
         try:
-            return native_adam_8bit()
+            return native_adam()
         except NativeBuildError as error:
             if self.path is UpdatePath.NATIVE:
                 raise UnsupportedSetupError(
-                    f"update_path='native': the 8-bit optimizer step could not be built here ({error}). Use"
+                    f"update_path='native': the native optimizer step could not be built here ({error}). Use"
                     " update_path='auto' (falls back to the compiled step) or 'compiled'.") from error
             self.native_failure = str(error)
             self._native_on = False
-            rank_zero_warn(f"The native 8-bit optimizer step could not be built ({error}); 8-bit moments are stepped"
-                           " by the compiled or eager step instead (about 2.5x slower per parameter on a CPU).")
+            rank_zero_warn(f"The native optimizer step could not be built ({error}); managed parameters are stepped by"
+                           " the compiled or eager step instead (2-3x slower per parameter on a CPU).")
             return None
 
     def _failed(self, error: Exception) -> None:

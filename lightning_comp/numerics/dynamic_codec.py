@@ -58,7 +58,7 @@ def _thresholds(signed: bool) -> tuple[float, tuple[float, ...], float]:
 
 def encoding_table(signed: bool) -> tuple[float, ...]:
     """:func:`encode`'s constants in the order the native update's C code reads them
-    (``lightning_comp/execution/native_adam_8bit.c``): per decade its multiplier, offset, first code magnitude and
+    (``lightning_comp/execution/native_adam.c``): per decade its multiplier, offset, first code magnitude and
     last index within it (seven of each), the six thresholds between decades, the magnitudes below which a value is
     zero and from which it is one, and the code magnitude of one."""
     rows = _decades(signed)

@@ -28,7 +28,7 @@ def test_update_kernel_smoke(tmp_path: Path) -> None:
     assert set(report["sizes"]) == {"4096", "65536"}
     for size, rows in report["sizes"].items():
         assert {"torch-adamw", "torch-adamw-foreach", "8bit+master/compiled", "state-8bit/eager",
-                "state-8bit/native", "8bit+master/native"} <= set(rows)
+                "state-8bit/native", "8bit+master/native", "state-bf16/native", "master-bf16/native"} <= set(rows)
         for name, row in rows.items():
             assert math.isfinite(row["us"]) and row["us"] > 0, (size, name)
             if name.endswith("/compiled"):

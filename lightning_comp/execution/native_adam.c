@@ -1,17 +1,21 @@
-/* Adam(W)'s step of one parameter whose two moments are 8-bit block-quantised codes, block by block, on a CPU.
+/* Adam(W)'s step of one parameter on a CPU, for the formats a plan's `state`/`master` entries manage: moments as 8-bit
+ * block-quantised codes (lc_adam_8bit_step, block by block) or as FP32 or BF16 tensors (lc_adam_dense_step), weights
+ * FP32 or BF16.
  *
  * Built at first use by lightning_comp.execution.native_build and called through ctypes by
  * lightning_comp.execution.native_adam, which documents the arguments and what this file computes. The arithmetic is
- * lightning_comp.execution.fused_adam.step_8bit_moments's, operation for operation, in FP32 (no contraction into
- * FMAs: the build passes -ffp-contract=off): decode each code through the map's own 256 values, Adam(W), then each
- * block's new moments are scaled by their largest magnitude and encoded by lightning_comp.numerics.dynamic_codec's
+ * lightning_comp.execution.fused_adam's step functions', operation for operation, in FP32 (no contraction into FMAs:
+ * the build passes -ffp-contract=off). 8-bit codes are decoded through the map's own 256 values and, after Adam(W),
+ * each block's new moments are scaled by their largest magnitude and encoded by lightning_comp.numerics.dynamic_codec's
  * arithmetic, whose constants come in as arguments (one owner of those numbers: that module). What the compiled
  * (torch.compile) path does in four passes over the whole tensor, with FP32 moments written to memory between them,
- * happens here within one block of 256 elements, in the core's cache.
+ * happens here within one block of 256 elements, in the core's cache. BF16 values (weights, moments) are rounded
+ * stochastically from lightning_comp.numerics.stochastic_rounding's hash of a key and the element's index, or to
+ * nearest even.
  *
  * The loops are written to be vectorised by the compiler (-O3): selects instead of branches, no calls but sqrtf and
- * floorf (-fno-math-errno makes them instructions). Blocks are shared among `threads` OpenMP threads; built without
- * OpenMP the pragma is ignored and one thread does every block.
+ * floorf (-fno-math-errno makes them instructions). Work is shared among `threads` OpenMP threads; built without
+ * OpenMP the pragmas are ignored and one thread does it all.
  */
 #include <math.h>
 #include <stdint.h>
@@ -167,7 +171,7 @@ int lc_adam_8bit_step(void *weights, const void *grad, int bf16_weights, uint8_t
     Hyper h;
     memcpy(&h, hyper, sizeof(Hyper));
     uint8_t *m_scales = m_packed + blocks * BLOCK, *v_scales = v_packed + blocks * BLOCK;
-#pragma omp parallel for num_threads(threads) schedule(static)
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
     for (int64_t b = 0; b < blocks; b++) {
         float m_new[BLOCK], v_new[BLOCK], m_scale, v_scale;
         memcpy(&m_scale, m_scales + 4 * b, 4);
@@ -186,6 +190,63 @@ int lc_adam_8bit_step(void *weights, const void *grad, int bf16_weights, uint8_t
         encode_unsigned(v_new, v_scale, v_table, v_codes);
         memcpy(m_scales + 4 * b, &m_scale, 4);
         memcpy(v_scales + 4 * b, &v_scale, 4);
+    }
+    return 0;
+}
+
+#define CHUNK 4096 /* elements per unit of work among the threads */
+
+/* Elements [start, end) of a dense step; the format flags are constants at each call (dense_chunk), so that every
+ * combination compiles to its own loop without branches. */
+static inline __attribute__((always_inline)) void dense_range(
+        void *weights, const void *grad, void *exp_avg, void *exp_avg_sq, int64_t start, int64_t end, const Hyper *h,
+        uint32_t key, uint32_t m_key, uint32_t v_key, const int bf16_weights, const int bf16_moments,
+        const int stochastic) {
+    for (int64_t i = start; i < end; i++) {
+        float w = bf16_weights ? bf16_to_float(((const uint16_t *)weights)[i]) : ((const float *)weights)[i];
+        float g = bf16_weights ? bf16_to_float(((const uint16_t *)grad)[i]) : ((const float *)grad)[i];
+        float m = bf16_moments ? bf16_to_float(((const uint16_t *)exp_avg)[i]) : ((const float *)exp_avg)[i];
+        float v = bf16_moments ? bf16_to_float(((const uint16_t *)exp_avg_sq)[i]) : ((const float *)exp_avg_sq)[i];
+        w = adam(&m, &v, w, g, h);
+        if (bf16_moments) {
+            ((uint16_t *)exp_avg)[i] = to_bf16(m, (int64_t)(mix(m_key + (uint32_t)i) & 0xFFFFu));
+            ((uint16_t *)exp_avg_sq)[i] = to_bf16(v, (int64_t)(mix(v_key + (uint32_t)i) & 0xFFFFu));
+        } else {
+            ((float *)exp_avg)[i] = m;
+            ((float *)exp_avg_sq)[i] = v;
+        }
+        if (bf16_weights) {
+            ((uint16_t *)weights)[i] = to_bf16(w, stochastic ? (int64_t)(mix(key + (uint32_t)i) & 0xFFFFu) : -1);
+        } else {
+            ((float *)weights)[i] = w;
+        }
+    }
+}
+
+#define DENSE(BW, BM, SR) dense_range(weights, grad, exp_avg, exp_avg_sq, start, end, &h, key, m_key, v_key, BW, BM, SR)
+
+/* One step of a parameter of `n` elements whose moments are tensors of its shape: FP32 (`bf16_moments` 0) or BF16
+ * (1, rounded stochastically from `key + m_stream` and `key + v_stream`: fused_adam's stream offsets, passed in);
+ * weights FP32 or BF16 as in lc_adam_8bit_step (its gradient of the same dtype). Returns 0. */
+int lc_adam_dense_step(void *weights, const void *grad, int bf16_weights, void *exp_avg, void *exp_avg_sq,
+                       int bf16_moments, int64_t n, const float *hyper, int stochastic, uint32_t key,
+                       uint32_t m_stream, uint32_t v_stream, int threads) {
+    Hyper h;
+    memcpy(&h, hyper, sizeof(Hyper));
+    uint32_t m_key = key + m_stream, v_key = key + v_stream;
+    int64_t chunks = (n + CHUNK - 1) / CHUNK;
+    int form = (bf16_weights ? 4 : 0) | (bf16_moments ? 2 : 0) | (bf16_weights && stochastic ? 1 : 0);
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+    for (int64_t c = 0; c < chunks; c++) {
+        int64_t start = c * CHUNK, end = start + CHUNK < n ? start + CHUNK : n;
+        switch (form) {
+        case 0: DENSE(0, 0, 0); break;
+        case 2: DENSE(0, 1, 0); break;
+        case 4: DENSE(1, 0, 0); break;
+        case 5: DENSE(1, 0, 1); break;
+        case 6: DENSE(1, 1, 0); break;
+        default: DENSE(1, 1, 1); break;
+        }
     }
     return 0;
 }
