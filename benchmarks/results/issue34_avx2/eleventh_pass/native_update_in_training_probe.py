@@ -89,7 +89,7 @@ def _fit(plugins: list[Any], callback: pl.Callback) -> None:
 
 
 def _median(values: list[float]) -> float:
-    return statistics.median(values[WARMUP:] or values)
+    return statistics.median(values[WARMUP:])
 
 
 def run(label: str, plugins: Callable[[], list[Any]], managed: bool) -> None:
@@ -97,7 +97,8 @@ def run(label: str, plugins: Callable[[], list[Any]], managed: bool) -> None:
         timers = Timers()
         if managed:
             timers.wrap(optimizer_states.OptimizerStates, "step", "managed step (whole)")
-            timers.wrap(native_adam.NativeAdam8bit, "step", "native calls")
+            timers.wrap(native_adam.NativeAdam, "step_8bit", "native 8-bit calls")
+            timers.wrap(native_adam.NativeAdam, "step_dense", "native dense calls")
             timers.wrap(optimizer_states, "adam_step", "eager steps")
         phase = Phase(timers)
         try:
@@ -106,6 +107,9 @@ def run(label: str, plugins: Callable[[], list[Any]], managed: bool) -> None:
             timers.restore()
         cells = [f"update phase {_median(phase.update_ms):.2f}"]
         for name, values in timers.ms.items():
+            if len(values) <= WARMUP:
+                cells.append(f"{name}: in the first {len(values)} step(s) only ({timers.calls[name]} calls)")
+                continue
             calls = timers.calls[name] / len(values)
             cells.append(f"{name} {_median(values):.2f} ({calls:.0f} calls/step)")
         print(f"{label} turn {turn}: " + ", ".join(cells), flush=True)
