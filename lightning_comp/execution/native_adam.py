@@ -6,7 +6,7 @@ with the new moments written to memory in FP32 between them, and some 0.3 ms of 
 the same arithmetic (:func:`~lightning_comp.execution.fused_adam.step_8bit_moments`'s, operation for operation) runs
 block by block in ``native_adam.c``: a block's 256 new moments stay in the core's cache from the decode to their
 codes, and a call costs a few microseconds. Measured on 2 AMD EPYC cores (AVX2) at 1 Mi elements (2026-12-07,
-``benchmarks/update_kernel.py``, side by side): 2.10 ns per parameter against 6.66 compiled and 1.83 for
+``benchmarks/update_kernel.py``, side by side): 2.04 ns per parameter against 6.16 compiled and 1.55 for
 ``torch.optim.AdamW``'s own FP32 step (``docs/benchmark.md``, "Memory at speed, eleventh pass").
 
 Codes are decoded through the map's own 256 values (:func:`~lightning_comp.numerics.block_quant.value_map`, as the

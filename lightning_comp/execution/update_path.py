@@ -1,4 +1,4 @@
-"""Which code steps the managed parameters: Adam's step op by op, or one compiled kernel per parameter.
+"""Which code steps the managed parameters: Adam's step op by op, one compiled kernel, or a native C loop.
 
 The eager update (:func:`~lightning_comp.execution.adam_step.adam_step`) runs every op of the step as its own pass
 over memory: in training on 2 CPU cores (the default example, every Linear managed, the whole update of its 3.3 M
@@ -6,38 +6,33 @@ parameters) 14.7 ns per parameter with BF16 moments (rounded stochastically, the
 2.6 ns when they were rounded to nearest), 8.1 with 8-bit moments, 7.4 with BF16 masters rounded stochastically,
 against 2.2-2.7 ns for ``torch.optim.AdamW``'s own FP32 step; on CUDA, a dozen kernel launches per
 parameter. The compiled update traces the same step, per state format, as one pure function
-(:mod:`~lightning_comp.execution.fused_adam`) with ``torch.compile(dynamic=True, fullgraph=True)`` into one kernel
-(two loops over each block of 8-bit codes: its scale, then its codes): one graph per format serves every shape and
-every learning rate (the hyper-parameters come in a tensor), and it reads nothing back to the host.
-``benchmarks/update_speed.py`` measures both in training, ``benchmarks/update_kernel.py`` one parameter's step by
-its size.
-
-On a CPU, 8-bit moments have a third path, the native one (:mod:`~lightning_comp.execution.native_adam`): the same
-arithmetic as a C loop over the blocks, built on the machine at first use (under a second; cached): 2.10 ns per
-parameter at 1 Mi elements on 2 AVX2 cores against the compiled step's 6.66 and 1.83 for ``torch.optim.AdamW``'s FP32
-step (``benchmarks/update_kernel.py``, side by side, 2026-12-07).
+(:mod:`~lightning_comp.execution.fused_adam`) with ``torch.compile(dynamic=True, fullgraph=True)`` into one kernel:
+one graph per format serves every shape and every learning rate (the hyper-parameters come in a tensor), and it reads
+nothing back to the host. On a CPU the native update (:mod:`~lightning_comp.execution.native_adam`) runs the same
+arithmetic as a C loop built on the machine at first use (under a second; cached), per block of 8-bit codes or per
+element: side by side on 2 AVX2 cores at 1 Mi elements (``benchmarks/update_kernel.py``, 2026-12-07), 2.04 ns per
+parameter with 8-bit moments (compiled 6.16, eager 12.95), 1.13 with BF16 moments (3.83), 0.87 with BF16 masters
+(2.73), 2.80 with both 8-bit moments and BF16 masters (9.96), against 1.55 for ``torch.optim.AdamW``'s FP32 step; a
+native call costs microseconds where a compiled one costs about 300 us. ``benchmarks/update_speed.py`` measures the
+paths in training.
 
 :class:`UpdatePath` chooses: ``"eager"``; ``"compiled"`` (an error, naming the cause, where it cannot compile);
-``"native"`` (8-bit moments on a CPU natively, an error naming the cause where the C loop cannot be built; everything
-else as ``"compiled"``); ``"auto"`` (the default) steps 8-bit moments on a CPU natively at any size (where the C loop
-cannot be built, with a warning, as below), and compiles where the step is worth a compilation: on CUDA always; on a
-CPU the steps of 8-bit and BF16 moments and of parameters held in BF16 (stochastically rounded masters), once the
-managed parameters of a step hold at least :data:`AUTO_MIN_ELEMENTS` elements, since each format's first compilation
-takes a few seconds there. Measured
-in training on the default example (2 EPYC cores with AVX512-BF16, ``benchmarks/update_speed.py``, 2026-12-06), the
-compiled step was 1.4x the eager one's speed with 8-bit moments (5.7 ns per parameter), 2.3x with BF16 masters, 2.1x
-with both, and 3.8x with BF16 moments alone (3.5 ns per parameter, 2026-12-06 20:50; rounded to nearest they were 0.96x
-and stayed eager); FP32 moments (tensors too small to quantise) stay eager on a CPU, where a compiled call's fixed cost
-(about 85 us) exceeds the eager step's. Where compiling fails (no C++ compiler, say) ``"auto"`` falls back to eager,
-with a warning naming why. A step the compiled functions do not cover runs eagerly: the first step of a parameter (its
-state is created) and the step after its format changed (the state is converted), AMSGrad, non-contiguous parameters.
+``"native"`` (every managed parameter on a CPU natively, an error naming the cause where the C loop cannot be built;
+on CUDA as ``"compiled"``); ``"auto"`` (the default): on a CPU natively at any size; where the C loop cannot be built
+(no C compiler, say), with a warning, as before it: compiled once the managed parameters of a step hold at least
+:data:`AUTO_MIN_ELEMENTS` elements (each format's first compilation takes a few seconds there) for 8-bit and BF16
+moments and BF16 masters, eager for FP32 moments (a compiled call's fixed cost exceeds their eager step's); on CUDA
+compiled always. Where compiling fails ``"auto"`` falls back to eager, with a warning naming why. A step neither
+covers runs eagerly: the first step of a parameter (its state is created) and the step after its format changed (the
+state is converted), AMSGrad, non-contiguous parameters, sharded ones (DTensor).
 
-The two paths agree to FP32 rounding, except in two places. A BF16 master and BF16 moments are rounded stochastically
+The paths agree to FP32 rounding, except in two places. A BF16 master and BF16 moments are rounded stochastically
 from the generator the plugin checkpoints by the eager path, and from a counter-based hash of (seed, parameter name,
-step, element) by the compiled one (:mod:`~lightning_comp.numerics.stochastic_rounding`): each is unbiased and each
-resumes bit-exactly, from different random bits. 8-bit codes are looked up in tables by the eager path and computed by
-:mod:`~lightning_comp.numerics.dynamic_codec` by the compiled one: the codes differ for about one value in a million, at
-a midpoint between two codes, and the decoded values by at most a relative 2e-7.
+step, element) by the compiled and native ones (:mod:`~lightning_comp.numerics.stochastic_rounding`; the same bits on
+both): each is unbiased and each resumes bit-exactly. 8-bit codes are looked up in tables by the eager path, computed
+by :mod:`~lightning_comp.numerics.dynamic_codec` by the compiled and native ones (which decode through the map's own
+values, as eagerly, where the compiled one computes them to a relative 2e-7): the codes differ for about one value in
+a million, at a midpoint between two codes.
 """
 
 from __future__ import annotations
@@ -80,7 +75,7 @@ class UpdatePath(SpelledEnum):
     @classmethod
     def notes(cls) -> Mapping[str, str]:
         return {"eager": "op by op", "compiled": "torch.compile, one kernel per parameter",
-                "native": "8-bit moments on a CPU by a C loop built here, the rest compiled",
+                "native": "a C loop built here, on a CPU (CUDA: compiled)",
                 "auto": "native or compiled where it pays, else eager"}
 
 

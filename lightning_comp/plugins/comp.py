@@ -78,11 +78,11 @@ class CoMPPrecision(PlanShell, Precision):
         min_saved_bytes: operators whose plan entry saves ``bf16``/``fp8`` for backward store tensors smaller than
             this many bytes as they are (their pack and unpack cost more than the bytes they would save).
         update_path: the code that steps parameters whose plan entry sets ``state``/``master`` precision:
-            ``"auto"`` (compiled with ``torch.compile`` where it pays: on CUDA, and on a CPU for parameters held in
-            bf16 once a step's managed parameters hold 2^20 elements; 8-bit moments on a CPU by a C loop built here
-            at first use; eager where compiling fails, with a warning), ``"compiled"`` (an error where it cannot
-            compile), ``"native"`` (the C loop for 8-bit moments on a CPU, an error where it cannot be built; the rest
-            compiled) or ``"eager"`` (op by op). See :mod:`lightning_comp.execution.update_path`.
+            ``"auto"`` (on a CPU the native step, a C loop built here at first use; on CUDA, and on a CPU where no
+            C compiler builds it, compiled with ``torch.compile`` where that pays: always on CUDA, on a CPU once a
+            step's managed parameters hold 2^20 elements; eager where compiling fails; each fallback warned),
+            ``"native"`` (an error where it cannot be built; compiled on CUDA), ``"compiled"`` (an error where it
+            cannot compile) or ``"eager"`` (op by op). See :mod:`lightning_comp.execution.update_path`.
         fsdp2_policies: under FSDP2, every unit's ``MixedPrecisionPolicy`` follows the plan in force (a fixed plan, a
             search's every trial and the plan it chooses, a later :meth:`set_plan`): a unit whose operators with
             parameters all compute in one 16-bit dtype all-gathers in it (half the bytes), gradients reduced in FP32
