@@ -44,6 +44,7 @@ SOURCE = Path(__file__).with_name("native_adam.c")
 GRAIN_SIZE = 32768
 """Steps of fewer elements run on one thread (ATen's grain size for element-wise work)."""
 
+
 def _floats(values: tuple[float, ...] | list[float]) -> ctypes.Array[ctypes.c_float]:
     return (ctypes.c_float * len(values))(*values)
 

@@ -112,6 +112,14 @@ def _compile(source: Path, compiler: str, flags: tuple[str, ...], target: Path) 
             os.unlink(partial)
 
 
+def _cached(target: Path) -> tuple[ctypes.CDLL | None, str | None]:
+    """The library in ``target``, or None and why it does not load."""
+    try:
+        return ctypes.CDLL(str(target)), None
+    except OSError as error:
+        return None, f"cannot load {target}: {error}"
+
+
 @functools.cache
 def load_library(source: Path) -> NativeLibrary:
     """``source`` built for this CPU (from the cache, or compiled now) and loaded; once per process and source.
@@ -125,15 +133,13 @@ def load_library(source: Path) -> NativeLibrary:
     for extra in _ATTEMPTS:
         flags = (*_BASE_FLAGS, *extra)
         target = _target(source, compiler, flags)
-        if not target.exists():
+        library, error = _cached(target) if target.exists() else (None, None)
+        if library is None:  # not built yet, or a cached file that does not load (a truncated write): build it
             error = _compile(source, compiler, flags, target)
-            if error is not None:
-                failures.append(f"{' '.join(extra) or 'plain'}: {error}")
-                continue
-        try:
-            library = ctypes.CDLL(str(target))
-        except OSError as error:
-            failures.append(f"{' '.join(extra) or 'plain'}: cannot load {target}: {error}")
+            library, load_error = (None, None) if error is not None else _cached(target)
+            error = error or load_error
+        if library is None:
+            failures.append(f"{' '.join(extra) or 'plain'}: {error}")
             continue
         return NativeLibrary(library, target, threaded="-fopenmp" in extra)
     raise NativeBuildError(f"{source.name} could not be built with {compiler} ({failures[0]}; "

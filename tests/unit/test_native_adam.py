@@ -167,6 +167,15 @@ def test_a_build_is_kept_and_reused_by_the_next_process(cache: Path, tmp_path: P
     rebuilt = load_library(source)
     assert rebuilt.path != built.path and rebuilt.library.answer() == 43
     assert not list(cache.glob("kernels/*.partial"))  # no half-written file left
+    # a cached file that does not load (a truncated write) is built again, not skipped for a lesser attempt; a
+    # source never loaded in this process, since the loader hands back a loaded library by its path
+    load_library.cache_clear()
+    source.write_text("int answer(void) { return 44; }\n")
+    first_attempt = (*native_build._BASE_FLAGS, *native_build._ATTEMPTS[0])
+    target = native_build._target(source, native_build._compiler(), first_attempt)
+    target.write_bytes(b"truncated")
+    again = load_library(source)
+    assert again.path == target and again.library.answer() == 44 and again.threaded == built.threaded
 
 
 def test_a_build_that_fails_names_the_compilers_error(cache: Path, tmp_path: Path) -> None:
