@@ -28,7 +28,7 @@ from lightning_comp.numerics import block_quant
 from lightning_comp.numerics.precision import StatePrecision
 from lightning_comp.numerics.stochastic_rounding import round_to_bf16
 
-__all__ = ["AdamSettings", "adam_step", "check_optimizer", "state_nbytes", "to_own_format"]
+__all__ = ["AdamSettings", "adam_step", "check_optimizer", "state_nbytes", "to_own_format", "undo_load_cast"]
 
 _MOMENTS = (("exp_avg", True), ("exp_avg_sq", False), ("max_exp_avg_sq", False))  # key, signed
 
@@ -181,6 +181,24 @@ def to_own_format(state: dict[str, Any], p: torch.Tensor) -> None:
             state[key] = block_quant.unpack(stored, p.shape, signed).dequantise().to(p.dtype)
         elif stored.dtype != p.dtype and stored.is_floating_point():
             state[key] = stored.to(p.dtype)
+
+
+def undo_load_cast(state: dict[str, Any], p: torch.Tensor, precision: StatePrecision) -> None:
+    """Put back, in ``precision``'s format, the moments of a managed parameter that ``Optimizer.load_state_dict``
+    cast to ``p``'s dtype where no load hook kept their saved dtypes (under Fabric the plugin meets the optimizer only
+    at its first step): packed 8-bit moments cast to a float dtype (their bytes are integers, exact in any float
+    dtype) and BF16 moments cast to FP32 (exact). Lossless, so a resumed step takes the path and the random bits the
+    uninterrupted run's step took; moments in another format (a changed plan) are left to :func:`adam_step`'s
+    conversion."""
+    for key, _ in _MOMENTS:
+        stored = state.get(key)
+        if not isinstance(stored, torch.Tensor) or not stored.is_floating_point():
+            continue
+        if precision is StatePrecision.INT8 and block_quant.quantisable(p) and _packed(stored, p):
+            state[key] = stored.to(torch.uint8)
+        elif precision is StatePrecision.BF16 and stored.dtype == torch.float32 and stored.shape == p.shape \
+                and torch.equal(stored.bfloat16().float(), stored):
+            state[key] = stored.bfloat16()
 
 
 def check_optimizer(optimizer: Optimizer, group: dict[str, Any], name: str) -> None:

@@ -45,7 +45,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_comp.errors import PlanError, UnsupportedSetupError
-from lightning_comp.execution.adam_step import AdamSettings, adam_step, check_optimizer, to_own_format
+from lightning_comp.execution.adam_step import AdamSettings, adam_step, check_optimizer, to_own_format, undo_load_cast
 from lightning_comp.execution.parameter_groups import parameter_owners
 from lightning_comp.execution.update_path import CompiledUpdates, UpdatePath
 from lightning_comp.numerics.precision import MasterPrecision, StatePrecision
@@ -308,6 +308,7 @@ class OptimizerStates:
             raise UnsupportedSetupError(f"Parameter {self._names[id(p)]!r} has a sparse gradient: state/master"
                                         " precisions need dense gradients; keep them fp32 for it.")
         stochastic = p.dtype == torch.bfloat16 and treatment.master.managed
+        undo_load_cast(state, p, treatment.state)
         if self.updates.step(p, grad, state, settings, treatment.state, stochastic, self._names[id(p)]):
             return
         bf16_moments = treatment.state is StatePrecision.BF16

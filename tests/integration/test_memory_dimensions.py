@@ -133,7 +133,12 @@ def test_other_optimizers_are_refused_by_name(tmp_path: Path) -> None:
         trainer.fit(WithSGD(), train, val)
 
 
-def test_a_fabric_loop_trains_and_resumes_bit_exactly_with_state_and_master_precisions(tmp_path: Path) -> None:
+@pytest.mark.parametrize("update_path", ["eager", "native", pytest.param("compiled", marks=pytest.mark.slow)])
+def test_a_fabric_loop_trains_and_resumes_bit_exactly_with_state_and_master_precisions(tmp_path: Path,
+                                                                                        update_path: str) -> None:
+    """Fabric loads the checkpoint before the plugin meets the optimizer: the load casts the 8-bit and BF16 moments
+    to the parameters' dtype, and the first step after it must put them back losslessly and take the path (and the
+    random bits) the uninterrupted run took there."""
     from lightning.fabric import Fabric
 
     from lightning_comp import CoMPFabricPrecision
@@ -155,22 +160,25 @@ def test_a_fabric_loop_trains_and_resumes_bit_exactly_with_state_and_master_prec
             optimizer.step()
             optimizer.zero_grad()
 
-    plugin = CoMPFabricPrecision(plan)
+    plugin = CoMPFabricPrecision(plan, update_path=update_path)
     fabric, model, optimizer = setup(plugin)
     train(fabric, model, optimizer, batches)
     assert optimizer.state[model.module[0].weight]["exp_avg"].dtype == torch.uint8
     assert model.module[0].weight.dtype == torch.bfloat16
 
-    first_plugin = CoMPFabricPrecision(plan)
+    first_plugin = CoMPFabricPrecision(plan, update_path=update_path)
     first, first_model, first_optimizer = setup(first_plugin)
     train(first, first_model, first_optimizer, batches[:3])
     first.save(tmp_path / "fabric.ckpt", {"model": first_model, "optimizer": first_optimizer, "comp": first_plugin})
-    restored = CoMPFabricPrecision()  # the checkpoint's plan comes back
+    restored = CoMPFabricPrecision(update_path=update_path)  # the checkpoint's plan comes back
     second, second_model, second_optimizer = setup(restored)
     second.load(tmp_path / "fabric.ckpt", {"model": second_model, "optimizer": second_optimizer, "comp": restored})
     train(second, second_model, second_optimizer, batches[3:])
     for a, b in zip(model.parameters(), second_model.parameters()):
         assert a.dtype == b.dtype and torch.equal(a, b)
+    updates = restored._runtime.optimizer_states.updates
+    steps = {path: getattr(updates, f"{path}_steps") for path in ("native", "compiled")}
+    assert {path for path, count in steps.items() if count} == ({update_path} - {"eager"})  # resumed on its path
 
 
 def test_an_optimizer_that_needs_its_closure_keeps_it_when_no_parameter_is_managed(tmp_path: Path) -> None:
