@@ -3,6 +3,7 @@ BF16 masters, NaN, its place among the update paths, and its build (cache, failu
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -144,7 +145,7 @@ def test_auto_falls_back_with_a_warning_when_the_native_step_cannot_be_built(mon
 
 
 @pytest.fixture
-def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     monkeypatch.setenv("LIGHTNING_COMP_CACHE_DIR", str(tmp_path / "cache"))
     load_library.cache_clear()
     yield tmp_path / "cache"
