@@ -110,6 +110,13 @@ def test_search_settings_from_the_command_line_reach_the_callback(tmp_path: Path
     assert arguments["precision"] is None
 
 
+def test_the_update_path_is_set_from_the_command_line(tmp_path: Path) -> None:
+    default = instantiate(_compose(tmp_path).precision)["plugins"][0]
+    assert default.update_path.value == "auto"
+    chosen = instantiate(_compose(tmp_path, "precision.plugins.0.update_path=eager").precision)["plugins"][0]
+    assert chosen.update_path.value == "eager"
+
+
 def test_a_users_own_callbacks_go_along(tmp_path: Path) -> None:
     cfg = _compose(tmp_path, "precision=comp")
     arguments = instantiate(cfg.precision)
