@@ -196,7 +196,7 @@ int lc_adam_8bit_step(void *weights, const void *grad, int bf16_weights, uint8_t
 
 #define CHUNK 4096 /* elements per unit of work among the threads */
 
-/* Elements [start, end) of a dense step; the format flags are constants at each call (dense_chunk), so that every
+/* Elements [start, end) of a dense step; the format flags are constants at each call (DENSE below), so that every
  * combination compiles to its own loop without branches. */
 static inline __attribute__((always_inline)) void dense_range(
         void *weights, const void *grad, void *exp_avg, void *exp_avg_sq, int64_t start, int64_t end, const Hyper *h,
