@@ -134,7 +134,8 @@ def _block_aliases(p: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, e
 
 
 class CompiledUpdates:
-    """Steps managed parameters with the compiled functions where :class:`UpdatePath` says so.
+    """Steps managed parameters with the native or the compiled functions where :class:`UpdatePath` says so (the
+    name is older than the native path; either way the caller's eager step covers the rest).
 
     Args:
         path: the update path (an :class:`UpdatePath` or its spelling).
@@ -169,11 +170,13 @@ class CompiledUpdates:
 
     def step(self, p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], settings: AdamSettings,
              precision: StatePrecision, stochastic: bool, name: str) -> bool:
-        """Step ``p`` compiled if this step runs compiled and its state is already in ``precision``'s format;
-        returns whether it did (else the caller steps it eagerly, creating or converting the state).
+        """Step ``p`` natively (on a CPU, where this path says so) or compiled (if this step runs compiled), if its
+        state is already in ``precision``'s format; returns whether it did (else the caller steps it eagerly,
+        creating or converting the state).
 
         Raises:
-            UnsupportedSetupError: under ``"compiled"``, if the step cannot be compiled here.
+            UnsupportedSetupError: under ``"compiled"``, if the step cannot be compiled here; under ``"native"``, if
+                the native step cannot be built here.
         """
         if precision is StatePrecision.INT8 and not block_quant.quantisable(p):
             precision = StatePrecision.FP32  # too small to quantise: its moments stay FP32
