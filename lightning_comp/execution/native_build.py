@@ -2,7 +2,8 @@
 
 The native update (:mod:`lightning_comp.execution.native_adam`) is C compiled on the machine that runs it, with the
 machine's own instruction set (``-march=native``), as ``torch.compile`` compiles its CPU kernels: it needs a C
-compiler (``$CC``, else ``cc``, ``gcc`` or ``clang`` on the ``PATH``), as Inductor does. A build takes well under a
+compiler (``$CC``, a command with arguments if need be, such as ``ccache gcc``; else ``cc``, ``gcc`` or ``clang``
+on the ``PATH``), as Inductor does. A build takes well under a
 second and is kept in a cache directory (``$LIGHTNING_COMP_CACHE_DIR``, else ``$XDG_CACHE_HOME/lightning_comp``, else
 ``~/.cache/lightning_comp``) under a name hashed from the source, the compiler and its version, the flags and the CPU
 (:func:`~lightning_comp.devices.cpu_features.cpu_identity`), so a later process loads it without compiling, a changed
@@ -20,6 +21,7 @@ import ctypes
 import functools
 import hashlib
 import os
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -54,41 +56,48 @@ def cache_dir() -> Path:
     return Path(base).expanduser() / "lightning_comp"
 
 
-def _compiler() -> str:
-    """The C compiler: ``$CC`` if set (it must exist), else the first of cc, gcc, clang on the PATH."""
-    explicit = os.environ.get("CC")
+def _compiler() -> tuple[str, ...]:
+    """The C compiler's command: ``$CC`` if set (split as a shell would, so ``CC="ccache gcc"`` works; its first word
+    must exist), else the first of cc, gcc, clang on the PATH."""
+    explicit = os.environ.get("CC", "").strip()
     if explicit:
-        found = shutil.which(explicit)
+        try:
+            words = shlex.split(explicit)
+        except ValueError as error:
+            raise NativeBuildError(f"CC={explicit!r} cannot be split into a command ({error}); set CC to a C compiler"
+                                   " (gcc or clang), optionally with arguments.") from error
+        found = shutil.which(words[0])
         if found is None:
-            raise NativeBuildError(f"CC={explicit!r} names no executable; set CC to a C compiler (gcc or clang).")
-        return found
+            raise NativeBuildError(f"CC={explicit!r} names no executable ({words[0]!r} is not on the PATH); set CC to"
+                                   " a C compiler (gcc or clang).")
+        return (found, *words[1:])
     for name in ("cc", "gcc", "clang"):
         found = shutil.which(name)
         if found is not None:
-            return found
+            return (found,)
     raise NativeBuildError("No C compiler found (tried $CC, cc, gcc, clang on the PATH); install gcc or clang, or"
                            " set CC.")
 
 
 @functools.cache
-def _compiler_version(compiler: str) -> str:
+def _compiler_version(compiler: tuple[str, ...]) -> str:
     try:
-        done = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60, check=False)
+        done = subprocess.run([*compiler, "--version"], capture_output=True, text=True, timeout=60, check=False)
     except (OSError, subprocess.TimeoutExpired) as error:
-        raise NativeBuildError(f"The C compiler {compiler!r} could not be run ({error}).") from error
+        raise NativeBuildError(f"The C compiler {shlex.join(compiler)!r} could not be run ({error}).") from error
     return done.stdout.strip()
 
 
-def _target(source: Path, compiler: str, flags: tuple[str, ...]) -> Path:
+def _target(source: Path, compiler: tuple[str, ...], flags: tuple[str, ...]) -> Path:
     digest = hashlib.sha256()
-    for part in (source.read_bytes(), compiler.encode(), _compiler_version(compiler).encode(), " ".join(flags).encode(),
-                 cpu_identity().encode()):
+    for part in (source.read_bytes(), shlex.join(compiler).encode(), _compiler_version(compiler).encode(),
+                 " ".join(flags).encode(), cpu_identity().encode()):
         digest.update(part)
         digest.update(b"\0")
     return cache_dir() / "kernels" / f"{source.stem}-{digest.hexdigest()[:24]}.so"
 
 
-def _compile(source: Path, compiler: str, flags: tuple[str, ...], target: Path) -> str | None:
+def _compile(source: Path, compiler: tuple[str, ...], flags: tuple[str, ...], target: Path) -> str | None:
     """Compile ``source`` into ``target`` (atomically); None on success, else the compiler's first error line (or
     why the cache directory cannot take the file)."""
     try:
@@ -98,7 +107,7 @@ def _compile(source: Path, compiler: str, flags: tuple[str, ...], target: Path) 
     except OSError as error:
         return f"cache directory {target.parent} not writable ({error}); set LIGHTNING_COMP_CACHE_DIR"
     try:
-        done = subprocess.run([compiler, *flags, str(source), "-o", partial], capture_output=True, text=True,
+        done = subprocess.run([*compiler, *flags, str(source), "-o", partial], capture_output=True, text=True,
                               timeout=_COMPILE_TIMEOUT_S, check=False)
         if done.returncode != 0:
             lines = [line for line in (done.stderr or done.stdout).splitlines() if "error" in line.lower()]
@@ -142,5 +151,5 @@ def load_library(source: Path) -> NativeLibrary:
             failures.append(f"{' '.join(extra) or 'plain'}: {error}")
             continue
         return NativeLibrary(library, target, threaded="-fopenmp" in extra)
-    raise NativeBuildError(f"{source.name} could not be built with {compiler} ({failures[0]}; "
+    raise NativeBuildError(f"{source.name} could not be built with {shlex.join(compiler)} ({failures[0]}; "
                            f"{len(failures)} attempts failed).")

@@ -189,8 +189,25 @@ def test_a_build_that_fails_names_the_compilers_error(cache: Path, tmp_path: Pat
 
 def test_a_missing_compiler_is_named(cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
-    with pytest.raises(NativeBuildError, match=r"CC='.*no-such-cc' names no executable"):
+    with pytest.raises(NativeBuildError, match=r"CC='.*no-such-cc' names no executable \('.*no-such-cc' is not on"):
         load_library(tmp_path / "any.c")
+
+
+def test_a_compiler_command_with_arguments_is_run_as_one(cache: Path, tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """``CC="ccache gcc"`` and the like: the command's words reach the compiler, and its arguments key the cache."""
+    compiler = native_build._compiler()[0]
+    source = tmp_path / "answer.c"
+    source.write_text("int answer(void) { return ANSWER; }\n")
+    monkeypatch.setenv("CC", f"{compiler} -DANSWER=42")
+    assert load_library(source).library.answer() == 42
+    load_library.cache_clear()
+    monkeypatch.setenv("CC", f"{compiler} -DANSWER=43")  # other arguments: another build
+    assert load_library(source).library.answer() == 43
+    monkeypatch.setenv("CC", f"{compiler} 'unclosed")
+    load_library.cache_clear()
+    with pytest.raises(NativeBuildError, match=r"CC=.*unclosed.* cannot be split into a command"):
+        load_library(source)
 
 
 def test_an_unwritable_cache_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
