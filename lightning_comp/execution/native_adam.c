@@ -1,6 +1,6 @@
-/* Adam(W)'s step of one parameter on a CPU, for the formats a plan's `state`/`master` entries manage: moments as 8-bit
- * block-quantised codes (lc_adam_8bit_step, block by block) or as FP32 or BF16 tensors (lc_adam_dense_step), weights
- * FP32 or BF16.
+/* Adam(W)'s step of the managed parameters on a CPU, all of them in one call (lc_adam_steps), in the formats a plan's
+ * `state`/`master` entries manage: moments as 8-bit block-quantised codes (block by block) or as FP32 or BF16 tensors
+ * (element by element), weights FP32 or BF16.
  *
  * Built at first use by lightning_comp.execution.native_build and called through ctypes by
  * lightning_comp.execution.native_adam, which documents the arguments and what this file computes. The arithmetic is
@@ -14,11 +14,14 @@
  * nearest even.
  *
  * The loops are written to be vectorised by the compiler (-O3): selects instead of branches, no calls but sqrtf and
- * floorf (-fno-math-errno makes them instructions). Work is shared among `threads` OpenMP threads; built without
- * OpenMP the pragmas are ignored and one thread does it all.
+ * floorf (-fno-math-errno makes them instructions). The tensors are cut into units of about UNIT elements, and the
+ * units of all of them are shared among `threads` OpenMP threads in one parallel region, so that small tensors share
+ * the threads too and a step pays for one region, not one per tensor; built without OpenMP the pragmas are ignored
+ * and one thread does it all.
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define BLOCK 256
@@ -162,27 +165,24 @@ static void step_bf16_block(uint16_t *restrict w, const uint16_t *restrict g, co
     }
 }
 
-/* One step of a parameter of `blocks` blocks: `weights` FP32 (`bf16_weights` 0) or BF16 (1, its gradient too,
- * rounded stochastically from `key` if `stochastic`, else to nearest); each moment packed as its codes followed by
- * its blocks' FP32 scales (lightning_comp.numerics.block_quant.pack), updated in place. Returns 0. */
-int lc_adam_8bit_step(void *weights, const void *grad, int bf16_weights, uint8_t *m_packed, uint8_t *v_packed,
-                      int64_t blocks, const float *hyper, const float *m_map, const float *v_map,
-                      const float *m_table, const float *v_table, int stochastic, uint32_t key, int threads) {
-    Hyper h;
-    memcpy(&h, hyper, sizeof(Hyper));
+/* Blocks [first, last) of a parameter of `blocks` blocks whose moments are packed 8-bit tensors (codes, then the
+ * blocks' FP32 scales: lightning_comp.numerics.block_quant.pack), updated in place. */
+static void step_8bit_blocks(void *weights, const void *grad, int bf16_weights, uint8_t *m_packed, uint8_t *v_packed,
+                             int64_t blocks, int64_t first, int64_t last, const Hyper *h, const float *m_map,
+                             const float *v_map, const float *m_table, const float *v_table, int stochastic,
+                             uint32_t key) {
     uint8_t *m_scales = m_packed + blocks * BLOCK, *v_scales = v_packed + blocks * BLOCK;
-#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
-    for (int64_t b = 0; b < blocks; b++) {
+    for (int64_t b = first; b < last; b++) {
         float m_new[BLOCK], v_new[BLOCK], m_scale, v_scale;
         memcpy(&m_scale, m_scales + 4 * b, 4);
         memcpy(&v_scale, v_scales + 4 * b, 4);
         uint8_t *m_codes = m_packed + b * BLOCK, *v_codes = v_packed + b * BLOCK;
         if (bf16_weights) {
             step_bf16_block((uint16_t *)weights + b * BLOCK, (const uint16_t *)grad + b * BLOCK, m_codes, v_codes,
-                            m_scale, v_scale, &h, m_map, v_map, m_new, v_new, stochastic, key, b * BLOCK);
+                            m_scale, v_scale, h, m_map, v_map, m_new, v_new, stochastic, key, b * BLOCK);
         } else {
             step_fp32_block((float *)weights + b * BLOCK, (const float *)grad + b * BLOCK, m_codes, v_codes,
-                            m_scale, v_scale, &h, m_map, v_map, m_new, v_new);
+                            m_scale, v_scale, h, m_map, v_map, m_new, v_new);
         }
         m_scale = block_scale(m_new);
         v_scale = block_scale(v_new);
@@ -191,10 +191,7 @@ int lc_adam_8bit_step(void *weights, const void *grad, int bf16_weights, uint8_t
         memcpy(m_scales + 4 * b, &m_scale, 4);
         memcpy(v_scales + 4 * b, &v_scale, 4);
     }
-    return 0;
 }
-
-#define CHUNK 4096 /* elements per unit of work among the threads */
 
 /* Elements [start, end) of a dense step; the format flags are constants at each call (DENSE below), so that every
  * combination compiles to its own loop without branches. */
@@ -223,30 +220,97 @@ static inline __attribute__((always_inline)) void dense_range(
     }
 }
 
-#define DENSE(BW, BM, SR) dense_range(weights, grad, exp_avg, exp_avg_sq, start, end, &h, key, m_key, v_key, BW, BM, SR)
+#define DENSE(BW, BM, SR) dense_range(weights, grad, exp_avg, exp_avg_sq, start, end, h, key, m_key, v_key, BW, BM, SR)
 
-/* One step of a parameter of `n` elements whose moments are tensors of its shape: FP32 (`bf16_moments` 0) or BF16
- * (1, rounded stochastically from `key + m_stream` and `key + v_stream`: fused_adam's stream offsets, passed in);
- * weights FP32 or BF16 as in lc_adam_8bit_step (its gradient of the same dtype). Returns 0. */
-int lc_adam_dense_step(void *weights, const void *grad, int bf16_weights, void *exp_avg, void *exp_avg_sq,
-                       int bf16_moments, int64_t n, const float *hyper, int stochastic, uint32_t key,
-                       uint32_t m_stream, uint32_t v_stream, int threads) {
-    Hyper h;
-    memcpy(&h, hyper, sizeof(Hyper));
+/* Elements [start, end) of a parameter whose moments are tensors of its shape, FP32 or BF16 (rounded stochastically
+ * from `key + m_stream` and `key + v_stream`: fused_adam's stream offsets, passed in). */
+static void step_dense_range(void *weights, const void *grad, int bf16_weights, void *exp_avg, void *exp_avg_sq,
+                             int bf16_moments, int64_t start, int64_t end, const Hyper *h, int stochastic,
+                             uint32_t key, uint32_t m_stream, uint32_t v_stream) {
     uint32_t m_key = key + m_stream, v_key = key + v_stream;
-    int64_t chunks = (n + CHUNK - 1) / CHUNK;
     int form = (bf16_weights ? 4 : 0) | (bf16_moments ? 2 : 0) | (bf16_weights && stochastic ? 1 : 0);
-#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
-    for (int64_t c = 0; c < chunks; c++) {
-        int64_t start = c * CHUNK, end = start + CHUNK < n ? start + CHUNK : n;
-        switch (form) {
-        case 0: DENSE(0, 0, 0); break;
-        case 2: DENSE(0, 1, 0); break;
-        case 4: DENSE(1, 0, 0); break;
-        case 5: DENSE(1, 0, 1); break;
-        case 6: DENSE(1, 1, 0); break;
-        default: DENSE(1, 1, 1); break;
+    switch (form) {
+    case 0: DENSE(0, 0, 0); break;
+    case 2: DENSE(0, 1, 0); break;
+    case 4: DENSE(1, 0, 0); break;
+    case 5: DENSE(1, 0, 1); break;
+    case 6: DENSE(1, 1, 0); break;
+    default: DENSE(1, 1, 1); break;
+    }
+}
+
+#define UNIT 4096 /* elements per unit of work among the threads (16 blocks of 8-bit codes) */
+#define BF16_WEIGHTS 1 /* Tensor.flags: the weights (and the gradient) are BF16 */
+#define BF16_MOMENTS 2 /* dense moments in BF16 */
+#define STOCHASTIC 4 /* BF16 weights rounded stochastically from `key` (else to nearest) */
+#define PACKED 8 /* moments packed 8-bit (else dense tensors of the parameter's shape) */
+
+/* One parameter of a step (lightning_comp.execution.native_adam.NativeTensor mirrors this layout): its weights and
+ * gradient, its two moments, its element count, the hyper-parameters of its step (its group's, its own step count's
+ * bias corrections) in fused_adam.HYPER_PARAMETERS's order, its rounding key, and the flags above. */
+typedef struct {
+    void *weights;
+    const void *grad;
+    void *exp_avg;
+    void *exp_avg_sq;
+    int64_t numel;
+    float hyper[9];
+    uint32_t key;
+    int32_t flags;
+} Tensor;
+
+static void step_unit(const Tensor *t, int64_t unit, const float *m_map, const float *v_map, const float *m_table,
+                      const float *v_table, uint32_t m_stream, uint32_t v_stream) {
+    Hyper h;
+    memcpy(&h, t->hyper, sizeof(Hyper));
+    int bf16_weights = (t->flags & BF16_WEIGHTS) != 0, stochastic = (t->flags & STOCHASTIC) != 0;
+    int64_t start = unit * UNIT, end = start + UNIT < t->numel ? start + UNIT : t->numel;
+    if (t->flags & PACKED) {
+        step_8bit_blocks(t->weights, t->grad, bf16_weights, (uint8_t *)t->exp_avg, (uint8_t *)t->exp_avg_sq,
+                         t->numel / BLOCK, start / BLOCK, end / BLOCK, &h, m_map, v_map, m_table, v_table, stochastic,
+                         t->key);
+    } else {
+        step_dense_range(t->weights, t->grad, bf16_weights, t->exp_avg, t->exp_avg_sq, (t->flags & BF16_MOMENTS) != 0,
+                         start, end, &h, stochastic, t->key, m_stream, v_stream);
+    }
+}
+
+/* One step of `count` parameters (`tensors`), each updated in place: 8-bit moments (PACKED; the parameter a whole
+ * number of blocks) decoded through `m_map`/`v_map` and encoded with `m_table`/`v_table`
+ * (dynamic_codec.encoding_table), dense ones rounded from their streams. The units of all the tensors are shared
+ * among `threads` threads as they come free (a thread held up by other work on the machine takes fewer). Returns 0. */
+int lc_adam_steps(const Tensor *tensors, int count, const float *m_map, const float *v_map, const float *m_table,
+                  const float *v_table, uint32_t m_stream, uint32_t v_stream, int threads) {
+    int64_t *ends = malloc(sizeof(int64_t) * (size_t)(count > 0 ? count : 1)); /* each tensor's last unit + 1 */
+    int64_t units = 0;
+    for (int i = 0; i < count; i++) {
+        units += (tensors[i].numel + UNIT - 1) / UNIT;
+        if (ends != NULL) {
+            ends[i] = units;
         }
     }
+    if (ends == NULL) { /* no table to share the units by: one thread, tensor by tensor */
+        for (int i = 0; i < count; i++) {
+            for (int64_t u = 0; u < (tensors[i].numel + UNIT - 1) / UNIT; u++) {
+                step_unit(tensors + i, u, m_map, v_map, m_table, v_table, m_stream, v_stream);
+            }
+        }
+        return 0;
+    }
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1) if (threads > 1)
+    for (int64_t u = 0; u < units; u++) {
+        int low = 0, high = count - 1; /* the first tensor whose units end after u */
+        while (low < high) {
+            int middle = low + (high - low) / 2;
+            if (ends[middle] > u) {
+                high = middle;
+            } else {
+                low = middle + 1;
+            }
+        }
+        int64_t first = low > 0 ? ends[low - 1] : 0;
+        step_unit(tensors + low, u - first, m_map, v_map, m_table, v_table, m_stream, v_stream);
+    }
+    free(ends);
     return 0;
 }

@@ -26,8 +26,9 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import NamedTuple
 
 import torch
 
@@ -36,21 +37,54 @@ from lightning_comp.execution.native_build import NativeLibrary, load_library
 from lightning_comp.numerics import block_quant
 from lightning_comp.numerics.dynamic_codec import encoding_table
 
-__all__ = ["GRAIN_SIZE", "SOURCE", "NativeAdam", "native_adam"]
+__all__ = ["GRAIN_SIZE", "SOURCE", "NativeAdam", "NativeStep", "NativeTensor", "native_adam"]
 
 SOURCE = Path(__file__).with_name("native_adam.c")
 """The C source of the step."""
 
 GRAIN_SIZE = 32768
-"""Steps of fewer elements run on one thread (ATen's grain size for element-wise work)."""
+"""Steps of fewer elements (all their tensors together) run on one thread (ATen's grain size for element-wise
+work)."""
+
+_BF16_WEIGHTS, _BF16_MOMENTS, _STOCHASTIC, _PACKED = 1, 2, 4, 8  # NativeTensor.flags, as native_adam.c defines them
 
 
-def _floats(values: tuple[float, ...] | list[float]) -> ctypes.Array[ctypes.c_float]:
-    return (ctypes.c_float * len(values))(*values)
+class NativeTensor(ctypes.Structure):
+    """One parameter of a native step, as ``native_adam.c``'s ``Tensor`` lays it out."""
+
+    _fields_ = [("weights", ctypes.c_void_p), ("grad", ctypes.c_void_p), ("exp_avg", ctypes.c_void_p),
+                ("exp_avg_sq", ctypes.c_void_p), ("numel", ctypes.c_int64),
+                ("hyper", ctypes.c_float * len(fused_adam.HYPER_PARAMETERS)), ("key", ctypes.c_uint32),
+                ("flags", ctypes.c_int32)]
+
+
+class NativeStep(NamedTuple):
+    """One parameter's step, as :meth:`NativeAdam.step` takes it.
+
+    Attributes:
+        p: the weights, FP32 or BF16, contiguous (updated in place).
+        grad: their gradient, of the same dtype and layout.
+        exp_avg: the first moment: a packed 8-bit tensor (:func:`~lightning_comp.numerics.block_quant.pack`; ``p``
+            then holds a whole number of blocks) or a contiguous FP32 or BF16 tensor of ``p``'s shape.
+        exp_avg_sq: the second moment, in the same format.
+        hyper: the step's hyper-parameters, in the order of
+            :data:`~lightning_comp.execution.fused_adam.HYPER_PARAMETERS`.
+        stochastic: whether BF16 weights are rounded stochastically from ``key`` (else to nearest).
+        key: the rounding key (:func:`~lightning_comp.numerics.stochastic_rounding.rounding_key`); BF16 moments are
+            rounded from its moment streams.
+    """
+
+    p: torch.Tensor
+    grad: torch.Tensor
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    hyper: tuple[float, ...]
+    stochastic: bool
+    key: int
 
 
 class NativeAdam:
-    """Steps managed CPU parameters through the built C functions.
+    """Steps managed CPU parameters through the built C function.
 
     Raises (at construction):
         NativeBuildError: if the source cannot be built or loaded here.
@@ -58,27 +92,20 @@ class NativeAdam:
 
     def __init__(self) -> None:
         self.build: NativeLibrary = load_library(SOURCE)
-        pointer, integer = ctypes.c_void_p, ctypes.c_int
-        self._8bit = self._bind("lc_adam_8bit_step", [pointer, pointer, integer, pointer, pointer, ctypes.c_int64,
-                                                      pointer, pointer, pointer, pointer, pointer, integer,
-                                                      ctypes.c_uint32, integer])
-        self._dense = self._bind("lc_adam_dense_step", [pointer, pointer, integer, pointer, pointer, integer,
-                                                        ctypes.c_int64, pointer, integer, ctypes.c_uint32,
-                                                        ctypes.c_uint32, ctypes.c_uint32, integer])
+        pointer = ctypes.c_void_p
+        self._steps = self.build.library.lc_adam_steps
+        self._steps.restype = ctypes.c_int
+        self._steps.argtypes = [ctypes.POINTER(NativeTensor), ctypes.c_int, pointer, pointer, pointer, pointer,
+                                ctypes.c_uint32, ctypes.c_uint32, ctypes.c_int]
         cpu = torch.device("cpu")
         self._maps = {signed: block_quant.value_map(signed, cpu).contiguous() for signed in (True, False)}
-        self._tables = {signed: _floats(encoding_table(signed)) for signed in (True, False)}
-
-    def _bind(self, name: str, argtypes: list[Any]) -> Any:
-        function = getattr(self.build.library, name)
-        function.restype = ctypes.c_int
-        function.argtypes = argtypes
-        return function
+        tables = {signed: encoding_table(signed) for signed in (True, False)}
+        self._tables = {signed: (ctypes.c_float * len(table))(*table) for signed, table in tables.items()}
 
     def _threads(self, numel: int) -> int:
-        """Threads for a step of ``numel`` elements: torch's count from :data:`GRAIN_SIZE` elements on, else one (a
-        parallel region costs more than it shares below that, and much more on a busy machine, where the region
-        waits for its slowest thread)."""
+        """Threads for a step of ``numel`` elements in all: torch's count from :data:`GRAIN_SIZE` elements on, else
+        one (a parallel region costs more than it shares below that, and much more on a busy machine, where the
+        region waits for its slowest thread)."""
         return torch.get_num_threads() if self.build.threaded and numel >= GRAIN_SIZE else 1
 
     @staticmethod
@@ -87,29 +114,40 @@ class NativeAdam:
         return (p.device.type == "cpu" and p.dtype in (torch.float32, torch.bfloat16) and grad.dtype == p.dtype
                 and p.is_contiguous() and grad.is_contiguous() and grad.device == p.device)
 
+    def step(self, steps: Sequence[NativeStep]) -> None:
+        """One step of every parameter in ``steps`` (each as :class:`NativeStep` describes it), in one call: their
+        work is shared among torch's threads as one region (one thread under :data:`GRAIN_SIZE` elements in all)."""
+        tensors = (NativeTensor * len(steps))()
+        total = 0
+        for slot, one in zip(tensors, steps):
+            numel = one.p.numel()
+            packed = one.exp_avg.dtype == torch.uint8
+            slot.weights, slot.grad = one.p.data_ptr(), one.grad.data_ptr()
+            slot.exp_avg, slot.exp_avg_sq = one.exp_avg.data_ptr(), one.exp_avg_sq.data_ptr()
+            slot.numel, slot.key = numel, one.key & 0xFFFFFFFF
+            slot.hyper[:] = one.hyper
+            slot.flags = ((_BF16_WEIGHTS if one.p.dtype == torch.bfloat16 else 0)
+                          | (_BF16_MOMENTS if one.exp_avg.dtype == torch.bfloat16 else 0)
+                          | (_STOCHASTIC if one.stochastic else 0) | (_PACKED if packed else 0))
+            total += numel
+        self._steps(tensors, len(steps), self._maps[True].data_ptr(), self._maps[False].data_ptr(),
+                    ctypes.addressof(self._tables[True]), ctypes.addressof(self._tables[False]),
+                    fused_adam.EXP_AVG_STREAM, fused_adam.EXP_AVG_SQ_STREAM, self._threads(total))
+
     def step_8bit(self, p: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                   hyper: tuple[float, ...], stochastic: bool, key: int) -> None:
         """One step of ``p`` (``grad`` its gradient) whose moments are packed 8-bit tensors
         (:func:`~lightning_comp.numerics.block_quant.pack`), all updated in place; ``hyper`` in the order of
         :data:`~lightning_comp.execution.fused_adam.HYPER_PARAMETERS`; BF16 weights rounded stochastically from
         ``key`` if ``stochastic``, else to nearest."""
-        blocks = p.numel() // block_quant.BLOCK_SIZE
-        values = _floats(hyper)  # held here until the call returns
-        self._8bit(p.data_ptr(), grad.data_ptr(), int(p.dtype == torch.bfloat16), exp_avg.data_ptr(),
-                   exp_avg_sq.data_ptr(), blocks, ctypes.addressof(values), self._maps[True].data_ptr(),
-                   self._maps[False].data_ptr(), ctypes.addressof(self._tables[True]),
-                   ctypes.addressof(self._tables[False]), int(stochastic), key & 0xFFFFFFFF, self._threads(p.numel()))
+        self.step([NativeStep(p, grad, exp_avg, exp_avg_sq, hyper, stochastic, key)])
 
     def step_dense(self, p: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                    hyper: tuple[float, ...], stochastic: bool, key: int) -> None:
         """One step of ``p`` whose moments are contiguous tensors of its shape, FP32 or BF16 (both of one dtype,
         BF16 ones rounded stochastically from ``key``'s moment streams), all updated in place; the rest as
         :meth:`step_8bit`."""
-        values = _floats(hyper)
-        self._dense(p.data_ptr(), grad.data_ptr(), int(p.dtype == torch.bfloat16), exp_avg.data_ptr(),
-                    exp_avg_sq.data_ptr(), int(exp_avg.dtype == torch.bfloat16), p.numel(), ctypes.addressof(values),
-                    int(stochastic), key & 0xFFFFFFFF, fused_adam.EXP_AVG_STREAM, fused_adam.EXP_AVG_SQ_STREAM,
-                    self._threads(p.numel()))
+        self.step([NativeStep(p, grad, exp_avg, exp_avg_sq, hyper, stochastic, key)])
 
 
 @functools.cache

@@ -47,7 +47,7 @@ from torch.optim import Optimizer
 from lightning_comp.errors import PlanError, UnsupportedSetupError
 from lightning_comp.execution.adam_step import AdamSettings, adam_step, check_optimizer, to_own_format, undo_load_cast
 from lightning_comp.execution.parameter_groups import parameter_owners
-from lightning_comp.execution.update_path import CompiledUpdates, UpdatePath
+from lightning_comp.execution.update_path import CompiledUpdates, ManagedStep, UpdatePath
 from lightning_comp.numerics.precision import MasterPrecision, StatePrecision
 from lightning_comp.plan.dimensions import Dimension
 from lightning_comp.plan.plan import PrecisionPlan
@@ -276,42 +276,46 @@ class OptimizerStates:
             UnsupportedSetupError: if a managed parameter belongs to an optimizer other than Adam/AdamW, or to one
                 set up in a way this step does not reproduce (``capturable``, ``differentiable``, sparse gradients).
         """
-        hidden: list[tuple[nn.Parameter, torch.Tensor]] = []
+        hidden: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.convert(optimizer)
-        stepped = [p for group in optimizer.param_groups for p in group["params"]
-                   if id(p) in self._treatments and p.grad is not None]
-        if stepped:
-            self.updates.begin(sum(p.numel() for p in stepped), stepped[0].device)
+        steps: list[ManagedStep] = []
+        for group in optimizer.param_groups:
+            managed = [(p, treatment) for p in group["params"]
+                       if (treatment := self._treatments.get(id(p))) is not None and p.grad is not None]
+            if not managed:
+                continue
+            check_optimizer(optimizer, group, self._names[id(managed[0][0])])
+            settings = AdamSettings.of(optimizer, group)
+            for p, treatment in managed:
+                steps.append(self._managed_step(p, optimizer.state[p], settings, treatment))
+        if steps:
+            self.updates.begin(sum(one.p.numel() for one in steps), steps[0].p.device)
         try:
             with torch.no_grad():
-                for group in optimizer.param_groups:
-                    for p in group["params"]:
-                        treatment = self._treatments.get(id(p))
-                        if treatment is None:
-                            continue
-                        if p.grad is None:
-                            continue
-                        check_optimizer(optimizer, group, self._names[id(p)])
-                        self._update(p, optimizer.state[p], AdamSettings.of(optimizer, group), treatment)
-                        hidden.append((p, p.grad))
-                        p.grad = None
+                for one in self.updates.step_many(steps):  # what it leaves (new or converted states): eagerly
+                    self._step_eagerly(one)
+                for one in steps:
+                    hidden.append((one.p, one.grad))
+                    one.p.grad = None
             return own_step()
         finally:
             for p, grad in hidden:
                 p.grad = grad
 
-    def _update(self, p: nn.Parameter, state: dict[str, Any], settings: AdamSettings,
-                treatment: ParameterTreatment) -> None:
+    def _managed_step(self, p: nn.Parameter, state: dict[str, Any], settings: AdamSettings,
+                      treatment: ParameterTreatment) -> ManagedStep:
+        """``p``'s step as the update paths take it, its state's load casts undone."""
         grad = p.grad
         assert grad is not None
         if grad.is_sparse:
             raise UnsupportedSetupError(f"Parameter {self._names[id(p)]!r} has a sparse gradient: state/master"
                                         " precisions need dense gradients; keep them fp32 for it.")
-        stochastic = p.dtype == torch.bfloat16 and treatment.master.managed
         undo_load_cast(state, p, treatment.state)
-        if self.updates.step(p, grad, state, settings, treatment.state, stochastic, self._names[id(p)]):
-            return
-        bf16_moments = treatment.state is StatePrecision.BF16
-        generator = self._generator(p.device) if stochastic or bf16_moments else None
-        adam_step(p, grad, state, settings, treatment.state, generator if stochastic else None,
+        stochastic = p.dtype == torch.bfloat16 and treatment.master.managed
+        return ManagedStep(p, grad, state, settings, treatment.state, stochastic, self._names[id(p)])
+
+    def _step_eagerly(self, one: ManagedStep) -> None:
+        bf16_moments = one.precision is StatePrecision.BF16
+        generator = self._generator(one.p.device) if one.stochastic or bf16_moments else None
+        adam_step(one.p, one.grad, one.state, one.settings, one.precision, generator if one.stochastic else None,
                   generator if bf16_moments else None)

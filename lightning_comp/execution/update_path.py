@@ -38,8 +38,8 @@ a million, at a midpoint between two codes.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
 
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
@@ -48,12 +48,12 @@ from lightning_comp.common.spelled_enum import SpelledEnum
 from lightning_comp.errors import CoMPError, NativeBuildError, UnsupportedSetupError
 from lightning_comp.execution import fused_adam
 from lightning_comp.execution.adam_step import AdamSettings
-from lightning_comp.execution.native_adam import NativeAdam, native_adam
+from lightning_comp.execution.native_adam import NativeAdam, NativeStep, native_adam
 from lightning_comp.numerics import block_quant
 from lightning_comp.numerics.precision import StatePrecision
 from lightning_comp.numerics.stochastic_rounding import rounding_key
 
-__all__ = ["AUTO_MIN_ELEMENTS", "CompiledUpdates", "UpdatePath"]
+__all__ = ["AUTO_MIN_ELEMENTS", "CompiledUpdates", "ManagedStep", "UpdatePath"]
 
 AUTO_MIN_ELEMENTS = 1 << 20
 """On a CPU, ``"auto"`` compiles once a step's managed parameters hold this many elements: the eager path's extra
@@ -133,6 +133,58 @@ def _block_aliases(p: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, e
     return _alias(p, 0, shape), _alias(grad, 0, shape), *moments[0], *moments[1]
 
 
+class ManagedStep(NamedTuple):
+    """One managed parameter's step, as :meth:`CompiledUpdates.step_many` takes it.
+
+    Attributes:
+        p: the parameter.
+        grad: its gradient.
+        state: its optimizer state (the optimizer's own dict, updated in place).
+        settings: its group's hyper-parameters now.
+        precision: the format of its moments.
+        stochastic: whether its BF16 weights are rounded stochastically.
+        name: its name (keys its rounding).
+    """
+
+    p: torch.Tensor
+    grad: torch.Tensor
+    state: dict[str, Any]
+    settings: AdamSettings
+    precision: StatePrecision
+    stochastic: bool
+    name: str
+
+
+def _hyper(settings: AdamSettings, t: float) -> tuple[float, ...]:
+    """The :data:`~lightning_comp.execution.fused_adam.HYPER_PARAMETERS` of step ``t`` with ``settings``."""
+    beta1, beta2 = settings.betas
+    decay = settings.weight_decay
+    return (-1.0 if settings.maximize else 1.0, 0.0 if settings.decoupled else decay,
+            1.0 - settings.lr * decay if settings.decoupled else 1.0, 1.0 - beta1, beta2, 1.0 - beta2,
+            settings.lr / (1.0 - beta1**t), math.sqrt(1.0 - beta2**t), settings.eps)
+
+
+def _held(precision: StatePrecision, p: torch.Tensor) -> StatePrecision:
+    """The format ``p``'s moments are held in under ``precision``: 8-bit ones of a tensor too small to quantise stay
+    FP32."""
+    if precision is StatePrecision.INT8 and not block_quant.quantisable(p):
+        return StatePrecision.FP32
+    return precision
+
+
+def _count(states: Sequence[dict[str, Any]]) -> list[float]:
+    """Add one to each state's step counter (CPU tensors, as ``torch.optim.Adam`` keeps them: no device sync) and
+    return their new values."""
+    counters = [state["step"] for state in states]
+    if all(isinstance(c, torch.Tensor) and c.device.type == "cpu" and c.dtype == counters[0].dtype
+           for c in counters):
+        torch._foreach_add_(counters, 1)
+    else:
+        for state in states:
+            state["step"] += 1
+    return [float(state["step"]) for state in states]
+
+
 class CompiledUpdates:
     """Steps managed parameters with the native or the compiled functions where :class:`UpdatePath` says so (the
     name is older than the native path; either way the caller's eager step covers the rest).
@@ -170,40 +222,66 @@ class CompiledUpdates:
 
     def step(self, p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], settings: AdamSettings,
              precision: StatePrecision, stochastic: bool, name: str) -> bool:
-        """Step ``p`` natively (on a CPU, where this path says so) or compiled (if this step runs compiled), if its
-        state is already in ``precision``'s format; returns whether it did (else the caller steps it eagerly,
-        creating or converting the state).
+        """Step ``p`` as :meth:`step_many` steps one parameter; returns whether it did (else the caller steps it
+        eagerly, creating or converting the state).
+
+        Raises:
+            UnsupportedSetupError: as :meth:`step_many`.
+        """
+        return not self.step_many([ManagedStep(p, grad, state, settings, precision, stochastic, name)])
+
+    def step_many(self, steps: Sequence[ManagedStep]) -> list[ManagedStep]:
+        """Step each of ``steps`` whose state is already in its ``precision``'s format natively (on a CPU, where this
+        path says so; all of them in one native call) or compiled (if this step runs compiled, one call each), and
+        return the others, in order: the caller steps those eagerly, creating or converting their state.
 
         Raises:
             UnsupportedSetupError: under ``"compiled"``, if the step cannot be compiled here; under ``"native"``, if
                 the native step cannot be built here.
         """
-        if precision is StatePrecision.INT8 and not block_quant.quantisable(p):
-            precision = StatePrecision.FP32  # too small to quantise: its moments stay FP32
-        if settings.amsgrad or not self._covers(p, grad, state, precision):
-            return False
-        native = self._native_on and NativeAdam.covers(p, grad) and self._native() is not None
-        if not native and not self._on:
-            return False
-        if not native and self.path is UpdatePath.AUTO and p.device.type == "cpu" and not stochastic \
-                and precision is StatePrecision.FP32:
-            return False  # FP32 moments alone: the eager step is as fast on a CPU (module docstring)
-        state["step"] += 1
-        t = float(state["step"])  # a CPU tensor, as torch.optim.Adam keeps it: no device sync
-        beta1, beta2 = settings.betas
-        decay = settings.weight_decay
-        values = (-1.0 if settings.maximize else 1.0, 0.0 if settings.decoupled else decay,
-                  1.0 - settings.lr * decay if settings.decoupled else 1.0, 1.0 - beta1, beta2, 1.0 - beta2,
-                  settings.lr / (1.0 - beta1**t), math.sqrt(1.0 - beta2**t), settings.eps)
-        key = rounding_key(self.seed, name, int(t))
-        tensors = (p.detach(), grad, state["exp_avg"], state["exp_avg_sq"])
+        native: list[ManagedStep] = []
+        rest: list[ManagedStep] = []
+        for one in steps:
+            route = self._route(one)
+            if route == "native":
+                native.append(one)
+            elif route != "compiled" or not self._step_compiled(one):
+                rest.append(one)
         if native:
-            kernel = native_adam()
-            (kernel.step_8bit if precision is StatePrecision.INT8 else kernel.step_dense)(*tensors, values, stochastic,
-                                                                                         key)
-            self.native_steps += 1
-            return True
-        scalars = (_on_device(values, p.device), stochastic, key)
+            hyper: dict[tuple[int, float], tuple[float, ...]] = {}
+            calls = []
+            for one, t in zip(native, _count([one.state for one in native])):
+                values = hyper.get((id(one.settings), t))
+                if values is None:
+                    values = hyper[(id(one.settings), t)] = _hyper(one.settings, t)
+                calls.append(NativeStep(one.p.detach(), one.grad, one.state["exp_avg"], one.state["exp_avg_sq"],
+                                        values, one.stochastic, rounding_key(self.seed, one.name, int(t))))
+            native_adam().step(calls)
+            self.native_steps += len(native)
+        return rest
+
+    def _route(self, one: ManagedStep) -> str | None:
+        """``"native"`` or ``"compiled"``: the code that steps ``one`` now; None: the caller's eager step."""
+        p, grad, precision = one.p, one.grad, _held(one.precision, one.p)
+        if one.settings.amsgrad or not self._covers(p, grad, one.state, precision):
+            return None
+        if self._native_on and NativeAdam.covers(p, grad) and self._native() is not None:
+            return "native"
+        if not self._on:
+            return None
+        if self.path is UpdatePath.AUTO and p.device.type == "cpu" and not one.stochastic \
+                and precision is StatePrecision.FP32:
+            return None  # FP32 moments alone: the eager step is as fast on a CPU (module docstring)
+        return "compiled"
+
+    def _step_compiled(self, one: ManagedStep) -> bool:
+        """Step ``one`` with the compiled function of its format; False where compiling failed under ``"auto"``."""
+        p, state = one.p, one.state
+        precision = _held(one.precision, p)
+        t = _count([state])[0]
+        scalars = (_on_device(_hyper(one.settings, t), p.device), one.stochastic,
+                   rounding_key(self.seed, one.name, int(t)))
+        tensors = (p.detach(), one.grad, state["exp_avg"], state["exp_avg_sq"])
         try:
             if precision is StatePrecision.INT8:
                 _kernel(precision)(*_block_aliases(*tensors), *scalars)

@@ -272,3 +272,96 @@ def test_the_native_dense_step_is_the_compiled_steps_arithmetic(
     spacing = 2 * torch.finfo(weights).eps * (weights_theirs.abs() + HYPER[6])
     assert torch.all((weights_ours - weights_theirs).abs() <= spacing)
     assert int((weights_ours != weights_theirs).sum()) <= (N if weights == torch.float32 else N * 1e-3) * 0.01
+
+
+def _mixed_steps(seed: int) -> list[Any]:
+    """Steps of every format at sizes that are not whole units of work, each with its own hyper-parameters and key:
+    8-bit moments with FP32 weights and with a BF16 master, FP32 and BF16 moments, a BF16 master rounded to nearest,
+    a tensor of a few elements."""
+    from lightning_comp.execution.native_adam import NativeStep
+
+    torch.manual_seed(seed)
+    steps = []
+    for index, (size, weights, moments, stochastic) in enumerate([
+            (N + 768, torch.float32, torch.uint8, False), (4096, torch.bfloat16, torch.uint8, True),
+            (N + 3, torch.float32, torch.float32, False), (5000, torch.float32, torch.bfloat16, False),
+            (N + 5, torch.bfloat16, torch.bfloat16, True), (7, torch.bfloat16, torch.float32, False)]):
+        p, g = (torch.randn(size) * 0.1).to(weights), (torch.randn(size) * 1e-2).to(weights)
+        if moments == torch.uint8:
+            m = block_quant.pack(block_quant.QuantisedMoment.quantise(torch.randn(size) * 1e-3, True))
+            v = block_quant.pack(block_quant.QuantisedMoment.quantise(torch.rand(size) * 1e-5, False))
+        else:
+            m, v = (torch.randn(size) * 1e-3).to(moments), (torch.rand(size) * 1e-5).to(moments)
+        hyper = (1.0, 0.0, 1.0 - 1e-4 * index, 0.1, 0.999, 1e-3, 3e-3 / (index + 1), 0.05 + index / 100, 1e-8)
+        steps.append(NativeStep(p, g, m, v, hyper, stochastic, rounding_key(7, f"w{index}", 3 + index)))
+    return steps
+
+
+def test_one_call_steps_many_parameters_as_one_call_each(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The units of every tensor shared among the threads in one region, each tensor with its own format, hyper-
+    parameters and key: bit for bit what a call per tensor gives, on one thread or several."""
+    from lightning_comp.execution import native_adam as native_adam_module
+
+    kernel = native_adam()
+    together, alone, one_thread = _mixed_steps(0), _mixed_steps(0), _mixed_steps(0)
+    before = _mixed_steps(0)
+    kernel.step(together)
+    for step in alone:
+        kernel.step([step])
+    monkeypatch.setattr(native_adam_module, "GRAIN_SIZE", 1 << 40)  # every call on one thread
+    kernel.step(one_thread)
+    for ours, single, serial, start in zip(together, alone, one_thread, before):
+        assert not torch.equal(ours.exp_avg_sq, start.exp_avg_sq)  # it stepped (a BF16 weight may not move)
+        for field in ("p", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(getattr(ours, field), getattr(single, field)), field
+            assert torch.equal(getattr(ours, field), getattr(serial, field)), field
+    kernel.step([])  # nothing to step: nothing happens
+
+
+def test_the_plugin_steps_every_managed_parameter_in_one_native_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two groups of their own learning rates and weight decays, a parameter whose step count lags (it had no gradient
+    once), 8-bit and too-small tensors: one native call per optimizer step, and the result of one call per parameter
+    (the update path's single-parameter step, as the search's timing used it)."""
+    from lightning_comp import PrecisionPlan
+    from lightning_comp.execution.native_adam import NativeAdam
+    from lightning_comp.execution.optimizer_states import OptimizerStates
+
+    many = update_path_module.CompiledUpdates.step_many
+
+    def one_call_each(self: Any, steps: list[Any]) -> list[Any]:
+        return [left for one in steps for left in many(self, [one])]
+
+    def train(batched: bool) -> tuple[torch.nn.Module, torch.optim.Optimizer, OptimizerStates]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Linear(128, 64), torch.nn.Linear(64, 32))
+        states = OptimizerStates("native")
+        states.assign(model, PrecisionPlan.from_dict({"type:Linear": {"state": "8bit"}}))
+        optimizer = torch.optim.AdamW([{"params": model[0].parameters(), "lr": 1e-2, "weight_decay": 0.1},
+                                       {"params": [*model[1].parameters(), *model[2].parameters()], "lr": 3e-3}])
+        for step in range(4):
+            for p in model.parameters():
+                p.grad = torch.randn_like(p) * 1e-2
+            if step == 1:
+                model[1].weight.grad = None  # its counter lags from here on
+            if batched:
+                states.step(optimizer, optimizer.step)
+            else:
+                with monkeypatch.context() as patched:  # one native call per parameter
+                    patched.setattr(update_path_module.CompiledUpdates, "step_many", one_call_each)
+                    states.step(optimizer, optimizer.step)
+        return model, optimizer, states
+
+    calls: list[int] = []
+    original = NativeAdam.step
+    monkeypatch.setattr(NativeAdam, "step", lambda self, steps: (calls.append(len(steps)), original(self, steps))[1])
+    model, optimizer, states = train(batched=True)
+    assert calls == [5, 6, 6]  # the first step creates the states eagerly; then all six but the one with no gradient
+    assert float(optimizer.state[model[1].weight]["step"]) == 3 and float(optimizer.state[model[0].weight]["step"]) == 4
+    calls.clear()
+    reference, reference_optimizer, _ = train(batched=False)
+    assert calls == [1] * 17
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(p, q)
+        for key, value in optimizer.state[p].items():
+            assert torch.equal(value, reference_optimizer.state[q][key]), key
+    assert states.updates.native_steps == 17

@@ -28,8 +28,10 @@ def _optimizer() -> tuple[torch.optim.Optimizer, dict[str, list[nn.Parameter]]]:
     return optimizer, groups
 
 
-@pytest.mark.parametrize("path", ["eager", "compiled"])
+@pytest.mark.parametrize("path", ["eager", "compiled", "auto"])
 def test_managed_variants_run_on_the_plugins_update_path_and_leave_the_run_untouched(path: str) -> None:
+    """"auto" on a CPU: native, as training steps them, at any size (these groups hold 16 K elements, far under
+    where "auto" would compile: before, the search timed them eagerly there)."""
     optimizer, groups = _optimizer()
     before = {id(p): (p.detach().clone(), {k: v.clone() for k, v in optimizer.state[p].items()})
               for ps in groups.values() for p in ps}
@@ -42,6 +44,7 @@ def test_managed_variants_run_on_the_plugins_update_path_and_leave_the_run_untou
     # step compiled from the second run on (the first converts their moments to 8 bits), a's bias (too small to
     # quantise: FP32 moments, as the run's own) from the first: (5 + 5 + 6) x 2
     assert updates.compiled_steps == (32 if path == "compiled" else 0)
+    assert updates.native_steps == (32 if path == "auto" else 0)
     for ps in groups.values():  # copies were stepped: the run's parameters and state are as they were
         for p in ps:
             weights, state = before[id(p)]

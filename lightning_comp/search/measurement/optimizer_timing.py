@@ -26,9 +26,10 @@ magnitudes; gradients are the parameters' own from the profiled step when presen
 
 The managed variants run on the code the plugin steps them with in training (``updates``: a
 :class:`~lightning_comp.execution.update_path.CompiledUpdates` of the plugin's update path, deciding as the plugin
-does for a step that manages every timed group): compiled where training compiles them, so a lever is priced at
-what it costs there (:mod:`~lightning_comp.execution.update_path` says where that is and how much it gains). Two
-unmeasured updates come first then: the first converts the state, the second compiles.
+does for a step that manages every timed group, each group's parameters in one call as training steps all of them
+in one): native or compiled where training runs them so, so a lever is priced at what it costs there
+(:mod:`~lightning_comp.execution.update_path` says where that is and how much it gains). Two unmeasured updates come
+first then: the first converts the state, the second compiles.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ from torch.optim import Optimizer
 
 from lightning_comp.common.spelled_enum import SpelledEnum
 from lightning_comp.execution.adam_step import AdamSettings, adam_step
-from lightning_comp.execution.update_path import CompiledUpdates
+from lightning_comp.execution.update_path import CompiledUpdates, ManagedStep
 from lightning_comp.numerics.precision import StatePrecision
 from lightning_comp.search.measurement.clocks import Clock
 
@@ -149,18 +150,18 @@ def _update(optimizer: Optimizer, name: str, params: Sequence[nn.Parameter], hyp
 
     def run() -> None:
         with torch.no_grad():
-            compiled = updates is not None and updates.begin(managed, copies[0].device)
-            for index, (source, target, state) in enumerate(zip(params, copies, states)):
-                grad = target.grad
-                assert grad is not None
-                step_settings = settings[id(source)]
-                if compiled and updates is not None and updates.step(
-                        target, grad, state, step_settings, precision, config.master, f"{name}.{index}"):
-                    continue
-                adam_step(target, grad, state, step_settings, precision, generator if config.master else None,
+            steps = [ManagedStep(target, target.grad, state, settings[id(source)], precision, config.master,
+                                 f"{name}.{index}")
+                     for index, (source, target, state) in enumerate(zip(params, copies, states))
+                     if target.grad is not None]
+            if updates is not None:
+                updates.begin(managed, copies[0].device)
+                steps = updates.step_many(steps)
+            for one in steps:  # eagerly: what the plugin's path leaves to its eager step
+                adam_step(one.p, one.grad, one.state, one.settings, precision, generator if config.master else None,
                           generator if precision is StatePrecision.BF16 else None)
 
-    if updates is not None and updates.begin(managed, copies[0].device):
+    if updates is not None:
         run()  # the state converted to its format
-        run()  # compiled
+        run()  # compiled (or the native library loaded)
     return run
