@@ -1,4 +1,5 @@
-"""One managed parameter's optimizer step by its size: eager against compiled, per state format, against torch's AdamW.
+"""The managed optimizer step by parameter size: eager against compiled against native, per state format, against
+torch's AdamW.
 
 ``benchmarks/update_speed.py`` times the whole update in training, on a model whose tensors are what they are; this
 script separates the two costs that make it up: a compiled call's fixed cost (Dynamo's guards, the runtime wrapper)
@@ -9,7 +10,12 @@ format, eagerly, compiled and natively (:mod:`lightning_comp.execution.native_ad
 each turn the median of ``--repeats`` steps, the first round left out (it compiles). Reported: microseconds per step
 and nanoseconds per element, medians over rounds.
 
+With ``--tensors K`` every configuration steps K parameters of each size (one optimizer, one step), and a
+``native-per-tensor`` row steps them natively in one call per parameter (as the plugin did before it gathered every
+managed parameter of a step into one native call): what that gathering buys on models of many tensors.
+
     python benchmarks/update_kernel.py                   # 4096 .. 4 M elements, 5 rounds
+    python benchmarks/update_kernel.py --sizes 16384,262144 --tensors 32 --formats state-8bit,state-bf16
     python benchmarks/update_kernel.py --smoke           # two small sizes, for the test suite
 """
 
@@ -32,24 +38,42 @@ FORMATS = {"state-bf16": ("bf16", "fp32"), "state-8bit": ("8bit", "fp32"), "mast
 SIZES = (4096, 65536, 1 << 20, 1 << 22)
 
 
-def _plugin_step(numel: int, state: str, master: str, path: str) -> tuple[Callable[[], None], Any]:
-    """One step of a parameter of ``numel`` elements, its state and master as given, on ``path``; and the
-    ``OptimizerStates`` that steps it (its ``updates`` count the compiled steps)."""
+def _parameters(numel: int, tensors: int, dtype: Any = None) -> list[Any]:
+    """``tensors`` parameters of ``numel`` elements, with gradients, of ``dtype`` (default FP32)."""
     import torch
     from torch import nn
 
+    torch.manual_seed(0)
+    params = []
+    for _ in range(tensors):
+        p = nn.Parameter(torch.randn(numel) * 0.1)
+        if dtype is not None:
+            p.data = p.data.to(dtype)
+        p.grad = torch.randn_like(p) * 1e-2
+        params.append(p)
+    return params
+
+
+def _plugin_step(numel: int, tensors: int, state: str, master: str, path: str) -> tuple[Callable[[], None], Any]:
+    """One step of ``tensors`` parameters of ``numel`` elements, their state and master as given, on ``path``
+    (``"native-per-tensor"``: natively, a call per parameter); and the ``OptimizerStates`` that steps them (its
+    ``updates`` count the compiled and native steps)."""
+    import torch
+
     from lightning_comp.execution.optimizer_states import OptimizerStates, ParameterTreatment
+    from lightning_comp.execution.update_path import CompiledUpdates
     from lightning_comp.numerics.precision import MasterPrecision, StatePrecision
 
-    torch.manual_seed(0)
-    p = nn.Parameter(torch.randn(numel) * 0.1)
-    if master == "bf16":
-        p.data = p.data.bfloat16()
-    p.grad = torch.randn_like(p) * 1e-2
-    optimizer = torch.optim.AdamW([p], lr=1e-3)
-    states = OptimizerStates(path)
-    states._treatments = {id(p): ParameterTreatment(StatePrecision.parse(state), MasterPrecision.parse(master))}
-    states._names = {id(p): "w"}
+    params = _parameters(numel, tensors, torch.bfloat16 if master == "bf16" else None)
+    optimizer = torch.optim.AdamW(params, lr=1e-3)
+    states = OptimizerStates("native" if path == "native-per-tensor" else path)
+    if path == "native-per-tensor":
+        updates = states.updates
+        updates.step_many = lambda steps: [  # type: ignore[method-assign]
+            left for one in steps for left in CompiledUpdates.step_many(updates, [one])]
+    treatment = ParameterTreatment(StatePrecision.parse(state), MasterPrecision.parse(master))
+    states._treatments = {id(p): treatment for p in params}
+    states._names = {id(p): f"w{index}" for index, p in enumerate(params)}
 
     def step() -> None:
         states.step(optimizer, optimizer.step)
@@ -57,14 +81,10 @@ def _plugin_step(numel: int, state: str, master: str, path: str) -> tuple[Callab
     return step, states
 
 
-def _torch_step(numel: int, foreach: bool) -> Callable[[], None]:
+def _torch_step(numel: int, tensors: int, foreach: bool) -> Callable[[], None]:
     import torch
-    from torch import nn
 
-    torch.manual_seed(0)
-    p = nn.Parameter(torch.randn(numel) * 0.1)
-    p.grad = torch.randn_like(p) * 1e-2
-    optimizer = torch.optim.AdamW([p], lr=1e-3, foreach=foreach)
+    optimizer = torch.optim.AdamW(_parameters(numel, tensors), lr=1e-3, foreach=foreach)
     return lambda: optimizer.step()
 
 
@@ -82,20 +102,23 @@ def _timed(step: Callable[[], None], repeats: int) -> Callable[[], float]:
 
 
 def run_size(numel: int, args: argparse.Namespace) -> dict[str, Any]:
-    steps: dict[str, Callable[[], None]] = {"torch-adamw": _torch_step(numel, False),
-                                            "torch-adamw-foreach": _torch_step(numel, True)}
+    tensors = args.tensors
+    steps: dict[str, Callable[[], None]] = {"torch-adamw": _torch_step(numel, tensors, False),
+                                            "torch-adamw-foreach": _torch_step(numel, tensors, True)}
     plugin_states: dict[str, Any] = {}
+    paths = ("eager", "compiled", "native") + (("native-per-tensor",) if tensors > 1 else ())
     for name in args.formats:
         state, master = FORMATS[name]
-        for path in ("eager", "compiled", "native"):
-            steps[f"{name}/{path}"], plugin_states[f"{name}/{path}"] = _plugin_step(numel, state, master, path)
+        for path in paths:
+            steps[f"{name}/{path}"], plugin_states[f"{name}/{path}"] = _plugin_step(numel, tensors, state, master,
+                                                                                    path)
     for step in steps.values():
         step()  # creates the state (eagerly): the compiled path covers the steps after
     rounds = interleaved_rounds({k: _timed(s, args.repeats) for k, s in steps.items()}, args.rounds + 1)
     rows = {}
     for name, seconds in rounds.items():
         us = median(seconds[1:]) * 1e6
-        rows[name] = {"us": us, "ns_per_element": us * 1e3 / numel}
+        rows[name] = {"us": us, "ns_per_element": us * 1e3 / (numel * tensors)}
         if name in plugin_states:
             rows[name]["compiled_steps"] = plugin_states[name].updates.compiled_steps
             rows[name]["native_steps"] = plugin_states[name].updates.native_steps
@@ -105,12 +128,15 @@ def run_size(numel: int, args: argparse.Namespace) -> dict[str, Any]:
 
 def markdown(report: dict[str, Any]) -> str:
     names = list(next(iter(report["sizes"].values())))
-    lines = [f"# One parameter's managed step by its size ({report['date']})", "",
+    tensors = report["settings"].get("tensors", 1)
+    lines = [f"# The managed step by parameter size ({report['date']})", "",
              f"`{report['command']}` at {report['commit']}; {report['machine'].get('lscpu Model name', '?')}"
              f" ({report['machine']['device_class'].get('capability', '?')}), {report['torch_threads']} threads,"
              f" torch {report['torch']}; median over {report['settings']['rounds']} rounds of the median of"
-             f" {report['settings']['repeats']} steps. Cells: us per step (ns per element).", "",
-             "| configuration | " + " | ".join(f"{int(n):,} elements" for n in report["sizes"]) + " |",
+             f" {report['settings']['repeats']} steps; {tensors} parameter(s) of each size per step."
+             " Cells: us per step (ns per element).", "",
+             "| configuration | " + " | ".join(f"{'' if tensors == 1 else f'{tensors} x '}{int(n):,} elements"
+                                              for n in report["sizes"]) + " |",
              "|---|" + "---|" * len(report["sizes"])]
     for name in names:
         cells = [f"{size[name]['us']:.0f} ({size[name]['ns_per_element']:.2f})" for size in report["sizes"].values()]
@@ -124,6 +150,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--formats", default=",".join(FORMATS), help=f"comma-separated, of {list(FORMATS)}")
     parser.add_argument("--rounds", type=int, default=None, help="measured rounds (default 5, --smoke 1)")
     parser.add_argument("--repeats", type=int, default=None, help="steps per turn (default 9, --smoke 2)")
+    parser.add_argument("--tensors", type=int, default=1,
+                        help="parameters of each size per step (default 1; above 1 adds native-per-tensor rows)")
     parser.add_argument("--smoke", action="store_true", help="sizes 4096 and 65536, 1 round of 2 steps")
     parser.add_argument("--out", default=str(OUT_DIR), help="results folder (default %(default)s)")
     args = parser.parse_args(argv)
@@ -134,9 +162,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.sizes = [int(s) for s in args.sizes.split(",")]
     args.formats = args.formats.split(",")
     unknown = sorted(set(args.formats) - set(FORMATS))
-    if unknown or any(s % 256 or s < 4096 for s in args.sizes):
-        parser.error(f"formats {unknown} unknown (valid: {list(FORMATS)}) or sizes {args.sizes} not multiples of"
-                     " 256 of at least 4096 (8-bit moments need whole blocks)")
+    if unknown or any(s % 256 or s < 4096 for s in args.sizes) or args.tensors < 1:
+        parser.error(f"formats {unknown} unknown (valid: {list(FORMATS)}), sizes {args.sizes} not multiples of"
+                     f" 256 of at least 4096 (8-bit moments need whole blocks), or --tensors {args.tensors} under 1")
     return args
 
 
@@ -148,7 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {**run_header("update_kernel.py", argv), "torch": torch.__version__,
                               "torch_threads": torch.get_num_threads(),
-                              "settings": {"rounds": args.rounds, "repeats": args.repeats, "formats": args.formats},
+                              "settings": {"rounds": args.rounds, "repeats": args.repeats, "formats": args.formats,
+                                           "tensors": args.tensors},
                               "sizes": {}}
     for numel in args.sizes:
         report["sizes"][str(numel)] = run_size(numel, args)

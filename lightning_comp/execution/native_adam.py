@@ -1,4 +1,4 @@
-"""The native update: Adam(W)'s step of a managed parameter as one C loop, on a CPU, for every state format.
+"""The native update: Adam(W)'s step of the managed parameters as one C loop, on a CPU, for every state format.
 
 The compiled update (:mod:`lightning_comp.execution.update_path`) runs the 8-bit step as the kernels ``torch.compile``
 generates: four passes over the whole parameter (decode and Adam, each moment's block scales, each moment's codes)
@@ -20,6 +20,14 @@ element by element (:func:`~lightning_comp.execution.fused_adam.step_fp32_moment
 arithmetic), BF16 moments rounded stochastically from the weights' key plus each moment's stream offset, as the
 compiled step rounds them. The library is built on first use (:mod:`lightning_comp.execution.native_build`); it covers
 CPU tensors only (CUDA runs the compiled step).
+
+Every parameter an optimizer step manages goes into one call (:meth:`NativeAdam.step`; the plugin makes one per
+step), each with its own format, hyper-parameters (its group's, its own step count's bias corrections) and rounding
+key: their units of 4096 elements (16 blocks of 8-bit codes) are shared among torch's threads in one parallel region,
+eight at a time as threads come free, so small tensors share the threads too (100 tensors of 16 K elements, 8-bit, 2
+AVX2 cores: 3.4 ms against 7.2 in a call each, one thread each), a step pays for one region, and a thread that other
+work on the machine holds up takes fewer units. Bit for bit what a call per parameter gives
+(``tests/unit/test_native_adam.py``).
 """
 
 from __future__ import annotations

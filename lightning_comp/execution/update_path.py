@@ -13,8 +13,9 @@ arithmetic as a C loop built on the machine at first use (under a second; cached
 element: side by side on 2 AVX2 cores at 1 Mi elements (``benchmarks/update_kernel.py``, 2026-12-07), 2.04 ns per
 parameter with 8-bit moments (compiled 6.16, eager 12.95), 1.13 with BF16 moments (3.83), 0.87 with BF16 masters
 (2.73), 2.80 with both 8-bit moments and BF16 masters (9.96), against 1.55 for ``torch.optim.AdamW``'s FP32 step; a
-native call costs microseconds where a compiled one costs about 300 us. ``benchmarks/update_speed.py`` measures the
-paths in training.
+native call costs microseconds where a compiled one costs about 300 us, and one native call steps every parameter
+it covers (:meth:`CompiledUpdates.step_many`; the compiled path makes one call per parameter).
+``benchmarks/update_speed.py`` measures the paths in training.
 
 :class:`UpdatePath` chooses: ``"eager"``; ``"compiled"`` (an error, naming the cause, where it cannot compile);
 ``"native"`` (every managed parameter on a CPU natively, an error naming the cause where the C loop cannot be built;
