@@ -174,15 +174,10 @@ def _held(precision: StatePrecision, p: torch.Tensor) -> StatePrecision:
 
 
 def _count(states: Sequence[dict[str, Any]]) -> list[float]:
-    """Add one to each state's step counter (CPU tensors, as ``torch.optim.Adam`` keeps them: no device sync) and
+    """Add one to each state's step counter (a CPU tensor, as ``torch.optim.Adam`` keeps it: no device sync) and
     return their new values."""
-    counters = [state["step"] for state in states]
-    if all(isinstance(c, torch.Tensor) and c.device.type == "cpu" and c.dtype == counters[0].dtype
-           for c in counters):
-        torch._foreach_add_(counters, 1)
-    else:
-        for state in states:
-            state["step"] += 1
+    for state in states:
+        state["step"] += 1
     return [float(state["step"]) for state in states]
 
 
