@@ -280,7 +280,7 @@ static void step_unit(const Tensor *t, int64_t unit, const float *m_map, const f
  * (dynamic_codec.encoding_table), dense ones rounded from their streams. The units of all the tensors are shared
  * among `threads` threads eight at a time as they come free: 32 K elements in a row keep a thread's reads streaming,
  * and a thread held up by other work on the machine takes fewer (2 AVX2 cores beside a busy process, 12 tensors of
- * 256 K elements: 8.7 ms against 12.6 shared statically, 18.0 one call per tensor; quiet, within noise of static).
+ * 256 K elements: 10.1 ms against 12.6 shared statically, 18.0 one call per tensor; quiet, within noise of static).
  * Returns 0. */
 int lc_adam_steps(const Tensor *tensors, int count, const float *m_map, const float *v_map, const float *m_table,
                   const float *v_table, uint32_t m_stream, uint32_t v_stream, int threads) {
