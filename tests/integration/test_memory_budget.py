@@ -95,7 +95,12 @@ def test_a_budget_is_met_with_the_cheapest_levers_and_no_more(tmp_path: Path) ->
         assert rates == sorted(rates, reverse=True)
     searched = {n for n, op in record["operators"].items() if "parameters" in op}
     taken = {label.removeprefix("state:") for label in spending["taken"]}
-    assert taken <= searched and 1 < len(frontier) < len(far["frontier"])  # some of the increments, not all
+    # some of the increments, not all: it stopped short of what every lever frees. (Not compared by frontier length
+    # with the other fit: each fit prices its levers anew, and where bf16 moments step as fast as the optimizer's own,
+    # their price is 0 in one fit and a fraction of a millisecond in the next, so one fit takes bf16 on every layer
+    # first and the other 8-bit at once: the two frontiers' lengths are then not comparable.)
+    assert taken <= searched and 1 < len(frontier)
+    assert frontier[-1]["step_mib"] > far["frontier"][-1]["step_mib"]
     assert any(entry["value"] != far["taken"][label]["value"] or label not in far["taken"]
                for label, entry in spending["taken"].items()) or taken < searched
     for name in searched - taken:
