@@ -142,21 +142,6 @@ class NativeAdam:
                     ctypes.addressof(self._tables[True]), ctypes.addressof(self._tables[False]),
                     fused_adam.EXP_AVG_STREAM, fused_adam.EXP_AVG_SQ_STREAM, self._threads(total))
 
-    def step_8bit(self, p: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-                  hyper: tuple[float, ...], stochastic: bool, key: int) -> None:
-        """One step of ``p`` (``grad`` its gradient) whose moments are packed 8-bit tensors
-        (:func:`~lightning_comp.numerics.block_quant.pack`), all updated in place; ``hyper`` in the order of
-        :data:`~lightning_comp.execution.fused_adam.HYPER_PARAMETERS`; BF16 weights rounded stochastically from
-        ``key`` if ``stochastic``, else to nearest."""
-        self.step([NativeStep(p, grad, exp_avg, exp_avg_sq, hyper, stochastic, key)])
-
-    def step_dense(self, p: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-                   hyper: tuple[float, ...], stochastic: bool, key: int) -> None:
-        """One step of ``p`` whose moments are contiguous tensors of its shape, FP32 or BF16 (both of one dtype,
-        BF16 ones rounded stochastically from ``key``'s moment streams), all updated in place; the rest as
-        :meth:`step_8bit`."""
-        self.step([NativeStep(p, grad, exp_avg, exp_avg_sq, hyper, stochastic, key)])
-
 
 @functools.cache
 def native_adam() -> NativeAdam:

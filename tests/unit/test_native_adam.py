@@ -24,6 +24,14 @@ N = 1 << 14
 HYPER = (1.0, 0.0, 1.0 - 1e-4, 0.1, 0.999, 1e-3, 3e-3, 0.05, 1e-8)  # fused_adam.HYPER_PARAMETERS' order
 
 
+def _native_step(p: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                 hyper: tuple[float, ...], stochastic: bool, key: int) -> None:
+    """One parameter's native step (packed 8-bit or dense moments alike)."""
+    from lightning_comp.execution.native_adam import NativeStep
+
+    native_adam().step([NativeStep(p, grad, exp_avg, exp_avg_sq, hyper, stochastic, key)])
+
+
 def _state(dtype: torch.dtype, seed: int = 0) -> tuple[torch.Tensor, ...]:
     """Weights and gradient of ``dtype``, and two packed 8-bit moments, of :data:`N` elements."""
     torch.manual_seed(seed)
@@ -41,7 +49,7 @@ def test_the_native_step_is_the_compiled_steps_arithmetic(dtype: torch.dtype, st
     ours, theirs = _state(dtype), _state(dtype)
     key = rounding_key(7, "w", 3)
     fused_adam.step_8bit_moments(*_block_aliases(*theirs), torch.tensor(HYPER), stochastic, key)
-    native_adam().step_8bit(*ours, HYPER, stochastic, key)
+    _native_step(*ours, HYPER, stochastic, key)
     weights, reference = ours[0].float(), theirs[0].float()
     if dtype == torch.bfloat16:
         # the same random bits (the same hash of key and index): the same BF16 weights but where an FP32 update
@@ -67,10 +75,10 @@ def test_the_native_step_rounds_bf16_masters_without_bias() -> None:
     spacing = 2.0**-7  # between 1 and the next BF16 value down is 2^-8; the update below moves 2^-10
     hyper = (1.0, 0.0, 1.0, 1.0, 0.0, 1.0, 2.0**-10, 1.0, 0.0)  # m = v^0.5 = g = 1: w -= step_size exactly
     nearest = p.clone()
-    native_adam().step_8bit(nearest, grad, zeros.clone(), zeros.clone(), hyper, False, 0)
+    _native_step(nearest, grad, zeros.clone(), zeros.clone(), hyper, False, 0)
     assert torch.equal(nearest, p)  # below half a spacing: rounded away
     stochastic = p.clone()
-    native_adam().step_8bit(stochastic, grad, zeros.clone(), zeros.clone(), hyper, True, rounding_key(0, "w", 1))
+    _native_step(stochastic, grad, zeros.clone(), zeros.clone(), hyper, True, rounding_key(0, "w", 1))
     assert set(stochastic.float().unique().tolist()) == {1.0 - spacing / 2, 1.0}
     assert float(stochastic.float().mean()) == pytest.approx(1.0 - 2.0**-10, abs=spacing * 0.02)
 
@@ -78,7 +86,7 @@ def test_the_native_step_rounds_bf16_masters_without_bias() -> None:
 def test_a_nan_gradient_reaches_the_weights_and_the_block_scales() -> None:
     p, g, m, v = _state(torch.float32)
     g[300] = float("nan")  # in the second block
-    native_adam().step_8bit(p, g, m, v, HYPER, False, 0)
+    _native_step(p, g, m, v, HYPER, False, 0)
     assert bool(p[300].isnan()) and not bool(p[:256].isnan().any())
     for packed in (m, v):
         scales = packed[N:].view(torch.float32)
@@ -263,7 +271,7 @@ def test_the_native_dense_step_is_the_compiled_steps_arithmetic(
     key = rounding_key(7, "w", 3)
     step = fused_adam.step_bf16_moments if moments == torch.bfloat16 else fused_adam.step_fp32_moments
     step(*theirs, torch.tensor(HYPER), stochastic, key)
-    native_adam().step_dense(*ours, HYPER, stochastic, key)
+    _native_step(*ours, HYPER, stochastic, key)
     assert not torch.equal(ours[0], state()[0])  # it stepped
     for a, b in zip(ours[2:], theirs[2:]):
         assert a.dtype == b.dtype and torch.equal(a, b)
