@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import random
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 from tests.helpers.environment import inductor_cache_for_capability
@@ -73,13 +74,15 @@ def seed() -> int:
 
 
 @pytest.fixture
-def fast_trainer_kwargs() -> dict[str, Any]:
-    """Trainer arguments for quick CPU runs without side effects (no logger, bar, summary or checkpoints).
+def fast_trainer_kwargs(tmp_path: Path) -> dict[str, Any]:
+    """Trainer arguments for quick CPU runs without side effects (no logger, bar, summary or checkpoints; what a
+    callback writes to the Trainer's log folder, as a search writes ``plan.json``, goes to the test's own folder).
 
-    Add ``devices``, ``max_steps``, ``default_root_dir``... at the call site: ``pl.Trainer(max_steps=2, **kw)``.
+    Add ``devices``, ``max_steps``... at the call site: ``pl.Trainer(max_steps=2, **kw)``.
     """
     return dict(
         accelerator="cpu",
+        default_root_dir=str(tmp_path),
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
