@@ -15,6 +15,7 @@ import lightning.pytorch as pl
 import torch
 
 from lightning_comp.operators.discovery import operator_name
+from tests.helpers.warm_launch import WarmProcess, can_start_warm, start_warm
 
 __all__ = ["ReleaseProcessGroup", "full_parameters", "launch_ranks"]
 
@@ -24,13 +25,17 @@ DIST_VARS = frozenset({"LOCAL_RANK", "RANK", "GLOBAL_RANK", "WORLD_SIZE", "NODE_
 
 
 def launch_ranks(argv: Sequence[str], cwd: Path, env: Mapping[str, str], timeout: float,
-                 ranks: int = 2) -> subprocess.CompletedProcess[str]:
+                 ranks: int = 2, warm: bool = True) -> subprocess.CompletedProcess[str]:
     """Run ``argv`` (a script whose Trainer asks for ``ranks`` devices) as ``ranks`` processes started at once, as
     ``torchrun`` starts them (``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT`` set: Lightning launches
     nothing itself), rather than letting Lightning's launcher start rank 1 once rank 0 reaches ``fit``: each process
     imports torch, Lightning and the package for 5-7 s on 2 loaded cores, and started together they import side by
     side instead of one after the other. A rank that fails stops the others (they would wait for it in the process
     group until its timeout), as Lightning's launcher does.
+
+    With ``warm`` (the default) and ``argv`` this interpreter running a script or code, each rank is forked from a
+    server that imported torch, Lightning and the package once (:mod:`tests.helpers.warm_launch`; one server per rank,
+    so ranks keep distinct string-hash seeds): a rank then costs its own work, not 10 s of imports.
 
     Returns:
         One result: the first failing rank's exit status (0 when every rank succeeded), every rank's output.
@@ -43,13 +48,18 @@ def launch_ranks(argv: Sequence[str], cwd: Path, env: Mapping[str, str], timeout
         port = probe.getsockname()[1]
     deadline = time.monotonic() + timeout
     clean = {k: v for k, v in env.items() if k not in DIST_VARS and not k.startswith(("TORCHELASTIC", "PL_"))}
-    with ExitStack() as stack:
-        logs = [(stack.enter_context(tempfile.TemporaryFile("w+")), stack.enter_context(tempfile.TemporaryFile("w+")))
-                for _ in range(ranks)]
-        procs = [subprocess.Popen(list(argv), cwd=cwd, stdout=out, stderr=err, text=True,
-                                  env={**clean, "LOCAL_RANK": str(rank), "NODE_RANK": "0", "WORLD_SIZE": str(ranks),
-                                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
-                 for rank, (out, err) in enumerate(logs)]
+    envs = [{**clean, "LOCAL_RANK": str(rank), "NODE_RANK": "0", "WORLD_SIZE": str(ranks), "MASTER_ADDR": "127.0.0.1",
+             "MASTER_PORT": str(port)} for rank in range(ranks)]
+    with tempfile.TemporaryDirectory() as folder:
+        logs = [(Path(folder) / f"rank{rank}.out", Path(folder) / f"rank{rank}.err") for rank in range(ranks)]
+        procs: list[subprocess.Popen[bytes] | WarmProcess]
+        if warm and can_start_warm(argv):
+            procs = list(start_warm(argv, cwd, envs, logs))
+        else:
+            with ExitStack() as stack:
+                procs = [subprocess.Popen(list(argv), cwd=cwd, env=rank_env, stdout=stack.enter_context(out.open("wb")),
+                                          stderr=stack.enter_context(err.open("wb")))
+                         for rank_env, (out, err) in zip(envs, logs, strict=True)]
         timed_out, failed = False, None  # failed: the first rank seen exiting non-zero (before the others are killed)
         try:
             while [proc.poll() for proc in procs].count(None):  # every rank polled (any() would stop at the first)
@@ -65,11 +75,7 @@ def launch_ranks(argv: Sequence[str], cwd: Path, env: Mapping[str, str], timeout
                 if proc.poll() is None:
                     proc.kill()
                     proc.wait()
-        texts = []
-        for out, err in logs:
-            out.seek(0)
-            err.seek(0)
-            texts.append((out.read(), err.read()))
+        texts = [(out.read_text(errors="replace"), err.read_text(errors="replace")) for out, err in logs]
     stdout = "".join(f"--- rank {r} ---\n{o}" for r, (o, _) in enumerate(texts))
     stderr = "".join(f"--- rank {r} ---\n{e}" for r, (_, e) in enumerate(texts))
     if timed_out:
