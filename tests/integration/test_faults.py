@@ -20,6 +20,7 @@ from lightning_comp import CoMPPrecision, CoMPSearch
 from lightning_comp.numerics.precision import ComputePrecision
 from lightning_comp.search.rewind.snapshot import TrainingSnapshot
 from tests.helpers.paths import SCRIPTS
+from tests.helpers.warm_launch import run_warm
 from tests.scripts.fault_run import MAX_EPOCHS, InfBNMLP, OverflowMLP, fixed_loaders
 
 FAULT_RUN = SCRIPTS / "fault_run.py"
@@ -206,8 +207,7 @@ def test_fp16_overflow_skipped_steps_and_inf_reject_trials_and_each_trial_gets_a
 
 
 def _run(root: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, str(FAULT_RUN), "--root", str(root), *args], capture_output=True,
-                          text=True, timeout=300)
+    return run_warm([sys.executable, str(FAULT_RUN), "--root", str(root), *args], timeout=300)
 
 
 @pytest.fixture(scope="module")

@@ -26,6 +26,7 @@ import torch
 
 from tests.helpers.distributed import launch_ranks
 from tests.helpers.paths import REPO
+from tests.helpers.warm_launch import run_warm
 
 SCRIPT = REPO / "tests" / "scripts" / "sharded_run.py"
 # FSDP1 root-only without activation checkpointing, and auto-wrapped with it (the checkpoint and overflow tests run
@@ -53,8 +54,8 @@ class Runs:
             out.mkdir(parents=True, exist_ok=True)
             env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
             argv = [sys.executable, str(SCRIPT), mode, plan, str(out), *extra]
-            proc = (subprocess.run(argv, cwd=out, env=env, capture_output=True, text=True, timeout=240)
-                    if mode == "reference" else launch_ranks(argv, out, env, timeout=240))
+            proc = (run_warm(argv, cwd=out, env=env, timeout=240) if mode == "reference" else
+                    launch_ranks(argv, out, env, timeout=240))
             assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
             ranks = (0,) if mode == "reference" else (0, 1)
             infos = [json.loads((out / f"rank{r}.json").read_text()) for r in ranks]

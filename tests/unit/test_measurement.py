@@ -32,6 +32,7 @@ from lightning_comp.search.measurement.estimates import ExtraRounds, Verdict, pa
 from lightning_comp.search.measurement.machine_load import MachineLoad
 from lightning_comp.search.stages import batch_stage as batch_stage_module
 from tests.helpers.paths import SCRIPTS
+from tests.helpers.warm_launch import run_warm
 from tests.scripts.busy_search import CLEAR, adopted_whole, batch_stage_record, clear_operators, own_decisions
 from tests.scripts.competitor import competing_load, measure_load
 
@@ -198,8 +199,7 @@ def test_a_machine_that_becomes_busy_during_the_wall_time_measurement_is_measure
 
 
 def _fault_run(root: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, str(FAULT_RUN), "--root", str(root), "--timed", "--busy", *args],
-                          capture_output=True, text=True, timeout=600)
+    return run_warm([sys.executable, str(FAULT_RUN), "--root", str(root), "--timed", "--busy", *args], timeout=600)
 
 
 @pytest.mark.skipif(not LINUX, reason="the load is read from /proc/stat")

@@ -348,8 +348,9 @@ def test_the_plugin_rounds_bf16_moments_stochastically() -> None:
 def test_bf16_moments_of_fsdp2_shards_stay_dtensors() -> None:
     # FSDP2's parameters and moments are DTensors: each rank rounds its own shard (a plain tensor of random bits
     # against a DTensor raised "mixed torch.Tensor and DTensor" at the first step)
-    import subprocess
     import sys
+
+    from tests.helpers.warm_launch import run_warm
 
     script = """
 import os, socket, torch, torch.distributed as dist
@@ -376,5 +377,5 @@ assert 0.8 < mean < 1.2, mean
 dist.destroy_process_group()
 print("ok")
 """
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    proc = run_warm([sys.executable, "-c", script], timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stdout[-2000:] + proc.stderr[-2000:]
