@@ -44,8 +44,9 @@ class _Server:
     """One ``tests.helpers.zygote`` process and what it has said."""
 
     def __init__(self, env: Mapping[str, str]) -> None:
+        self._errors = tempfile.TemporaryFile()  # noqa: SIM115 - open as long as the server: what it printed itself
         self.process = subprocess.Popen([sys.executable, "-m", "tests.helpers.zygote"], cwd=REPO, env=dict(env),
-                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._errors,
                                         start_new_session=True)
         self._pending = b""
         self.exits: dict[int, int] = {}
@@ -53,9 +54,15 @@ class _Server:
 
     def _wait_ready(self) -> None:
         if not self._ready:
-            if self._next(lambda m: "ready" in m, READY_TIMEOUT_S) is None:
+            try:
+                ready = self._next(lambda m: "ready" in m, READY_TIMEOUT_S)
+            except RuntimeError:
+                ready = None
+            if ready is None:
                 self.stop()
-                raise RuntimeError(f"the warm-start server did not start (exit {self.process.poll()})")
+                self._errors.seek(0)
+                raise RuntimeError(f"the warm-start server did not start (exit {self.process.poll()}):\n"
+                                   + self._errors.read().decode(errors="replace")[-3000:])
             self._ready = True
 
     def alive(self) -> bool:

@@ -80,3 +80,10 @@ def test_what_is_not_this_interpreter_running_a_script_starts_fresh(tmp_path: Pa
     assert done.returncode == 0 and done.stdout == "hi\n"
     with pytest.raises(ValueError, match="cannot start"):
         start_warm(["/bin/echo", "hi"], tmp_path, [ENV], [(tmp_path / "o", tmp_path / "e")])
+
+
+def test_a_server_that_cannot_start_raises_with_what_it_printed(tmp_path: Path) -> None:
+    broken = {**ENV, "PYTHONHOME": str(tmp_path / "no-such-python")}  # the interpreter itself fails to start
+    with pytest.raises(RuntimeError, match="did not start") as raised:
+        run_warm([sys.executable, "-c", "pass"], cwd=tmp_path, env=broken, timeout=60)
+    assert "no-such-python" in str(raised.value)
