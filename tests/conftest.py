@@ -28,12 +28,42 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from tests.helpers.models import MixedNet, TinyMLP, regression_loader, token_loader
+from tests.helpers.paths import REPO
 from tests.helpers.recording import DtypeRecorder, count_forward_hooks, sqnr
 
 SEED = 0
 
 if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):  # ``pytest -n N``: each worker gets its share of the cores
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
+
+#: what a run of the suite may add to the repository's top folder (caches, the package's build metadata)
+_REPO_LITTER_ALLOWED = (".pytest_cache", ".mypy_cache", ".ruff_cache", "__pycache__", ".hypothesis", ".benchmarks")
+_REPO_STASH = pytest.StashKey[set[str]]()
+
+
+def _repo_entries() -> set[str]:
+    return {entry.name for entry in REPO.iterdir()
+            if entry.name not in _REPO_LITTER_ALLOWED and not entry.name.endswith(".egg-info")}
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    session.config.stash[_REPO_STASH] = _repo_entries()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Fail the run when a test left a file in the repository's top folder (a Trainer without ``default_root_dir``
+    writes its logs, checkpoints and a search's ``plan.json`` into the working folder): tests write into their own
+    temporary folders. Checked once, by the process that started the run (not by each xdist worker)."""
+    if hasattr(session.config, "workerinput") or _REPO_STASH not in session.config.stash:
+        return
+    left = sorted(_repo_entries() - session.config.stash[_REPO_STASH])
+    if left:
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        message = f"tests left {left} in the repository ({REPO}): write into tmp_path (a Trainer's default_root_dir)"
+        if reporter is not None:
+            reporter.write_line(message, red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects: a test marked slow here is left out of the fast tier
