@@ -108,7 +108,7 @@ def main() -> None:
     children: set[int] = set()
     pending = b""
     while True:
-        readable, _, _ = select.select([0], [], [], 0.05)
+        readable, _, _ = select.select([0], [], [], 0.2)  # a child that ended is reported within 0.2 s
         _reap()
         if not readable:
             continue
