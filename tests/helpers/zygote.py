@@ -88,7 +88,8 @@ def _run_child(request: dict[str, Any]) -> None:
     raise SystemExit(code)  # the interpreter's own exit: atexit handlers, then the streams flushed
 
 
-def _reap() -> None:
+def _reap(children: set[int]) -> None:
+    """Report every child that has ended (and forget it: its process id may be given to another process)."""
     while True:
         try:
             pid, status = os.waitpid(-1, os.WNOHANG)
@@ -96,6 +97,7 @@ def _reap() -> None:
             return
         if pid == 0:
             return
+        children.discard(pid)
         _send({"exit": pid, "status": os.waitstatus_to_exitcode(status)})
 
 
@@ -109,7 +111,7 @@ def main() -> None:
     pending = b""
     while True:
         readable, _, _ = select.select([0], [], [], 0.2)  # a child that ended is reported within 0.2 s
-        _reap()
+        _reap(children)
         if not readable:
             continue
         chunk = os.read(0, 65536)
@@ -124,7 +126,7 @@ def main() -> None:
                 _run_child(request)
             children.add(pid)
             _send({"pid": pid})
-    for pid in children:  # the client is gone: nothing it started outlives it
+    for pid in children:  # the client is gone: nothing it started and that still runs outlives it
         with contextlib.suppress(OSError):
             os.killpg(pid, signal.SIGKILL)
 
