@@ -37,9 +37,10 @@ MAX_SERVERS = 6  # per test process; the oldest is stopped beyond it (each holds
 
 
 def can_start_warm(argv: Sequence[str]) -> bool:
-    """Whether ``argv`` is this interpreter running a script or ``-c`` code (what a server can fork)."""
-    return len(argv) >= 2 and argv[0] == sys.executable and (argv[1] == "-c" and len(argv) >= 3
-                                                               or not argv[1].startswith("-"))
+    """Whether ``argv`` is this interpreter running a script or ``-c`` code (what a server can fork), on Linux (where
+    forking a process that has imported torch is what a DataLoader's workers do; macOS and Windows start fresh)."""
+    return (sys.platform.startswith("linux") and len(argv) >= 2 and argv[0] == sys.executable
+            and (argv[1] == "-c" and len(argv) >= 3 or not argv[1].startswith("-")))
 
 
 class _Server:

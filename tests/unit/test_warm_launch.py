@@ -15,7 +15,8 @@ from tests.helpers.warm_launch import can_start_warm, run_warm, start_warm
 
 # each server imports torch and Lightning once (seconds); one group with tests/unit/test_launch_ranks.py, whose ENV
 # is this one, so that the two files share the servers
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("warm_launch")]
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("warm_launch"),
+              pytest.mark.skipif(not sys.platform.startswith("linux"), reason="warm starts fork: Linux only")]
 
 ENV = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "OMP_NUM_THREADS": "1"}
 
