@@ -30,6 +30,7 @@ from torch.utils.data import DataLoader
 from tests.helpers.models import MixedNet, TinyMLP, regression_loader, token_loader
 from tests.helpers.paths import REPO
 from tests.helpers.recording import DtypeRecorder, count_forward_hooks, sqnr
+from tests.helpers.warm_launch import stop_servers
 
 SEED = 0
 
@@ -54,7 +55,9 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """Fail the run when a test left a file in the repository's top folder (a Trainer without ``default_root_dir``
     writes its logs, checkpoints and a search's ``plan.json`` into the working folder): tests write into their own
-    temporary folders. Checked once, by the process that started the run (not by each xdist worker)."""
+    temporary folders. Checked once, by the process that started the run (not by each xdist worker). Every process
+    first stops the warm-start servers it started (``tests/helpers/warm_launch.py``)."""
+    stop_servers()
     if hasattr(session.config, "workerinput") or _REPO_STASH not in session.config.stash:
         return
     left = sorted(_repo_entries() - session.config.stash[_REPO_STASH])

@@ -20,7 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from tests.helpers.paths import REPO
@@ -89,11 +89,11 @@ class _Server:
                 self.exits[int(message["exit"])] = int(message["status"])  # type: ignore[call-overload]
         return messages
 
-    def _next(self, wanted: object, timeout: float) -> dict[str, object] | None:
+    def _next(self, wanted: Callable[[dict[str, object]], bool], timeout: float) -> dict[str, object] | None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             for message in self._messages(min(0.5, max(0.0, deadline - time.monotonic()))):
-                if wanted(message):  # type: ignore[operator]
+                if wanted(message):
                     return message
         return None
 
@@ -139,7 +139,8 @@ def _server(slot: int, env: Mapping[str, str]) -> _Server:
 
 
 def stop_servers() -> None:
-    """Stop every server this process started (at the end of the session)."""
+    """Stop every server this process started (``tests/conftest.py`` does at the end of each process's session; a
+    server whose client dies without it ends at the end of its input)."""
     while _SERVERS:
         _SERVERS.popitem()[1].stop()
 
