@@ -15,13 +15,10 @@ import lightning.pytorch as pl
 import torch
 
 from lightning_comp.operators.discovery import operator_name
-from tests.helpers.warm_launch import WarmProcess, can_start_warm, start_warm
+from tests.helpers.warm_launch import DIST_VARS, WarmProcess, can_start_warm, start_warm
 
-__all__ = ["ReleaseProcessGroup", "full_parameters", "launch_ranks"]
+__all__ = ["DIST_VARS", "ReleaseProcessGroup", "full_parameters", "launch_ranks"]
 
-#: What says where a process stands in a process group: an earlier in-process DDP run leaves these in ``os.environ``.
-DIST_VARS = frozenset({"LOCAL_RANK", "RANK", "GLOBAL_RANK", "WORLD_SIZE", "NODE_RANK", "GROUP_RANK", "LOCAL_WORLD_SIZE",
-                       "MASTER_ADDR", "MASTER_PORT"})
 
 
 def launch_ranks(argv: Sequence[str], cwd: Path, env: Mapping[str, str], timeout: float,

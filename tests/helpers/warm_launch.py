@@ -25,13 +25,15 @@ from pathlib import Path
 
 from tests.helpers.paths import REPO
 
-__all__ = ["WarmProcess", "can_start_warm", "run_warm", "start_warm", "stop_servers"]
+__all__ = ["DIST_VARS", "WarmProcess", "can_start_warm", "run_warm", "start_warm", "stop_servers"]
 
+#: What says where a process stands in a process group: an earlier in-process DDP run leaves these in ``os.environ``
+#: (``tests.helpers.distributed`` re-exports it; defined here, below it, as the server imports that module).
+DIST_VARS = frozenset({"LOCAL_RANK", "RANK", "GLOBAL_RANK", "WORLD_SIZE", "NODE_RANK", "GROUP_RANK", "LOCAL_WORLD_SIZE",
+                       "MASTER_ADDR", "MASTER_PORT"})
 #: Variables a launch sets for itself, or that a test's earlier seeding leaves in ``os.environ``, all read when a run
 #: starts, not when a module is imported: not part of what picks a server (the child gets them all the same).
-PER_LAUNCH = frozenset({"LOCAL_RANK", "RANK", "GLOBAL_RANK", "WORLD_SIZE", "NODE_RANK", "GROUP_RANK",
-                        "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "PYTEST_CURRENT_TEST", "PL_GLOBAL_SEED",
-                        "PL_SEED_WORKERS"})
+PER_LAUNCH = DIST_VARS | {"PYTEST_CURRENT_TEST", "PL_GLOBAL_SEED", "PL_SEED_WORKERS"}
 READY_TIMEOUT_S = 300.0
 MAX_SERVERS = 6  # per test process; the oldest is stopped beyond it (each holds about 0.5 GB)
 
