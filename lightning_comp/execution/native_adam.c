@@ -14,7 +14,8 @@
  * nearest even.
  *
  * The loops are written to be vectorised by the compiler (-O3): selects instead of branches, no calls but sqrtf and
- * floorf (-fno-math-errno makes them instructions). The tensors are cut into units of about UNIT elements, and the
+ * floorf (-fno-math-errno makes them instructions); where the compiler may use AVX2 but not AVX-512, the 8-bit codes
+ * are encoded with intrinsics instead (encode_vector: the same codes, in about two thirds of the time). The tensors are cut into units of about UNIT elements, and the
  * units of all of them are shared among `threads` OpenMP threads in one parallel region, so that small tensors share
  * the threads too and a step pays for one region, not one per tensor; built without OpenMP the pragmas are ignored
  * and one thread does it all.
@@ -23,6 +24,14 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+/* The vector encode (encode_vector below) where the compiler may use AVX2 but not AVX-512. */
+#if defined(__AVX2__) && !defined(__AVX512F__)
+#include <immintrin.h>
+#define LC_VECTOR_ENCODE 1
+#else
+#define LC_VECTOR_ENCODE 0
+#endif
 
 #define BLOCK 256
 #define DECADES 7
@@ -57,8 +66,8 @@ static inline float code_magnitude(float y, const float *restrict t) {
     return SELECT(y >= t[T_ONE], t[T_TOP], magnitude);
 }
 
-static void encode_signed(const float *restrict values, float scale, const float *restrict table,
-                          uint8_t *restrict out) {
+static void encode_signed_portable(const float *restrict values, float scale, const float *restrict table,
+                                   uint8_t *restrict out) {
     float t[T_TOP + 1]; /* a local copy: its loads leave the loop, which then vectorises */
     memcpy(t, table, sizeof(t));
     for (int i = 0; i < BLOCK; i++) {
@@ -69,12 +78,88 @@ static void encode_signed(const float *restrict values, float scale, const float
     }
 }
 
-static void encode_unsigned(const float *restrict values, float scale, const float *restrict table,
-                            uint8_t *restrict out) {
+static void encode_unsigned_portable(const float *restrict values, float scale, const float *restrict table,
+                                     uint8_t *restrict out) {
     float t[T_TOP + 1];
     memcpy(t, table, sizeof(t));
     for (int i = 0; i < BLOCK; i++) {
         out[i] = (uint8_t)(int32_t)code_magnitude(fabsf(values[i] / scale), t);
+    }
+}
+
+/* The same codes with AVX2, eight values at a time, where the compiler may use AVX2 but not AVX-512 (with AVX-512
+ * the portable loops vectorise sixteen wide with mask registers: left to the compiler there, not measured). In the
+ * portable loops each of the four columns of a value's decade row costs six selects; here the decade is the count of
+ * thresholds the value reaches (they increase, so it is the last decade the selects would take) and each column is
+ * read from its row by one permute. Everything after is the portable arithmetic, operation for operation: ordered
+ * comparisons and selects (a NaN compares false, as in C), a product then a difference (no FMA), truncation to
+ * int32. On one AVX2 core (AMD EPYC, Zen 3) the two encodes of a block took 1.9 ns per element against 2.7 by the
+ * portable loops; tests/unit/test_native_adam.py checks that both give the same codes. */
+#if LC_VECTOR_ENCODE
+static inline __m256 select8(__m256 condition, __m256 a, __m256 b) { return _mm256_blendv_ps(b, a, condition); }
+
+static inline __m256 code_magnitude8(__m256 y, const float *restrict t, const __m256 *restrict columns) {
+    __m256i decade = _mm256_setzero_si256();
+    for (int d = 1; d < DECADES; d++) { /* a true comparison is all ones: -1 */
+        __m256 above = _mm256_cmp_ps(y, _mm256_set1_ps(t[T_BETWEEN + d - 1]), _CMP_GE_OQ);
+        decade = _mm256_sub_epi32(decade, _mm256_castps_si256(above));
+    }
+    __m256 mul = _mm256_permutevar8x32_ps(columns[0], decade), off = _mm256_permutevar8x32_ps(columns[1], decade);
+    __m256 first = _mm256_permutevar8x32_ps(columns[2], decade), last = _mm256_permutevar8x32_ps(columns[3], decade);
+    __m256 zero = _mm256_setzero_ps();
+    __m256 within = _mm256_floor_ps(_mm256_sub_ps(_mm256_mul_ps(y, mul), off));
+    within = select8(_mm256_cmp_ps(within, zero, _CMP_LT_OQ), zero, within);
+    within = select8(_mm256_cmp_ps(within, last, _CMP_LT_OQ), within, last);
+    __m256 magnitude = select8(_mm256_cmp_ps(y, _mm256_set1_ps(t[T_ZERO]), _CMP_LT_OQ), zero,
+                               _mm256_add_ps(first, within));
+    return select8(_mm256_cmp_ps(y, _mm256_set1_ps(t[T_ONE]), _CMP_GE_OQ), _mm256_set1_ps(t[T_TOP]), magnitude);
+}
+
+static void encode_vector(const float *restrict values, float scale, const float *restrict table, int is_signed,
+                          uint8_t *restrict out) {
+    __m256 columns[4]; /* multiplier, offset, first and last of the seven decades, an eighth lane never read */
+    for (int c = 0; c < 4; c++) {
+        float column[8] = {0.0f};
+        memcpy(column, table + c * DECADES, DECADES * sizeof(float));
+        columns[c] = _mm256_loadu_ps(column);
+    }
+    const __m256 divisor = _mm256_set1_ps(scale), sign = _mm256_set1_ps(-0.0f), middle = _mm256_set1_ps(127.0f);
+    for (int i = 0; i < BLOCK; i += 32) {
+        __m256i codes[4];
+        for (int k = 0; k < 4; k++) {
+            __m256 scaled = _mm256_div_ps(_mm256_loadu_ps(values + i + 8 * k), divisor);
+            __m256 magnitude = code_magnitude8(_mm256_andnot_ps(sign, scaled), table, columns);
+            if (is_signed) {
+                __m256 capped = select8(_mm256_cmp_ps(magnitude, middle, _CMP_LT_OQ), magnitude, middle);
+                magnitude = select8(_mm256_cmp_ps(scaled, _mm256_setzero_ps(), _CMP_LT_OQ),
+                                    _mm256_sub_ps(middle, capped), _mm256_add_ps(middle, magnitude));
+            }
+            codes[k] = _mm256_cvttps_epi32(magnitude);
+        }
+        /* 32 codes in [0, 255] to bytes: the packs work within 128-bit lanes, the permute restores the order */
+        __m256i bytes = _mm256_packus_epi16(_mm256_packus_epi32(codes[0], codes[1]),
+                                            _mm256_packus_epi32(codes[2], codes[3]));
+        bytes = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256((__m256i *)(out + i), bytes);
+    }
+}
+#endif
+
+/* A block's codes: the values divided by `scale`, encoded with `table` (the signed map's or the unsigned one's); by
+ * the portable loops or, where built (LC_VECTOR_ENCODE) and not `portable`, the vector ones. */
+static void encode_block(const float *restrict values, float scale, const float *restrict table, int is_signed,
+                         int portable, uint8_t *restrict out) {
+#if LC_VECTOR_ENCODE
+    if (!portable) {
+        encode_vector(values, scale, table, is_signed, out);
+        return;
+    }
+#endif
+    (void)portable;
+    if (is_signed) {
+        encode_signed_portable(values, scale, table, out);
+    } else {
+        encode_unsigned_portable(values, scale, table, out);
     }
 }
 
@@ -186,8 +271,8 @@ static void step_8bit_blocks(void *weights, const void *grad, int bf16_weights, 
         }
         m_scale = block_scale(m_new);
         v_scale = block_scale(v_new);
-        encode_signed(m_new, m_scale, m_table, m_codes);
-        encode_unsigned(v_new, v_scale, v_table, v_codes);
+        encode_block(m_new, m_scale, m_table, 1, 0, m_codes);
+        encode_block(v_new, v_scale, v_table, 0, 0, v_codes);
         memcpy(m_scales + 4 * b, &m_scale, 4);
         memcpy(v_scales + 4 * b, &v_scale, 4);
     }
@@ -317,3 +402,16 @@ int lc_adam_steps(const Tensor *tensors, int count, const float *m_map, const fl
     free(ends);
     return 0;
 }
+
+/* The codes lc_adam_steps writes for `blocks` blocks of BLOCK values, each divided by its scale (`scales`), with
+ * `table` (signed or not), by the portable loops (`portable`) or by those the step uses; and whether this build has
+ * vector ones (lc_vector_encode). For checking the two against each other and against dynamic_codec.encode. */
+int lc_encode_blocks(const float *values, int64_t blocks, const float *scales, const float *table, int is_signed,
+                     int portable, uint8_t *out) {
+    for (int64_t b = 0; b < blocks; b++) {
+        encode_block(values + b * BLOCK, scales[b], table, is_signed, portable, out + b * BLOCK);
+    }
+    return 0;
+}
+
+int lc_vector_encode(void) { return LC_VECTOR_ENCODE; }

@@ -7,7 +7,9 @@ the same arithmetic (:func:`~lightning_comp.execution.fused_adam.step_8bit_momen
 block by block in ``native_adam.c``: a block's 256 new moments stay in the core's cache from the decode to their
 codes, and a call costs a few microseconds. Measured on 2 AMD EPYC cores (AVX2) at 1 Mi elements (2026-12-07,
 ``benchmarks/update_kernel.py``, side by side): 2.04 ns per parameter against 6.16 compiled and 1.55 for
-``torch.optim.AdamW``'s own FP32 step (``docs/benchmark.md``, "Memory at speed, eleventh pass").
+``torch.optim.AdamW``'s own FP32 step (``docs/benchmark.md``, "Memory at speed, eleventh pass"); with the codes
+encoded in AVX2 (the C file says where), 0.98x AdamW's step at 1 Mi and 0.61x at 4 Mi, against 1.43x and 1.01x
+before (a loaded machine; "fourteenth pass").
 
 Codes are decoded through the map's own 256 values (:func:`~lightning_comp.numerics.block_quant.value_map`, as the
 eager step does: exact) and encoded by :mod:`~lightning_comp.numerics.dynamic_codec`'s arithmetic, whose constants
@@ -40,6 +42,7 @@ from typing import NamedTuple
 
 import torch
 
+from lightning_comp.errors import ConfigError
 from lightning_comp.execution import fused_adam
 from lightning_comp.execution.native_build import NativeLibrary, load_library
 from lightning_comp.numerics import block_quant
@@ -105,6 +108,12 @@ class NativeAdam:
         self._steps.restype = ctypes.c_int
         self._steps.argtypes = [ctypes.POINTER(NativeTensor), ctypes.c_int, pointer, pointer, pointer, pointer,
                                 ctypes.c_uint32, ctypes.c_uint32, ctypes.c_int]
+        self._encode = self.build.library.lc_encode_blocks
+        self._encode.restype = ctypes.c_int
+        self._encode.argtypes = [pointer, ctypes.c_int64, pointer, pointer, ctypes.c_int, ctypes.c_int, pointer]
+        self.vector_encode: bool = bool(self.build.library.lc_vector_encode())
+        """Whether this build encodes 8-bit codes with vector instructions (AVX2 without AVX-512), else by the
+        portable loops."""
         cpu = torch.device("cpu")
         self._maps = {signed: block_quant.value_map(signed, cpu).contiguous() for signed in (True, False)}
         tables = {signed: encoding_table(signed) for signed in (True, False)}
@@ -141,6 +150,27 @@ class NativeAdam:
         self._steps(tensors, len(steps), self._maps[True].data_ptr(), self._maps[False].data_ptr(),
                     ctypes.addressof(self._tables[True]), ctypes.addressof(self._tables[False]),
                     fused_adam.EXP_AVG_STREAM, fused_adam.EXP_AVG_SQ_STREAM, self._threads(total))
+
+    def encode(self, blocks: torch.Tensor, scales: torch.Tensor, signed: bool, *, portable: bool = False
+               ) -> torch.Tensor:
+        """The codes the step writes for ``blocks`` (FP32, ``(n, 256)``) divided by their ``scales`` (FP32, ``(n,)``),
+        with the signed map's table or the unsigned one's: by the loops the step uses, or by the portable ones
+        (``portable``; the same where :attr:`vector_encode` is False). For checking the two against each other and
+        against :func:`~lightning_comp.numerics.dynamic_codec.encode`.
+
+        Raises:
+            ConfigError: if the shapes or dtypes are not those above.
+        """
+        if blocks.dtype != torch.float32 or blocks.dim() != 2 or blocks.shape[1] != block_quant.BLOCK_SIZE \
+                or scales.dtype != torch.float32 or scales.shape != (blocks.shape[0],):
+            raise ConfigError(f"encode takes FP32 blocks of shape (n, {block_quant.BLOCK_SIZE}) and FP32 scales of"
+                             f" shape (n,); got {blocks.dtype} {tuple(blocks.shape)} and {scales.dtype}"
+                             f" {tuple(scales.shape)}.")
+        blocks, scales = blocks.detach().cpu().contiguous(), scales.detach().cpu().contiguous()
+        codes = torch.empty(blocks.shape, dtype=torch.uint8)
+        self._encode(blocks.data_ptr(), blocks.shape[0], scales.data_ptr(), ctypes.addressof(self._tables[signed]),
+                     int(signed), int(portable), codes.data_ptr())
+        return codes
 
 
 @functools.cache

@@ -10,13 +10,13 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_comp.errors import NativeBuildError, UnsupportedSetupError
+from lightning_comp.errors import ConfigError, NativeBuildError, UnsupportedSetupError
 from lightning_comp.execution import fused_adam, native_build
 from lightning_comp.execution import update_path as update_path_module
 from lightning_comp.execution.native_adam import native_adam
 from lightning_comp.execution.native_build import load_library
 from lightning_comp.execution.update_path import _block_aliases
-from lightning_comp.numerics import block_quant
+from lightning_comp.numerics import block_quant, dynamic_codec
 from lightning_comp.numerics.precision import MasterPrecision, StatePrecision
 from lightning_comp.numerics.stochastic_rounding import rounding_key
 
@@ -91,6 +91,41 @@ def test_a_nan_gradient_reaches_the_weights_and_the_block_scales() -> None:
     for packed in (m, v):
         scales = packed[N:].view(torch.float32)
         assert bool(scales[1].isnan()) and not bool(scales[0].isnan()) and not bool(scales[2:].isnan().any())
+
+
+def _blocks_to_encode() -> torch.Tensor:
+    """Blocks of values over every decade of the map and both signs, with the values where an encode can go wrong:
+    each threshold between decades and the values one FP32 step either side of it, the zero and one thresholds,
+    zeros of both signs, the block's largest magnitude (1 once scaled), and a NaN block."""
+    torch.manual_seed(7)
+    random = (torch.rand(64, 256) * 2 - 1) * torch.pow(10.0, -8 * torch.rand(64, 256))
+    table = dynamic_codec.encoding_table(True) + dynamic_codec.encoding_table(False)
+    edges = torch.tensor([t for t in table if 0.0 < t < 1.0], dtype=torch.float32)
+    edges = torch.cat([edges, torch.nextafter(edges, torch.zeros(())), torch.nextafter(edges, torch.ones(())),
+                       torch.tensor([0.0, -0.0, 1.0, 1e-30])])
+    edge_blocks = torch.cat([edges, -edges]).repeat(2 * 256 // (2 * edges.numel()) + 1)[:512].view(2, 256).clone()
+    edge_blocks[:, 0] = 1.0  # the scale is 1: the edges are the scaled values themselves
+    nan_block = torch.full((1, 256), float("nan"))
+    return torch.cat([random, edge_blocks, nan_block])
+
+
+@pytest.mark.parametrize("signed", [True, False], ids=["signed", "unsigned"])
+def test_the_steps_encode_gives_the_portable_codes_and_the_codecs(signed: bool) -> None:
+    """Where the build has vector loops (AVX2 without AVX-512) they must give the portable loops' codes exactly, and
+    both :func:`dynamic_codec.encode`'s (but for the NaN block, whose scale is NaN: its codes decode to NaN)."""
+    blocks = _blocks_to_encode()
+    if not signed:
+        blocks = blocks.abs()
+    finite = blocks[:-1]
+    scales = blocks.abs().amax(dim=1).clamp(min=1e-12)  # NaN for the NaN block, as the step's block scale
+    kernel = native_adam()
+    ours, portable = kernel.encode(blocks, scales, signed), kernel.encode(blocks, scales, signed, portable=True)
+    assert torch.equal(ours, portable)
+    reference = dynamic_codec.encode(finite / scales[:-1, None], signed)
+    assert torch.equal(ours[:-1], reference)
+    assert len(set(reference.flatten().tolist())) > 200  # the blocks reach most of the map's codes
+    with pytest.raises(ConfigError, match=r"\(n, 256\)"):
+        kernel.encode(blocks.view(-1, 128), scales, signed)
 
 
 def _run(path: str, state: StatePrecision, master: MasterPrecision, steps: int = 3, size: int = N) -> Any:
