@@ -296,3 +296,47 @@ def test_an_fp8_plan_trains_on_cuda_with_scaled_matmuls_within_tolerance_of_bf16
     assert len(scaled.calls) >= 3 * linears and all(c.devices[0].startswith("cuda") for c in scaled.calls)
     assert all(p.dtype == torch.float32 for p in model.parameters())
     assert abs(got - reference) <= SearchConfig().tolerance * abs(reference), (got, reference)
+
+
+class _AdamWWideMLP(WideMLP):
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+def memory_search_with_budget(root: Path, trainer: pl.Trainer, budget_bytes: int) -> dict[str, Any]:
+    """A memory search of the optimizer-state levers alone (compute and saved tensors not searched) with a budget in
+    bytes, on ``trainer``'s device; returns its record."""
+    pl.seed_everything(0)
+    search = CoMPSearch(objective="memory", low_precision="off", precisions={"saved": "off", "master": "off"},
+                        memory_budget=budget_bytes, verbose=False, measurement={"profile_steps": 3}, max_trials=3,
+                        record_dir=str(root / "record"))
+    trainer.callbacks.append(search)
+    trainer.fit(_AdamWWideMLP(width=1024, offset=False), *loaders())
+    assert search.record is not None
+    return search.record
+
+
+def test_a_memory_budget_is_judged_by_the_allocators_reserved_peak_on_cuda(tmp_path: Path) -> None:
+    """Issue 34, point 5 on a GPU: the budget in bytes is judged by the CUDA caching allocator's reserved peak of a
+    step (beside its allocated peak), the 8-bit optimizer state is held and stepped on the GPU (compiled, no native
+    step), and the record's text names the reserved figure."""
+    from lightning_comp.search.record.text import format_record
+
+    trainer = _trainer(tmp_path, CoMPPrecision(), [], max_epochs=3)
+    record = memory_search_with_budget(tmp_path, trainer, budget_bytes=2**20)  # 1 MiB: out of reach
+    spending = record["memory_spending"]
+    peaks = spending["process_peaks"]
+    assert set(peaks) == {"start", "plan"}
+    for key in ("start", "plan"):
+        reserved, allocated = peaks[key]["reserved_mib"], peaks[key]["allocated_mib"]
+        assert reserved is not None and allocated is not None and reserved >= allocated > 0, peaks
+    assert peaks["plan"]["allocated_mib"] < peaks["start"]["allocated_mib"]  # the 8-bit state freed bytes
+    assert spending["process_met"] is False and not spending["met"]
+    plan_peak = peaks["plan"]
+    assert f"{plan_peak['reserved_mib']:.1f} / {plan_peak['allocated_mib']:.1f}" in format_record(record)
+    updates = trainer.precision_plugin._runtime.optimizer_states.updates  # noqa: SLF001
+    assert updates.compiled_steps > 0 and updates.native_steps == 0
+    optimizer = trainer.optimizers[0]
+    packed = [s["exp_avg"] for s in optimizer.state.values() if s["exp_avg"].dtype == torch.uint8]
+    assert packed and all(t.device.type == "cuda" for t in packed)
+    assert all(torch.isfinite(p).all() for p in trainer.lightning_module.parameters())
