@@ -15,10 +15,10 @@
  *
  * The loops are written to be vectorised by the compiler (-O3): selects instead of branches, no calls but sqrtf and
  * floorf (-fno-math-errno makes them instructions); where the compiler may use AVX2 but not AVX-512, the 8-bit codes
- * are encoded with intrinsics instead (encode_vector: the same codes, in about two thirds of the time). The tensors are cut into units of about UNIT elements, and the
- * units of all of them are shared among `threads` OpenMP threads in one parallel region, so that small tensors share
- * the threads too and a step pays for one region, not one per tensor; built without OpenMP the pragmas are ignored
- * and one thread does it all.
+ * are encoded with intrinsics instead (encode_vector: the same codes, in about two thirds of the time). The tensors
+ * are cut into units of about UNIT elements, and the units of all of them are shared among `threads` OpenMP threads
+ * in one parallel region, so that small tensors share the threads too and a step pays for one region, not one per
+ * tensor; built without OpenMP the pragmas are ignored and one thread does it all.
  */
 #include <math.h>
 #include <stdint.h>
