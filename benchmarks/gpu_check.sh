@@ -4,7 +4,8 @@
 #   bash benchmarks/gpu_check.sh [OUT]        (default: benchmarks/results/gpu_check)
 #
 # 1. tests/cuda/ (the package on the GPU through a real Trainer: planned dtypes on CUDA kernels, the search with
-#    CUDA timing, fp16 loss scaling, a checkpoint resumed on the GPU, the benchmark);
+#    CUDA timing, fp16 loss scaling, a checkpoint resumed on the GPU, the benchmark, a memory search with a budget in
+#    bytes judged by the caching allocator's reserved peak);
 # 2. the CUDA simulation's checks against the real device (python -m tests.cuda_sim.run --real): what CI checks on a
 #    simulated GPU every run, now with real kernels (cuDNN RNNs, fused attention, real host syncs);
 # 3. a short benchmarks/compare.py run on CUDA (FP32, AMP, bf16-true, CoMP side by side);

@@ -2,8 +2,8 @@
 
 Skipped without a GPU (every test here carries the ``cuda`` marker). What each test checks is what only a GPU can
 show: each operator computes in its planned dtype on CUDA kernels, the search runs end to end with CUDA timing,
-FP16 plans get a CUDA loss scaler that skips overflowing steps, a checkpoint resumes the plan on the GPU, and the
-benchmark runs there.
+FP16 plans get a CUDA loss scaler that skips overflowing steps, a checkpoint resumes the plan on the GPU, the
+benchmark runs there, and a memory budget in bytes is judged by the caching allocator's reserved peak.
 """
 
 from __future__ import annotations
@@ -304,10 +304,12 @@ class _AdamWWideMLP(WideMLP):
 
 
 def memory_search_with_budget(root: Path, trainer: pl.Trainer, budget_bytes: int) -> dict[str, Any]:
-    """A memory search of the optimizer-state levers alone (compute and saved tensors not searched) with a budget in
-    bytes, on ``trainer``'s device; returns its record."""
+    """A memory search of the 8-bit optimizer-state lever alone (compute, saved tensors and masters not searched; one
+    state format, so one compiled step on a GPU) with a budget in bytes, on ``trainer``'s device; returns its
+    record."""
     pl.seed_everything(0)
-    search = CoMPSearch(objective="memory", low_precision="off", precisions={"saved": "off", "master": "off"},
+    search = CoMPSearch(objective="memory", low_precision="off",
+                        precisions={"saved": "off", "master": "off", "state": "8bit"},
                         memory_budget=budget_bytes, verbose=False, measurement={"profile_steps": 3}, max_trials=3,
                         record_dir=str(root / "record"))
     trainer.callbacks.append(search)
