@@ -40,11 +40,13 @@ _COMPILE_TIMEOUT_S = 300
 
 @dataclass(frozen=True)
 class NativeLibrary:
-    """A loaded build: the library, the file it came from, and whether it runs its loops on several threads."""
+    """A loaded build: the library, the file it came from, whether it runs its loops on several threads, and
+    whether it was built for this CPU's own instruction set (``-march=native``)."""
 
     library: ctypes.CDLL
     path: Path
     threaded: bool
+    native_isa: bool = True
 
 
 def cache_dir() -> Path:
@@ -150,6 +152,6 @@ def load_library(source: Path) -> NativeLibrary:
         if library is None:
             failures.append(f"{' '.join(extra) or 'plain'}: {error}")
             continue
-        return NativeLibrary(library, target, threaded="-fopenmp" in extra)
+        return NativeLibrary(library, target, threaded="-fopenmp" in extra, native_isa="-march=native" in extra)
     raise NativeBuildError(f"{source.name} could not be built with {shlex.join(compiler)} ({failures[0]}; "
                            f"{len(failures)} attempts failed).")
