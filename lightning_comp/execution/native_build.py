@@ -46,7 +46,7 @@ class NativeLibrary:
     library: ctypes.CDLL
     path: Path
     threaded: bool
-    native_isa: bool = True
+    native_isa: bool
 
 
 def cache_dir() -> Path:

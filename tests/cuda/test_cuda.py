@@ -28,7 +28,7 @@ from lightning_comp.devices import device_class
 from lightning_comp.numerics import ComputePrecision
 from tests.helpers.paths import REPO
 from tests.helpers.recording import DtypeRecorder
-from tests.helpers.search_models import WideMLP, fixed_search, loaders
+from tests.helpers.search_models import AdamWMLP, WideMLP, fixed_search, loaders
 from tests.scripts.cpu_class_run import LOWERED, SequenceNet
 
 ROOT = REPO
@@ -298,12 +298,7 @@ def test_an_fp8_plan_trains_on_cuda_with_scaled_matmuls_within_tolerance_of_bf16
     assert abs(got - reference) <= SearchConfig().tolerance * abs(reference), (got, reference)
 
 
-class _AdamWWideMLP(WideMLP):
-    def configure_optimizers(self) -> Any:
-        return torch.optim.AdamW(self.parameters(), lr=1e-3)
-
-
-def memory_search_with_budget(root: Path, trainer: pl.Trainer, budget_bytes: int) -> dict[str, Any]:
+def _memory_search_with_budget(root: Path, trainer: pl.Trainer, budget_bytes: int) -> dict[str, Any]:
     """A memory search of the 8-bit optimizer-state lever alone (compute, saved tensors and masters not searched; one
     state format, so one compiled step on a GPU) with a budget in bytes, on ``trainer``'s device; returns its
     record."""
@@ -313,7 +308,7 @@ def memory_search_with_budget(root: Path, trainer: pl.Trainer, budget_bytes: int
                         memory_budget=budget_bytes, verbose=False, measurement={"profile_steps": 3}, max_trials=3,
                         record_dir=str(root / "record"))
     trainer.callbacks.append(search)
-    trainer.fit(_AdamWWideMLP(width=1024, offset=False), *loaders())
+    trainer.fit(AdamWMLP(width=1024), *loaders())
     assert search.record is not None
     return search.record
 
@@ -325,7 +320,7 @@ def test_a_memory_budget_is_judged_by_the_allocators_reserved_peak_on_cuda(tmp_p
     from lightning_comp.search.record.text import format_record
 
     trainer = _trainer(tmp_path, CoMPPrecision(), [], max_epochs=3)
-    record = memory_search_with_budget(tmp_path, trainer, budget_bytes=2**20)  # 1 MiB: out of reach
+    record = _memory_search_with_budget(tmp_path, trainer, budget_bytes=2**20)  # 1 MiB: out of reach
     spending = record["memory_spending"]
     peaks = spending["process_peaks"]
     assert set(peaks) == {"start", "plan"}

@@ -125,6 +125,17 @@ class WideMLP(Classifier):
         return self.head(h)
 
 
+class AdamWMLP(WideMLP):
+    """:class:`WideMLP` without the bf16-unsafe offset, trained with AdamW: the optimizer whose state the memory
+    levers manage."""
+
+    def __init__(self, width: int = 256) -> None:
+        super().__init__(width=width, offset=False)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
 class TinyOps(Classifier):
     """Many tiny operators: low precision cannot pay for its casts and hooks."""
 

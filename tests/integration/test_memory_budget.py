@@ -18,28 +18,19 @@ from typing import Any
 
 import lightning.pytorch as pl
 import pytest
-import torch
 
 from lightning_comp import CoMPPrecision, CoMPSearch
 from lightning_comp.errors import SearchConfigError
 from lightning_comp.search.measurement.clocks import single_intra_op_thread
 from lightning_comp.search.record.figures import FRONTIER_FIGURE
 from lightning_comp.search.record.text import format_record
-from tests.helpers.search_models import WideMLP, loaders, search_trainer
+from tests.helpers.search_models import AdamWMLP, loaders, search_trainer
 
 
 @pytest.fixture(autouse=True)
 def _one_thread() -> Iterator[None]:
     with single_intra_op_thread():
         yield
-
-
-class AdamWMLP(WideMLP):
-    def __init__(self) -> None:
-        super().__init__(offset=False)
-
-    def configure_optimizers(self) -> Any:
-        return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
 
 def _fit(tmp_path: Path, low_precision: str = "off", **settings: Any) -> dict[str, Any]:
