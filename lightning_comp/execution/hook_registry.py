@@ -7,6 +7,7 @@ calibrating step finds):
 
 - an operator that computes in a lower precision, or saves other than as computed (its region, casts, saved-tensor
   hooks; an operator saving ``recompute`` records its recipes in its hooks);
+- an FP32 operator whose parameters a ``master`` entry holds in bf16 (it computes with FP32 copies of them);
 - a shape-only operator (a lowered producer's output stays low through it);
 - any operator inside a lowered ``FUNCTIONAL`` operator's region (it shields its own call from that region);
 - an FP32 operator that a calibrating step saw receive a 16-bit input (it casts it back to FP32): the user's own
@@ -62,7 +63,7 @@ class HookNeeds:
 
 
 def _always_hooked(operators: Mapping[str, HookedOperator]) -> frozenset[str]:
-    if not any(op.low or op.saved.changes for op in operators.values()):
+    if not any(op.low or op.saved.changes or op.fp32_copies for op in operators.values()):
         return frozenset()
     regions = [op.name for op in operators.values() if op.kind is OperatorKind.FUNCTIONAL and op.low]
 
@@ -70,7 +71,7 @@ def _always_hooked(operators: Mapping[str, HookedOperator]) -> frozenset[str]:
         return any(region != name and (region == "" or name.startswith(region + ".")) for region in regions)
 
     return frozenset(name for name, op in operators.items()
-                     if op.low or op.saved.changes or op.transparent or inside_region(name))
+                     if op.low or op.saved.changes or op.fp32_copies or op.transparent or inside_region(name))
 
 
 class HookRegistry:

@@ -4,7 +4,8 @@ The pre-hook puts the operator's precision into effect the way its :class:`~ligh
 says: it enters an autocast region (with the executor's own 16-bit weight copies for ``Linear``/``Conv``, so that
 backward can re-cast them), casts the floating inputs, swaps the parameters for 16-bit copies for the call, sends an
 fp8 ``Linear``'s matmul to float8 (:mod:`lightning_comp.execution.float8_calls`), or, for an FP32 operator, casts
-16-bit inputs back to FP32. It also enters the operator's saved-tensor hooks when its plan
+16-bit inputs back to FP32 (and, where a ``master`` entry holds its parameters in bf16, swaps them for FP32 copies for
+the call, re-cast in backward as the 16-bit ones are). It also enters the operator's saved-tensor hooks when its plan
 entry saves in a lower precision. An operator whose plan entry saves ``recompute`` has both hooks wrapped by the
 recomputer (:mod:`lightning_comp.execution.recompute`), which records each training-step call as a recipe; no other
 operator's hooks do anything more for it. The post-hook leaves what the pre-hook entered and decides the output's
@@ -71,6 +72,8 @@ class HookedOperator:
         contexts: the contexts its pre-hook entered, left by its post-hook (a stack: a module may call itself).
         shields: the autocast-off regions its pre-hook entered inside an enclosing ``FUNCTIONAL`` region.
         provisional: a container hooked for a tracing step only (it may turn out to compute nothing itself).
+        fp32_copies: it computes in FP32 while a ``master`` entry holds its parameters in bf16: its forward runs with
+            FP32 copies of them (saved for backward as recipes, like a lowered operator's 16-bit copies).
     """
 
     name: str
@@ -82,6 +85,7 @@ class HookedOperator:
     contexts: list[AbstractContextManager[Any]] = field(default_factory=list)
     shields: list[Any] = field(default_factory=list)
     provisional: bool = False
+    fp32_copies: bool = False
 
     @property
     def low(self) -> bool:
@@ -154,6 +158,14 @@ def _pre_hook(op: HookedOperator, state: StepState, casts: WeightCastRecorder, c
         # The parameters of the module being called, as they are now (see the module docstring).
         return {n: casts.cast(prefix + n, p, dtype) for n, p in module.named_parameters(recurse=recurse)}
 
+    # An FP32 operator whose parameters a bf16 master holds: FP32 copies of its own (a container's own parameters
+    # only: its children are operators with plan entries of their own).
+    fp32_copies, recurse_own = op.fp32_copies and lowering is Lowering.NONE, op.kind is not OperatorKind.FUNCTIONAL
+
+    def fp32_copies_of(module: nn.Module) -> dict[str, torch.Tensor]:
+        return {n: casts.cast(prefix + n, p, torch.float32) for n, p in module.named_parameters(recurse=recurse_own)
+                if p.dtype in LOW_DTYPES}
+
     def pre_hook(module: nn.Module, args: Any, kwargs: Any) -> Any:
         tracer = state.tracer
         if tracer is not None:
@@ -183,9 +195,15 @@ def _pre_hook(op: HookedOperator, state: StepState, casts: WeightCastRecorder, c
             if copies:
                 contexts.append(reparametrized(module, copies))
             result = args, kwargs
-        elif lowering is Lowering.NONE and (has_dtype(args, LOW_DTYPES) or (kwargs and has_dtype(kwargs, LOW_DTYPES))):
-            # (args and kwargs walked apart: each is a flat structure the walker takes on its fast path)
-            result = cast_floating(args, torch.float32, LOW_DTYPES), cast_floating(kwargs, torch.float32, LOW_DTYPES)
+        elif lowering is Lowering.NONE:
+            if has_dtype(args, LOW_DTYPES) or (kwargs and has_dtype(kwargs, LOW_DTYPES)):
+                # (args and kwargs walked apart: each is a flat structure the walker takes on its fast path)
+                result = (cast_floating(args, torch.float32, LOW_DTYPES),
+                          cast_floating(kwargs, torch.float32, LOW_DTYPES))
+            if fp32_copies:
+                copies = fp32_copies_of(module)
+                if copies:
+                    contexts.append(reparametrized(module, copies))
         if copies:  # its weight copies are saved as recipes (outside the compressor: it hands them on)
             saving = casts.saving()
             if saving is not None:
@@ -225,8 +243,8 @@ def _enter(op: HookedOperator, contexts: list[AbstractContextManager[Any]]) -> N
 
 def _post_hook(op: HookedOperator, state: StepState) -> PostHook:
     dtype = op.precision.dtype
-    # an RNN's flat-weight list still points at the low copies once its parameters are swapped back
-    rnn = op.lowering is Lowering.PARAMS and is_recurrent(op.module)
+    # an RNN's flat-weight list still points at the copies once its parameters are swapped back
+    rnn = (op.lowering is Lowering.PARAMS or op.fp32_copies) and is_recurrent(op.module)
     functional_region = op.lowering is Lowering.AUTOCAST
     region = op.kind is OperatorKind.FUNCTIONAL and functional_region
     shields = not op.transparent and not functional_region

@@ -144,8 +144,7 @@ class OptimizerStates:
             parameter name -> treatment, for the managed parameters.
 
         Raises:
-            PlanError: if a parameter to hold in BF16 is neither FP32 nor BF16, or its operator does not compute in
-                BF16.
+            PlanError: if a parameter to hold in BF16 is neither FP32 nor BF16.
             UnsupportedSetupError: if master weights would change dtype under a sharded or multi-process run, or the
                 plan also computes in fp16 (loss-scaled steps are not combined with these yet).
         """
@@ -162,12 +161,6 @@ class OptimizerStates:
             else:
                 treatment = ParameterTreatment(plan.of(Dimension.STATE, owned.owner, owned.owner_type),
                                                plan.of(Dimension.MASTER, owned.owner, owned.owner_type))
-                compute = plan.of(Dimension.COMPUTE, owned.owner, owned.owner_type)
-                if treatment.master.managed and compute.dtype != treatment.master.dtype:
-                    raise PlanError(
-                        f"Plan entry for {owned.owner!r}: master='bf16' holds its parameters in bfloat16, so it must"
-                        f" compute in bf16, not {compute.value} (an fp32 operator would need the FP32 copy a bf16"
-                        " master removes). Set its compute to 'bf16', or its master to 'fp32'.")
             self._hold(owned.name, p, treatment.master)
             if treatment.managed and p.requires_grad:
                 treatments[id(p)] = treatment

@@ -25,7 +25,8 @@ __all__ = ["hooked_operators", "provisional_operators"]
 
 def hooked_operators(model: nn.Module, plan: PrecisionPlan, device: torch.device,
                       compiled: bool) -> dict[str, HookedOperator]:
-    """Each operator of ``model`` with its planned precisions and the way they are put into effect on ``device``.
+    """Each operator of ``model`` with its planned precisions and the way they are put into effect on ``device`` (an
+    FP32 operator whose ``master`` entry is bf16 computes with FP32 copies of its parameters).
 
     Raises:
         PlanError: naming every operator with no kernel for its planned precision there (and what each way of
@@ -41,8 +42,10 @@ def hooked_operators(model: nn.Module, plan: PrecisionPlan, device: torch.device
             why = why_not_lowerable(module, precision, device)
             unsupported.append(f"{name or '<root>'} ({type(module).__name__}, {precision.value}: {why})")
             continue
+        master = plan.of(Dimension.MASTER, name, type(module))
         operators[name] = HookedOperator(name, module, classify(module), precision, lowering,
-                                         saved=plan.of(Dimension.SAVED, name, type(module)))
+                                         saved=plan.of(Dimension.SAVED, name, type(module)),
+                                         fp32_copies=master.managed and lowering is Lowering.NONE)
     if unsupported:
         raise PlanError(
             f"{len(unsupported)} operator(s) have no kernel for their planned precision on {device}"

@@ -12,7 +12,8 @@ import torch
 from torch import nn
 
 from lightning_comp import CoMPPrecision
-from lightning_comp.errors import PlanError, UnsupportedSetupError
+from lightning_comp.errors import UnsupportedSetupError
+from lightning_comp.numerics import ComputePrecision
 from tests.helpers.models import WEIGHTS_ONLY
 from tests.helpers.search_models import Classifier
 from tests.scripts.fault_run import fixed_loaders
@@ -40,7 +41,8 @@ EVERY_DIMENSION = {
     "l1": {"compute": "bf16", "state": "8bit", "master": "bf16"},
     "act": {"compute": "bf16", "saved": "recompute"},
     "l2": {"compute": "bf16", "state": "bf16", "master": "bf16", "saved": "fp8"},
-    "head": {"state": "8bit"},
+    "norm": {"master": "bf16"},  # computes in fp32, with fp32 copies of its bf16 parameters
+    "head": {"state": "8bit", "master": "bf16"},  # the same, with 8-bit moments (too small: kept fp32)
 }
 
 
@@ -75,7 +77,8 @@ def test_every_dimension_trains_through_the_trainer(tmp_path: Path, update_path:
     trainer, model = _fit(tmp_path / "comp", EVERY_DIMENSION, max_epochs=2, callbacks=[dtypes],
                           update_path=update_path)
     assert dtypes.seen["l1.weight"] == torch.bfloat16 and dtypes.seen["l2.bias"] == torch.bfloat16
-    assert dtypes.seen["head.weight"] == torch.float32 and dtypes.seen["norm.weight"] == torch.float32
+    assert dtypes.seen["head.weight"] == torch.bfloat16 and dtypes.seen["norm.weight"] == torch.bfloat16
+    assert trainer.precision_plugin.plan.of("compute", "head") is ComputePrecision.FP32
     # the model handed back computes in fp32 again, with the bf16 values it trained to
     assert model.l1.weight.dtype == torch.float32
     assert torch.equal(model.l1.weight, model.l1.weight.bfloat16().float())
@@ -83,7 +86,7 @@ def test_every_dimension_trains_through_the_trainer(tmp_path: Path, update_path:
     assert state[model.l1.weight]["exp_avg"].dtype == torch.uint8
     assert state[model.l2.weight]["exp_avg"].dtype == torch.bfloat16
     assert state[model.head.weight]["exp_avg"].dtype == torch.float32  # 2560 elements: too small to quantise
-    assert state[model.norm.weight]["exp_avg"].dtype == torch.float32  # not named
+    assert state[model.norm.weight]["exp_avg"].dtype == torch.float32  # state not named
     reference, _ = _fit(tmp_path / "fp32", None, max_epochs=2)
     ours, fp32 = float(trainer.callback_metrics["val_loss"]), float(reference.callback_metrics["val_loss"])
     assert ours < 0.9 * 2.3026  # it learned (chance is ln 10)
@@ -104,7 +107,7 @@ def test_resume_with_every_dimension_is_bit_exact(tmp_path: Path, update_path: s
     ckpt = tmp_path / "first.ckpt"
     first.save_checkpoint(ckpt)
     stored = torch.load(ckpt, weights_only=True)
-    assert stored["lightning_comp"]["plan"]["master"] == {"l1": "bf16", "l2": "bf16"}
+    assert stored["lightning_comp"]["plan"]["master"] == {"l1": "bf16", "l2": "bf16", "norm": "bf16", "head": "bf16"}
     assert stored["lightning_comp"]["rounding"]  # the generator that rounds bf16 masters
     resumed_trainer, resumed = _fit(tmp_path / "resumed", None, ckpt_path=ckpt, max_epochs=4, update_path=update_path)
     assert resumed_trainer.precision_plugin.plan["state"] == straight_trainer.precision_plugin.plan["state"]
@@ -114,11 +117,6 @@ def test_resume_with_every_dimension_is_bit_exact(tmp_path: Path, update_path: s
     for a, b in zip(straight.parameters(), resumed.parameters()):
         for key, value in theirs[a].items():
             assert torch.equal(value, ours[b][key]), key
-
-
-def test_a_bf16_master_needs_its_operator_in_bf16(tmp_path: Path) -> None:
-    with pytest.raises(PlanError, match="'head'.*compute"):
-        _fit(tmp_path, {"head": {"master": "bf16"}}, max_steps=1)
 
 
 def test_other_optimizers_are_refused_by_name(tmp_path: Path) -> None:

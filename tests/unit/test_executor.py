@@ -631,6 +631,57 @@ def test_saved_tensor_hooks_around_the_step_still_see_every_other_tensor() -> No
     assert (BF16, (32, 4)) in seen
 
 
+def _fp32_step_with_bf16_masters(recast: bool) -> tuple[list[tuple[torch.dtype, tuple[int, ...]]], list[Any]]:
+    """Two training steps (the calibrating one and a calibrated one) of FP32 operators whose parameters a bf16 master
+    holds, under an outer saved-tensor probe; the probe's last record and each step's output and gradients."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.LayerNorm(32), nn.Linear(32, 4))
+    masters = {"0": {"master": "bf16"}, "2": {"master": "bf16"}, "3": {"master": "bf16"}}
+    for index in (0, 2, 3):  # what CoMPPrecision's optimizer states do for a master entry
+        for p in model[index].parameters():
+            p.data = p.data.bfloat16()
+    executor = PlanExecutor(recast_weights_in_backward=recast)
+    executor.apply(model, PrecisionPlan.from_dict(masters), "cpu")
+    x = torch.randn(8, 16)
+    seen: list[tuple[torch.dtype, tuple[int, ...]]] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        seen.append((t.dtype, tuple(t.shape)))
+        return t
+
+    steps = []
+    for _ in range(2):
+        seen.clear()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), executor.step(StepKind.TRAIN):
+            out = model(x)
+        out.square().mean().backward()
+        steps.append((out.detach(), [p.grad.clone() for p in model.parameters()]))
+        model.zero_grad(set_to_none=True)
+    assert executor.hooked_operators() == {"0", "2", "3"}  # calibration keeps them hooked: they change the parameters
+    return seen, [x, model, steps]
+
+
+@pytest.mark.parametrize("recast", [True, False])
+def test_fp32_operators_with_bf16_masters_compute_with_fp32_copies_and_give_bf16_gradients(recast: bool) -> None:
+    """A bf16 master of an operator computing in FP32: its forward is exactly FP32's with the bf16 values, its
+    gradients are FP32's rounded to bf16, and (with recipes) no FP32 copy of a weight is held for backward."""
+    seen, (x, model, steps) = _fp32_step_with_bf16_masters(recast)
+    reference = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.LayerNorm(32), nn.Linear(32, 4))
+    reference.load_state_dict({k: v.float() for k, v in model.state_dict().items()})
+    expected = reference(x)
+    expected.square().mean().backward()
+    for out, grads in steps:
+        assert out.dtype == FP32 and torch.equal(out, expected)
+        for (name, ref), grad in zip(reference.named_parameters(), grads):
+            assert grad.dtype == (FP32 if name.startswith("1.") else BF16), name
+            assert torch.equal(grad, ref.grad.to(grad.dtype)), name
+    weight_copies = {(FP32, (32, 4)), (FP32, (4, 32)), (FP32, (32, 16)), (FP32, (16, 32))}
+    if recast:
+        assert not weight_copies & set(seen), seen  # the Linears' FP32 copies were saved as recipes
+    else:
+        assert weight_copies & set(seen)  # control: kept for backward without the recipes
+
+
 def test_a_16bit_plan_that_lowers_no_operator_warns_once_at_apply() -> None:
     model = nn.Sequential(nn.Linear(4, 4), nn.Flatten())
     with pytest.warns(UserWarning, match=r"assigns bf16 but no operator of Sequential computes in it"):
