@@ -18,6 +18,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import pytest
+import torch
 
 from lightning_comp import CoMPPrecision, CoMPSearch
 from lightning_comp.errors import SearchConfigError
@@ -134,6 +135,34 @@ def test_without_a_budget_every_lever_within_the_bound_is_taken(tmp_path: Path) 
     text = format_record(record)
     assert "Memory levers, cheapest bytes first" in text and f"Stopped: {spending['stopped']}." in text
     assert all(label in text for label in spending["taken"])
+
+
+def test_with_compute_left_fp32_bf16_masters_are_levers_priced_with_their_fp32_copies(tmp_path: Path) -> None:
+    """Where no compute is lowered (a CPU where bf16 does not pay, or operators kept FP32), a bf16 master is still a
+    lever: the operator computes in FP32 with FP32 copies of its bf16 parameters, the casts timed with its update.
+    Taken at any cost here, it trains into the chosen plan with compute left FP32."""
+    pl.seed_everything(0)
+    search = CoMPSearch(objective="memory", low_precision="off", precisions={"saved": "off"}, tolerance=1.0,
+                        max_slowdown_vs_fastest=1e6, verbose=False, measurement={"profile_steps": 3}, max_trials=3)
+    trainer = search_trainer(tmp_path, [search], max_epochs=3, plugin=CoMPPrecision())
+    model = AdamWMLP()
+    trainer.fit(model, *loaders())
+    record = search.record
+    assert record is not None
+    searched = {n for n, op in record["operators"].items() if "parameters" in op}
+    assert searched
+    for name in searched:
+        parameters = record["operators"][name]["parameters"]
+        assert "master+fp32 copies" in parameters["time_ratio"] and "master" not in parameters["time_ratio"]
+        assert parameters["bytes"]["master+fp32 copies"] > 0
+    taken = record["memory_spending"]["taken"]
+    assert {label.removeprefix("state:") for label in taken} == searched
+    assert all(entry["value"] == "8bit+master bf16" for entry in taken.values())  # the most bytes, at any cost
+    plan = trainer.precision_plugin.plan
+    assert set(record["chosen_plan"]["master"]) == searched and plan.is_all_fp32
+    for name in searched:  # trained in bf16 (handed back in fp32, with the bf16 values it trained to)
+        weight = model.get_submodule(name).weight
+        assert torch.equal(weight, weight.bfloat16().float()), name
 
 
 def test_a_budget_needs_the_memory_objective_and_a_positive_size() -> None:

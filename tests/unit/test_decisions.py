@@ -11,13 +11,19 @@ from torch import nn
 
 from lightning_comp import CoMPPrecision, PrecisionPlan
 from lightning_comp.errors import SearchConfigError, UsageError
-from lightning_comp.numerics.precision import ComputePrecision, SavedPrecision
+from lightning_comp.numerics.precision import ComputePrecision, MasterPrecision, SavedPrecision
 from lightning_comp.operators.discovery import iter_operators
 from lightning_comp.operators.kinds import OperatorKind, classify
 from lightning_comp.plan.dimensions import Dimension
 from lightning_comp.search.candidates import Candidate
 from lightning_comp.search.config import Objective, SearchConfig
-from lightning_comp.search.decisions.batch_result import BatchStageResult, Fp8StageResult, SavedStageResult, StepMemory
+from lightning_comp.search.decisions.batch_result import (
+    BatchStageResult,
+    Fp8StageResult,
+    ParameterStageResult,
+    SavedStageResult,
+    StepMemory,
+)
 from lightning_comp.search.decisions.fp8 import judge_fp8
 from lightning_comp.search.decisions.group_search import GroupSearch
 from lightning_comp.search.decisions.objectives import balanced_score, policy_for
@@ -345,6 +351,23 @@ def test_a_trial_plan_lowers_its_compute_candidates_with_their_fills_and_its_sav
         plan_for(ComputePrecision.BF16, [], (Candidate.saved("a1"),), {})
 
 
+def test_a_master_candidate_computes_low_unless_it_was_measured_on_an_fp32_operator() -> None:
+    """A master measured with its operator's bf16 compute trials with it; one measured on an operator computing in
+    FP32 (with FP32 copies of its bf16 parameters) trials as it was measured: fp32 compute, bf16 master."""
+    from lightning_comp.numerics.precision import StatePrecision
+
+    masters = {"l1": MasterPrecision.BF16, "head": MasterPrecision.BF16}
+    choices = {Dimension.COMPUTE: {"head": ComputePrecision.FP32}, Dimension.MASTER: masters,
+               Dimension.STATE: {"head": StatePrecision.INT8}}
+    plan = plan_for(ComputePrecision.BF16, [], (Candidate.master("l1"), Candidate.master("head"),
+                                                 Candidate.state("head")), choices)
+    assert {s: p.value for s, p in plan["compute"].entries} == {"l1": "bf16"}
+    assert plan.of("master", "l1") is plan.of("master", "head") is MasterPrecision.BF16
+    assert plan.of("compute", "head") is ComputePrecision.FP32 and plan.of("state", "head") is StatePrecision.INT8
+    coupled = plan_for(ComputePrecision.BF16, [], (Candidate.master("head"),), {Dimension.MASTER: masters})
+    assert coupled.of("compute", "head") is ComputePrecision.BF16  # without the fp32 choice: as before
+
+
 def test_candidates_are_typed_and_travel_as_plain_pairs() -> None:
     saved = Candidate.saved("body.0")
     assert saved.is_saved and saved.dimension is Dimension.SAVED and str(saved) == "body.0 (saved)"
@@ -471,16 +494,18 @@ def test_the_batch_stage_result_travels_through_a_checkpoint_typed() -> None:
     result = BatchStageResult(
         decisions={"l1": decision}, candidates=(Candidate("l1"), Candidate.in_fp8("l1"), Candidate.saved("l1")),
         benefits={Candidate("l1"): 1.5, Candidate.in_fp8("l1"): 0.4, Candidate.saved("l1"): 768.0}, fp8=fp8,
-        runs=[CheapRun("l1", "l2", ("a",))],
+        runs=[CheapRun("l1", "l2", ("a",))], parameters=ParameterStageResult(
+            master_choices={"l2": MasterPrecision.BF16}, fp32_compute_masters=["l2"]),
         saved=saved, order=["l1"], memory={ProfiledPlan.FP32: StepMemory(64, None)}, timing={"clock": "wall"},
         steps={ComparedPlan.FP32: PlanStep(2.0, 2.1, None, 64.0, StepPeak(2**20, 2**21, None, None, "live; os")),
                ComparedPlan.CANDIDATES: PlanStep(1.0, 1.1, _estimate(0.5), 32.0)})
     state = SearchState(phase=Phase.SEARCHING, low_precision=ComputePrecision.BF16, batch=result, num_operators=1)
     plain = state.to_dict()
     back = SearchState.from_dict(plain)
-    assert back.batch == result and back.choices == {Dimension.COMPUTE: {"l1": ComputePrecision.FP8},
-                                                     Dimension.SAVED: {"l1": SavedPrecision.FP8},
-                                                     Dimension.STATE: {}, Dimension.MASTER: {}}
+    assert back.batch == result and back.choices == {
+        Dimension.COMPUTE: {"l1": ComputePrecision.FP8, "l2": ComputePrecision.FP32},  # l2's master computes fp32
+        Dimension.SAVED: {"l1": SavedPrecision.FP8}, Dimension.STATE: {},
+        Dimension.MASTER: {"l2": MasterPrecision.BF16}}
     assert plain["batch"]["saved"]["choices"] == {"l1": "fp8"}  # plain types only (weights_only checkpoints)
     assert plain["batch"]["fp8"]["choices"] == {"l1": "fp8"}
     assert {"operator": "l1", "dimension": "compute", "fp8": True} in plain["batch"]["candidates"]

@@ -89,3 +89,37 @@ def test_each_timed_update_follows_an_untimed_one_of_the_same_configuration(monk
         assert len(timed) == 1 and timed[0][0] == "run", events[start - 1:end + 1]
         assert events[start - 1] == timed[0], events[start - 1:end + 1]  # the same configuration of the same group
         assert start < 2 or events[start - 2] != timed[0]  # once untimed, not more
+
+
+def test_a_master_of_an_fp32_operator_is_timed_with_its_fp32_copies_casts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each group is timed in the variants asked for it; the master variant of an operator computing in FP32 also
+    makes, per timed update, the casts its FP32 copies cost training: two of each bf16 parameter to FP32 (forward, and
+    backward's recast), one of each FP32 gradient to bf16."""
+    optimizer, groups = _optimizer()
+    configs = {**CONFIGS, UpdateVariant.MASTER_FP32_COPIES: UpdateConfig(StatePrecision.INT8, master=True,
+                                                                         fp32_copies=True)}
+    variants = {"a": {UpdateVariant.FP32, UpdateVariant.MASTER_FP32_COPIES}}
+    casts: list[tuple[torch.dtype, torch.dtype]] = []
+    real_to = torch.Tensor.to
+
+    def counting_to(self: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        out = real_to(self, *args, **kwargs)  # type: ignore[arg-type]
+        if out.dtype != self.dtype:
+            casts.append((self.dtype, out.dtype))
+        return out
+
+    times = time_updates(optimizer, groups, configs, WallClock(), rounds=1, warmup=0, variants=variants)
+    assert set(times["a"]) == {UpdateVariant.FP32, UpdateVariant.MASTER_FP32_COPIES}
+    assert set(times["b"]) == set(configs)  # not named: every variant
+    monkeypatch.setattr(torch.Tensor, "to", counting_to)
+    hyper = {id(p): {k: v for k, v in optimizer.param_groups[0].items() if k != "params"} for p in groups["a"]}
+    runs = {label: optimizer_timing._update(optimizer, "a", groups["a"], hyper, configs[label], None, 0)
+            for label in (UpdateVariant.MASTER, UpdateVariant.MASTER_FP32_COPIES)}
+    counts = {}
+    for label, run in runs.items():
+        casts.clear()
+        run()
+        counts[label] = (casts.count((torch.bfloat16, torch.float32)), casts.count((torch.float32, torch.bfloat16)))
+    extra = (counts[UpdateVariant.MASTER_FP32_COPIES][0] - counts[UpdateVariant.MASTER][0],
+             counts[UpdateVariant.MASTER_FP32_COPIES][1] - counts[UpdateVariant.MASTER][1])
+    assert extra == (2 * len(groups["a"]), len(groups["a"]))

@@ -64,6 +64,9 @@ class ParameterStageResult:
     Attributes:
         state_choices: operator -> the optimizer-state precision of its state candidate.
         master_choices: operator -> the master-weight precision of its master candidate.
+        fp32_compute_masters: the operators of ``master_choices`` that compute in FP32 in the candidate plan: their
+            master candidate holds their parameters in bf16 and leaves them computing in FP32 (with FP32 copies),
+            where every other master candidate computes in the low precision with them.
         benefits: per candidate, what it gains in the objective's unit.
         gains: operator -> the bytes its choices save.
         skipped: why the stage did not run (``None``: it ran).
@@ -71,6 +74,7 @@ class ParameterStageResult:
 
     state_choices: dict[str, StatePrecision] = field(default_factory=dict)
     master_choices: dict[str, MasterPrecision] = field(default_factory=dict)
+    fp32_compute_masters: list[str] = field(default_factory=list)
     benefits: dict[Candidate, float] = field(default_factory=dict)
     gains: dict[str, int] = field(default_factory=dict)
     skipped: str | None = None
@@ -79,6 +83,8 @@ class ParameterStageResult:
         """Take ``operator``'s state and master candidates out (not taken after all)."""
         self.state_choices.pop(operator, None)
         self.master_choices.pop(operator, None)
+        if operator in self.fp32_compute_masters:
+            self.fp32_compute_masters.remove(operator)
         self.benefits.pop(Candidate.state(operator), None)
         self.benefits.pop(Candidate.master(operator), None)
         self.gains.pop(operator, None)
@@ -159,11 +165,13 @@ class BatchStageResult:
     @property
     def choices(self) -> Choices:
         """Per parameter-side dimension, operator -> the value of its candidate of that dimension; and for compute,
-        operator -> the fp8 precision of its fp8 candidate (a group's glob: each member's too, for its split)."""
-        fp8 = dict(self.fp8.choices)
+        operator -> the fp8 precision of its fp8 candidate (a group's glob: each member's too, for its split), and
+        fp32 for an operator whose master candidate leaves it computing in FP32."""
+        fp8: dict[str, ComputePrecision] = dict(self.fp8.choices)
         for group in self.groups:
             if group.pattern in fp8:
                 fp8.update(dict.fromkeys(group.members, fp8[group.pattern]))
+        fp8.update(dict.fromkeys(self.parameters.fp32_compute_masters, ComputePrecision.FP32))
         return {Dimension.COMPUTE: fp8, Dimension.SAVED: dict(self.saved.choices),  # type: ignore[dict-item]
                 Dimension.STATE: dict(self.parameters.state_choices),
                 Dimension.MASTER: dict(self.parameters.master_choices)}

@@ -89,7 +89,9 @@ def plan_for(low: ComputePrecision, runs: Iterable[CheapRun], group: Sequence[Ca
     next to one is lowered as next to a compute candidate); and the operators of its candidates of the other
     dimensions at ``choices[dimension][operator]`` (its saved candidates saving at that saved precision, its state
     candidates keeping their optimizer state at that precision, its master candidates holding their parameters at
-    that precision and computing in ``low`` with them: a bf16 master needs a bf16 operator).
+    that precision and computing in ``low`` with them, as the master was measured, except where
+    ``choices[COMPUTE][operator]`` is fp32: that master was measured on an operator computing in FP32, with FP32
+    copies of its bf16 parameters, and it stays FP32).
 
     Raises:
         SearchConfigError: if a candidate has no value of its dimension in ``choices`` (an inconsistent checkpoint).
@@ -101,7 +103,9 @@ def plan_for(low: ComputePrecision, runs: Iterable[CheapRun], group: Sequence[Ca
     for candidate in group:
         if not candidate.fp8:
             by_dimension[candidate.dimension].append(candidate.operator)
-    compute = set(by_dimension[Dimension.COMPUTE]) | set(by_dimension[Dimension.MASTER]) | set(fp8)
+    computes = (choices or {}).get(Dimension.COMPUTE) or {}
+    masters_low = {name for name in by_dimension[Dimension.MASTER] if computes.get(name) is not ComputePrecision.FP32}
+    compute = set(by_dimension[Dimension.COMPUTE]) | masters_low | set(fp8)
     entries = {name: low.value for name in compute}
     for run in runs:
         if run.before in compute and run.after in compute:

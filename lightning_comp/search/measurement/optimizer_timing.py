@@ -10,7 +10,10 @@ update of those parameters is timed in interleaved rounds, like every other comp
 - ``INT8``, ``BF16`` (``"8bit"``, ``"bf16"``, :meth:`UpdateVariant.of` a state format):
   :func:`~lightning_comp.execution.adam_step.adam_step` with the moments in that format;
 - ``MASTER`` (``"master"``): the same with BF16 parameter copies and stochastic rounding (and the moments of the
-  configuration's ``state``).
+  configuration's ``state``);
+- ``MASTER_FP32_COPIES`` (``"master+fp32 copies"``): ``MASTER`` for an operator that computes in FP32, which then
+  computes with FP32 copies of its bf16 parameters: each timed update also makes the casts those copies cost a
+  training step (the parameters to FP32 for the forward and again for backward, the FP32 gradient to bf16).
 
 Each timed update follows an untimed one of the same configuration. Timed right after another configuration's,
 every update read slow, the optimizer's own FP32 one most: on the default example (19 groups, 2 AVX2 EPYC cores,
@@ -36,7 +39,7 @@ from __future__ import annotations
 
 import copy
 import inspect
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,6 +67,7 @@ class UpdateVariant(SpelledEnum):
     BF16 = "bf16"  # the moments in bfloat16
     INT8 = "8bit"  # the moments block-quantised
     MASTER = "master"  # bf16 weights, stochastically rounded
+    MASTER_FP32_COPIES = "master+fp32 copies"  # the same, of an operator computing in FP32: its copies' casts added
 
     @classmethod
     def of(cls, state: StatePrecision) -> UpdateVariant:
@@ -82,15 +86,19 @@ class UpdateConfig:
     Attributes:
         state: the moments' format (``None``: the user's own optimizer).
         master: whether the parameters are held in BF16 (stochastically rounded updates).
+        fp32_copies: (with ``master``) the operator computes in FP32: the casts of its FP32 copies are timed too.
     """
 
     state: StatePrecision | None
     master: bool = False
+    fp32_copies: bool = False
 
 
 def time_updates(optimizer: Optimizer, groups: Mapping[str, Sequence[nn.Parameter]],
                  configs: Mapping[UpdateVariant, UpdateConfig], clock: Clock, rounds: int,
-                 warmup: int, updates: CompiledUpdates | None = None) -> dict[str, dict[UpdateVariant, list[float]]]:
+                 warmup: int, updates: CompiledUpdates | None = None,
+                 variants: Mapping[str, Collection[UpdateVariant]] | None = None
+                 ) -> dict[str, dict[UpdateVariant, list[float]]]:
     """Per group and configuration, the milliseconds of one update of the group's parameters per round.
 
     Args:
@@ -101,14 +109,16 @@ def time_updates(optimizer: Optimizer, groups: Mapping[str, Sequence[nn.Paramete
         rounds: measured rounds.
         warmup: unmeasured rounds first.
         updates: the code that steps the managed variants, as the plugin's (``None``: eager).
+        variants: group name -> the variants of ``configs`` timed for it (``None``, or a group not in it: all).
     """
     hyper = {id(p): {k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups
              for p in group["params"]}
     out: dict[str, dict[UpdateVariant, list[float]]] = {}
     managed = sum(p.numel() for params in groups.values() for p in params)  # a step that manages every group
     for name, params in groups.items():
+        wanted = configs.keys() if variants is None or name not in variants else variants[name]
         runs = {label: _update(optimizer, name, params, hyper, config, updates, managed)
-                for label, config in configs.items()}
+                for label, config in configs.items() if label in wanted}
         series: dict[UpdateVariant, list[float]] = {label: [] for label in runs}
         for index in range(warmup + rounds):
             for label, run in runs.items():
@@ -161,7 +171,21 @@ def _update(optimizer: Optimizer, name: str, params: Sequence[nn.Parameter], hyp
                 adam_step(one.p, one.grad, one.state, one.settings, precision, generator if config.master else None,
                           generator if precision is StatePrecision.BF16 else None)
 
+    timed = run
+    if config.master and config.fp32_copies:
+        fp32_grads = [t.grad.float() for t in copies if t.grad is not None]  # what backward computes for a copy
+
+        def with_copies() -> None:  # the casts of a training step of an FP32 operator holding bf16 parameters
+            run()
+            with torch.no_grad():
+                for target in copies:
+                    target.to(torch.float32)  # the forward's copy
+                    target.to(torch.float32)  # backward's, cast again from the recipe
+                for grad in fp32_grads:
+                    grad.to(torch.bfloat16)  # the copy's gradient into the parameter's dtype
+
+        timed = with_copies
     if updates is not None:
-        run()  # the state converted to its format
-        run()  # compiled (or the native library loaded)
-    return run
+        timed()  # the state converted to its format
+        timed()  # compiled (or the native library loaded)
+    return timed

@@ -176,7 +176,8 @@ class LeverBuilder:
 
     def _parameter_lever(self, name: str, params: Any, base: PrecisionPlan
                          ) -> tuple[Lever | None, dict[str, LeverChange]]:
-        """One operator's optimizer-state formats (and bf16 master, where it computes in bf16) as one lever."""
+        """One operator's optimizer-state formats and bf16 master as one lever (the master where it computes in bf16,
+        or in FP32 with FP32 copies of its bf16 parameters, priced with their casts)."""
         keep = 1 - self.config.measurement.speed_margin
         fp32_ms = params.update_ms.get(UpdateVariant.FP32, 0.0)
         own = float(params.bytes.get(UpdateVariant.FP32, 0))
@@ -189,7 +190,7 @@ class LeverBuilder:
             return fp32_ms * max(params.time_ratios[variant][0] - 1.0, 0.0)
 
         for variant in params.time_ratios:
-            if variant in (UpdateVariant.FP32, UpdateVariant.MASTER):
+            if variant in (UpdateVariant.FP32, UpdateVariant.MASTER, UpdateVariant.MASTER_FP32_COPIES):
                 continue
             nbytes = float(params.bytes[variant])
             if own > 0 and nbytes <= own * keep:
@@ -197,11 +198,13 @@ class LeverBuilder:
                 writes[variant.value] = LeverChange({name: {Dimension.STATE: variant.value}})
         module = self.ctx.modules.get(name)
         computes = base.of(Dimension.COMPUTE, name, None if module is None else type(module))
-        if UpdateVariant.MASTER in params.time_ratios and computes is ComputePrecision.BF16:
+        master = {ComputePrecision.BF16: UpdateVariant.MASTER,
+                  ComputePrecision.FP32: UpdateVariant.MASTER_FP32_COPIES}.get(computes)
+        if master is not None and master in params.time_ratios:
             tried = self.config.tried(Dimension.STATE)
             timed = tried[-1] if tried else StatePrecision.FP32  # the state the master update was timed with
-            master_saved = float(params.bytes[UpdateVariant.MASTER])  # half of the weights and gradients
-            master_ms = extra(UpdateVariant.MASTER) - (extra(UpdateVariant.of(timed)) if timed.managed else 0.0)
+            master_saved = float(params.bytes[master])  # half of the weights and gradients
+            master_ms = extra(master) - (extra(UpdateVariant.of(timed)) if timed.managed else 0.0)
             for state in tried or (StatePrecision.FP32,):
                 # each state format with a bf16 master: the master's own cost added to that format's
                 state_saved = own - float(params.bytes.get(UpdateVariant.of(state), own))

@@ -42,7 +42,7 @@ from lightning_comp.search.stages.context import StageContext
 
 __all__ = ["ParameterStage"]
 
-FP32, MASTER = UpdateVariant.FP32, UpdateVariant.MASTER
+FP32, MASTER, MASTER_FP32_COPIES = UpdateVariant.FP32, UpdateVariant.MASTER, UpdateVariant.MASTER_FP32_COPIES
 MIN_GROUP_PARAMS = 4096  # smaller groups hold too few bytes to be worth a candidate (and are not quantised)
 
 
@@ -105,12 +105,19 @@ class ParameterStage:
             return ParameterStageResult(skipped=f"no operator owns {MIN_GROUP_PARAMS} trainable parameters or more")
         configs: dict[UpdateVariant, UpdateConfig] = {FP32: UpdateConfig(None)}
         configs.update({UpdateVariant.of(s): UpdateConfig(s) for s in self.config.tried(Dimension.STATE)})
+        types = {o.owner: o.owner_type for o in parameter_owners(pl_module)}
+        variants: dict[str, set[UpdateVariant]] = {}
         if self.config.tried(Dimension.MASTER) and self._masters_allowed(trainer):
-            configs[MASTER] = UpdateConfig(self.config.tried(Dimension.STATE)[-1] if
-                                             self.config.tried(Dimension.STATE) else StatePrecision.FP32, master=True)
+            tried = self.config.tried(Dimension.STATE)
+            state = tried[-1] if tried else StatePrecision.FP32
+            configs[MASTER] = UpdateConfig(state, master=True)
+            configs[MASTER_FP32_COPIES] = UpdateConfig(state, master=True, fp32_copies=True)
+            for name in groups:  # an operator computing in FP32 would compute with FP32 copies of bf16 parameters
+                fp32 = base.of(Dimension.COMPUTE, name, types.get(name)) is ComputePrecision.FP32
+                variants[name] = set(configs) - {MASTER if fp32 else MASTER_FP32_COPIES}
         rounds, warmup = self.config.measurement.profile_steps, self.config.measurement.profile_warmup
         times = time_updates(optimizer, groups, configs, ctx.clock, rounds, warmup,
-                             CompiledUpdates(ctx.plugin.update_path))
+                             CompiledUpdates(ctx.plugin.update_path), variants)
         times = ctx.agree({g: {k: [ctx.reduce_mean(v) for v in vs] for k, vs in s.items()} for g, s in times.items()})
         fp32_update = sum(statistics.median(s[FP32]) for s in times.values())
         # the fastest fixed policy's forward and backward (or the base's, where the rounds could not tell them apart)
@@ -118,7 +125,6 @@ class ParameterStage:
         budget = StepBudget(step_ms=candidates_ms + fp32_update, pace_step_ms=pace_ms + fp32_update,
                             step_bytes=_persistent_bytes(pl_module, optimizer) + saved_bytes)
         result = ParameterStageResult()
-        types = {o.owner: o.owner_type for o in parameter_owners(pl_module)}
         for name, params in groups.items():
             decision = self._decide(name, types.get(name), params, optimizer, base, times[name], budget)
             decisions[name].parameters = decision
@@ -130,6 +136,8 @@ class ParameterStage:
             if decision.master.managed:
                 result.master_choices[name] = decision.master
                 result.benefits[Candidate.master(name)] = decision.master_benefit
+                if MASTER_FP32_COPIES in times[name]:
+                    result.fp32_compute_masters.append(name)
         return result
 
     def _groups(self, pl_module: nn.Module, decisions: dict[str, OperatorDecision]) -> dict[str, list[nn.Parameter]]:
@@ -170,14 +178,16 @@ class ParameterStage:
                 reasons.append(f"state {option.value} pays: {why}")
             else:
                 reasons.append(f"state {option.value}: {why}")
-        if MASTER in times:
+        master = MASTER_FP32_COPIES if MASTER_FP32_COPIES in times else MASTER
+        if master in times:
             weights = 2 * sum(p.numel() * p.element_size() for p in params)  # the parameters and their gradients
             lowered = weights // 2
-            decision.bytes[MASTER] = lowered
-            time = paired_ratio(times[FP32], times[MASTER])
-            decision.time_ratios[MASTER] = [time.ratio, time.low, time.high]
+            decision.bytes[master] = lowered
+            time = paired_ratio(times[FP32], times[master])
+            decision.time_ratios[master] = [time.ratio, time.low, time.high]
             compute = base.of(Dimension.COMPUTE, name, module_type)
-            if compute is not ComputePrecision.BF16:
+            copies = " (computing in fp32 with fp32 copies of them)" if master is MASTER_FP32_COPIES else ""
+            if compute not in (ComputePrecision.BF16, ComputePrecision.FP32):
                 reasons.append(f"master bf16: the operator computes in {compute.value} in the candidate plan")
             else:
                 ok, why, benefit = judge_lowering(self.config, budget, weights, lowered, fp32_ms, time)
@@ -186,10 +196,11 @@ class ParameterStage:
                     decision.master, decision.master_benefit = MasterPrecision.BF16, benefit if ok else 0.0
                     decision.gain_bytes += weights - lowered
                     decision.forced = decision.forced or (forced and not ok)
-                    reasons.append(f"master bf16 pays: {why}" if ok else
-                                   f"master bf16: included by CoMPSearch(include_dimensions={{'master': ...}}) ({why})")
+                    reasons.append(f"master bf16{copies} pays: {why}" if ok else
+                                   f"master bf16{copies}: included by CoMPSearch(include_dimensions={{'master': ...}})"
+                                   f" ({why})")
                 else:
-                    reasons.append(f"master bf16: {why}")
+                    reasons.append(f"master bf16{copies}: {why}")
         if self.config.included(Dimension.STATE).matches(name, module_type) and self.config.tried(Dimension.STATE):
             decision.forced = True
             if not decision.state.managed:
