@@ -27,9 +27,8 @@ from lightning_comp.search.decisions.trials import TrialVerdict
 
 __all__ = ["STATE_VERSION", "Phase", "Restore", "SearchState", "TrialRecord"]
 
-# the one checkpoint form of the search's state this version writes and reads (2: groups, flips, trialled plan;
-# 6: masters of operators computing in FP32)
-STATE_VERSION = 6
+# the one checkpoint form of the search's state this version writes and reads (2: groups, flips, trialled plan)
+STATE_VERSION = 5
 
 
 class Phase(str, Enum):

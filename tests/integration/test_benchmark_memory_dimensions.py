@@ -72,3 +72,17 @@ def test_memory_dimensions_smoke(tmp_path: Path) -> None:
             assert f"| {key} | {label} |" in markdown, (key, label)
     assert "## Each dimension's effect" in markdown
     assert report["device_class"] in markdown
+
+
+def test_without_amp_the_plan_is_measured_beside_fp32_and_its_ablations_only() -> None:
+    """``--no-amp`` (a CPU where bf16 is emulated would spend most of the run on AMP's row): no AMP configuration."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import memory_dimensions
+
+    from lightning_comp import PrecisionPlan
+
+    plan = PrecisionPlan.from_dict({"fc": {"state": "8bit", "master": "bf16"}})
+    keys = [c.key for c in memory_dimensions.configurations(plan, "CoMP plan", amp=False)]
+    assert keys == ["fp32", "plan", "plan-no-state", "plan-no-master"]
+    assert [c.key for c in memory_dimensions.configurations(plan, "CoMP plan")][:3] == ["fp32", "amp", "plan"]
+    assert memory_dimensions.parse_args(["--no-amp"]).no_amp

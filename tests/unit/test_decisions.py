@@ -35,11 +35,13 @@ from lightning_comp.search.decisions.operators import (
     judge_operator,
     recheck_at_plan_boundaries,
 )
+from lightning_comp.search.decisions.parameters import ParameterDecision
 from lightning_comp.search.decisions.saved import judge_saved, sharing_groups, unshared_choices
 from lightning_comp.search.decisions.trial_plans import CheapRun, cheap_runs, plan_for
 from lightning_comp.search.decisions.trials import TrialVerdict, judge_trial
 from lightning_comp.search.decisions.whole_step import ComparedPlan, PlanStep, ProfiledPlan, StepComparison
 from lightning_comp.search.measurement.estimates import RatioEstimate, Verdict, paired_ratio
+from lightning_comp.search.measurement.optimizer_timing import UpdateVariant
 from lightning_comp.search.measurement.process_memory import StepPeak
 from lightning_comp.search.measurement.profiling import OperatorMeasurement, ProfileResult
 from lightning_comp.search.record.batch import operator_record, saved_record
@@ -491,11 +493,18 @@ def test_the_batch_stage_result_travels_through_a_checkpoint_typed() -> None:
     decision.fp8 = judge_fp8(SearchConfig(), ComputePrecision.FP8, ComputePrecision.BF16, _estimate(0.6), 1.0, 0.6)
     saved = SavedStageResult(choices={"l1": SavedPrecision.FP8}, benefits={Candidate.saved("l1"): 768.0})
     fp8 = Fp8StageResult(ComputePrecision.FP8, {"l1": ComputePrecision.FP8}, {Candidate.in_fp8("l1"): 0.4})
+    # l2 stays fp32 in the candidate plan: its bf16 master was timed with the casts of its fp32 copies
+    kept = OperatorDecision("Linear", OperatorKind.COMPUTE, 72, decision=Choice.FP32, fp32=measured, low=measured,
+                            time=_estimate(1.2))
+    kept.parameters = ParameterDecision(master=MasterPrecision.BF16, params=4096, tensors=1,
+                                        time_ratios={UpdateVariant.FP32: [1.0, 1.0, 1.0],
+                                                     UpdateVariant.MASTER_FP32_COPIES: [1.3, 1.2, 1.4]})
     result = BatchStageResult(
-        decisions={"l1": decision}, candidates=(Candidate("l1"), Candidate.in_fp8("l1"), Candidate.saved("l1")),
+        decisions={"l1": decision, "l2": kept},
+        candidates=(Candidate("l1"), Candidate.in_fp8("l1"), Candidate.saved("l1")),
         benefits={Candidate("l1"): 1.5, Candidate.in_fp8("l1"): 0.4, Candidate.saved("l1"): 768.0}, fp8=fp8,
         runs=[CheapRun("l1", "l2", ("a",))], parameters=ParameterStageResult(
-            master_choices={"l2": MasterPrecision.BF16}, fp32_compute_masters=["l2"]),
+            master_choices={"l2": MasterPrecision.BF16}),
         saved=saved, order=["l1"], memory={ProfiledPlan.FP32: StepMemory(64, None)}, timing={"clock": "wall"},
         steps={ComparedPlan.FP32: PlanStep(2.0, 2.1, None, 64.0, StepPeak(2**20, 2**21, None, None, "live; os")),
                ComparedPlan.CANDIDATES: PlanStep(1.0, 1.1, _estimate(0.5), 32.0)})

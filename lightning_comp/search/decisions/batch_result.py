@@ -64,9 +64,6 @@ class ParameterStageResult:
     Attributes:
         state_choices: operator -> the optimizer-state precision of its state candidate.
         master_choices: operator -> the master-weight precision of its master candidate.
-        fp32_compute_masters: the operators of ``master_choices`` that compute in FP32 in the candidate plan: their
-            master candidate holds their parameters in bf16 and leaves them computing in FP32 (with FP32 copies),
-            where every other master candidate computes in the low precision with them.
         benefits: per candidate, what it gains in the objective's unit.
         gains: operator -> the bytes its choices save.
         skipped: why the stage did not run (``None``: it ran).
@@ -74,7 +71,6 @@ class ParameterStageResult:
 
     state_choices: dict[str, StatePrecision] = field(default_factory=dict)
     master_choices: dict[str, MasterPrecision] = field(default_factory=dict)
-    fp32_compute_masters: list[str] = field(default_factory=list)
     benefits: dict[Candidate, float] = field(default_factory=dict)
     gains: dict[str, int] = field(default_factory=dict)
     skipped: str | None = None
@@ -83,8 +79,6 @@ class ParameterStageResult:
         """Take ``operator``'s state and master candidates out (not taken after all)."""
         self.state_choices.pop(operator, None)
         self.master_choices.pop(operator, None)
-        if operator in self.fp32_compute_masters:
-            self.fp32_compute_masters.remove(operator)
         self.benefits.pop(Candidate.state(operator), None)
         self.benefits.pop(Candidate.master(operator), None)
         self.gains.pop(operator, None)
@@ -171,7 +165,10 @@ class BatchStageResult:
         for group in self.groups:
             if group.pattern in fp8:
                 fp8.update(dict.fromkeys(group.members, fp8[group.pattern]))
-        fp8.update(dict.fromkeys(self.parameters.fp32_compute_masters, ComputePrecision.FP32))
+        for name in self.parameters.master_choices:  # (ParameterDecision.master_computes_fp32)
+            parameters = self.decisions[name].parameters if name in self.decisions else None
+            if parameters is not None and parameters.master_computes_fp32:
+                fp8[name] = ComputePrecision.FP32
         return {Dimension.COMPUTE: fp8, Dimension.SAVED: dict(self.saved.choices),  # type: ignore[dict-item]
                 Dimension.STATE: dict(self.parameters.state_choices),
                 Dimension.MASTER: dict(self.parameters.master_choices)}

@@ -15,9 +15,11 @@ balanced       it improves the step's time x memory: ``(1 + extra time / step ti
                bytes) < 1``, and the step, slowed by it, stays within ``max_slowdown_vs_fastest`` of the pace's
 =============  ==========================================================================================
 
-Of the state formats that pay, the smallest wins. A bf16 master is offered only where the operator computes in bf16
-in the candidate plan (it holds no FP32 copy for an FP32 operator to read). What is taken of them is decided with
-every other memory lever, cheapest bytes first (:mod:`lightning_comp.search.stages.memory_stage`).
+Of the state formats that pay, the smallest wins. A bf16 master is offered where the operator computes in bf16 in
+the candidate plan, and where it computes in FP32: there it computes with FP32 copies of its bf16 parameters, whose
+casts are timed with its update (``UpdateVariant.MASTER_FP32_COPIES``), and its trial leaves it FP32. What is taken
+of them is decided with every other memory lever, cheapest bytes first
+(:mod:`lightning_comp.search.stages.memory_stage`).
 """
 
 from __future__ import annotations
@@ -85,6 +87,12 @@ class ParameterDecision:
     def lowers(self) -> bool:
         """Whether it lowers either dimension."""
         return self.state.managed or self.master.managed
+
+    @property
+    def master_computes_fp32(self) -> bool:
+        """Whether its bf16 master was measured on the operator computing in FP32 (with FP32 copies of its bf16
+        parameters), so that it keeps computing in FP32 with it; else with the candidate plan's low precision."""
+        return UpdateVariant.MASTER_FP32_COPIES in self.time_ratios
 
     def keep_fp32(self, reason: str) -> None:
         """Keep the optimizer's own state and FP32 masters after all (not taken by the memory levers, or given back),

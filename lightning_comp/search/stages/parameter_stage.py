@@ -136,8 +136,6 @@ class ParameterStage:
             if decision.master.managed:
                 result.master_choices[name] = decision.master
                 result.benefits[Candidate.master(name)] = decision.master_benefit
-                if MASTER_FP32_COPIES in times[name]:
-                    result.fp32_compute_masters.append(name)
         return result
 
     def _groups(self, pl_module: nn.Module, decisions: dict[str, OperatorDecision]) -> dict[str, list[nn.Parameter]]:
