@@ -205,10 +205,11 @@ class Config:
     plan: Any = None
 
 
-def configurations(plan: Any, plan_label: str) -> list[Config]:
-    """FP32, AMP, the plan and its ablations (in this order)."""
-    configs = [Config("fp32", "FP32 (32-true)", "32-true"), Config("amp", "AMP (bf16-mixed)", "bf16-mixed"),
-               Config("plan", plan_label, None, plan)]
+def configurations(plan: Any, plan_label: str, amp: bool = True) -> list[Config]:
+    """FP32, AMP (unless not ``amp``), the plan and its ablations (in this order)."""
+    configs = [Config("fp32", "FP32 (32-true)", "32-true")]
+    configs += [Config("amp", "AMP (bf16-mixed)", "bf16-mixed")] if amp else []
+    configs += [Config("plan", plan_label, None, plan)]
     configs += [Config(k, label, None, p) for k, (label, p) in ablations(plan).items()]
     return configs
 
@@ -367,7 +368,7 @@ def run_model(spec: dict[str, Any], configs: list[Config], args: argparse.Namesp
         results[config.key] = _measured(runs[config.key], batch, warmup)
     amp = results.get("amp", {})
     for entry in results.values():
-        if "error" in entry or "error" in amp:
+        if "error" in entry or not amp or "error" in amp:
             continue
         entry["step_peak_vs_amp"] = entry["memory"]["step_peak_bytes"] / amp["memory"]["step_peak_bytes"]
         entry["throughput_vs_amp"] = round_ratio(entry["throughput"], amp["throughput"])
@@ -538,6 +539,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                  " search's plan where it sets a state, master or recompute entry, else the lean plan)")
     parser.add_argument("--no-reference", action="store_true",
                         help="no reference row for a memory search plan that the lean plan replaced")
+    parser.add_argument("--no-amp", action="store_true",
+                        help="no AMP row (where bf16 is emulated, an AVX2-only CPU, it runs 30-100x slower than FP32);"
+                             " the plan and its ablations are then compared with each other and FP32 only")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for any one turn")
@@ -581,7 +585,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         del probe_model
         plan.save(out / f"plan_{key}.json")
         label = "CoMP lean plan" if source == "built-in lean plan" else "CoMP plan"
-        configs = configurations(plan, label)
+        configs = configurations(plan, label, amp=not args.no_amp)
         if reference is not None and not args.no_reference:
             configs.append(Config("search-plan", "memory search plan (compute + saved only; reference)", None,
                                   reference))
