@@ -155,6 +155,7 @@ def test_with_compute_left_fp32_bf16_masters_are_levers_priced_with_their_fp32_c
         parameters = record["operators"][name]["parameters"]
         assert "master+fp32 copies" in parameters["time_ratio"] and "master" not in parameters["time_ratio"]
         assert parameters["bytes"]["master+fp32 copies"] > 0
+    assert format_record(record).count("(fp32 copies)") == len(searched)  # the master time column of each
     taken = record["memory_spending"]["taken"]
     assert {label.removeprefix("state:") for label in taken} == searched
     assert all(entry["value"] == "8bit+master bf16" for entry in taken.values())  # the most bytes, at any cost

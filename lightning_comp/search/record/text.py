@@ -234,9 +234,12 @@ def _parameter_section(operators: dict[str, Any], step: dict[str, Any]) -> list[
         if not parameters:
             continue
         nbytes, times = parameters.get("bytes", {}), parameters.get("time_ratio", {})
+        copies = "master+fp32 copies" in times  # an fp32 operator's master: timed with its FP32 copies' casts
+        master = f"x{times['master+fp32 copies'][0]:.2f} (fp32 copies)" if copies else \
+            (f"x{times['master'][0]:.2f}" if "master" in times else "")
         rows.append((name or "<root>", op["type"], f"{parameters.get('params', 0):,}",
                      *(nbytes.get(k, "") for k in ("fp32", "8bit", "bf16")),
-                     *(f"x{times[k][0]:.2f}" if k in times else "" for k in ("8bit", "bf16", "master")),
+                     *(f"x{times[k][0]:.2f}" if k in times else "" for k in ("8bit", "bf16")), master,
                      parameters["state"], parameters["master"], parameters["reason"]))
     if not rows and not step.get("skipped"):
         return []
