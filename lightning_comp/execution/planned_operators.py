@@ -42,10 +42,13 @@ def hooked_operators(model: nn.Module, plan: PrecisionPlan, device: torch.device
             why = why_not_lowerable(module, precision, device)
             unsupported.append(f"{name or '<root>'} ({type(module).__name__}, {precision.value}: {why})")
             continue
+        kind = classify(module)
+        # an FP32 operator with parameters of its own (a container's children are operators themselves)
+        owns = any(True for _ in module.parameters(recurse=kind is not OperatorKind.FUNCTIONAL))
         master = plan.of(Dimension.MASTER, name, type(module))
-        operators[name] = HookedOperator(name, module, classify(module), precision, lowering,
+        operators[name] = HookedOperator(name, module, kind, precision, lowering,
                                          saved=plan.of(Dimension.SAVED, name, type(module)),
-                                         fp32_copies=master.managed and lowering is Lowering.NONE)
+                                         fp32_copies=master.managed and lowering is Lowering.NONE and owns)
     if unsupported:
         raise PlanError(
             f"{len(unsupported)} operator(s) have no kernel for their planned precision on {device}"
