@@ -683,6 +683,37 @@ def test_fp32_operators_with_bf16_masters_compute_with_fp32_copies_and_give_bf16
         assert weight_copies & set(seen)  # control: kept for backward without the recipes
 
 
+def test_an_fp32_operator_with_a_bf16_master_recomputes_exactly() -> None:
+    """A recomputed FP32 operator whose parameters a bf16 master holds makes its FP32 copies again in backward's
+    re-run: output and gradients as FP32's with the bf16 values, bit for bit."""
+    def net() -> nn.Sequential:
+        return nn.Sequential(nn.Linear(16, 32), nn.LayerNorm(32), nn.GELU(), nn.Linear(32, 4))
+
+    torch.manual_seed(0)
+    model = net()
+    for index in (0, 1, 3):
+        for p in model[index].parameters():
+            p.data = p.data.bfloat16()
+    executor = PlanExecutor()
+    plan = {"0": {"master": "bf16"}, "1": {"master": "bf16", "saved": "recompute"}, "2": {"saved": "recompute"},
+            "3": {"master": "bf16"}}
+    executor.apply(model, PrecisionPlan.from_dict(plan), "cpu")
+    reference = net()
+    reference.load_state_dict({k: v.float() for k, v in model.state_dict().items()})
+    x = torch.randn(8, 16)
+    expected = reference(x)
+    expected.square().mean().backward()
+    for _ in range(2):  # the calibrating step and a calibrated one
+        with executor.step(StepKind.TRAIN):
+            out = model(x)
+        with executor.recomputing():
+            out.square().mean().backward()
+        assert torch.equal(out, expected)
+        for (name, p), ref in zip(model.named_parameters(), reference.parameters()):
+            assert p.grad.dtype == BF16 and torch.equal(p.grad, ref.grad.bfloat16()), name
+        model.zero_grad(set_to_none=True)
+
+
 def test_a_16bit_plan_that_lowers_no_operator_warns_once_at_apply() -> None:
     model = nn.Sequential(nn.Linear(4, 4), nn.Flatten())
     with pytest.warns(UserWarning, match=r"assigns bf16 but no operator of Sequential computes in it"):
