@@ -72,8 +72,9 @@ class HookedOperator:
         contexts: the contexts its pre-hook entered, left by its post-hook (a stack: a module may call itself).
         shields: the autocast-off regions its pre-hook entered inside an enclosing ``FUNCTIONAL`` region.
         provisional: a container hooked for a tracing step only (it may turn out to compute nothing itself).
-        fp32_copies: it computes in FP32 while a ``master`` entry holds its parameters in bf16: its forward runs with
-            FP32 copies of them (saved for backward as recipes, like a lowered operator's 16-bit copies).
+        fp32_copies: it computes in FP32 and reads parameters a ``master`` entry holds in bf16 (its own, or one tied
+            to another operator's): its forward runs with FP32 copies of them (saved for backward as recipes, like a
+            lowered operator's 16-bit copies).
     """
 
     name: str
@@ -158,8 +159,8 @@ def _pre_hook(op: HookedOperator, state: StepState, casts: WeightCastRecorder, c
         # The parameters of the module being called, as they are now (see the module docstring).
         return {n: casts.cast(prefix + n, p, dtype) for n, p in module.named_parameters(recurse=recurse)}
 
-    # An FP32 operator whose parameters a bf16 master holds: FP32 copies of its own (a container's own parameters
-    # only: its children are operators with plan entries of their own).
+    # An FP32 operator reading parameters a bf16 master holds: FP32 copies of those it reads itself (a container's own
+    # parameters only: its children are operators with plan entries of their own).
     fp32_copies, recurse_own = op.fp32_copies and lowering is Lowering.NONE, op.kind is not OperatorKind.FUNCTIONAL
 
     def fp32_copies_of(module: nn.Module) -> dict[str, torch.Tensor]:

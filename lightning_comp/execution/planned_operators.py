@@ -15,6 +15,7 @@ from lightning_comp.devices.device_classes import device_class
 from lightning_comp.devices.lowering import Lowering, autocast_available, lowering_for, why_not_lowerable
 from lightning_comp.errors import PlanError
 from lightning_comp.execution.hooks import HookedOperator
+from lightning_comp.execution.parameter_groups import parameter_owners
 from lightning_comp.operators.discovery import iter_operators, iter_untraced_containers
 from lightning_comp.operators.kinds import OperatorKind, classify
 from lightning_comp.plan.dimensions import Dimension
@@ -26,7 +27,8 @@ __all__ = ["hooked_operators", "provisional_operators"]
 def hooked_operators(model: nn.Module, plan: PrecisionPlan, device: torch.device,
                       compiled: bool) -> dict[str, HookedOperator]:
     """Each operator of ``model`` with its planned precisions and the way they are put into effect on ``device`` (an
-    FP32 operator whose ``master`` entry is bf16 computes with FP32 copies of its parameters).
+    FP32 operator that reads a parameter a ``master`` entry holds in bf16, its own or one tied to another operator's,
+    computes with FP32 copies of such parameters).
 
     Raises:
         PlanError: naming every operator with no kernel for its planned precision there (and what each way of
@@ -35,6 +37,7 @@ def hooked_operators(model: nn.Module, plan: PrecisionPlan, device: torch.device
     """
     operators: dict[str, HookedOperator] = {}
     unsupported = []
+    held_bf16 = _bf16_masters(model, plan)
     for name, module in iter_operators(model):
         precision = plan.of(Dimension.COMPUTE, name, type(module))
         lowering = lowering_for(module, precision, device)
@@ -43,12 +46,11 @@ def hooked_operators(model: nn.Module, plan: PrecisionPlan, device: torch.device
             unsupported.append(f"{name or '<root>'} ({type(module).__name__}, {precision.value}: {why})")
             continue
         kind = classify(module)
-        # an FP32 operator with parameters of its own (a container's children are operators themselves)
-        owns = any(True for _ in module.parameters(recurse=kind is not OperatorKind.FUNCTIONAL))
-        master = plan.of(Dimension.MASTER, name, type(module))
+        # the parameters it reads itself (a container's children are operators of their own)
+        reads_bf16 = any(id(p) in held_bf16 for p in module.parameters(recurse=kind is not OperatorKind.FUNCTIONAL))
         operators[name] = HookedOperator(name, module, kind, precision, lowering,
                                          saved=plan.of(Dimension.SAVED, name, type(module)),
-                                         fp32_copies=master.managed and lowering is Lowering.NONE and owns)
+                                         fp32_copies=lowering is Lowering.NONE and reads_bf16)
     if unsupported:
         raise PlanError(
             f"{len(unsupported)} operator(s) have no kernel for their planned precision on {device}"
@@ -70,6 +72,19 @@ def hooked_operators(model: nn.Module, plan: PrecisionPlan, device: torch.device
             " train it uncompiled."
         )
     return operators
+
+
+def _bf16_masters(model: nn.Module, plan: PrecisionPlan) -> set[int]:
+    """The ids of ``model``'s parameters that ``plan``'s ``master`` entries hold in bf16 (by each parameter's owning
+    operator, :mod:`~lightning_comp.execution.parameter_groups`; the default for a parameter no operator owns). A
+    parameter tied to several modules (an embedding and the output head) is one parameter, owned once."""
+    held = set()
+    for owned in parameter_owners(model):
+        master = (plan.of(Dimension.MASTER, owned.owner, owned.owner_type) if owned.owner is not None
+                  else plan[Dimension.MASTER].default)
+        if master.managed:
+            held.add(id(owned.parameter))
+    return held
 
 
 def provisional_operators(model: nn.Module, plan: PrecisionPlan, device: torch.device,

@@ -714,6 +714,45 @@ def test_an_fp32_operator_with_a_bf16_master_recomputes_exactly() -> None:
         model.zero_grad(set_to_none=True)
 
 
+def test_an_fp32_operator_reading_a_tied_bf16_master_computes_with_an_fp32_copy_of_it() -> None:
+    """Tied embeddings (Hugging Face GPT-2's ``lm_head`` reads ``wte.weight``): the master entry of the owner holds the
+    one parameter in bf16, and the other FP32 operator reading it must copy it too (it raised a dtype error in F.linear
+    before)."""
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(50, 16)
+            self.norm = nn.LayerNorm(16)
+            self.head = nn.Linear(16, 50, bias=False)
+            self.head.weight = self.emb.weight
+
+        def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+            return self.head(self.norm(self.emb(tokens)))
+
+    torch.manual_seed(0)
+    model = Tied()
+    model.emb.weight.data = model.emb.weight.data.bfloat16()
+    executor = PlanExecutor()
+    executor.apply(model, PrecisionPlan.from_dict({"emb": {"master": "bf16"}}), "cpu")  # the owner's entry only
+    reference = Tied()
+    reference.load_state_dict({k: v.float() for k, v in model.state_dict().items()})
+    tokens = torch.randint(0, 50, (4, 7))
+    expected = reference(tokens)
+    expected.square().mean().backward()
+    for _ in range(2):  # the calibrating step and a calibrated one
+        with executor.step(StepKind.TRAIN):
+            out = model(tokens)
+        out.square().mean().backward()
+        assert torch.equal(out, expected)
+        grad = model.emb.weight.grad
+        # two bf16 gradients summed (the embedding's and the head's), against FP32's sum: within bf16's rounding of
+        # the larger terms (they cancel in places, so not elementwise-relative)
+        ref = reference.emb.weight.grad
+        assert grad.dtype == BF16 and float((grad.float() - ref).abs().max()) <= 2**-7 * float(ref.abs().max())
+        model.zero_grad(set_to_none=True)
+    assert executor.hooked_operators() == {"emb", "head"}
+
+
 def test_a_16bit_plan_that_lowers_no_operator_warns_once_at_apply() -> None:
     model = nn.Sequential(nn.Linear(4, 4), nn.Flatten())
     with pytest.warns(UserWarning, match=r"assigns bf16 but no operator of Sequential computes in it"):
