@@ -293,6 +293,35 @@ def test_a_tuple_output_is_recomputed_position_by_position() -> None:
     assert plain.probes[0].nbytes - recomputed.probes[0].nbytes == 2 * 32 * 32 * 4
 
 
+def test_a_tuple_output_with_values_that_hold_no_tensor_is_recomputed_by_its_tensors() -> None:
+    """x-transformers' ``RotaryEmbedding`` returns ``(freqs, 1.0)``: the number is returned as it is, the tensor is
+    recomputed (the memory search of ``model=x_transformer`` raised a PlanError on it). A tensor nested deeper is
+    still refused, naming the operator."""
+    class Scaled(nn.Module):
+        def __init__(self, nested: bool = False) -> None:
+            super().__init__()
+            self.nested = nested
+
+        def forward(self, x: torch.Tensor) -> Any:
+            return (x.sin(), (x.cos(),)) if self.nested else (x.sin(), 1.0, None)
+
+    class Model(nn.Module):
+        def __init__(self, nested: bool = False) -> None:
+            super().__init__()
+            self.fc, self.pair, self.a = nn.Linear(16, 32), Scaled(nested), nn.Linear(32, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            out = self.pair(self.fc(x))
+            return self.a(out[0]) * (out[1] if isinstance(out[1], float) else 1.0)
+
+    plain = train(Model, {}, flat_batch())
+    recomputed = train(Model, {"pair": {"saved": "recompute"}}, flat_batch())
+    assert_same(plain, recomputed)
+    assert plain.probes[0].nbytes - recomputed.probes[0].nbytes == 32 * 32 * 4
+    with pytest.raises(PlanError, match=r"'pair' \(Scaled\) saves 'recompute', but its forward returns tuple"):
+        train(lambda: Model(nested=True), {"pair": {"saved": "recompute"}}, flat_batch())
+
+
 # -------------------------------------------------------------------------------------------- chaining hooks
 def test_a_compressing_consumer_leaves_a_recomputed_output_to_its_recipe() -> None:
     plan = {"1": {"saved": "recompute"}, "2": {"saved": "fp8"}}

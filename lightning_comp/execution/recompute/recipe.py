@@ -39,6 +39,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch import nn
 
 from lightning_comp.adapters.torch_internals import tensor_version
+from lightning_comp.common.nested import tensors
 from lightning_comp.errors import PlanError, UsageError
 from lightning_comp.execution.recompute.forward_state import AutocastState, RngState, reproduced
 
@@ -88,18 +89,21 @@ def view_of(tensor: torch.Tensor) -> View:
 
 
 def outputs_of(op: RecomputedOperator, output: Any) -> list[torch.Tensor | None]:
-    """The tensors of a recompute operator's output, by position.
+    """The tensors of a recompute operator's output, by position (``None`` where an item holds no tensor: a Python
+    number, ``None``, a string; x-transformers' ``RotaryEmbedding`` returns ``(freqs, 1.0)``).
 
     Raises:
-        PlanError: if the output is not a tensor or a tuple/list of tensors (``None`` allowed).
+        PlanError: if the output is not a tensor or a tuple/list of items each a tensor or free of tensors (a tensor
+            nested deeper, or in a dict, could not be recomputed).
     """
     if isinstance(output, torch.Tensor):
         return [output]
-    if isinstance(output, (tuple, list)) and all(o is None or isinstance(o, torch.Tensor) for o in output):
-        return list(output)
+    if isinstance(output, (tuple, list)) and all(isinstance(o, torch.Tensor) or not tensors(o) for o in output):
+        return [o if isinstance(o, torch.Tensor) else None for o in output]
     raise PlanError(
         f"Operator {describe(op)} saves 'recompute', but its forward returns {type(output).__name__}: only an"
-        f" operator returning a tensor, or a tuple or list of tensors, can be recomputed. {KEEP_AS_COMPUTED}."
+        f" operator returning a tensor, or a tuple or list of tensors (beside values that hold none), can be"
+        f" recomputed. {KEEP_AS_COMPUTED}."
     )
 
 
