@@ -155,17 +155,16 @@ def _pre_hook(op: HookedOperator, state: StepState, casts: WeightCastRecorder, c
     shields = not op.transparent and lowering is not Lowering.AUTOCAST  # from an enclosing container's region
     recipe = op.precision.fp8_recipe if lowering is Lowering.FLOAT8 else ""
 
-    def low_copies(module: nn.Module, recurse: bool) -> dict[str, torch.Tensor]:
-        # The parameters of the module being called, as they are now (see the module docstring).
-        return {n: casts.cast(prefix + n, p, dtype) for n, p in module.named_parameters(recurse=recurse)}
+    def copies_of(module: nn.Module, recurse: bool, to: torch.dtype,
+                  only: tuple[torch.dtype, ...] | None = None) -> dict[str, torch.Tensor]:
+        # ``to`` copies of the parameters of the module being called (those of a dtype in ``only``), as they are now
+        # (see the module docstring)
+        return {n: casts.cast(prefix + n, p, to) for n, p in module.named_parameters(recurse=recurse)
+                if only is None or p.dtype in only}
 
     # An FP32 operator reading parameters a bf16 master holds: FP32 copies of those it reads itself (a container's own
     # parameters only: its children are operators with plan entries of their own).
     fp32_copies, recurse_own = op.fp32_copies and lowering is Lowering.NONE, op.kind is not OperatorKind.FUNCTIONAL
-
-    def fp32_copies_of(module: nn.Module) -> dict[str, torch.Tensor]:
-        return {n: casts.cast(prefix + n, p, torch.float32) for n, p in module.named_parameters(recurse=recurse_own)
-                if p.dtype in LOW_DTYPES}
 
     def pre_hook(module: nn.Module, args: Any, kwargs: Any) -> Any:
         tracer = state.tracer
@@ -186,13 +185,13 @@ def _pre_hook(op: HookedOperator, state: StepState, casts: WeightCastRecorder, c
         if lowering is Lowering.AUTOCAST:
             contexts.append(torch.autocast(device_type, dtype=dtype, cache_enabled=False))
             if recast_own and casts.active:  # autocast finds the weights already low and leaves them be
-                copies = low_copies(module, recurse=False)
+                copies = copies_of(module, False, dtype)
                 contexts.append(reparametrized(module, copies))
         elif lowering is Lowering.FLOAT8:  # its F.linear computed with float8 operands, bf16 in and out
             contexts.append(Float8Calls(op.name, module, recipe, dtype))
         elif lowering is Lowering.INPUT or lowering is Lowering.PARAMS:
             args, kwargs = cast_floating(args, dtype), cast_floating(kwargs, dtype)
-            copies = low_copies(module, recurse=True) if lowering is Lowering.PARAMS else {}
+            copies = copies_of(module, True, dtype) if lowering is Lowering.PARAMS else {}
             if copies:
                 contexts.append(reparametrized(module, copies))
             result = args, kwargs
@@ -202,7 +201,7 @@ def _pre_hook(op: HookedOperator, state: StepState, casts: WeightCastRecorder, c
                 result = (cast_floating(args, torch.float32, LOW_DTYPES),
                           cast_floating(kwargs, torch.float32, LOW_DTYPES))
             if fp32_copies:
-                copies = fp32_copies_of(module)
+                copies = copies_of(module, recurse_own, torch.float32, LOW_DTYPES)
                 if copies:
                     contexts.append(reparametrized(module, copies))
         if copies:  # its weight copies are saved as recipes (outside the compressor: it hands them on)
