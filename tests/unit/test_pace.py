@@ -366,3 +366,32 @@ def test_with_levers_a_plan_at_the_bound_by_its_median_is_no_base_however_lean()
     assert policy.winner(inside, saved, [ALL_LOW, COMPUTE], True) is ALL_LOW  # type: ignore[attr-defined]
     # where no plan but it is in the contest it stays the base (something must be built on)
     assert policy.base_for_the_levers(steps, saved, [ALL_LOW], False) is ALL_LOW  # type: ignore[attr-defined]
+
+
+def test_with_levers_candidates_at_the_bound_by_their_median_are_no_base_either() -> None:
+    # cnn, balanced, seed 1 of the sixteenth pass: the pace one autocast region (x0.520 of FP32), the candidates at
+    # x1.06 of it by their median and 4 MiB fatter than AMP's plan, AMP's plan at the bound too (x1.06): the rule held
+    # the alternatives alone to the bound, so the candidates stayed, their levers had no room, and the plan ended
+    # 1.03x AMP's step peak at 0.97x its throughput
+    policy = _policy("balanced", levers=True)
+    wiggle = [1.0, 0.96, 1.04, 1.0, 0.97, 1.03]  # every plan's rounds straddle the bound: none is past it for sure
+    steps = StepComparison({FP32: [125.8] * 6, AUTOCAST: [65.4] * 6, CANDIDATES: [69.3 * w for w in wiggle],
+                            AMP: [69.1 * w for w in reversed(wiggle)], COMPUTE: [91.2] * 6})
+    policy.set_pace(steps.pace())  # type: ignore[attr-defined]
+    assert policy.pace.plan is AUTOCAST  # type: ignore[attr-defined]
+    assert not policy.leaves_room(steps, CANDIDATES) and not policy.leaves_room(steps, AMP)  # type: ignore[attr-defined]
+    saved = {FP32: 140.1, CANDIDATES: 81.6, AMP: 77.4, COMPUTE: 150.8, AUTOCAST: 78.0}
+    # no plan leaves room: none is filtered out, and AMP's plan, leaner and no slower, is the base
+    assert policy.winner(steps, saved, [AMP, COMPUTE], True) is AMP  # type: ignore[attr-defined]
+    # AMP's plan inside the bound, the candidates past it: AMP's plan is the base though it saves more
+    roomy = StepComparison({FP32: [125.8] * 6, AUTOCAST: [65.4] * 6, CANDIDATES: [69.3 * w for w in wiggle],
+                            AMP: [66.0 * w for w in reversed(wiggle)], COMPUTE: [91.2] * 6})
+    policy.set_pace(roomy.pace())  # type: ignore[attr-defined]
+    assert policy.leaves_room(roomy, AMP)  # type: ignore[attr-defined]
+    fatter = {**saved, AMP: 88.0}
+    assert policy.winner(roomy, fatter, [AMP, COMPUTE], True) is AMP  # type: ignore[attr-defined]
+    # the candidates inside the bound keep the base where they cost less, as before
+    inside = StepComparison({FP32: [125.8] * 6, AUTOCAST: [65.4] * 6, CANDIDATES: [67.0 * w for w in wiggle],
+                             AMP: [66.0 * w for w in reversed(wiggle)], COMPUTE: [91.2] * 6})
+    policy.set_pace(inside.pace())  # type: ignore[attr-defined]
+    assert policy.winner(inside, fatter, [AMP, COMPUTE], True) is None  # type: ignore[attr-defined]
