@@ -88,8 +88,9 @@ static void encode_unsigned_portable(const float *restrict values, float scale, 
 }
 
 /* The same codes with AVX2, eight values at a time, where the compiler may use AVX2 but not AVX-512 (with AVX-512
- * the compiler's selects take mask registers, though gcc 12 still vectorises these loops eight wide for
- * -march=sapphirerapids; that case is left to it, as no such CPU was here to time both). In the portable loops
+ * the compiler's selects take mask registers and the portable loops are faster: on one AMD EPYC with AVX-512 (Zen 5,
+ * gcc 12, -march=native) the whole 8-bit step read 0.67-0.72 ns per element at 1-4 M elements through them against
+ * 0.89-0.97 with this encode forced on, two alternating runs each). In the portable loops
  * each of the four columns of a value's decade row costs six selects; here the decade is the count of thresholds
  * the value reaches (they increase, so it is the last decade the selects would take) and each column is read from
  * its row by one permute. Everything after is the portable arithmetic, operation for operation: ordered
