@@ -43,10 +43,11 @@ class CB(pl.Callback):
             trainer.should_stop = True
 
 def main(plan_path, precision):
-    spec = SUITE["gpt"]
+    spec = SUITE[KEY]
     torch.manual_seed(0)
-    model = CharGPT(**spec.model_kwargs)
-    dm = CharTextDataModule(**spec.data_kwargs)
+    import lightning_comp.zoo as zoo
+    model = getattr(zoo, spec.model)(**spec.model_kwargs)
+    dm = getattr(zoo, spec.data)(**spec.data_kwargs)
     plugins, kw = [], {}
     if plan_path != "-":
         plugins = [CoMPPrecision(PrecisionPlan.from_dict(json.load(open(plan_path))))]
@@ -56,5 +57,7 @@ def main(plan_path, precision):
                    enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, callbacks=[CB()], **kw)
     t.fit(model, dm)
 
+KEY = "gpt"
 if __name__ == "__main__":
+    if len(sys.argv) > 3: KEY = sys.argv[3]
     main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "bf16-mixed")

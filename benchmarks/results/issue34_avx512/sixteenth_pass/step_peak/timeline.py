@@ -11,11 +11,21 @@ from lightning_comp.zoo.text import CharTextDataModule
 sys.path.insert(0, "benchmarks")
 from compare_suite import SUITE
 
+STACK = []
+NAMES = {}
+def _pre(m, a):
+    STACK.append(NAMES.get(id(m), type(m).__name__))
+def _post(m, a, o):
+    if STACK: STACK.pop()
+torch.nn.modules.module.register_module_forward_pre_hook(_pre)
+torch.nn.modules.module.register_module_forward_hook(_post)
+
 class Probe(TorchDispatchMode):
     def __init__(self): super().__init__(); self.samples = []; self.phase = "fwd"
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        self.samples.append((heap_in_use(), self.phase, str(func.overloadpacket.__name__) if hasattr(func, "overloadpacket") else str(func)))
+        name = str(func.overloadpacket.__name__) if hasattr(func, "overloadpacket") else str(func)
+        self.samples.append((heap_in_use(), self.phase, name + "@" + (STACK[-1] if STACK else "-")))
         return out
 
 class CB(pl.Callback):
@@ -39,13 +49,17 @@ class CB(pl.Callback):
             # the rise along the step at 20 points
             step = max(1, len(s) // 30)
             print(" ".join(f"{s[k][1][0]}{mib(s[k][0]):.0f}" for k in range(0, len(s), step)))
+            jumps = [(k, s[k][2], round((s[k][0] - s[k-1][0]) / 2**20, 2), mib(s[k][0])) for k in range(1, peak + 1) if abs(s[k][0] - s[k-1][0]) > 0.4 * 2**20]
+            print("jumps to the peak:", jumps[-25:])
+            print("around the peak:", [(k, s[k][1], s[k][2], mib(s[k][0])) for k in range(max(0, peak - 6), min(len(s), peak + 3))])
             trainer.should_stop = True
 
 def main(plan_path, precision):
-    spec = SUITE["gpt"]
+    spec = SUITE[KEY]
     torch.manual_seed(0)
-    model = CharGPT(**spec.model_kwargs)
-    dm = CharTextDataModule(**spec.data_kwargs)
+    import lightning_comp.zoo as zoo
+    model = getattr(zoo, spec.model)(**spec.model_kwargs)
+    dm = getattr(zoo, spec.data)(**spec.data_kwargs)
     plugins, kw = [], {}
     if plan_path != "-":
         plugins = [CoMPPrecision(PrecisionPlan.from_dict(json.load(open(plan_path))))]
@@ -53,8 +67,11 @@ def main(plan_path, precision):
         kw["precision"] = precision
     t = pl.Trainer(max_steps=6, plugins=plugins, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                    enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, callbacks=[CB()], **kw)
+    NAMES.update({id(mod): n for n, mod in model.named_modules()})
     t.fit(model, dm)
 
+KEY = "gpt"
 if __name__ == "__main__":
+    if len(sys.argv) > 3: KEY = sys.argv[3]
     set_malloc_thresholds()
     main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "bf16-mixed")
