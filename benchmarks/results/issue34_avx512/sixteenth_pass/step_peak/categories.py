@@ -1,63 +1,85 @@
-"""Live tensor bytes by category (torch.profiler's memory profile) at the step's peak and at the forward's end."""
-import json, sys, collections
+"""Live tensor bytes by category (torch.profiler's memory profile) at a training step's peak.
+
+Run from the repository root: ``python .../step_peak/categories.py PLAN_JSON|- PRECISION MODEL`` (as ``timeline.py``).
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import sys
+from typing import Any
+
 import lightning.pytorch as pl
 import torch
-from torch.profiler import profile, ProfilerActivity
+from torch.profiler import ProfilerActivity, profile
+
+import lightning_comp.zoo as zoo
 from lightning_comp import CoMPPrecision
 from lightning_comp.plan.plan import PrecisionPlan
-from lightning_comp.zoo.language_models import CharGPT
-from lightning_comp.zoo.text import CharTextDataModule
+
 sys.path.insert(0, "benchmarks")
-from compare_suite import SUITE
+from compare_suite import SUITE  # noqa: E402
 
-class CB(pl.Callback):
-    def __init__(self): self.prof = None
-    def on_train_batch_start(self, trainer, m, batch, i):
+MIB = 2**20
+
+
+class StepProfile(pl.Callback):
+    """Profiles batch 4 with memory and stops the fit."""
+
+    def __init__(self) -> None:
+        self.prof: Any = None
+
+    def on_train_batch_start(self, trainer: pl.Trainer, module: pl.LightningModule, batch: Any, i: int) -> None:
         if i == 4:
-            self.prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True)
+            self.prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True,
+                                with_stack=True)
             self.prof.__enter__()
-    def on_train_batch_end(self, trainer, m, out, batch, i):
-        if self.prof:
-            self.prof.__exit__(None, None, None)
-            mp = self.prof._memory_profile()
-            from torch.profiler._memory_profiler import Category
 
-            # timeline: list of (time, action, (key, version), size)
-            live = collections.Counter(); cat_of = {}
-            best = (0, None, None)
-            snapshots = []
-            for t, action, (key, version), size in mp.timeline:
-                cat = mp._categories.get(key, version)
-                name = cat.name if cat is not None else "UNKNOWN"
-                if action.name in ("PREEXISTING", "CREATE", "INCREMENT_VERSION"):
-                    if action.name == "INCREMENT_VERSION":
-                        old = mp._categories.get(key, version - 1)
-                        live[old.name if old is not None else "UNKNOWN"] -= size
-                    live[name] += size
-                elif action.name == "DESTROY":
-                    live[name] -= size
-                total = sum(live.values())
-                if total > best[0]: best = (total, t, dict(live))
-            print("peak MiB", round(best[0] / 2**20, 2), {k: round(v / 2**20, 2) for k, v in sorted(best[2].items()) if v})
-            self.prof = None
-            trainer.should_stop = True
+    def on_train_batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, out: Any, batch: Any,
+                           i: int) -> None:
+        if not self.prof:
+            return
+        self.prof.__exit__(None, None, None)
+        memory = self.prof._memory_profile()
+        live: collections.Counter[str] = collections.Counter()
+        best: tuple[int, dict[str, int]] = (0, {})
+        for _, action, (key, version), size in memory.timeline:
+            category = memory._categories.get(key, version)
+            name = category.name if category is not None else "UNKNOWN"
+            if action.name == "INCREMENT_VERSION":
+                old = memory._categories.get(key, version - 1)
+                live[old.name if old is not None else "UNKNOWN"] -= size
+                live[name] += size
+            elif action.name in ("PREEXISTING", "CREATE"):
+                live[name] += size
+            elif action.name == "DESTROY":
+                live[name] -= size
+            total = sum(live.values())
+            if total > best[0]:
+                best = (total, dict(live))
+        print("peak MiB", round(best[0] / MIB, 2), {k: round(v / MIB, 2) for k, v in sorted(best[1].items()) if v})
+        self.prof = None
+        trainer.should_stop = True
 
-def main(plan_path, precision):
-    spec = SUITE[KEY]
+
+def main(plan_path: str, precision: str, key: str) -> None:
+    spec = SUITE[key]
     torch.manual_seed(0)
-    import lightning_comp.zoo as zoo
     model = getattr(zoo, spec.model)(**spec.model_kwargs)
-    dm = getattr(zoo, spec.data)(**spec.data_kwargs)
-    plugins, kw = [], {}
+    data = getattr(zoo, spec.data)(**spec.data_kwargs)
+    plugins: list[Any] = []
+    kwargs: dict[str, Any] = {}
     if plan_path != "-":
-        plugins = [CoMPPrecision(PrecisionPlan.from_dict(json.load(open(plan_path))))]
+        with open(plan_path) as f:
+            plugins = [CoMPPrecision(PrecisionPlan.from_dict(json.load(f)))]
     else:
-        kw["precision"] = precision
-    t = pl.Trainer(max_steps=6, plugins=plugins, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                   enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, callbacks=[CB()], **kw)
-    t.fit(model, dm)
+        kwargs["precision"] = precision
+    trainer = pl.Trainer(max_steps=6, plugins=plugins, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                         limit_val_batches=0, callbacks=[StepProfile()], **kwargs)
+    trainer.fit(model, data)
 
-KEY = "gpt"
+
 if __name__ == "__main__":
-    if len(sys.argv) > 3: KEY = sys.argv[3]
-    main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "bf16-mixed")
+    main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "bf16-mixed", sys.argv[3] if len(sys.argv) > 3 else "gpt")

@@ -1,77 +1,118 @@
-"""Where a training step's live-heap peak is, and what runs there: CharGPT (the default example) under a plan."""
-import json, sys
+"""Where a training step's live-heap peak is, and which module runs the ops that lead to it.
+
+Run from the repository root: ``python .../step_peak/timeline.py PLAN_JSON|- PRECISION MODEL`` (``-``: no plugin,
+Lightning's ``PRECISION``; MODEL a key of ``benchmarks/compare_suite.py``'s suite). Step 5 of a fit is sampled: glibc's
+heap in use after every dispatched op, with the phase (forward, backward, optimizer) and the innermost module running.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
 import lightning.pytorch as pl
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
+import lightning_comp.zoo as zoo
 from lightning_comp import CoMPPrecision
 from lightning_comp.plan.plan import PrecisionPlan
 from lightning_comp.search.measurement.process_memory import heap_in_use, set_malloc_thresholds
-from lightning_comp.zoo.language_models import CharGPT
-from lightning_comp.zoo.text import CharTextDataModule
-sys.path.insert(0, "benchmarks")
-from compare_suite import SUITE
 
-STACK = []
-NAMES = {}
-def _pre(m, a):
-    STACK.append(NAMES.get(id(m), type(m).__name__))
-def _post(m, a, o):
-    if STACK: STACK.pop()
-torch.nn.modules.module.register_module_forward_pre_hook(_pre)
-torch.nn.modules.module.register_module_forward_hook(_post)
+sys.path.insert(0, "benchmarks")
+from compare_suite import SUITE  # noqa: E402
+
+STACK: list[str] = []
+NAMES: dict[int, str] = {}
+MIB = 2**20
+
+
+def _pre(module: torch.nn.Module, args: Any) -> None:
+    STACK.append(NAMES.get(id(module), type(module).__name__))
+
+
+def _post(module: torch.nn.Module, args: Any, out: Any) -> None:
+    if STACK:
+        STACK.pop()
+
 
 class Probe(TorchDispatchMode):
-    def __init__(self): super().__init__(); self.samples = []; self.phase = "fwd"
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    """Samples the heap after every op."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.samples: list[tuple[int, str, str]] = []
+        self.phase = "fwd"
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        name = str(func.overloadpacket.__name__) if hasattr(func, "overloadpacket") else str(func)
-        self.samples.append((heap_in_use(), self.phase, name + "@" + (STACK[-1] if STACK else "-")))
+        name = str(getattr(func, "overloadpacket", func).__name__)
+        self.samples.append((heap_in_use() or 0, self.phase, f"{name}@{STACK[-1] if STACK else '-'}"))
         return out
 
-class CB(pl.Callback):
-    def __init__(self): self.probe = None; self.result = None
-    def on_train_batch_start(self, trainer, m, batch, i):
+
+class StepProbe(pl.Callback):
+    """Probes batch 4 and stops the fit."""
+
+    def __init__(self) -> None:
+        self.probe: Probe | None = None
+        self.base = 0
+
+    def on_train_batch_start(self, trainer: pl.Trainer, module: pl.LightningModule, batch: Any, i: int) -> None:
         if i == 4:
-            self.probe = Probe(); self.base = heap_in_use(); self.probe.__enter__()
-    def on_before_backward(self, trainer, m, loss):
-        if self.probe: self.probe.phase = "bwd"
-    def on_before_optimizer_step(self, trainer, m, opt):
-        if self.probe: self.probe.phase = "opt"
-    def on_train_batch_end(self, trainer, m, out, batch, i):
+            self.probe, self.base = Probe(), heap_in_use() or 0
+            self.probe.__enter__()
+
+    def on_before_backward(self, trainer: pl.Trainer, module: pl.LightningModule, loss: Any) -> None:
         if self.probe:
-            self.probe.__exit__(None, None, None)
-            s = self.probe.samples; self.probe = None
-            peak = max(range(len(s)), key=lambda k: s[k][0])
-            fwd_end = max((k for k in range(len(s)) if s[k][1] == "fwd"), default=0)
-            mib = lambda b: round((b - self.base) / 2**20, 2)
-            print("ops", len(s), "peak at op", peak, s[peak][1], s[peak][2], "rise MiB", mib(s[peak][0]),
-                  "| at forward end", mib(s[fwd_end][0]), "| max in bwd", mib(max(x[0] for x in s if x[1]=="bwd")))
-            # the rise along the step at 20 points
-            step = max(1, len(s) // 30)
-            print(" ".join(f"{s[k][1][0]}{mib(s[k][0]):.0f}" for k in range(0, len(s), step)))
-            jumps = [(k, s[k][2], round((s[k][0] - s[k-1][0]) / 2**20, 2), mib(s[k][0])) for k in range(1, peak + 1) if abs(s[k][0] - s[k-1][0]) > 0.4 * 2**20]
-            print("jumps to the peak:", jumps[-25:])
-            print("around the peak:", [(k, s[k][1], s[k][2], mib(s[k][0])) for k in range(max(0, peak - 6), min(len(s), peak + 3))])
-            trainer.should_stop = True
+            self.probe.phase = "bwd"
 
-def main(plan_path, precision):
-    spec = SUITE[KEY]
+    def on_before_optimizer_step(self, trainer: pl.Trainer, module: pl.LightningModule, opt: Any) -> None:
+        if self.probe:
+            self.probe.phase = "opt"
+
+    def on_train_batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, out: Any, batch: Any,
+                           i: int) -> None:
+        if not self.probe:
+            return
+        self.probe.__exit__(None, None, None)
+        s, self.probe = self.probe.samples, None
+
+        def mib(value: int) -> float:
+            return round((value - self.base) / MIB, 2)
+
+        peak = max(range(len(s)), key=lambda k: s[k][0])
+        fwd_end = max((k for k in range(len(s)) if s[k][1] == "fwd"), default=0)
+        print("ops", len(s), "peak at op", peak, s[peak][1], s[peak][2], "rise MiB", mib(s[peak][0]),
+              "| at forward end", mib(s[fwd_end][0]), "| max in bwd", mib(max(x[0] for x in s if x[1] == "bwd")))
+        jumps = [(k, s[k][2], round((s[k][0] - s[k - 1][0]) / MIB, 2), mib(s[k][0])) for k in range(1, peak + 1)
+                 if abs(s[k][0] - s[k - 1][0]) > 0.4 * MIB]
+        print("jumps to the peak:", jumps[-25:])
+        trainer.should_stop = True
+
+
+def main(plan_path: str, precision: str, key: str) -> None:
+    spec = SUITE[key]
     torch.manual_seed(0)
-    import lightning_comp.zoo as zoo
     model = getattr(zoo, spec.model)(**spec.model_kwargs)
-    dm = getattr(zoo, spec.data)(**spec.data_kwargs)
-    plugins, kw = [], {}
+    data = getattr(zoo, spec.data)(**spec.data_kwargs)
+    plugins: list[Any] = []
+    kwargs: dict[str, Any] = {}
     if plan_path != "-":
-        plugins = [CoMPPrecision(PrecisionPlan.from_dict(json.load(open(plan_path))))]
+        with open(plan_path) as f:
+            plugins = [CoMPPrecision(PrecisionPlan.from_dict(json.load(f)))]
     else:
-        kw["precision"] = precision
-    t = pl.Trainer(max_steps=6, plugins=plugins, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                   enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, callbacks=[CB()], **kw)
-    NAMES.update({id(mod): n for n, mod in model.named_modules()})
-    t.fit(model, dm)
+        kwargs["precision"] = precision
+    torch.nn.modules.module.register_module_forward_pre_hook(_pre)
+    torch.nn.modules.module.register_module_forward_hook(_post)
+    NAMES.update({id(m): n for n, m in model.named_modules()})
+    trainer = pl.Trainer(max_steps=6, plugins=plugins, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                         limit_val_batches=0, callbacks=[StepProbe()], **kwargs)
+    trainer.fit(model, data)
 
-KEY = "gpt"
+
 if __name__ == "__main__":
-    if len(sys.argv) > 3: KEY = sys.argv[3]
     set_malloc_thresholds()
-    main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "bf16-mixed")
+    main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "bf16-mixed", sys.argv[3] if len(sys.argv) > 3 else "gpt")
