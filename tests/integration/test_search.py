@@ -86,6 +86,10 @@ def test_unsafe_operator_stays_fp32_and_safe_large_ones_are_lowered(offset_run: 
     # trials grow with the unsafe operators: reference + all + 2 u log2(n) splits + one confirmation (u=1, n=3)
     candidates = [n for n, op in record["operators"].items() if op["decision"] == "candidate"]
     assert len(record["trials"]) <= 2 + 2 * 1 * math.ceil(math.log2(len(candidates))) + 1
+    # the reference learned past the tolerance over its trial: the trials could tell a plan that learns nothing
+    reference = record["trials"][0]
+    start = reference["metrics"][str(record["search_start_epoch"] - 1)]
+    assert start > reference["metric"] * (1 + TOLERANCE) and record["blind_trials"] is None
 
 
 @pytest.mark.slow
@@ -346,3 +350,25 @@ def test_the_batch_stage_measures_operators_at_training_cast_boundaries_and_time
     assert {"fp32", "candidates", "amp"} <= set(record["step_ms"])
     # the candidate plan's own boundaries differ from the all-low plan's: its operators are measured there too
     assert all("in_plan" in record["operators"][name] for name in ("l2", "l3", "l4"))
+
+
+class _Frozen(WideMLP):
+    """Learns nothing (AdamW at learning rate 0): every trial ends where the search started."""
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.parameters(), lr=0.0)
+
+
+def test_trials_that_could_not_tell_a_plan_that_learns_nothing_say_so(tmp_path: Path) -> None:
+    pl.seed_everything(0)
+    search = fixed_search()
+    trainer = search_trainer(tmp_path, [search], max_epochs=3, plugin=CoMPPrecision())
+    train, val = loaders(n_train=512, n_val=256)
+    with pytest.warns(UserWarning, match="a plan that learned nothing during its trial would pass"):
+        trainer.fit(_Frozen(), train, val)
+    record = search.record
+    assert record is not None and record["blind_trials"] is not None
+    assert "lengthen them (trial_batches, trial_epochs)" in record["blind_trials"]
+    reference = record["trials"][0]
+    assert reference["metrics"][str(record["search_start_epoch"] - 1)] == pytest.approx(reference["metric"])
+    assert "The trials could not tell" in format_record(record)

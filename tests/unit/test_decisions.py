@@ -38,7 +38,7 @@ from lightning_comp.search.decisions.operators import (
 from lightning_comp.search.decisions.parameters import ParameterDecision
 from lightning_comp.search.decisions.saved import judge_saved, sharing_groups, unshared_choices
 from lightning_comp.search.decisions.trial_plans import CheapRun, cheap_runs, plan_for
-from lightning_comp.search.decisions.trials import TrialVerdict, judge_trial
+from lightning_comp.search.decisions.trials import TrialVerdict, blind_trials, judge_trial
 from lightning_comp.search.decisions.whole_step import ComparedPlan, PlanStep, ProfiledPlan, StepComparison
 from lightning_comp.search.measurement.estimates import RatioEstimate, Verdict, paired_ratio
 from lightning_comp.search.measurement.optimizer_timing import UpdateVariant
@@ -395,6 +395,19 @@ def test_trial_verdicts_against_the_reference_nan_and_skipped_steps() -> None:
     assert judge_trial(config, 1.0, reference=1.0, **{**kwargs, "nonfinite_loss": True})[1] == "NaN/Inf loss or metric"
     accuracy = SearchConfig(mode="max", tolerance=0.1, tolerance_mode="absolute")
     assert judge_trial(accuracy, 0.85, reference=0.9, **kwargs) == (TrialVerdict.PASS, "0.85 >= 0.8")
+
+
+def test_trials_are_blind_where_the_start_itself_is_within_the_tolerance_of_the_reference() -> None:
+    config = SearchConfig(verbose=False)  # val_loss, min, 2 % relative
+    # cnn in the project's benchmark: started near chance, the reference moved 0.1 % in its 2 batches
+    why = blind_trials(config, 2.36, 2.3576)
+    assert why is not None and "(2.36)" in why and "bound 2.40475" in why and "warmup_epochs" in why
+    assert blind_trials(config, 2.41, 2.3576) is None  # the reference learned past the tolerance
+    assert blind_trials(config, None, 2.3576) is None and blind_trials(config, 2.36, None) is None
+    assert blind_trials(config, float("nan"), 2.3576) is None
+    accuracy = SearchConfig(monitor="val_acc", mode="max", tolerance=0.05, tolerance_mode="absolute", verbose=False)
+    assert blind_trials(accuracy, 0.62, 0.65) is not None  # a plan stuck at 0.62 would pass (bound 0.60)
+    assert blind_trials(accuracy, 0.55, 0.65) is None
 
 
 # ------------------------------------------------------------------------------------------------ group testing

@@ -14,7 +14,7 @@ from lightning_comp.plan.dimensions import Dimension
 from lightning_comp.plan.plan import PrecisionPlan
 from lightning_comp.search.config import SearchConfig
 from lightning_comp.search.decisions.trial_plans import PARAMETER_SIDE
-from lightning_comp.search.decisions.trials import metric_bound
+from lightning_comp.search.decisions.trials import blind_trials, metric_bound
 from lightning_comp.search.record.batch import batch_record
 from lightning_comp.search.record.figures import write_figures
 from lightning_comp.search.record.forecast import forecast_check
@@ -63,6 +63,9 @@ def build_record(state: SearchState, config: SearchConfig) -> dict[str, Any]:
         "tolerance_mode": config.tolerance_mode.value,
         # the worst metric a trial may end with, once the reference trial has one
         "metric_bound": None if reference is None else metric_bound(config, float(reference)),
+        # why a plan that learned nothing during its trial would have passed (None: it would not, or not known)
+        "blind_trials": None if not state.trials else blind_trials(
+            config, state.trials[0].metrics.get(str(state.trials[0].start_epoch - 1)), reference),
         "objective": config.objective.value,
         "low_precision": None if state.low_precision is None else state.low_precision.value,
         "search_start_epoch": state.search_start_epoch,

@@ -45,6 +45,8 @@ def format_record(record: dict[str, Any]) -> str:
                 ],
             ),
         ]
+        if record.get("blind_trials"):
+            out.append(f"The trials could not tell: {record['blind_trials']}.")
     else:
         out.append("No convergence trials: nothing was left to trial.")
     operators = record.get("operators") or {}

@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_comp.adapters import lightning_internals as lightning
@@ -33,7 +34,7 @@ from lightning_comp.search.config import SearchConfig
 from lightning_comp.search.decisions.batch_result import BatchStageResult
 from lightning_comp.search.decisions.group_search import GroupSearch
 from lightning_comp.search.decisions.trial_plans import PlanRole, plan_for
-from lightning_comp.search.decisions.trials import TrialVerdict, judge_trial
+from lightning_comp.search.decisions.trials import TrialVerdict, blind_trials, judge_trial
 from lightning_comp.search.ranks import agree
 from lightning_comp.search.rewind.checkpoints import CheckpointHold
 from lightning_comp.search.rewind.loop import LoopBudget, no_epoch_follows, rewind
@@ -153,6 +154,10 @@ class TrialDriver:
         self.pause.pause(trainer)
         self.checkpoints.hold(trainer)  # no trial that may be rewound can become a "best" checkpoint
         self.start(trainer, pl_module, label="fp32 reference", group=None, rewind_first=False)
+        start = trainer.callback_metrics.get(self.config.monitor)
+        if trainer.current_epoch >= 1 and isinstance(start, (torch.Tensor, float, int)):
+            # where the reference started from, beside its own metrics (an epoch's key: the last warm-up epoch's)
+            state.trials[-1].metrics[str(trainer.current_epoch - 1)] = float(start)
 
     def after_batch_stage(self, trainer: pl.Trainer, result: BatchStageResult, seconds: float) -> None:
         """Take the batch stage's result: the candidates and the group testing over them, or the end of the search
@@ -214,6 +219,9 @@ class TrialDriver:
             self.config, trial.metric, nonfinite_loss=trial.nonfinite_loss, skipped_steps=trial.skipped_steps,
             steps=self.plugin.optimizer_steps - trial.steps_before, reference=reference))
         if trial.is_reference:
+            blind = blind_trials(self.config, trial.metrics.get(str(trial.start_epoch - 1)), trial.metric)
+            if blind is not None:
+                rank_zero_warn(f"CoMPSearch: {blind}.")
             if not trial.batches:  # a reference of batches is never continued: its epoch was cut short
                 started = time.perf_counter()
                 state.reference_end = self.capture(trainer, pl_module)
