@@ -1,18 +1,22 @@
-"""Where a training step's live-heap peak is, and which module runs the ops that lead to it.
+"""What a training step's peak holds, and where it is.
 
-Run from the repository root: ``python .../step_peak/timeline.py PLAN_JSON|- PRECISION MODEL`` (``-``: no plugin,
-Lightning's ``PRECISION``; MODEL a key of ``benchmarks/compare_suite.py``'s suite). Step 5 of a fit is sampled: glibc's
-heap in use after every dispatched op, with the phase (forward, backward, optimizer) and the innermost module running.
+Run from the repository root: ``python .../step_peak/probe.py timeline|categories PLAN_JSON|- PRECISION MODEL``
+(``-``: no plugin, Lightning's ``PRECISION``; MODEL a key of ``benchmarks/compare_suite.py``'s suite). Step 5 of a fit
+is probed. ``timeline``: glibc's heap in use after every dispatched op, with the phase (forward, backward,
+optimizer) and the innermost module running; the peak and the jumps that lead to it. ``categories``: torch.profiler's
+memory profile, live tensor bytes by category at the step's peak.
 """
 
 from __future__ import annotations
 
+import collections
 import json
 import sys
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import lightning_comp.zoo as zoo
@@ -92,7 +96,46 @@ class StepProbe(pl.Callback):
         trainer.should_stop = True
 
 
-def main(plan_path: str, precision: str, key: str) -> None:
+class StepProfile(pl.Callback):
+    """Profiles batch 4 with memory and stops the fit."""
+
+    def __init__(self) -> None:
+        self.prof: Any = None
+
+    def on_train_batch_start(self, trainer: pl.Trainer, module: pl.LightningModule, batch: Any, i: int) -> None:
+        if i == 4:
+            self.prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True,
+                                with_stack=True)
+            self.prof.__enter__()
+
+    def on_train_batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, out: Any, batch: Any,
+                           i: int) -> None:
+        if not self.prof:
+            return
+        self.prof.__exit__(None, None, None)
+        memory = self.prof._memory_profile()
+        live: collections.Counter[str] = collections.Counter()
+        best: tuple[int, dict[str, int]] = (0, {})
+        for _, action, (key, version), size in memory.timeline:
+            category = memory._categories.get(key, version)
+            name = category.name if category is not None else "UNKNOWN"
+            if action.name == "INCREMENT_VERSION":
+                old = memory._categories.get(key, version - 1)
+                live[old.name if old is not None else "UNKNOWN"] -= size
+                live[name] += size
+            elif action.name in ("PREEXISTING", "CREATE"):
+                live[name] += size
+            elif action.name == "DESTROY":
+                live[name] -= size
+            total = sum(live.values())
+            if total > best[0]:
+                best = (total, dict(live))
+        print("peak MiB", round(best[0] / MIB, 2), {k: round(v / MIB, 2) for k, v in sorted(best[1].items()) if v})
+        self.prof = None
+        trainer.should_stop = True
+
+
+def main(what: str, plan_path: str, precision: str, key: str) -> None:
     spec = SUITE[key]
     torch.manual_seed(0)
     model = getattr(zoo, spec.model)(**spec.model_kwargs)
@@ -104,15 +147,19 @@ def main(plan_path: str, precision: str, key: str) -> None:
             plugins = [CoMPPrecision(PrecisionPlan.from_dict(json.load(f)))]
     else:
         kwargs["precision"] = precision
-    torch.nn.modules.module.register_module_forward_pre_hook(_pre)
-    torch.nn.modules.module.register_module_forward_hook(_post)
-    NAMES.update({id(m): n for n, m in model.named_modules()})
+    probe: pl.Callback = StepProfile()
+    if what == "timeline":
+        set_malloc_thresholds()
+        torch.nn.modules.module.register_module_forward_pre_hook(_pre)
+        torch.nn.modules.module.register_module_forward_hook(_post)
+        NAMES.update({id(m): n for n, m in model.named_modules()})
+        probe = StepProbe()
     trainer = pl.Trainer(max_steps=6, plugins=plugins, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                         limit_val_batches=0, callbacks=[StepProbe()], **kwargs)
+                         limit_val_batches=0, callbacks=[probe], **kwargs)
     trainer.fit(model, data)
 
 
 if __name__ == "__main__":
-    set_malloc_thresholds()
-    main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "bf16-mixed", sys.argv[3] if len(sys.argv) > 3 else "gpt")
+    args = sys.argv[1:]
+    main(args[0], args[1], args[2] if len(args) > 2 else "bf16-mixed", args[3] if len(args) > 3 else "gpt")
