@@ -368,11 +368,11 @@ def test_with_levers_a_plan_at_the_bound_by_its_median_is_no_base_however_lean()
     assert policy.base_for_the_levers(steps, saved, [ALL_LOW], False) is ALL_LOW  # type: ignore[attr-defined]
 
 
-def test_with_levers_candidates_at_the_bound_by_their_median_are_no_base_either() -> None:
+def test_with_levers_where_no_plan_leaves_room_every_plan_is_in_the_contest() -> None:
     # cnn, balanced, seed 1 of the sixteenth pass: the pace one autocast region (x0.520 of FP32), the candidates at
-    # x1.06 of it by their median and 4 MiB fatter than AMP's plan, AMP's plan at the bound too (x1.06): the rule held
-    # the alternatives alone to the bound, so the candidates stayed, their levers had no room, and the plan ended
-    # 1.03x AMP's step peak at 0.97x its throughput
+    # x1.06 of it by their median and 4 MiB fatter than AMP's plan, AMP's plan at the bound too (x1.06): the room rule
+    # filtered AMP's plan and never the candidates, so they stayed alone in the contest, their levers had no room, and
+    # the plan ended 1.03x AMP's step peak at 0.97x its throughput
     policy = _policy("balanced", levers=True)
     wiggle = [1.0, 0.96, 1.04, 1.0, 0.97, 1.03]  # every plan's rounds straddle the bound: none is past it for sure
     steps = StepComparison({FP32: [125.8] * 6, AUTOCAST: [65.4] * 6, CANDIDATES: [69.3 * w for w in wiggle],
