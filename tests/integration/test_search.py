@@ -359,6 +359,7 @@ class _Frozen(WideMLP):
         return torch.optim.AdamW(self.parameters(), lr=0.0)
 
 
+@pytest.mark.slow
 def test_trials_that_could_not_tell_a_plan_that_learns_nothing_say_so(tmp_path: Path) -> None:
     pl.seed_everything(0)
     search = fixed_search()
