@@ -12,6 +12,14 @@ Containers that a step's trace is still examining (*provisional* operators, hook
 as if they were no operator at all, and are never producers: the cast boundaries they give are conservative (an
 output may be cast back to FP32 where it could have stayed low), never wrong, whichever of them turn out to compute.
 
+Activations and products outside every operator between lowered operators (a gated MLP's ``silu(fc_1(x)) *
+fc_2(x)`` in its container's own forward: litgpt's ``LLaMAMLP``, Hugging Face's Llama MLP) carry their inputs'
+producers on too, where every floating input is such an output of one low dtype: the producers stay low only if the
+result reaches operators of their precision (or more such code) and nothing else, and then that code computes in the
+low dtype, as autocast leaves it. A call with any other floating input (an FP32 tensor), an in-place call, a sum (a
+residual stream: summed in 16 bits it would lose the small updates) and any function autocast runs in FP32 or that
+reduces (``exp``, ``softmax``, ``sum``) consume as before.
+
 The same step finds plan entries that had no effect: a low operator none of whose torch calls (casts aside) returned
 a tensor of its low dtype. Its output's dtype alone would not tell: under CUDA autocast a region whose last op is on
 the FP32 list (``layer_norm``, ``softmax``, most losses) returns FP32 after its matmuls ran in 16 bits.
@@ -46,11 +54,21 @@ _VIEWS = frozenset({"view", "view_as", "reshape", "reshape_as", "permute", "tran
                     "split_with_sizes", "chunk", "tensor_split", "squeeze", "unsqueeze", "flatten", "unflatten",
                     "expand", "expand_as", "narrow", "select", "__getitem__", "contiguous", "movedim", "moveaxis",
                     "swapaxes", "swapdims"})
+# Elementwise functions whose output has its inputs' dtype and that autocast runs in its inputs' dtype on every
+# device (in neither its FP32 nor its promote lists): between lowered operators they carry their inputs' producers on.
+# Sums are not among them: a residual stream (``x + block(x)``) summed in 16 bits loses the small updates, so a sum
+# outside every operator consumes its inputs (they return to FP32 before it) whatever its neighbours compute in.
+_ELEMENTWISE = frozenset({"mul", "neg", "__mul__", "__rmul__", "__neg__", "__truediv__", "silu", "gelu", "relu",
+                          "leaky_relu", "sigmoid", "tanh", "hardswish", "hardsigmoid", "mish", "elu", "selu", "celu",
+                          "glu", "dropout"})
 _METADATA_METHODS = frozenset({"size", "dim", "numel", "stride", "is_contiguous", "is_floating_point",
                                "element_size", "__len__", "data_ptr", "get_device", "__repr__", "__format__",
                                "storage_offset", "nelement", "ndimension", "is_complex",
                                # gradient hooks (a profiler's, a user's): they read no values now
                                "register_hook", "register_post_accumulate_grad_hook", "retain_grad"})
+
+
+_CONSUMED = object()  # an elementwise call that does not carry its inputs' producers on
 
 
 class TracedOperator(Protocol):
@@ -84,6 +102,7 @@ class ConsumerTracer(TorchFunctionMode):
         self.consumed: set[str] = set()
         self.escaped: set[str] = set()
         self.pending: list[frozenset[str]] = []
+        self.together: set[frozenset[str]] = set()  # producers of one elementwise call: all stay low or none does
         self.ineffective: set[str] = set()
         self.open: list[TracedOperator] = []  # the operators whose forward runs now (innermost last)
         self.low_work: set[str] = set()  # low operators a call inside returned a tensor of their low dtype
@@ -100,6 +119,10 @@ class ConsumerTracer(TorchFunctionMode):
             known = [t for t in tensors((args, kwargs)) if self._known(t)]
             if known:
                 return self._view(func(*args, **kwargs), known)
+        if self.producers and getattr(func, "__name__", "") in _ELEMENTWISE and self._outside_operators():
+            passed = self._elementwise(func, args, kwargs)
+            if passed is not _CONSUMED:
+                return passed
         if self.producers and not _is_metadata(func):
             consumer = self._consumer()
             if consumer is None or not consumer.transparent:
@@ -129,6 +152,32 @@ class ConsumerTracer(TorchFunctionMode):
             self.call_of[id(tensor)] = call
             self.refs[id(tensor)] = weakref.ref(tensor)
         return result
+
+    def _elementwise(self, func: Any, args: Any, kwargs: Any) -> Any:
+        """Run an elementwise call outside every operator whose floating inputs are all outputs of low operators of
+        one dtype, its output carrying their producers on (a new call, which uses theirs); else ``_CONSUMED``."""
+        floating = [t for t in tensors((args, kwargs)) if t.is_floating_point()]
+        if not floating or "out" in kwargs or kwargs.get("inplace") or not all(self._known(t) for t in floating):
+            return _CONSUMED
+        sources = frozenset().union(*(self.producers[id(t)] for t in floating))
+        if len({self.operators[name].precision.dtype for name in sources}) != 1:
+            return _CONSUMED  # outputs of two low dtypes: the call promotes to FP32, it consumes them
+        result = func(*args, **kwargs)
+        self.together.add(sources)
+        for tensor in floating:
+            self.unused_calls.discard(self.call_of[id(tensor)])
+        call = len(self.call_names)
+        self.call_names.append(sources)
+        self.unused_calls.add(call)
+        for tensor in tensors(result):
+            self.producers[id(tensor)] = sources
+            self.call_of[id(tensor)] = call
+            self.refs[id(tensor)] = weakref.ref(tensor)
+        return result
+
+    def _outside_operators(self) -> bool:
+        """Whether a call made now runs outside every operator (containers being traced are none yet)."""
+        return all(op.name in self.provisional for op in self.open)
 
     def _consumer(self) -> TracedOperator | None:
         """The operator a call made now consumes for: the innermost open one (``None``: outside, or provisional)."""
@@ -186,11 +235,18 @@ class ConsumerTracer(TorchFunctionMode):
 
     def chained(self) -> frozenset[str]:
         """Low-precision operators whose output may stay in the low dtype."""
-        unused = {name for call in self.unused_calls for name in self.call_names[call]}
+        returned = {name for call in self.unused_calls for name in self.call_names[call]}
+        cast = self.escaped | returned
+        spread = True
+        while spread:  # an elementwise call computes low only if all its inputs stay low: one cast, all are
+            spread = False
+            for group in self.together:
+                if cast & group and not group <= cast:
+                    cast |= group
+                    spread = True
         return frozenset(
             name for name, op in self.operators.items()
-            if op.low and not op.transparent and name in self.consumed and name not in self.escaped
-            and name not in unused
+            if op.low and not op.transparent and name in self.consumed and name not in cast
         )
 
 

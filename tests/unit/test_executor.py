@@ -5,6 +5,7 @@ These tests drive the executor directly (no Trainer); ``test_plugin.py`` repeats
 
 from __future__ import annotations
 
+import copy
 import warnings
 import weakref
 from collections import namedtuple
@@ -96,6 +97,68 @@ class _Heads(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         heads = self.proj(x).view(-1, 4, 2).permute(1, 0, 2).unbind(0)
         return self.mix(heads[0]).transpose(0, 1)
+
+
+class _GatedMLP(nn.Module):
+    """litgpt's ``LLaMAMLP``: a gated product computed in the model's own code between three projections."""
+
+    def __init__(self, act: Any = nn.functional.silu, down: bool = True) -> None:
+        super().__init__()
+        self.act, self.down = act, down
+        self.fc_1 = nn.Linear(4, 8)
+        self.fc_2 = nn.Linear(4, 8)
+        self.proj = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.act(self.fc_1(x)) * self.fc_2(x)
+        return self.proj(h) if self.down else h
+
+
+def test_a_gated_product_between_operators_of_one_precision_computes_low_as_under_autocast(
+        dtype_recorder: Any) -> None:
+    torch.manual_seed(0)
+    model = _GatedMLP()
+    plain = copy.deepcopy(model)
+    executor = _apply(model, default="bf16")
+    x = torch.randn(3, 4)
+    _train_step(executor, model, x)
+    # silu and the product only carry fc_1's and fc_2's outputs on to proj, an operator of their precision
+    assert executor.chained_operators(StepKind.TRAIN) == frozenset({"fc_1", "fc_2"})
+    dtype_recorder.attach(model)
+    with executor.step(StepKind.TRAIN), dtype_recorder:
+        out = model(x)
+    between = [r for r in dtype_recorder.ops if r.module is None and r.op in ("silu", "mul")]
+    assert [r.op for r in between] == ["silu", "mul"]
+    assert all(r.inputs == [BF16] * len(r.inputs) and r.outputs == [BF16] for r in between)
+    assert not [r for r in dtype_recorder.ops if r.op == "_to_copy" and r.module is None]  # no cast between them
+    assert out.dtype == FP32  # proj's output is read outside: fp32
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        reference = plain(x)  # AMP: the same dtypes op by op
+    torch.testing.assert_close(out, reference.float(), rtol=0, atol=0)
+    out.float().square().mean().backward()
+    assert all(p.grad is not None and p.grad.dtype == FP32 for p in model.parameters())
+
+
+@pytest.mark.parametrize(("case", "mapping"), [
+    ("an fp32 projection feeds the product", {"fc_2": "fp32"}),
+    ("the product is the model's output", {}),
+    ("an in-place activation", {}),
+    ("an activation autocast runs in fp32", {}),
+])
+def test_a_gated_product_consumes_its_inputs_where_it_cannot_compute_low(dtype_recorder: Any, case: str,
+                                                                        mapping: dict[str, str]) -> None:
+    act = {"an in-place activation": lambda t: nn.functional.silu(t, inplace=True),
+           "an activation autocast runs in fp32": torch.exp}.get(case, nn.functional.silu)
+    model = _GatedMLP(act, down=case != "the product is the model's output")
+    executor = _apply(model, mapping, default="bf16")
+    x = torch.randn(3, 4)
+    _train_step(executor, model, x)
+    assert not executor.chained_operators(StepKind.TRAIN) & {"fc_1", "fc_2"}, case
+    dtype_recorder.attach(model)
+    with executor.step(StepKind.TRAIN), dtype_recorder:
+        out = model(x)
+    assert [r for r in dtype_recorder.ops if r.module is None and r.op == "mul"][0].inputs == [FP32, FP32], case
+    assert out.dtype == FP32
 
 
 def test_escapes_through_functional_ops_return_to_fp32(dtype_recorder: Any) -> None:
