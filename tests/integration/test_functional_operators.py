@@ -19,8 +19,10 @@ from lightning.fabric import Fabric
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_comp import CoMPFabricPrecision, CoMPPrecision, CoMPSearch, PrecisionPlan
+from lightning_comp.execution.executor import StepKind
 from lightning_comp.operators import OperatorKind, discover_operators
 from lightning_comp.zoo import HFGPT2, CharGPT, CharTextDataModule, LitGPT, XTransformerLM
+from tests.helpers.recording import DtypeRecorder
 
 BF16, FP32 = torch.bfloat16, torch.float32
 _MATMULS = ("mm", "addmm", "bmm", "baddbmm")
@@ -181,6 +183,45 @@ def test_a_search_on_litgpt_trials_attention_and_its_plan_round_trips_and_resume
     again = CoMPPrecision(path)
     _trainer(tmp_path, again, [], limit_val_batches=0).fit(factory(), datamodule=_text())
     assert again.executor.precisions() == resumed_plugin.executor.precisions()
+
+
+class RecordMLP(pl.Callback):
+    """Records, in training step ``step``, the dtypes of every op of block 0's MLP (its own code and its Linears)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+        self.recorder: DtypeRecorder | None = None
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        if trainer.global_step == self.step:
+            mlp = "gpt.transformer.h.0.mlp"
+            self.recorder = DtypeRecorder().attach(pl_module, (mlp, f"{mlp}.fc_1", f"{mlp}.fc_2", f"{mlp}.proj"))
+            self.recorder.__enter__()
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        if self.recorder is not None and trainer.global_step == self.step + 1:
+            self.recorder.__exit__(None, None, None)
+            self.recorder.detach()
+
+
+@pytest.mark.slow
+@_needs("litgpt", "litgpt")
+def test_litgpts_gated_mlp_computes_its_product_in_bf16_between_bf16_linears(tmp_path: Path) -> None:
+    """``LLaMAMLP`` computes ``silu(fc_1(x)) * fc_2(x)`` in its own forward, no operator's work: between Linears
+    planned bf16 it runs in bf16 (as under autocast) and keeps bf16 copies for backward, not FP32 ones."""
+    torch.manual_seed(0)
+    plugin, record = CoMPPrecision({"type:Linear": "bf16"}), RecordMLP(step=2)  # 0 traces, 1 calibrates
+    with pytest.warns(UserWarning, match="stays in fp32"):  # the attention, left FP32 by this plan
+        _trainer(tmp_path, plugin, [record], limit_train_batches=3).fit(MODELS["litgpt"][0](), datamodule=_text())
+    mlp = "gpt.transformer.h.0.mlp"
+    assert {f"{mlp}.fc_1", f"{mlp}.fc_2"} <= plugin.executor.chained_operators(StepKind.TRAIN)
+    assert record.recorder is not None
+    own = [r for r in record.recorder.ops if r.module == mlp and r.op in ("silu", "mul")]
+    assert [r.op for r in own] == ["silu", "mul"]
+    assert all(set(r.inputs) == {BF16} and r.outputs == [BF16] for r in own), own
+    assert not [r for r in record.recorder.ops if r.module == mlp and r.op == "_to_copy"]  # no cast in between
+    proj = record.recorder.calls_of(f"{mlp}.proj")
+    assert proj and proj[0].inputs == [BF16]
 
 
 # ----------------------------------------------------------------------------------------------------- Fabric
