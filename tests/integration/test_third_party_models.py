@@ -122,6 +122,34 @@ def test_gpt2_computes_each_heavy_operator_in_bf16_under_an_all_bf16_plan() -> N
     assert products and all(r.outputs[0] == torch.bfloat16 for r in products)
 
 
+@needs_hf
+def test_a_llama_mlps_gated_product_computes_in_bf16_between_its_bf16_projections() -> None:
+    """Hugging Face's ``LlamaMLP`` multiplies ``act_fn(gate_proj(x)) * up_proj(x)`` in its own forward: under an
+    all-bf16 plan the product runs in bf16 and its inputs stay bf16 (no cast back to FP32 between operators)."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+    model = transformers.LlamaForCausalLM(config)
+    executor = PlanExecutor()
+    executor.apply(model, PrecisionPlan.from_dict({}, default="bf16"), "cpu")
+    tokens = torch.randint(0, 64, (2, 16))
+    for _ in range(2):  # the first step traces the modules' own work, the second calibrates the cast boundaries
+        with executor.step(StepKind.TRAIN):
+            model(input_ids=tokens, labels=tokens).loss.backward()
+    mlp = "model.layers.0.mlp"
+    assert {f"{mlp}.gate_proj", f"{mlp}.up_proj", f"{mlp}.act_fn"} <= executor.chained_operators(StepKind.TRAIN)
+    recorder = DtypeRecorder()
+    recorder.attach(model, (mlp, f"{mlp}.gate_proj", f"{mlp}.up_proj", f"{mlp}.act_fn", f"{mlp}.down_proj"))
+    with executor.step(StepKind.TRAIN), recorder:
+        model(input_ids=tokens, labels=tokens)
+    recorder.detach()
+    products = recorder.ops_of(mlp, "mul")
+    assert products and all(r.inputs == [torch.bfloat16] * 2 and r.outputs == [torch.bfloat16] for r in products)
+    assert not recorder.ops_of(mlp, "_to_copy")  # nothing cast between the projections
+
+
 @pytest.mark.slow
 @needs_hf
 def test_gpt2_search_chooses_a_plan_that_round_trips_and_resumes(tmp_path: Path) -> None:
