@@ -1,4 +1,4 @@
-"""Models nobody here wrote: Hugging Face GPT-2 and Llama and a torchvision ResNet, trained under CoMP with no change to them.
+"""Models nobody here wrote: Hugging Face GPT-2 and Llama, a torchvision ResNet: trained under CoMP unchanged.
 
 Each test needs its library (extras ``[hf]``/``[vision]``) and is skipped, saying why, where it is absent or cannot
 be imported beside this torch.
