@@ -27,7 +27,8 @@ from lightning_comp.search.decisions.codec_costs import CodecCost
 from lightning_comp.search.decisions.update_costs import UpdateCost
 from lightning_comp.search.measurement.process_memory import StepPeak
 
-__all__ = ["FrontierPoint", "Lever", "LeverOption", "MemorySpending", "Selection", "levers_past", "take_cheapest"]
+__all__ = ["FrontierPoint", "Lever", "LeverOption", "MemorySpending", "OtherBase", "Selection", "levers_past",
+           "take_cheapest"]
 
 
 @dataclass(frozen=True)
@@ -113,6 +114,29 @@ class Selection:
     met: bool = True
 
 
+@dataclass(frozen=True)
+class OtherBase:
+    """The end the levers reached on the plan not kept as their base.
+
+    Attributes:
+        base: that plan, in words.
+        start_bytes: its step bytes before the levers.
+        final_bytes: its step bytes with its levers.
+        end_ms: its step time with them.
+        max_ms: the slowest step it was allowed.
+        met: whether it met the budget (``True`` with none).
+        why: why the kept base's end is the better one, in words.
+    """
+
+    base: str
+    start_bytes: float
+    final_bytes: float
+    end_ms: float
+    max_ms: float
+    met: bool
+    why: str
+
+
 @dataclass
 class MemorySpending:
     """What the memory objective spent its step time on (the record's ``memory_spending``).
@@ -153,6 +177,9 @@ class MemorySpending:
             prices.
         codec_costs: saved codec (``"bf16"``, ``"fp8"``) -> what it adds to a step, fitted over every operator
             (:mod:`~lightning_comp.search.decisions.codec_costs`): the codec levers' prices.
+        other_base: where the levers were also spent on another plan before these (the candidates beside an
+            alternative the base rule chose): that plan's end, :class:`OtherBase` (``None``: none; kept while the run
+            lives, not in a checkpoint).
     """
 
     start_bytes: float
@@ -175,6 +202,17 @@ class MemorySpending:
     process_reference: str | None = None
     update_costs: dict[str, UpdateCost] = field(default_factory=dict)
     codec_costs: dict[str, CodecCost] = field(default_factory=dict)
+    other_base: OtherBase | None = field(default=None, init=False)
+
+    @property
+    def end_ms(self) -> float:
+        """The step's time with the levers kept (after any given back), as their measurements add up."""
+        return self.start_ms + sum(option.extra_ms for option in self.selection.chosen.values())
+
+    @property
+    def within_bound(self) -> bool:
+        """Whether the step with the levers kept is within the time allowed (by the levers' forecast)."""
+        return self.end_ms <= self.max_ms * (1 + 1e-9)
     bound_of: str = ""
 
 

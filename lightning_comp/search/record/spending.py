@@ -42,6 +42,11 @@ def spending_record(batch: BatchStageResult | None) -> dict[str, Any] | None:
         "measured_ms": None if spending.measured_ms is None else round(spending.measured_ms, 4),
         "measured_fast_ms": None if spending.measured_fast_ms is None else round(spending.measured_fast_ms, 4),
         "given_back": list(spending.given_back),
+        "other_base": None if spending.other_base is None else {
+            "base": spending.other_base.base, "start_mib": _mib(spending.other_base.start_bytes),
+            "final_mib": _mib(spending.other_base.final_bytes), "end_ms": round(spending.other_base.end_ms, 4),
+            "max_ms": _finite(spending.other_base.max_ms), "met": spending.other_base.met,
+            "why": spending.other_base.why},
         "process_peaks": {label: peak_record(peak) for label, peak in spending.process_peaks.items()},
         "process_target_mib": (None if spending.process_target_bytes is None
                                else _mib(spending.process_target_bytes)),

@@ -281,6 +281,12 @@ def _spending_section(spending: dict[str, Any] | None) -> list[str]:
         measured += f" (at least {spending['measured_fast_ms']:.2f} ms by the rounds' fast end)"
     lines.append(f"Stopped: {spending['stopped']}. The plan's step: {spending.get('final_mib', 0):.1f} MiB{amp},"
                  f" forecast {spending['forecast_ms']:.2f} ms{measured}.")
+    other = spending.get("other_base")
+    if other:
+        allowed = "" if other["max_ms"] is None else f" (at most {other['max_ms']:.2f} ms)"
+        lines.append(f"The levers were also spent on {other['base']}: from {other['start_mib']:.1f} MiB to"
+                     f" {other['final_mib']:.1f} MiB at {other['end_ms']:.2f} ms{allowed}"
+                     f"{'' if other['met'] else ', the budget not met'}; this base's end is {other['why']}.")
     costs = spending.get("update_costs") or {}
     if costs:
         lines.append("State and master levers priced by the update's cost model over every operator: " + ", ".join(

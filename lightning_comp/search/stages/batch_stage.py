@@ -23,9 +23,11 @@ that are faster in fp8 than in bf16.
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import lightning.pytorch as pl
@@ -48,7 +50,8 @@ from lightning_comp.search.decisions.batch_result import (
     Fp8StageResult,
     StepMemory,
 )
-from lightning_comp.search.decisions.groups import group_operators
+from lightning_comp.search.decisions.cheapest_bytes import OtherBase
+from lightning_comp.search.decisions.groups import OperatorGroup, group_operators
 from lightning_comp.search.decisions.operators import (
     Choice,
     OperatorDecision,
@@ -97,6 +100,24 @@ __all__ = ["BatchStage"]
 
 FP32, CANDIDATES = ComparedPlan.FP32, ComparedPlan.CANDIDATES
 CLEARLY_SLOWER = 2.0  # a whole step this many times the fastest one's in its first round is not timed again
+
+
+@dataclass(frozen=True)
+class _Measured:
+    """What the stage measured before it settles on a trialled plan (see :meth:`BatchStage._settle`)."""
+
+    modules: dict[str, nn.Module]
+    lowerable: list[str]
+    order: list[str]
+    groups: list[OperatorGroup]
+    alternatives: dict[ComparedPlan, PrecisionPlan]
+    amp: set[str]
+    comparison: StepComparison
+    steps: dict[ComparedPlan, PlanStep]
+    step_saved: dict[ComparedPlan, float]
+    results: dict[ProfiledPlan, ProfileResult]
+    budget: ExtraRounds
+    timing: TimingChoice
 
 
 class BatchStage:
@@ -200,32 +221,46 @@ class BatchStage:
                                 process_peak=peaks.get(plan))
                  for plan, ms in times.ms.items()}
         winner = ctx.agree(policy.winner(comparison, step_saved, list(alternatives), bool(names)))
+        measured = _Measured(modules, lowerable, order, groups, alternatives, set(amp), comparison, steps, step_saved,
+                             results, budget, timing)
+        if winner is None or not ctx.agree(policy.candidates_beside(comparison, winner, bool(names))):
+            return self._settle(ctx, measured, winner, names, runs, decisions)
+        # the levers spent on the alternative the base rule chose, then on the candidates: the better end is kept
+        chosen = self._settle(ctx, measured, winner, names, runs, copy.deepcopy(decisions))
+        candidates = self._settle(ctx, measured, None, names, runs, decisions)
+        return self._better_end(ctx, candidates, chosen, winner)
+
+    def _settle(self, ctx: StageContext, measured: _Measured, winner: ComparedPlan | None, names: list[str],
+                runs: list[Any], decisions: dict[str, OperatorDecision]) -> BatchStageResult:
+        """The stage's result with ``winner`` (``None``: the candidates ``names``, or FP32) as the trialled compute
+        plan: ``decisions`` settled on it, the fp8 and memory stages run on top of it."""
+        policy, steps, order, groups = ctx.policy, measured.steps, measured.order, measured.groups
+        comparison, modules = measured.comparison, measured.modules
         if winner is not None:
-            names, runs = self._adopt(ctx, winner, alternatives[winner], order, decisions, steps), []
+            names, runs = self._adopt(ctx, winner, measured.alternatives[winner], order, decisions, steps), []
         elif names:
             names = self._check_candidates(ctx, comparison, names, decisions)
         source = winner or (CANDIDATES if names else FP32)
         lowered = lowered_by(plan_for(self.low, runs, [Candidate(n) for n in names]), modules)
         flips: list[GroupFlip] = []
         if policy.refines and self.config.measurement.extra_profile_time > 0:
-            with single_intra_op_thread(timing.single_thread):
-                refined, flips = Refiner(ctx, budget, steps[FP32].wall_ms).refine(lowered, groups, decisions)
+            with single_intra_op_thread(measured.timing.single_thread):
+                refined, flips = Refiner(ctx, measured.budget, steps[FP32].wall_ms).refine(lowered, groups, decisions)
             lowered, flips = accept_refinement(lowered, refined, flips, comparison.median_to_fp32(source),
                                                self.config.measurement.speed_margin)
         trialled = trialled_plan(comparison, steps, source, flips)
         settle_decisions(decisions, order, lowered, flips, self.low)
         compute = compute_candidates([n for n in order if n in lowered]
                                      + sorted(n for n in lowered if n not in order), groups)
-        runs = []  # the trialled plan is written out whole: its fills are candidates of their own
-        base = plan_for(self.low, runs, compute)
+        base = plan_for(self.low, [], compute)  # the trialled plan is written out whole: its fills are candidates
         fp8 = Fp8StageResult()
         if self.fp8 is not None:
-            with single_intra_op_thread(timing.single_thread):
+            with single_intra_op_thread(measured.timing.single_thread):
                 fp8 = Fp8Stage(ctx, self.fp8).measure(base, compute, groups, decisions)
-        with single_intra_op_thread(timing.single_thread):
-            amp_plan = self._fixed_plan(ComparedPlan.AMP, modules, lowerable, order, decisions, set(amp))
-            saved, parameters, spending = memory_levers(ctx, base, order, decisions, steps, step_saved, source,
-                                                        amp_plan, comparison)
+        with single_intra_op_thread(measured.timing.single_thread):
+            amp_plan = self._fixed_plan(ComparedPlan.AMP, modules, measured.lowerable, order, decisions, measured.amp)
+            saved, parameters, spending = memory_levers(ctx, base, order, decisions, steps, measured.step_saved,
+                                                        source, amp_plan, comparison)
         candidates = in_execution_order(order, compute, groups, saved, parameters,
                                         [Candidate.in_fp8(name) for name in fp8.choices])
         benefits = {candidate: sum(decisions[m].benefit for m in members_of(candidate, groups))
@@ -234,13 +269,33 @@ class BatchStage:
         benefits.update(saved.benefits)
         benefits.update(parameters.benefits)
         return BatchStageResult(
-            decisions=decisions, candidates=tuple(candidates), benefits=benefits, runs=runs, saved=saved,
+            decisions=decisions, candidates=tuple(candidates), benefits=benefits, runs=[], saved=saved,
             parameters=parameters, order=order, steps=steps,
-            memory={label: StepMemory(r.saved_bytes, r.peak_bytes) for label, r in results.items()
+            memory={label: StepMemory(r.saved_bytes, r.peak_bytes) for label, r in measured.results.items()
                     if label is ProfiledPlan.FP32 or self.low.is_low},
             groups=[g for g in groups if g.size > 1], flips=flips, trialled=trialled, memory_spending=spending,
             fp8=fp8,
         )
+
+    def _better_end(self, ctx: StageContext, candidates: BatchStageResult, chosen: BatchStageResult,
+                    winner: ComparedPlan) -> BatchStageResult:
+        """Of the levers' ends on the candidates and on ``winner`` (the plan the base rule chose), the better by
+        :meth:`~lightning_comp.search.decisions.objectives.ObjectivePolicy.better_end` (a tie keeps the candidates);
+        the one kept names the other's end."""
+        ends = candidates.memory_spending, chosen.memory_spending
+        if ends[0] is None or ends[1] is None:
+            return candidates if ends[1] is None else chosen
+        why = ctx.agree(ctx.policy.better_end(ends[0], ends[1]))
+        kept, other = (chosen, candidates) if why is not None else (candidates, chosen)
+        other_label = CANDIDATES if why is not None else winner
+        kept_end, other_end = (ends[1], ends[0]) if why is not None else ends
+        if why is None:
+            why = ctx.agree(ctx.policy.better_end(ends[1], ends[0])) or "no worse (a tie keeps the candidates)"
+        assert kept_end is not None and other_end is not None
+        kept_end.other_base = OtherBase(
+            base=other_label.describe(self.low), start_bytes=other_end.start_bytes, final_bytes=other_end.final_bytes,
+            end_ms=other_end.end_ms, max_ms=other_end.max_ms, met=other_end.selection.met, why=why)
+        return kept
 
     # ---------------------------------------------------------------------------------------------- measuring
     def _profile_operators(self, ctx: StageContext, lowerable: list[str]) -> dict[ProfiledPlan, ProfileResult]:
