@@ -34,6 +34,10 @@ example the compute-only plan keeps 21 MiB more than the candidates and would ha
 them, where the rule before (the leanest of the plans the fastest does not beat by the margin) took it at x0.93 in one
 of four runs and ended 22 MiB fatter. A base chosen as the leanest within the bound (the rule before that) left the
 levers little time: all-low's plan (x1.10-1.19 of the pace) left them 14 ms where the candidates' left 43 ms.
+
+That price is still a guess: the levers buy bytes at 2-10x the candidates' average rate. Where it chooses another
+plan than the candidates and they are in the contest (:meth:`ObjectivePolicy.candidates_beside`), the batch stage
+spends the levers on both and keeps the better end (:meth:`ObjectivePolicy.better_end`).
 """
 
 from __future__ import annotations

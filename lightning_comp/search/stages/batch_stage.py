@@ -16,7 +16,9 @@ fastest by the median, then refined one group at a time by whole steps,
 :mod:`lightning_comp.search.stages.refine_stage`); if nothing beats FP32, the search ends. The trialled plan is
 written whole (one glob per group it lowers whole). With the memory and balanced objectives, the saved stage
 (:mod:`lightning_comp.search.stages.saved_stage`) adds the saved-precision candidates, and the parameter stage
-(:mod:`lightning_comp.search.stages.parameter_stage`) the optimizer-state and master-weight ones. Where fp8 is
+(:mod:`lightning_comp.search.stages.parameter_stage`) the optimizer-state and master-weight ones; where the plan
+those levers build on is an alternative to the candidates, they are measured and spent on the candidates too and the
+better end is kept (:meth:`~lightning_comp.search.decisions.objectives.ObjectivePolicy.better_end`). Where fp8 is
 searched, the fp8 stage (:mod:`lightning_comp.search.stages.fp8_stage`) adds fp8 candidates for the lowered Linears
 that are faster in fp8 than in bf16.
 """
