@@ -146,11 +146,7 @@ class ConsumerTracer(TorchFunctionMode):
     def _view(self, result: Any, inputs: list[torch.Tensor]) -> Any:
         """Attribute the outputs of a view of ``inputs`` to their producers (and their call: using the view uses it)."""
         sources = frozenset().union(*(self.producers[id(t)] for t in inputs))
-        call = self.call_of[id(inputs[0])]
-        for tensor in tensors(result):
-            self.producers[id(tensor)] = sources
-            self.call_of[id(tensor)] = call
-            self.refs[id(tensor)] = weakref.ref(tensor)
+        self._attribute(result, sources, self.call_of[id(inputs[0])])
         return result
 
     def _elementwise(self, func: Any, args: Any, kwargs: Any) -> Any:
@@ -166,13 +162,7 @@ class ConsumerTracer(TorchFunctionMode):
         self.together.add(sources)
         for tensor in floating:
             self.unused_calls.discard(self.call_of[id(tensor)])
-        call = len(self.call_names)
-        self.call_names.append(sources)
-        self.unused_calls.add(call)
-        for tensor in tensors(result):
-            self.producers[id(tensor)] = sources
-            self.call_of[id(tensor)] = call
-            self.refs[id(tensor)] = weakref.ref(tensor)
+        self._new_call(result, sources)
         return result
 
     def _outside_operators(self) -> bool:
@@ -215,13 +205,20 @@ class ConsumerTracer(TorchFunctionMode):
         else:
             attributed = sources if op.transparent else (frozenset({op.name}) if op.low else frozenset())
         if attributed:
-            call = len(self.call_names)
-            self.call_names.append(attributed)
-            self.unused_calls.add(call)
-            for tensor in tensors(output):
-                self.producers[id(tensor)] = attributed
-                self.call_of[id(tensor)] = call
-                self.refs[id(tensor)] = weakref.ref(tensor)
+            self._new_call(output, attributed)
+
+    def _new_call(self, output: Any, producers: frozenset[str]) -> None:
+        """Attribute the tensors of ``output`` to ``producers`` as one new call, unused until something reads them."""
+        call = len(self.call_names)
+        self.call_names.append(producers)
+        self.unused_calls.add(call)
+        self._attribute(output, producers, call)
+
+    def _attribute(self, output: Any, producers: frozenset[str], call: int) -> None:
+        for tensor in tensors(output):
+            self.producers[id(tensor)] = producers
+            self.call_of[id(tensor)] = call
+            self.refs[id(tensor)] = weakref.ref(tensor)
 
     def had_effect(self, op: TracedOperator, output: Any) -> bool:
         """Whether low operator ``op`` computed anything in its low dtype: its output is of that dtype, or a call
