@@ -33,7 +33,8 @@ def test_the_levers_are_spent_on_the_candidates_beside_the_rules_choice_and_the_
         return AMP if AMP in labels else original(self, steps, saved, labels, have_candidates)
 
     monkeypatch.setattr(MemoryPolicy, "winner", amp_wins)
-    monkeypatch.setattr(MemoryPolicy, "candidates_beside", lambda self, steps, base, have: base is AMP and have)
+    monkeypatch.setattr(MemoryPolicy, "measured_beside",
+                        lambda self, steps, saved, labels, have, base: base if base is AMP and have else None)
     pl.seed_everything(0)
     search = fixed_search(objective="memory", precisions={"saved": "bf16", "master": "off"}, max_trials=3,
                           exclude=["a?"])

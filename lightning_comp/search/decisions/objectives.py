@@ -26,7 +26,7 @@ balanced       the geometric mean of its time and memory ratios to FP32 (the *ba
 Where the memory or balanced objective spends memory levers on its plan (a ``saved``, ``state`` or ``master`` dimension
 is searched), the whole-step plan it builds on is chosen for what it will end at once the levers are spent, not for its
 own bytes alone: the levers buy bytes with the time left under the bound, so a faster plan is worth the bytes that time
-buys. :func:`_base_for_the_levers` prices that time at the incumbent's (the candidates') own saved bytes per millisecond
+buys. :func:`_ranked_bases` prices that time at the incumbent's (the candidates') own saved bytes per millisecond
 of its step, a plan's *cost* being its saved bytes plus the incumbent's times its step relative to the incumbent's (by
 the median of their paired rounds): a plan displaces the candidates where it costs less and is not slower than them by
 more than the margin. Bytes are exact and only the time is noisy, and it is weighed by the bytes it buys: on the default
@@ -36,8 +36,9 @@ of four runs and ended 22 MiB fatter. A base chosen as the leanest within the bo
 levers little time: all-low's plan (x1.10-1.19 of the pace) left them 14 ms where the candidates' left 43 ms.
 
 That price is still a guess: the levers buy bytes at 2-10x the candidates' average rate. Where it chooses another
-plan than the candidates and they are in the contest (:meth:`ObjectivePolicy.candidates_beside`), the batch stage
-spends the levers on both and keeps the better end (:meth:`ObjectivePolicy.better_end`).
+plan than the candidates and they are in the contest, or keeps them by less than the margin of cost over the
+runner-up (:meth:`ObjectivePolicy.measured_beside`), the batch stage spends the levers on both plans and keeps the
+better end (:meth:`ObjectivePolicy.better_end`).
 """
 
 from __future__ import annotations
@@ -162,7 +163,7 @@ class ObjectivePolicy(ABC):
     def base_for_the_levers(self, steps: StepComparison, saved: dict[ComparedPlan, float],
                             labels: list[ComparedPlan], have_candidates: bool) -> ComparedPlan | None:
         """Where levers are spent, the plan (of those not past the bound beyond doubt; of all where every one is)
-        that should end leanest once they are (:func:`_base_for_the_levers`; ``None``: the candidates, or FP32).
+        that should end leanest once they are (:func:`_ranked_bases`; ``None``: the candidates, or FP32).
 
         An alternative whose median step is at or past the bound (:meth:`leaves_room`) is no base while the
         candidates or another plan are in the contest: the room the levers get is measured by the medians, so it
@@ -178,26 +179,47 @@ class ObjectivePolicy(ABC):
         contest where they are past the bound and another plan is not: on gpt (balanced, seed 1) the only plan within
         1.05x of the pace was the pace itself, the plan of compute operators only, 46 MiB fatter than the candidates
         (x1.10 of it); built on for its room it ended at 0.98x AMP's step peak where the candidates end near 0.6x."""
+        labels, have_candidates = self._contest(steps, labels, have_candidates)
+        ranked = _ranked_bases(steps, saved, labels, have_candidates, self.config.measurement.speed_margin)
+        incumbent = CANDIDATES if have_candidates else FP32
+        return None if not ranked or ranked[0][0] == incumbent else ranked[0][0]
+
+    def _contest(self, steps: StepComparison, labels: list[ComparedPlan],
+                 have_candidates: bool) -> tuple[list[ComparedPlan], bool]:
+        """The alternatives, and whether the candidates, in :meth:`base_for_the_levers`'s contest."""
         kept = [plan for plan in labels if self.bound_holds(steps, plan) is not Verdict.ABOVE]
         candidates_kept = have_candidates and self.candidates_pay(steps) is not Verdict.ABOVE
         roomy = [plan for plan in kept if self.leaves_room(steps, plan)]
         if roomy or (candidates_kept and self.leaves_room(steps, CANDIDATES)):
             kept = roomy
         if kept or candidates_kept:
-            labels, have_candidates = kept, candidates_kept
-        return _base_for_the_levers(steps, saved, labels, have_candidates, self.config.measurement.speed_margin)
+            return kept, candidates_kept
+        return labels, have_candidates
 
-    def candidates_beside(self, steps: StepComparison, base: ComparedPlan | None, have_candidates: bool) -> bool:
-        """Whether the levers are spent on the candidates too, beside ``base`` (the alternative
-        :meth:`base_for_the_levers` chose), and the base kept is the one whose own levers end better
-        (:meth:`better_end`): where levers are spent and the candidates are in that contest.
+    def measured_beside(self, steps: StepComparison, saved: dict[ComparedPlan, float], labels: list[ComparedPlan],
+                        have_candidates: bool, base: ComparedPlan | None) -> ComparedPlan | None:
+        """The alternative whose levers are spent too, beside the candidates', where :meth:`base_for_the_levers`
+        chose ``base`` (``None``: none; the base kept is then the one whose own levers end better,
+        :meth:`better_end`): where levers are spent and the candidates are in the contest, ``base`` itself where it
+        is an alternative, and where it is the candidates, the runner-up where its cost is within ``speed_margin`` of
+        theirs (the rule cannot tell them apart).
 
-        The base rule prices the time a plan gains at the candidates' own bytes per millisecond of their step, a
-        guess the levers beat by 2-10x: on the default example it chose all-low's plan (25 MiB leaner than the
-        candidates, 4 % slower) in one search of three, whose levers then had 1.8 ms of room and ended at 87.5 MiB,
-        where the candidates' ended at 52.5 MiB in another; a plan chosen so must now show it by its own levers."""
-        return (self.spends_levers and base is not None and base != CANDIDATES and have_candidates
-                and self.candidates_pay(steps) is not Verdict.ABOVE)
+        The rule prices the time a plan gains at the candidates' own bytes per millisecond of their step, a guess the
+        levers beat by 2-10x: on the default example it chose all-low's plan (25 MiB leaner than the candidates, 4 %
+        slower) in one search of three, whose levers then had 1.8 ms of room and ended at 87.5 MiB, where the
+        candidates' ended at 52.5 MiB in another; a plan chosen so must now show it by its own levers. On litgpt
+        (balanced) it kept the candidates by 0.5 % of cost over the compute-only plan, whose levers had ended 4 MiB
+        leaner in the other seed's search."""
+        if not self.spends_levers or not have_candidates or self.candidates_pay(steps) is Verdict.ABOVE:
+            return None
+        if base is not None:
+            return None if base == CANDIDATES else base
+        labels, have_candidates = self._contest(steps, labels, have_candidates)
+        ranked = _ranked_bases(steps, saved, labels, have_candidates, self.config.measurement.speed_margin)
+        if len(ranked) < 2 or ranked[0][0] != CANDIDATES:
+            return None
+        (_, cost), (runner_up, its_cost) = ranked[:2]
+        return runner_up if its_cost <= cost * (1 + self.config.measurement.speed_margin) else None
 
     def better_end(self, kept: MemorySpending, other: MemorySpending) -> str | None:
         """Why the levers' end on another base (``other``) is better than on the base kept so far (``kept``), in
@@ -321,7 +343,7 @@ class MemoryPolicy(ObjectivePolicy):
     def winner(self, steps: StepComparison, saved: dict[ComparedPlan, float], labels: list[ComparedPlan],
                have_candidates: bool) -> ComparedPlan | None:
         """Where levers are spent (:attr:`spends_levers`), the plan (not past the bound beyond doubt) that should end
-        leanest once they are (:func:`_base_for_the_levers`).
+        leanest once they are (:func:`_ranked_bases`).
 
         Otherwise the leanest plan within the slowdown of the pace: an alternative when it saves the margin's share
         of the candidates' bytes (or the candidates are past the bound), or when it saves as much as they do and is
@@ -444,18 +466,18 @@ def _leanest_of_the_fastest(steps: StepComparison, saved: dict[ComparedPlan, flo
     return None if best == incumbent else best
 
 
-def _base_for_the_levers(steps: StepComparison, saved: dict[ComparedPlan, float], labels: list[ComparedPlan],
-                         have_candidates: bool, margin: float) -> ComparedPlan | None:
-    """The plan to spend memory levers on: of the incumbent (the candidates, or FP32 without them) and the plans of
-    ``labels`` not slower than it by more than ``margin`` (by the median of their paired rounds), the one of least
-    *cost*: its saved bytes plus the incumbent's saved bytes times its step relative to the incumbent's. The time a
-    plan gains is priced at the incumbent's own bytes per millisecond, as the levers will buy bytes with it; a tie goes
-    to the incumbent (``None``: it wins).
+def _ranked_bases(steps: StepComparison, saved: dict[ComparedPlan, float], labels: list[ComparedPlan],
+                  have_candidates: bool, margin: float) -> list[tuple[ComparedPlan, float]]:
+    """The plans to spend memory levers on, best first, with their cost: the incumbent (the candidates, or FP32
+    without them) and the plans of ``labels`` not slower than it by more than ``margin`` (by the median of their
+    paired rounds), by *cost*: a plan's saved bytes plus the incumbent's saved bytes times its step relative to the
+    incumbent's. The time a plan gains is priced at the incumbent's own bytes per millisecond, as the levers will buy
+    bytes with it; a tie goes to the incumbent. Empty where ``labels`` is.
 
     By the median, not beyond doubt: a load spike in a few rounds widens every interval (to x2.6 of the median in one
     run of the default example), and a slow plan's would then reach the incumbent's."""
     if not labels:
-        return None
+        return []
     incumbent = CANDIDATES if have_candidates else FP32
     price = saved[incumbent]  # bytes per step of the incumbent's
 
@@ -463,8 +485,8 @@ def _base_for_the_levers(steps: StepComparison, saved: dict[ComparedPlan, float]
         return 1.0 if plan == incumbent else steps.ratio(plan, incumbent).ratio
 
     contenders = [incumbent, *(plan for plan in labels if relative(plan) <= 1 + margin)]
-    best = min(contenders, key=lambda plan: (saved[plan] + price * relative(plan), plan != incumbent))
-    return None if best == incumbent else best
+    costs = {plan: saved[plan] + price * relative(plan) for plan in contenders}
+    return sorted(costs.items(), key=lambda item: (item[1], item[0] != incumbent))
 
 
 def _slowdown_involved(steps: StepComparison, labels: list[ComparedPlan], limit: float) -> frozenset[ComparedPlan]:

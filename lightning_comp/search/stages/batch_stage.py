@@ -18,7 +18,8 @@ written whole (one glob per group it lowers whole). With the memory and balanced
 (:mod:`lightning_comp.search.stages.saved_stage`) adds the saved-precision candidates, and the parameter stage
 (:mod:`lightning_comp.search.stages.parameter_stage`) the optimizer-state and master-weight ones; where the plan
 those levers build on is an alternative to the candidates, they are measured and spent on the candidates too and the
-better end is kept (:meth:`~lightning_comp.search.decisions.objectives.ObjectivePolicy.better_end`). Where fp8 is
+better end is kept (:meth:`~lightning_comp.search.decisions.objectives.ObjectivePolicy.better_end`; also where the
+candidates are the base and an alternative's cost is within the margin of theirs). Where fp8 is
 searched, the fp8 stage (:mod:`lightning_comp.search.stages.fp8_stage`) adds fp8 candidates for the lowered Linears
 that are faster in fp8 than in bf16.
 """
@@ -225,12 +226,14 @@ class BatchStage:
         winner = ctx.agree(policy.winner(comparison, step_saved, list(alternatives), bool(names)))
         measured = _Measured(modules, lowerable, order, groups, alternatives, set(amp), comparison, steps, step_saved,
                              results, budget, timing)
-        if winner is None or not ctx.agree(policy.candidates_beside(comparison, winner, bool(names))):
+        beside = ctx.agree(policy.measured_beside(comparison, step_saved, list(alternatives), bool(names), winner))
+        if beside is None:
             return self._settle(ctx, measured, winner, names, runs, decisions)
-        # the levers spent on the alternative the base rule chose, then on the candidates: the better end is kept
-        chosen = self._settle(ctx, measured, winner, names, runs, copy.deepcopy(decisions))
+        # the levers spent on an alternative (the base rule's choice, or its runner-up), then on the candidates: the
+        # better end is kept
+        alternative = self._settle(ctx, measured, beside, names, runs, copy.deepcopy(decisions))
         candidates = self._settle(ctx, measured, None, names, runs, decisions)
-        return self._better_end(ctx, candidates, chosen, winner)
+        return self._better_end(ctx, candidates, alternative, beside)
 
     def _settle(self, ctx: StageContext, measured: _Measured, winner: ComparedPlan | None, names: list[str],
                 runs: list[Any], decisions: dict[str, OperatorDecision]) -> BatchStageResult:
@@ -281,7 +284,7 @@ class BatchStage:
 
     def _better_end(self, ctx: StageContext, candidates: BatchStageResult, chosen: BatchStageResult,
                     winner: ComparedPlan) -> BatchStageResult:
-        """Of the levers' ends on the candidates and on ``winner`` (the plan the base rule chose), the better by
+        """Of the levers' ends on the candidates and on the alternative ``winner``, the better by
         :meth:`~lightning_comp.search.decisions.objectives.ObjectivePolicy.better_end` (a tie keeps the candidates);
         the one kept names the other's end."""
         ends = candidates.memory_spending, chosen.memory_spending
