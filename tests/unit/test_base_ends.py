@@ -70,6 +70,15 @@ def test_where_the_candidates_win_by_less_than_the_margin_the_runner_up_is_measu
     assert policy.measured_beside(steps, fat, [AMP, ALL_LOW, COMPUTE], True, None) is None
 
 
+def test_candidates_past_the_bound_beyond_doubt_are_not_measured_beside() -> None:
+    # gpt balanced, seed 0 (2026-12-08): the candidates x1.15 of the pace, the bound 1.05x
+    steps = _steps({FP32: 231.4, CANDIDATES: 105.0 * 1.05, AMP: 105.4, ALL_LOW: 106.4, COMPUTE: 95.9})
+    policy = _policy("balanced")
+    policy.set_pace(steps.pace())
+    for base in (COMPUTE, None):
+        assert policy.measured_beside(steps, SAVED, [AMP, ALL_LOW, COMPUTE], True, base) is None
+
+
 def test_the_memory_objective_keeps_the_leaner_end_and_a_tie_keeps_the_candidates() -> None:
     policy = _policy("memory")
     candidates = _end(119.0, 52.5, 100.0, 9.0)
