@@ -282,23 +282,23 @@ class BatchStage:
             fp8=fp8,
         )
 
-    def _better_end(self, ctx: StageContext, candidates: BatchStageResult, chosen: BatchStageResult,
-                    winner: ComparedPlan) -> BatchStageResult:
-        """Of the levers' ends on the candidates and on the alternative ``winner``, the better by
+    def _better_end(self, ctx: StageContext, candidates: BatchStageResult, alternative: BatchStageResult,
+                    label: ComparedPlan) -> BatchStageResult:
+        """Of the levers' ends on the candidates and on the alternative ``label``, the better by
         :meth:`~lightning_comp.search.decisions.objectives.ObjectivePolicy.better_end` (a tie keeps the candidates);
         the one kept names the other's end."""
-        ends = candidates.memory_spending, chosen.memory_spending
-        if ends[0] is None or ends[1] is None:
-            return candidates if ends[1] is None else chosen
-        why = ctx.agree(ctx.policy.better_end(ends[0], ends[1]))
-        kept, other = (chosen, candidates) if why is not None else (candidates, chosen)
-        other_label = CANDIDATES if why is not None else winner
-        kept_end, other_end = (ends[1], ends[0]) if why is not None else ends
-        if why is None:
-            why = ctx.agree(ctx.policy.better_end(ends[1], ends[0])) or "no worse (a tie keeps the candidates)"
-        assert kept_end is not None and other_end is not None
+        candidates_end, alternative_end = candidates.memory_spending, alternative.memory_spending
+        if candidates_end is None or alternative_end is None:
+            return candidates if alternative_end is None else alternative
+        why = ctx.agree(ctx.policy.better_end(candidates_end, alternative_end))
+        if why is not None:  # the alternative's end is the better
+            kept, kept_end, other_end, other = alternative, alternative_end, candidates_end, CANDIDATES
+        else:
+            kept, kept_end, other_end, other = candidates, candidates_end, alternative_end, label
+            tie = "no worse (a tie keeps the candidates)"
+            why = ctx.agree(ctx.policy.better_end(alternative_end, candidates_end)) or tie
         kept_end.other_base = OtherBase(
-            base=other_label.describe(self.low), start_bytes=other_end.start_bytes, final_bytes=other_end.final_bytes,
+            base=other.describe(self.low), start_bytes=other_end.start_bytes, final_bytes=other_end.final_bytes,
             end_ms=other_end.end_ms, max_ms=other_end.max_ms, met=other_end.selection.met, why=why)
         return kept
 
