@@ -19,6 +19,7 @@ from lightning_comp import CoMPPrecision
 from lightning_comp.search.decisions.objectives import MemoryPolicy
 from lightning_comp.search.decisions.whole_step import ComparedPlan, StepComparison
 from lightning_comp.search.record.text import format_record
+from lightning_comp.search.stages import batch_stage
 from tests.helpers.search_models import AdamWMLP, fixed_search, loaders, search_trainer
 
 AMP = ComparedPlan.AMP
@@ -34,8 +35,8 @@ def test_the_levers_are_spent_on_the_candidates_beside_the_rules_choice_and_the_
         return AMP if AMP in labels else original(self, steps, saved, labels, have_candidates)
 
     monkeypatch.setattr(MemoryPolicy, "winner", amp_wins)
-    monkeypatch.setattr(MemoryPolicy, "measured_beside",
-                        lambda self, steps, saved, labels, have, base: base if base is AMP and have else None)
+    monkeypatch.setattr(batch_stage, "measured_beside",
+                        lambda policy, steps, saved, labels, have, base: base if base is AMP and have else None)
     pl.seed_everything(0)
     search = fixed_search(objective="memory", precisions={"saved": "bf16", "master": "off"}, max_trials=3,
                           exclude=["a?"])

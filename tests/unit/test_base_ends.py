@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import math
 
-from lightning_comp.search.config import SearchConfig
+from lightning_comp.search.config import Objective, SearchConfig
 from lightning_comp.search.decisions.cheapest_bytes import LeverOption, MemorySpending, OtherBase, Selection
+from lightning_comp.search.decisions.levers_base import better_end, measured_beside
 from lightning_comp.search.decisions.objectives import ObjectivePolicy, policy_for
 from lightning_comp.search.decisions.whole_step import ComparedPlan, StepComparison
 from lightning_comp.search.record.text import _spending_section
@@ -14,6 +15,7 @@ from lightning_comp.search.record.text import _spending_section
 FP32, CANDIDATES, AMP = ComparedPlan.FP32, ComparedPlan.CANDIDATES, ComparedPlan.AMP
 COMPUTE, ALL_LOW = ComparedPlan.COMPUTE, ComparedPlan.ALL_LOW
 MiB = 2**20
+MEMORY, BALANCED = Objective.MEMORY, Objective.BALANCED
 
 
 def _policy(objective: str, levers: bool = True, **settings: float) -> ObjectivePolicy:
@@ -47,12 +49,12 @@ def test_an_alternative_base_is_measured_beside_the_candidates_only_where_levers
     labels = [AMP, ALL_LOW, COMPUTE]
     base = policy.winner(steps, SAVED, labels, True)
     assert base is ALL_LOW  # the rule's guess: the time it loses priced at the candidates' own bytes per ms
-    assert policy.measured_beside(steps, SAVED, labels, True, base) is ALL_LOW
-    assert policy.measured_beside(steps, SAVED, labels, False, base) is None  # no candidates
+    assert measured_beside(policy, steps, SAVED, labels, True, base) is ALL_LOW
+    assert measured_beside(policy, steps, SAVED, labels, False, base) is None  # no candidates
     plain = _policy("memory", levers=False)  # no levers: the plan's bytes are its end
     plain.set_pace(steps.pace())
-    assert plain.measured_beside(steps, SAVED, labels, True, plain.winner(steps, SAVED, labels, True)) is None
-    assert _policy("throughput").measured_beside(steps, SAVED, labels, True, AMP) is None
+    assert measured_beside(plain, steps, SAVED, labels, True, plain.winner(steps, SAVED, labels, True)) is None
+    assert measured_beside(_policy("throughput"), steps, SAVED, labels, True, AMP) is None
 
 
 def test_where_the_candidates_win_by_less_than_the_margin_the_runner_up_is_measured_beside() -> None:
@@ -63,11 +65,11 @@ def test_where_the_candidates_win_by_less_than_the_margin_the_runner_up_is_measu
     policy = _policy("balanced")
     policy.set_pace(steps.pace())
     assert policy.winner(steps, saved, [AMP, ALL_LOW, COMPUTE], True) is None
-    assert policy.measured_beside(steps, saved, [AMP, ALL_LOW, COMPUTE], True, None) is COMPUTE
+    assert measured_beside(policy, steps, saved, [AMP, ALL_LOW, COMPUTE], True, None) is COMPUTE
     # a runner-up the rule tells apart (its cost 20 % past the candidates') is not measured
     fat = {**saved, COMPUTE: 45.0}
     assert policy.winner(steps, fat, [AMP, ALL_LOW, COMPUTE], True) is None
-    assert policy.measured_beside(steps, fat, [AMP, ALL_LOW, COMPUTE], True, None) is None
+    assert measured_beside(policy, steps, fat, [AMP, ALL_LOW, COMPUTE], True, None) is None
 
 
 def test_candidates_past_the_bound_beyond_doubt_are_not_measured_beside() -> None:
@@ -76,42 +78,39 @@ def test_candidates_past_the_bound_beyond_doubt_are_not_measured_beside() -> Non
     policy = _policy("balanced")
     policy.set_pace(steps.pace())
     for base in (COMPUTE, None):
-        assert policy.measured_beside(steps, SAVED, [AMP, ALL_LOW, COMPUTE], True, base) is None
+        assert measured_beside(policy, steps, SAVED, [AMP, ALL_LOW, COMPUTE], True, base) is None
 
 
 def test_the_memory_objective_keeps_the_leaner_end_and_a_tie_keeps_the_candidates() -> None:
-    policy = _policy("memory")
     candidates = _end(119.0, 52.5, 100.0, 9.0)
     alternative = _end(94.0, 87.5, 108.0, 1.8)  # leaner to start, with little room left
-    assert policy.better_end(candidates, alternative) is None
-    assert policy.better_end(alternative, candidates) == "leaner (52.5 against 87.5 MiB)"
-    assert policy.better_end(candidates, _end(119.0, 52.5, 90.0, 5.0)) is None  # as lean, faster: a tie in bytes
-    assert policy.better_end(candidates, _end(94.0, 50.0, 108.0, 1.8)) == "leaner (50.0 against 52.5 MiB)"
+    assert better_end(MEMORY, candidates, alternative) is None
+    assert better_end(MEMORY, alternative, candidates) == "leaner (52.5 against 87.5 MiB)"
+    assert better_end(MEMORY, candidates, _end(119.0, 52.5, 90.0, 5.0)) is None  # as lean, faster: a tie in bytes
+    assert better_end(MEMORY, candidates, _end(94.0, 50.0, 108.0, 1.8)) == "leaner (50.0 against 52.5 MiB)"
 
 
 def test_an_end_within_its_bound_beats_one_past_it_and_a_met_budget_beats_a_missed_one() -> None:
-    policy = _policy("memory")
     past = _end(119.0, 40.0, 105.0, 9.0, max_ms=110.0)  # 114 ms against 110 allowed
     within = _end(119.0, 60.0, 100.0, 9.0, max_ms=110.0)
     assert not past.within_bound and within.within_bound
-    assert policy.better_end(past, within) == "within its bound where the other is not"
-    assert policy.better_end(within, past) is None
+    assert better_end(MEMORY, past, within) == "within its bound where the other is not"
+    assert better_end(MEMORY, within, past) is None
     # with a budget: meeting it wins, then the faster of two that meet it
     met = _end(119.0, 60.0, 100.0, 9.0, target_mib=64.0)
     missed = _end(119.0, 66.0, 95.0, 2.0, target_mib=64.0, met=False)
-    assert policy.better_end(missed, met) == "meets the budget where the other does not"
-    assert policy.better_end(met, missed) is None
+    assert better_end(MEMORY, missed, met) == "meets the budget where the other does not"
+    assert better_end(MEMORY, met, missed) is None
     faster = _end(110.0, 63.0, 96.0, 4.0, target_mib=64.0)
-    assert policy.better_end(met, faster) == "meets the budget faster (100.00 against 109.00 ms)"
+    assert better_end(MEMORY, met, faster) == "meets the budget faster (100.00 against 109.00 ms)"
 
 
 def test_the_balanced_objective_keeps_the_end_of_the_better_score() -> None:
-    policy = _policy("balanced")
     lean_slow = _end(119.0, 60.0, 100.0, 9.0)  # 60 MiB at 109 ms: 6540
     fat_fast = _end(119.0, 70.0, 90.0, 4.0)  # 70 MiB at 94 ms: 6580
-    assert policy.better_end(fat_fast, lean_slow) == ("better in time x memory (60.0 MiB at 109.00 ms against 70.0"
+    assert better_end(BALANCED, fat_fast, lean_slow) == ("better in time x memory (60.0 MiB at 109.00 ms against 70.0"
                                                       " MiB at 94.00 ms)")
-    assert policy.better_end(lean_slow, fat_fast) is None
+    assert better_end(BALANCED, lean_slow, fat_fast) is None
 
 
 def test_the_record_says_where_the_levers_were_also_spent() -> None:

@@ -9,6 +9,7 @@ from lightning_comp import CoMPSearch
 from lightning_comp.errors import SearchConfigError
 from lightning_comp.numerics.precision import ComputePrecision
 from lightning_comp.search.config import SearchConfig
+from lightning_comp.search.decisions.levers_base import base_for_the_levers
 from lightning_comp.search.decisions.objectives import policy_for
 from lightning_comp.search.decisions.parameters import StepBudget, judge_lowering
 from lightning_comp.search.decisions.whole_step import ComparedPlan, Pace, PlanStep, StepComparison
@@ -365,7 +366,7 @@ def test_with_levers_a_plan_at_the_bound_by_its_median_is_no_base_however_lean()
     assert policy.leaves_room(inside, ALL_LOW)  # type: ignore[attr-defined]
     assert policy.winner(inside, saved, [ALL_LOW, COMPUTE], True) is ALL_LOW  # type: ignore[attr-defined]
     # where no plan but it is in the contest it stays the base (something must be built on)
-    assert policy.base_for_the_levers(steps, saved, [ALL_LOW], False) is ALL_LOW  # type: ignore[attr-defined]
+    assert base_for_the_levers(policy, steps, saved, [ALL_LOW], False) is ALL_LOW  # type: ignore[arg-type]
 
 
 def test_with_levers_where_no_plan_leaves_room_every_plan_is_in_the_contest() -> None:

@@ -24,21 +24,8 @@ balanced       the geometric mean of its time and memory ratios to FP32 (the *ba
 =============  ===========================================================================================
 
 Where the memory or balanced objective spends memory levers on its plan (a ``saved``, ``state`` or ``master`` dimension
-is searched), the whole-step plan it builds on is chosen for what it will end at once the levers are spent, not for its
-own bytes alone: the levers buy bytes with the time left under the bound, so a faster plan is worth the bytes that time
-buys. :func:`_ranked_bases` prices that time at the incumbent's (the candidates') own saved bytes per millisecond
-of its step, a plan's *cost* being its saved bytes plus the incumbent's times its step relative to the incumbent's (by
-the median of their paired rounds): a plan displaces the candidates where it costs less and is not slower than them by
-more than the margin. Bytes are exact and only the time is noisy, and it is weighed by the bytes it buys: on the default
-example the compute-only plan keeps 21 MiB more than the candidates and would have to be x0.79 of their step to displace
-them, where the rule before (the leanest of the plans the fastest does not beat by the margin) took it at x0.93 in one
-of four runs and ended 22 MiB fatter. A base chosen as the leanest within the bound (the rule before that) left the
-levers little time: all-low's plan (x1.10-1.19 of the pace) left them 14 ms where the candidates' left 43 ms.
-
-That price is still a guess: the levers buy bytes at 2-10x the candidates' average rate. Where it chooses another
-plan than the candidates and they are in the contest, or keeps them by less than the margin of cost over the
-runner-up (:meth:`ObjectivePolicy.measured_beside`), the batch stage spends the levers on both plans and keeps the
-better end (:meth:`ObjectivePolicy.better_end`).
+is searched), the whole-step plan it builds on is chosen for what it will end at once the levers are spent:
+:mod:`lightning_comp.search.decisions.levers_base`.
 """
 
 from __future__ import annotations
@@ -52,7 +39,7 @@ from lightning_comp.errors import UsageError
 from lightning_comp.numerics.precision import SavedPrecision
 from lightning_comp.plan.dimensions import Dimension
 from lightning_comp.search.config import Objective, SearchConfig
-from lightning_comp.search.decisions.cheapest_bytes import MemorySpending
+from lightning_comp.search.decisions.levers_base import base_for_the_levers
 from lightning_comp.search.decisions.whole_step import ComparedPlan, Pace, StepComparison
 from lightning_comp.search.measurement.estimates import RatioEstimate, Verdict, compare_to
 
@@ -159,82 +146,6 @@ class ObjectivePolicy(ABC):
         docstring)."""
         return self.weighs_memory and any(
             self.config.tried(dimension) for dimension in (Dimension.SAVED, Dimension.STATE, Dimension.MASTER))
-
-    def base_for_the_levers(self, steps: StepComparison, saved: dict[ComparedPlan, float],
-                            labels: list[ComparedPlan], have_candidates: bool) -> ComparedPlan | None:
-        """Where levers are spent, the plan (of those not past the bound beyond doubt; of all where every one is)
-        that should end leanest once they are (:func:`_ranked_bases`; ``None``: the candidates, or FP32).
-
-        An alternative whose median step is at or past the bound (:meth:`leaves_room`) is no base while the
-        candidates or another plan are in the contest: the room the levers get is measured by the medians, so it
-        would leave them none, whatever it saves. Seen on the default example: all-low's plan, 24 MiB leaner than the
-        candidates and x1.153 of the pace by the median (1.15 allowed, the interval straddling it), displaced them;
-        the levers had 0.3 ms and the plan ended at 118 MiB where the candidates' ended at 79 in the run before.
-
-        The rule filters only where some plan leaves room, the candidates included: where none does, every plan is
-        in the contest and the cost below decides. Seen on cnn (balanced, the pace Lightning's bf16-mixed): the
-        candidates at x1.06 of the pace by the median and AMP's plan at the bound too, 4 MiB leaner; the filter left
-        the candidates alone in the contest (they are never filtered), whose levers then had no room, and the plan
-        ended 1.03x AMP's step peak at 0.97x its throughput: worse than AMP's plan on both. The candidates stay in the
-        contest where they are past the bound and another plan is not: on gpt (balanced, seed 1) the only plan within
-        1.05x of the pace was the pace itself, the plan of compute operators only, 46 MiB fatter than the candidates
-        (x1.10 of it); built on for its room it ended at 0.98x AMP's step peak where the candidates end near 0.6x."""
-        labels, have_candidates = self._contest(steps, labels, have_candidates)
-        ranked = _ranked_bases(steps, saved, labels, have_candidates, self.config.measurement.speed_margin)
-        incumbent = CANDIDATES if have_candidates else FP32
-        return None if not ranked or ranked[0][0] == incumbent else ranked[0][0]
-
-    def _contest(self, steps: StepComparison, labels: list[ComparedPlan],
-                 have_candidates: bool) -> tuple[list[ComparedPlan], bool]:
-        """The alternatives, and whether the candidates, in :meth:`base_for_the_levers`'s contest."""
-        kept = [plan for plan in labels if self.bound_holds(steps, plan) is not Verdict.ABOVE]
-        candidates_kept = have_candidates and self.candidates_pay(steps) is not Verdict.ABOVE
-        roomy = [plan for plan in kept if self.leaves_room(steps, plan)]
-        if roomy or (candidates_kept and self.leaves_room(steps, CANDIDATES)):
-            kept = roomy
-        if kept or candidates_kept:
-            return kept, candidates_kept
-        return labels, have_candidates
-
-    def measured_beside(self, steps: StepComparison, saved: dict[ComparedPlan, float], labels: list[ComparedPlan],
-                        have_candidates: bool, base: ComparedPlan | None) -> ComparedPlan | None:
-        """The alternative whose levers are spent too, beside the candidates', where :meth:`base_for_the_levers`
-        chose ``base`` (``None``: none; the base kept is then the one whose own levers end better,
-        :meth:`better_end`): where levers are spent and the candidates are in the contest, ``base`` itself where it
-        is an alternative, and where it is the candidates, the runner-up where its cost is within ``speed_margin`` of
-        theirs (the rule cannot tell them apart).
-
-        The rule prices the time a plan gains at the candidates' own bytes per millisecond of their step, a guess the
-        levers beat by 2-10x: on the default example it chose all-low's plan (25 MiB leaner than the candidates, 4 %
-        slower) in one search of three, whose levers then had 1.8 ms of room and ended at 87.5 MiB, where the
-        candidates' ended at 52.5 MiB in another; a plan chosen so must now show it by its own levers. On litgpt
-        (balanced) it kept the candidates by 0.5 % of cost over the compute-only plan, whose levers had ended 4 MiB
-        leaner in the other seed's search."""
-        if not self.spends_levers or not have_candidates or self.candidates_pay(steps) is Verdict.ABOVE:
-            return None
-        if base is not None:
-            return None if base == CANDIDATES else base
-        labels, have_candidates = self._contest(steps, labels, have_candidates)
-        ranked = _ranked_bases(steps, saved, labels, have_candidates, self.config.measurement.speed_margin)
-        if len(ranked) < 2 or ranked[0][0] != CANDIDATES:
-            return None
-        (_, cost), (runner_up, its_cost) = ranked[:2]
-        return runner_up if its_cost <= cost * (1 + self.config.measurement.speed_margin) else None
-
-    def better_end(self, kept: MemorySpending, other: MemorySpending) -> str | None:
-        """Why the levers' end on another base (``other``) is better than on the base kept so far (``kept``), in
-        words; ``None`` where it is not (a tie keeps ``kept``). An end within its bound beats one past it; then, with
-        a budget, one that meets it beats one that does not, and of two that meet it the faster; otherwise the
-        leaner."""
-        if other.within_bound != kept.within_bound:
-            return "within its bound where the other is not" if other.within_bound else None
-        if kept.target_bytes is not None and other.selection.met != kept.selection.met:
-            return "meets the budget where the other does not" if other.selection.met else None
-        if kept.target_bytes is not None and other.selection.met:
-            return (f"meets the budget faster ({other.end_ms:.2f} against {kept.end_ms:.2f} ms)"
-                    if other.end_ms < kept.end_ms else None)
-        return (f"leaner ({other.final_bytes / 2**20:.1f} against {kept.final_bytes / 2**20:.1f} MiB)"
-                if other.final_bytes < kept.final_bytes else None)
 
     @property
     def saved_options(self) -> tuple[SavedPrecision, ...]:
@@ -343,7 +254,7 @@ class MemoryPolicy(ObjectivePolicy):
     def winner(self, steps: StepComparison, saved: dict[ComparedPlan, float], labels: list[ComparedPlan],
                have_candidates: bool) -> ComparedPlan | None:
         """Where levers are spent (:attr:`spends_levers`), the plan (not past the bound beyond doubt) that should end
-        leanest once they are (:func:`_ranked_bases`).
+        leanest once they are (:func:`~lightning_comp.search.decisions.levers_base.base_for_the_levers`).
 
         Otherwise the leanest plan within the slowdown of the pace: an alternative when it saves the margin's share
         of the candidates' bytes (or the candidates are past the bound), or when it saves as much as they do and is
@@ -352,7 +263,7 @@ class MemoryPolicy(ObjectivePolicy):
         displace one that saves half the bytes). So the plan is never both slower and fatter than AMP's."""
         margin = self.config.measurement.speed_margin
         if self.spends_levers:
-            return self.base_for_the_levers(steps, saved, labels, have_candidates)
+            return base_for_the_levers(self, steps, saved, labels, have_candidates)
         within = [plan for plan in ([CANDIDATES] if have_candidates else []) + labels
                   if steps.within(plan, self.pace, self.slowdown) is Verdict.BELOW]
         if within:
@@ -400,17 +311,18 @@ class BalancedPolicy(ObjectivePolicy):
     def winner(self, steps: StepComparison, saved: dict[ComparedPlan, float], labels: list[ComparedPlan],
                have_candidates: bool) -> ComparedPlan | None:
         """Where levers are spent (:attr:`spends_levers`), the plan that should end best once they are
-        (:meth:`base_for_the_levers`): the levers take bytes only while each frees a larger share of the step's bytes
-        than the share of time it adds, so time and bytes trade at the incumbent's own bytes per millisecond, which
-        is the cost that rule minimises (to first order, the balanced score's product). The rule without levers
-        (below) keeps the candidates unless an alternative's score beats theirs beyond doubt: on cnn the candidates
-        (125.3 ms, 77.8 MiB saved) and AMP's plan (125.5 ms, 73.8 MiB) tied on time, the candidates stayed, and the
-        levers (2.4 ms of room) ended 1.02x AMP's step bytes at x1.04 of its step: worse than AMP's plan on both.
+        (:func:`~lightning_comp.search.decisions.levers_base.base_for_the_levers`): the levers take bytes only while
+        each frees a larger share of the step's bytes than the share of time it adds, so time and bytes trade at the
+        incumbent's own bytes per millisecond, which is the cost that rule minimises (to first order, the balanced
+        score's product). The rule without levers (below) keeps the candidates unless an alternative's score beats
+        theirs beyond doubt: on cnn the candidates (125.3 ms, 77.8 MiB saved) and AMP's plan (125.5 ms, 73.8 MiB) tied
+        on time, the candidates stayed, and the levers (2.4 ms of room) ended 1.02x AMP's step bytes at x1.04 of its
+        step: worse than AMP's plan on both.
 
         Otherwise an alternative whose balanced score at its worst beats the incumbent's at its best by the margin,
         within the bound."""
         if self.spends_levers:
-            return self.base_for_the_levers(steps, saved, labels, have_candidates)
+            return base_for_the_levers(self, steps, saved, labels, have_candidates)
         incumbent = CANDIDATES if have_candidates else FP32
 
         def score(label: ComparedPlan, end: str = "ratio") -> float:
@@ -432,15 +344,6 @@ class BalancedPolicy(ObjectivePolicy):
     def saved(self, time: RatioEstimate, memory_ratio: float, bytes_saved: float) -> Judgement:
         return Judgement(_balanced_verdict(time, memory_ratio, self.keep), "",
                          1.0 - balanced_score(time.ratio, memory_ratio))
-
-    def better_end(self, kept: MemorySpending, other: MemorySpending) -> str | None:
-        """As the memory objective's, but of two ends within their bounds the one of the better balanced score (the
-        lower product of step bytes and step time) is better."""
-        if other.within_bound != kept.within_bound:
-            return "within its bound where the other is not" if other.within_bound else None
-        ours, theirs = other.final_bytes * other.end_ms, kept.final_bytes * kept.end_ms
-        return (f"better in time x memory ({other.final_bytes / 2**20:.1f} MiB at {other.end_ms:.2f} ms against"
-                f" {kept.final_bytes / 2**20:.1f} MiB at {kept.end_ms:.2f} ms)" if ours < theirs else None)
 
 
 _POLICIES: dict[Objective, type[ObjectivePolicy]] = {
@@ -464,29 +367,6 @@ def _leanest_of_the_fastest(steps: StepComparison, saved: dict[ComparedPlan, flo
     tied = [plan for plan in contenders if plan == fastest or steps.faster(fastest, plan, margin) is not Verdict.BELOW]
     best = min(tied, key=lambda plan: (saved[plan], plan != incumbent))
     return None if best == incumbent else best
-
-
-def _ranked_bases(steps: StepComparison, saved: dict[ComparedPlan, float], labels: list[ComparedPlan],
-                  have_candidates: bool, margin: float) -> list[tuple[ComparedPlan, float]]:
-    """The plans to spend memory levers on, best first, with their cost: the incumbent (the candidates, or FP32
-    without them) and the plans of ``labels`` not slower than it by more than ``margin`` (by the median of their
-    paired rounds), by *cost*: a plan's saved bytes plus the incumbent's saved bytes times its step relative to the
-    incumbent's. The time a plan gains is priced at the incumbent's own bytes per millisecond, as the levers will buy
-    bytes with it; a tie goes to the incumbent. Empty where ``labels`` is.
-
-    By the median, not beyond doubt: a load spike in a few rounds widens every interval (to x2.6 of the median in one
-    run of the default example), and a slow plan's would then reach the incumbent's."""
-    if not labels:
-        return []
-    incumbent = CANDIDATES if have_candidates else FP32
-    price = saved[incumbent]  # bytes per step of the incumbent's
-
-    def relative(plan: ComparedPlan) -> float:
-        return 1.0 if plan == incumbent else steps.ratio(plan, incumbent).ratio
-
-    contenders = [incumbent, *(plan for plan in labels if relative(plan) <= 1 + margin)]
-    costs = {plan: saved[plan] + price * relative(plan) for plan in contenders}
-    return sorted(costs.items(), key=lambda item: (item[1], item[0] != incumbent))
 
 
 def _slowdown_involved(steps: StepComparison, labels: list[ComparedPlan], limit: float) -> frozenset[ComparedPlan]:

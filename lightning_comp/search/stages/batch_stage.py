@@ -18,7 +18,7 @@ written whole (one glob per group it lowers whole). With the memory and balanced
 (:mod:`lightning_comp.search.stages.saved_stage`) adds the saved-precision candidates, and the parameter stage
 (:mod:`lightning_comp.search.stages.parameter_stage`) the optimizer-state and master-weight ones; where the plan
 those levers build on is an alternative to the candidates, they are measured and spent on the candidates too and the
-better end is kept (:meth:`~lightning_comp.search.decisions.objectives.ObjectivePolicy.better_end`; also where the
+better end is kept (:func:`~lightning_comp.search.decisions.levers_base.better_end`; also where the
 candidates are the base and an alternative's cost is within the margin of theirs). Where fp8 is
 searched, the fp8 stage (:mod:`lightning_comp.search.stages.fp8_stage`) adds fp8 candidates for the lowered Linears
 that are faster in fp8 than in bf16.
@@ -55,6 +55,7 @@ from lightning_comp.search.decisions.batch_result import (
 )
 from lightning_comp.search.decisions.cheapest_bytes import OtherBase
 from lightning_comp.search.decisions.groups import OperatorGroup, group_operators
+from lightning_comp.search.decisions.levers_base import better_end, measured_beside
 from lightning_comp.search.decisions.operators import (
     Choice,
     OperatorDecision,
@@ -226,7 +227,7 @@ class BatchStage:
         winner = ctx.agree(policy.winner(comparison, step_saved, list(alternatives), bool(names)))
         measured = _Measured(modules, lowerable, order, groups, alternatives, set(amp), comparison, steps, step_saved,
                              results, budget, timing)
-        beside = ctx.agree(policy.measured_beside(comparison, step_saved, list(alternatives), bool(names), winner))
+        beside = ctx.agree(measured_beside(policy, comparison, step_saved, list(alternatives), bool(names), winner))
         if beside is None:
             return self._settle(ctx, measured, winner, names, runs, decisions)
         # the levers spent on an alternative (the base rule's choice, or its runner-up), then on the candidates: the
@@ -285,18 +286,18 @@ class BatchStage:
     def _better_end(self, ctx: StageContext, candidates: BatchStageResult, alternative: BatchStageResult,
                     label: ComparedPlan) -> BatchStageResult:
         """Of the levers' ends on the candidates and on the alternative ``label``, the better by
-        :meth:`~lightning_comp.search.decisions.objectives.ObjectivePolicy.better_end` (a tie keeps the candidates);
+        :func:`~lightning_comp.search.decisions.levers_base.better_end` (a tie keeps the candidates);
         the one kept names the other's end."""
         candidates_end, alternative_end = candidates.memory_spending, alternative.memory_spending
         if candidates_end is None or alternative_end is None:
             return candidates if alternative_end is None else alternative
-        why = ctx.agree(ctx.policy.better_end(candidates_end, alternative_end))
+        why = ctx.agree(better_end(ctx.policy.objective, candidates_end, alternative_end))
         if why is not None:  # the alternative's end is the better
             kept, kept_end, other_end, other = alternative, alternative_end, candidates_end, CANDIDATES
         else:
             kept, kept_end, other_end, other = candidates, candidates_end, alternative_end, label
             tie = "no worse (a tie keeps the candidates)"
-            why = ctx.agree(ctx.policy.better_end(alternative_end, candidates_end)) or tie
+            why = ctx.agree(better_end(ctx.policy.objective, alternative_end, candidates_end)) or tie
         kept_end.other_base = OtherBase(
             base=other.describe(self.low), start_bytes=other_end.start_bytes, final_bytes=other_end.final_bytes,
             end_ms=other_end.end_ms, max_ms=other_end.max_ms, met=other_end.selection.met, why=why)
