@@ -68,9 +68,6 @@ _METADATA_METHODS = frozenset({"size", "dim", "numel", "stride", "is_contiguous"
                                "register_hook", "register_post_accumulate_grad_hook", "retain_grad"})
 
 
-_CONSUMED = object()  # an elementwise call that does not carry its inputs' producers on
-
-
 class TracedOperator(Protocol):
     """What the tracer reads of a hooked operator."""
 
@@ -120,9 +117,9 @@ class ConsumerTracer(TorchFunctionMode):
             if known:
                 return self._view(func(*args, **kwargs), known)
         if self.producers and getattr(func, "__name__", "") in _ELEMENTWISE and self._outside_operators():
-            passed = self._elementwise(func, args, kwargs)
-            if passed is not _CONSUMED:
-                return passed
+            carried = self._carried(args, kwargs)
+            if carried is not None:
+                return self._pass_on(func(*args, **kwargs), *carried)
         if self.producers and not _is_metadata(func):
             consumer = self._consumer()
             if consumer is None or not consumer.transparent:
@@ -149,18 +146,22 @@ class ConsumerTracer(TorchFunctionMode):
         self._attribute(result, sources, self.call_of[id(inputs[0])])
         return result
 
-    def _elementwise(self, func: Any, args: Any, kwargs: Any) -> Any:
-        """Run an elementwise call outside every operator whose floating inputs are all outputs of low operators of
-        one dtype, its output carrying their producers on (a new call, which uses theirs); else ``_CONSUMED``."""
+    def _carried(self, args: Any, kwargs: Any) -> tuple[list[torch.Tensor], frozenset[str]] | None:
+        """The floating inputs of an elementwise call outside every operator and their producers, where all of them
+        are outputs of low operators of one dtype (the call then carries those producers on); else ``None``."""
         floating = [t for t in tensors((args, kwargs)) if t.is_floating_point()]
         if not floating or "out" in kwargs or kwargs.get("inplace") or not all(self._known(t) for t in floating):
-            return _CONSUMED
+            return None
         sources = frozenset().union(*(self.producers[id(t)] for t in floating))
         if len({self.operators[name].precision.dtype for name in sources}) != 1:
-            return _CONSUMED  # outputs of two low dtypes: the call promotes to FP32, it consumes them
-        result = func(*args, **kwargs)
+            return None  # outputs of two low dtypes: the call promotes to FP32, it consumes them
+        return floating, sources
+
+    def _pass_on(self, result: Any, inputs: list[torch.Tensor], sources: frozenset[str]) -> Any:
+        """Attribute the outputs of an elementwise call on ``inputs`` to their producers, as a new call that uses
+        theirs; the producers stay low together or not at all."""
         self.together.add(sources)
-        for tensor in floating:
+        for tensor in inputs:
             self.unused_calls.discard(self.call_of[id(tensor)])
         self._new_call(result, sources)
         return result
