@@ -202,6 +202,7 @@ class MemorySpending:
     process_reference: str | None = None
     update_costs: dict[str, UpdateCost] = field(default_factory=dict)
     codec_costs: dict[str, CodecCost] = field(default_factory=dict)
+    bound_of: str = ""
     other_base: OtherBase | None = field(default=None, init=False)
 
     @property
@@ -213,7 +214,6 @@ class MemorySpending:
     def within_bound(self) -> bool:
         """Whether the step with the levers kept is within the time allowed (by the levers' forecast)."""
         return self.end_ms <= self.max_ms * (1 + 1e-9)
-    bound_of: str = ""
 
 
 def take_cheapest(levers: list[Lever], step_bytes: float, step_ms: float, max_ms: float,
